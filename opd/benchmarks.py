@@ -1,0 +1,614 @@
+"""Loaders for the paper's seven evaluation benchmarks, reading each one as it is shipped.
+
+``load_benchmark(name, data_dir)`` looks under ``data_dir/<name>/`` and reads the first layout
+found, in the order listed below (``**/`` means any sub-folder, as a Hugging Face download leaves
+parquet files under ``data/``). Every layout also accepts a Vision-OPD evaluation JSON
+(``*.json``: a list of ``{"images": [path], "query": ..., "response": gold, ...}`` rows, image
+paths relative to the JSON file) as the last choice.
+
+=============  ========================================================================================
+benchmark      expected files under ``data_dir/<name>/``
+=============  ========================================================================================
+``vstar``      ``test_questions.jsonl`` (rows ``image`` relative path, ``text`` with "(A) ..." options,
+               ``label``, ``category``, ``question_id``) with the image folders beside it; or a
+               VLMEvalKit TSV ``*.tsv``; or ``**/*.parquet``. 191 items.
+``zoombench``  ``**/*.parquet`` with ``image``, ``crop_image``, ``prompt`` (or ``question``), ``answer``
+               and optional ``id``/``index``, ``category``/``type``. 845 items, multiple choice
+               (options inside the prompt) and open-ended.
+``hrbench4k``  ``hr_bench_4k.tsv`` / ``*4k*.tsv`` (VLMEvalKit TSV: ``index, question, answer,
+               category, A-D, cycle_category, image`` base64) or ``**/*4k*.parquet``; files whose
+               name holds "8k" are never read. 800 items = 200 questions x 4 option cycles.
+``mmvp``       ``Questions.csv`` (``Index`` (also spelled ``lndex``), ``Question``, ``Options`` like
+               "(a) Open (b) Closed", ``Correct Answer`` like "(a)") with ``MMVP Images/<Index>.jpg``
+               (also ``MMVP Imgaes/``, ``images/``); or ``**/*.parquet`` with the same columns and an
+               ``image``. 300 items, 150 pairs (indices 1-2, 3-4, ...).
+``cvbench``    ``test.jsonl`` / ``*.jsonl`` (``idx, type, task, source, prompt, choices, answer "(A)",
+               filename`` relative to the folder) or ``test.parquet`` / ``**/test_2d*.parquet`` +
+               ``**/test_3d*.parquet`` / ``**/*.parquet`` with an ``image``. 2,638 items.
+``mmstar``     ``**/*.parquet`` (``index, question`` with "Options: A: ..., B: ..." inline, ``image,
+               answer, category, l2_category``) or ``*.tsv`` (VLMEvalKit: option columns ``A``-``D``).
+               1,500 items.
+``pope``       ``**/*.parquet`` (``question_id, question, answer`` yes/no, ``image, category``
+               adversarial/popular/random). 9,000 items.
+=============  ========================================================================================
+
+Images stay encoded until used: ``item.image()`` (or ``load_image(item.image)``) decodes to RGB.
+At load time only the image header is read, so a missing or corrupt image fails early with the
+file, row and field named. Reading parquet needs ``pyarrow`` (imported only then).
+"""
+
+from __future__ import annotations
+
+import base64
+import binascii
+import csv
+import hashlib
+import io
+import json
+import re
+import sys
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Callable, Iterator
+
+from PIL import Image
+
+
+class BenchmarkDataError(ValueError):
+    """A benchmark file is missing or malformed; the message names the file, row and field."""
+
+
+@dataclass(frozen=True)
+class ImageRef:
+    """A lazily decoded image: a file path or encoded bytes, with where it came from for errors."""
+
+    origin: str
+    path: Path | None = None
+    data: bytes | None = field(default=None, repr=False)
+
+    def _open(self) -> Image.Image:
+        try:
+            return Image.open(self.path) if self.path is not None else Image.open(io.BytesIO(self.data or b""))
+        except (OSError, ValueError) as exc:
+            raise BenchmarkDataError(f"{self.origin}: cannot decode image: {exc}") from exc
+
+    def check(self) -> None:
+        """Read the header only (cheap); raise BenchmarkDataError if the image is missing or corrupt."""
+        if self.path is not None and not self.path.is_file():
+            raise BenchmarkDataError(f"{self.origin}: image file not found: {self.path}")
+        self._open().close()
+
+    def __call__(self) -> Image.Image:
+        with self._open() as img:
+            try:
+                return img.convert("RGB")
+            except (OSError, ValueError) as exc:
+                raise BenchmarkDataError(f"{self.origin}: cannot decode image: {exc}") from exc
+
+
+@dataclass
+class BenchItem:
+    """One benchmark question. ``image``/``crop`` are callables returning an RGB PIL image."""
+
+    benchmark: str
+    index: str
+    question: str
+    options: dict[str, str]
+    answer: str
+    kind: str  # "choice", "yesno" or "open"
+    category: str
+    image: Callable[[], Image.Image]
+    crop: Callable[[], Image.Image] | None = None
+    meta: dict = field(default_factory=dict)
+
+
+def load_image(src) -> Image.Image:
+    """An RGB PIL image from an ImageRef/callable, a path, encoded bytes or a PIL image."""
+    if isinstance(src, Image.Image):
+        return src.convert("RGB")
+    if isinstance(src, (bytes, bytearray)):
+        return ImageRef("bytes", data=bytes(src))()
+    if isinstance(src, (str, Path)):
+        return ImageRef(str(src), path=Path(src))()
+    if callable(src):
+        return load_image(src())
+    raise TypeError(f"cannot load an image from {type(src).__name__}")
+
+
+_INSTRUCTIONS = (
+    "Answer with the option's letter from the given choices directly.",
+    "Answer with the option letter from the given choices directly.",
+    "Answer the option letter directly.",
+    "Please answer yes or no.",
+    "Answer yes or no.",
+    "Select from the following choices.",
+)
+
+
+def prompt_text(item: BenchItem) -> str:
+    """The question, its options as "(A) text" lines, and a short answer instruction."""
+    lines = [item.question]
+    lines += [f"({key}) {text}" for key, text in item.options.items()]
+    if item.kind == "choice":
+        lines.append("Answer with the option's letter from the given choices directly.")
+    elif item.kind == "yesno":
+        lines.append("Answer yes or no.")
+    return "\n".join(lines)
+
+
+# ----------------------------------------------------------------------------- option parsing
+
+_PAREN_MARK = re.compile(r"\(([A-Za-z])\)[ \t]*")
+_LINE_MARK = re.compile(r"(?m)^[ \t]*([A-Z])[.:)][ \t]+")
+_INLINE_MARK = re.compile(r"(?:(?<=\s)|(?<=^)|(?<=,))([A-Z])[:.][ \t]+")
+
+
+def _chain(marks: list[re.Match]) -> list[re.Match]:
+    """The longest run of markers lettered A, B, C, ... in order (last one on ties)."""
+    best: list[re.Match] = []
+    for i, m in enumerate(marks):
+        if m.group(1).upper() != "A":
+            continue
+        run = [m]
+        for n in marks[i + 1:]:
+            if n.group(1).upper() == chr(ord(run[-1].group(1).upper()) + 1):
+                run.append(n)
+        if len(run) >= len(best):
+            best = run
+    return best if len(best) >= 2 else []
+
+
+def split_options(text: str) -> tuple[str, dict[str, str]]:
+    """Split "question (A) x (B) y" / "A. x" lines / "Options: A: x, B: y" into question and options.
+
+    Option keys come back upper case ("(a) Open" -> "A"). The last option ends at its line's end, so
+    a trailing instruction line is dropped. No options found: ``(text, {})``.
+    """
+    for pattern, scope in ((_PAREN_MARK, None), (_LINE_MARK, None), (_INLINE_MARK, "options")):
+        start = 0
+        if scope:
+            hit = re.search(r"(?:Options|Choices)\s*:\s*", text, re.IGNORECASE)
+            if not hit:
+                continue
+            start = hit.end()
+        marks = _chain([m for m in pattern.finditer(text) if m.start() >= start])
+        if not marks:
+            continue
+        options = {}
+        for m, n in zip(marks, marks[1:] + [None]):
+            body = text[m.end(): n.start() if n else len(text)]
+            if n is None:
+                body = body.split("\n")[0]
+            options[m.group(1).upper()] = body.strip().rstrip(",;").strip()
+        head = text[: marks[0].start()]
+        if scope:
+            head = head[: re.search(r"(?:Options|Choices)\s*:\s*$", head, re.IGNORECASE).start()]
+        return _clean_question(head), options
+    return _clean_question(text), {}
+
+
+def _clean_question(text: str) -> str:
+    text = text.replace("<image>", "").strip()
+    changed = True
+    while changed:
+        changed = False
+        for phrase in _INSTRUCTIONS:
+            if text.lower().endswith(phrase.lower()):
+                text, changed = text[: -len(phrase)].rstrip(), True
+    return text
+
+
+def _letter(value) -> str:
+    """ "(A)", "A", "a.", "(a)" -> "A"; anything else -> "" (not a letter answer)."""
+    m = re.fullmatch(r"\s*\(?([A-Za-z])\)?[.:]?\s*", str(value or ""))
+    return m.group(1).upper() if m else ""
+
+
+# ----------------------------------------------------------------------------- file readers
+
+Row = tuple[dict, str]  # (fields, "file line N" / "file row N")
+
+
+def _read_jsonl(path: Path) -> Iterator[Row]:
+    with open(path, encoding="utf-8") as fh:
+        for n, line in enumerate(fh, 1):
+            if not line.strip():
+                continue
+            try:
+                row = json.loads(line)
+            except json.JSONDecodeError as exc:
+                raise BenchmarkDataError(f"{path} line {n}: bad JSON: {exc}") from exc
+            if not isinstance(row, dict):
+                raise BenchmarkDataError(f"{path} line {n}: expected a JSON object")
+            yield row, f"{path} line {n}"
+
+
+def _read_json_list(path: Path) -> Iterator[Row]:
+    try:
+        rows = json.loads(path.read_text(encoding="utf-8"))
+    except json.JSONDecodeError as exc:
+        raise BenchmarkDataError(f"{path}: bad JSON: {exc}") from exc
+    if not isinstance(rows, list):
+        raise BenchmarkDataError(f"{path}: expected a JSON list of rows")
+    for n, row in enumerate(rows):
+        if not isinstance(row, dict):
+            raise BenchmarkDataError(f"{path} row {n}: expected a JSON object")
+        yield row, f"{path} row {n}"
+
+
+def _read_delimited(path: Path, delimiter: str) -> Iterator[Row]:
+    csv.field_size_limit(sys.maxsize)  # base64 images are long fields
+    with open(path, encoding="utf-8-sig", newline="") as fh:
+        reader = csv.reader(fh, delimiter=delimiter)
+        header = next(reader, None)
+        if not header:
+            raise BenchmarkDataError(f"{path}: empty file, no header line")
+        header = [h.strip() for h in header]
+        for values in reader:
+            if not any(v.strip() for v in values):
+                continue
+            if len(values) != len(header):
+                raise BenchmarkDataError(
+                    f"{path} line {reader.line_num}: {len(values)} fields, header has {len(header)}"
+                )
+            yield dict(zip(header, values)), f"{path} line {reader.line_num}"
+
+
+def _read_parquet(path: Path) -> Iterator[Row]:
+    try:
+        import pyarrow.parquet as pq
+    except ImportError as exc:
+        raise ImportError(f"reading {path} needs pyarrow: pip install pyarrow") from exc
+    try:
+        rows = pq.read_table(path).to_pylist()
+    except Exception as exc:  # pyarrow raises its own error types for corrupt files
+        raise BenchmarkDataError(f"{path}: cannot read parquet: {exc}") from exc
+    for n, row in enumerate(rows):
+        yield row, f"{path} row {n}"
+
+
+def _get(row: Row, *names: str, required: bool = True):
+    """The first present, non-empty field among ``names``; BenchmarkDataError naming it if required."""
+    fields, where = row
+    for name in names:
+        value = fields.get(name)
+        if value is not None and not (isinstance(value, str) and value.strip() == "") and value == value:
+            return value
+    if required:
+        raise BenchmarkDataError(f"{where}: missing field '{names[0]}'")
+    return None
+
+
+def _check_columns(rows: list[Row], *names: str) -> None:
+    """Missing column (absent from the first row): name the file and column."""
+    if rows and not any(n in rows[0][0] for n in names):
+        where = rows[0][1].rsplit(" ", 2)[0]
+        raise BenchmarkDataError(f"{where}: missing column '{names[0]}'")
+
+
+class _ImageSource:
+    """Turns image fields (HF structs, bytes, base64, paths, VLMEvalKit index references) into ImageRefs.
+
+    Identical encoded images are kept once (HR-Bench repeats each image over its 4 option cycles).
+    """
+
+    def __init__(self, base: Path, rows: list[Row]):
+        self.base = base
+        self.blobs: dict[bytes, bytes] = {}
+        # VLMEvalKit TSVs may store a repeated image as the index of the row that holds it.
+        self.by_index = {
+            str(f.get("index")): f["image"] for f, _ in rows if isinstance(f.get("image"), str) and len(f["image"]) > 64
+        }
+
+    def ref(self, value, where: str, field_name: str) -> ImageRef:
+        origin = f"{where} field '{field_name}'"
+        if value is None or (isinstance(value, str) and not value.strip()):
+            raise BenchmarkDataError(f"{origin}: missing image")
+        if isinstance(value, dict):  # Hugging Face image struct {"bytes": ..., "path": ...}
+            data, path = value.get("bytes"), value.get("path")
+            if data is None and not path:
+                raise BenchmarkDataError(f"{origin}: image struct has neither bytes nor path")
+            return self.ref(data if data is not None else path, where, field_name)
+        if isinstance(value, (list, tuple)):
+            if not value:
+                raise BenchmarkDataError(f"{origin}: empty image list")
+            return self.ref(value[0], where, field_name)
+        if isinstance(value, (bytes, bytearray)):
+            return self._blob(bytes(value), origin)
+        text = str(value).strip()
+        if len(text) <= 64 and text in self.by_index:
+            text = self.by_index[text]
+        if len(text) <= 1024 and re.search(r"\.[A-Za-z]{2,5}$", text):
+            path = Path(text)
+            return ImageRef(origin, path=path if path.is_absolute() else self.base / path)
+        try:
+            return self._blob(base64.b64decode(text, validate=True), origin)
+        except (binascii.Error, ValueError) as exc:
+            raise BenchmarkDataError(f"{origin}: neither an image path nor base64 image data") from exc
+
+    def _blob(self, data: bytes, origin: str) -> ImageRef:
+        return ImageRef(origin, data=self.blobs.setdefault(hashlib.sha1(data).digest(), data))
+
+
+# ----------------------------------------------------------------------------- per-benchmark rows
+
+
+def _index(row: Row, n: int, *names: str) -> str:
+    value = _get(row, *names, required=False)
+    return str(n) if value is None else str(value).strip()
+
+
+def _choice(bench, index, question, options, answer, category, image, crop=None, meta=None, where=""):
+    letter = _letter(answer)
+    if not letter:  # the gold answer given as the option's text
+        hits = [k for k, v in options.items() if str(v).strip().lower() == str(answer).strip().lower()]
+        letter = hits[0] if len(hits) == 1 else ""
+    if letter not in options:
+        raise BenchmarkDataError(f"{where}: field 'answer': {answer!r} is not among the options {sorted(options)}")
+    return BenchItem(bench, index, question, options, letter, "choice", category, image, crop, meta or {})
+
+
+def _from_prompt(bench, index, prompt, answer, category, image, crop, meta, where) -> BenchItem:
+    """A prompt with options inside is multiple choice; else yes/no when the gold is yes/no; else open."""
+    question, options = split_options(str(prompt))
+    answer = str(answer).strip()
+    if options:
+        return _choice(bench, index, question, options, answer, category, image, crop, meta, where)
+    if answer.lower().rstrip(".") in ("yes", "no"):
+        return BenchItem(bench, index, question, {}, answer.lower().rstrip("."), "yesno", category, image, crop, meta)
+    return BenchItem(bench, index, question, {}, answer, "open", category, image, crop, meta)
+
+
+def _mcq_row(bench: str, row: Row, images: _ImageSource, n: int, meta_fields=()) -> BenchItem:
+    """VLMEvalKit-style row: question, option columns A-J (or options inline), answer letter."""
+    fields, where = row
+    question = str(_get(row, "question", "text"))
+    options = {k: str(fields[k]).strip() for k in "ABCDEFGHIJ" if _get(row, k, required=False) is not None}
+    if options:
+        question = _clean_question(question)
+    else:
+        question, options = split_options(question)
+    if not options:
+        raise BenchmarkDataError(f"{where}: field 'question': no options (no A-D columns, none inline)")
+    image = images.ref(_get(row, "image", "image_path"), where, "image")
+    meta = {name: _get(row, *alts, required=False) for name, alts in meta_fields}
+    return _choice(bench, _index(row, n, "index", "question_id", "id"), question, options,
+                   _get(row, "answer", "label"), str(_get(row, "category", required=False) or ""), image,
+                   meta={k: v for k, v in meta.items() if v is not None}, where=where)
+
+
+_OPD_FIELDS = {"images", "teacher_images", "query", "problem", "response"}
+
+
+def _visionopd_row(bench: str, row: Row, images: _ImageSource, n: int) -> BenchItem:
+    """Vision-OPD eval JSON row: images [path], query, response (the gold answer), optional teacher_images."""
+    fields, where = row
+    image = images.ref(_get(row, "images"), where, "images")
+    crop = images.ref(fields["teacher_images"], where, "teacher_images") if fields.get("teacher_images") else None
+    meta = {k: v for k, v in fields.items() if k not in _OPD_FIELDS and isinstance(v, (str, int, float, bool))}
+    if bench == "mmvp" and str(meta.get("index", n)).isdigit():
+        meta.setdefault("pair", (int(meta.get("index", n)) - 1) // 2 + 1)
+    if bench == "cvbench" and "source" not in meta:
+        path = str(fields["images"][0] if isinstance(fields["images"], list) else fields["images"]).lower()
+        meta.update({"source": v for k, v in _CV_SOURCES.items() if k in path})
+    category = str(meta.get("category", meta.get("task", meta.get("split", ""))))
+    return _from_prompt(bench, _index(row, n, "id", "index", "question_id"), _get(row, "query", "problem"),
+                        _get(row, "response"), category, image, crop, meta, where)
+
+
+def _vstar_row(row: Row, images: _ImageSource, n: int) -> BenchItem:
+    question, options = split_options(str(_get(row, "text")))
+    image = images.ref(_get(row, "image"), row[1], "image")
+    return _choice("vstar", _index(row, n, "question_id"), question, options, _get(row, "label"),
+                   str(_get(row, "category")), image, where=row[1])
+
+
+def _mmvp_row(row: Row, images: _ImageSource, n: int, image_dir: Path | None) -> BenchItem:
+    raw = _get(row, "Index", "lndex", "index")
+    try:
+        number = int(float(raw))
+    except ValueError as exc:
+        raise BenchmarkDataError(f"{row[1]}: field 'Index': {raw!r} is not a number") from exc
+    options = split_options(str(_get(row, "Options", "options")))[1]
+    if image_dir is not None:
+        found = [image_dir / f"{number}{s}" for s in (".jpg", ".png", ".jpeg") if (image_dir / f"{number}{s}").is_file()]
+        image = ImageRef(f"{row[1]} field 'image'", path=found[0] if found else image_dir / f"{number}.jpg")
+    else:
+        image = images.ref(_get(row, "image"), row[1], "image")
+    return _choice("mmvp", str(number), _clean_question(str(_get(row, "Question", "question"))), options,
+                   _get(row, "Correct Answer", "answer"), "mmvp", image, meta={"pair": (number - 1) // 2 + 1},
+                   where=row[1])
+
+
+_CV_SOURCES = {"ade20k": "ADE20K", "coco": "COCO", "omni3d": "Omni3D"}
+
+
+def _cvbench_row(row: Row, images: _ImageSource, n: int) -> BenchItem:
+    fields, where = row
+    choices = _get(row, "choices")
+    if isinstance(choices, str):
+        try:
+            choices = json.loads(choices)
+        except json.JSONDecodeError:
+            choices = None
+    if not isinstance(choices, (list, tuple)) or len(choices) < 2:
+        raise BenchmarkDataError(f"{where}: field 'choices': expected a list of at least 2 options")
+    options = {chr(ord("A") + i): str(c) for i, c in enumerate(choices)}
+    source = str(_get(row, "source"))
+    if source.lower() not in _CV_SOURCES:
+        raise BenchmarkDataError(f"{where}: field 'source': {source!r} is not ADE20K, COCO or Omni3D")
+    kind_type = str(_get(row, "type")).upper()
+    image_field = "image" if fields.get("image") is not None else "filename"
+    image = images.ref(_get(row, image_field), where, image_field)
+    meta = {"source": _CV_SOURCES[source.lower()], "type": kind_type, "task": str(_get(row, "task"))}
+    question = split_options(str(_get(row, "prompt", "question")))[0]
+    return _choice("cvbench", f"{kind_type}/{_get(row, 'idx', 'index')}", question, options,
+                   _get(row, "answer"), meta["task"], image, meta=meta, where=where)
+
+
+def _pope_row(row: Row, images: _ImageSource, n: int) -> BenchItem:
+    answer = str(_get(row, "answer")).strip().lower().rstrip(".")
+    if answer not in ("yes", "no"):
+        raise BenchmarkDataError(f"{row[1]}: field 'answer': {answer!r} is not yes/no")
+    split = str(_get(row, "category"))
+    meta = {"split": split}
+    if _get(row, "image_source", required=False) is not None:
+        meta["image_source"] = str(row[0]["image_source"])
+    image = images.ref(_get(row, "image"), row[1], "image")
+    return BenchItem("pope", f"{split}/{_index(row, n, 'question_id', 'id')}", _clean_question(str(_get(row, "question"))),
+                     {}, answer, "yesno", split, image, None, meta)
+
+
+def _zoombench_row(row: Row, images: _ImageSource, n: int) -> BenchItem:
+    fields, where = row
+    image = images.ref(_get(row, "image"), where, "image")
+    crop = images.ref(fields["crop_image"], where, "crop_image") if fields.get("crop_image") is not None else None
+    category = _get(row, "category", "type", "question_type", "task", required=False)
+    item = _from_prompt("zoombench", _index(row, n, "id", "index", "question_id"), _get(row, "prompt", "question"),
+                        _get(row, "answer"), str(category or ""), image, crop, {}, where)
+    item.category = item.category or item.kind
+    return item
+
+
+# ----------------------------------------------------------------------------- layouts per benchmark
+
+
+def _find(root: Path, patterns: tuple[str, ...]) -> list[Path]:
+    for pattern in patterns:
+        hits = sorted(p for p in root.glob(pattern) if p.is_file() and "8k" not in p.name.lower())
+        if hits:
+            return hits
+    return []
+
+
+def _tsv(path: Path) -> Iterator[Row]:
+    return _read_delimited(path, "\t")
+
+
+def _csv(path: Path) -> Iterator[Row]:
+    return _read_delimited(path, ",")
+
+
+def _layouts(name: str) -> list[tuple]:
+    """(glob patterns, reader, row function, required columns "a|b" = a or b), in the order tried."""
+
+    def mcq(*meta):
+        return lambda row, images, n: _mcq_row(name, row, images, n, meta)
+
+    hr_meta, star_meta = ("cycle_category", ("cycle_category",)), ("l2_category", ("l2_category", "l2-category"))
+    hr_cols = ("question", "answer", "cycle_category", "image")
+    star_cols = ("question", "answer", "image", "category")
+    cv_cols = ("prompt|question", "choices", "answer", "source", "type", "idx|index")
+    table = {
+        "vstar": [(("test_questions.jsonl", "*.jsonl"), _read_jsonl, _vstar_row, ("text", "label", "image")),
+                  (("*.tsv",), _tsv, mcq(), ("question", "answer", "image")),
+                  (("**/*.parquet",), _read_parquet, _vstar_row, ("text", "label", "image"))],
+        "zoombench": [(("**/*.parquet",), _read_parquet, _zoombench_row, ("prompt|question", "answer", "image"))],
+        "hrbench4k": [(("hr_bench_4k.tsv", "*4k*.tsv", "*4K*.tsv", "*.tsv"), _tsv, mcq(hr_meta), hr_cols),
+                      (("**/*4k*.parquet", "**/*4K*.parquet", "**/*.parquet"), _read_parquet, mcq(hr_meta), hr_cols)],
+        "mmvp": [(("Questions.csv",), _csv, "mmvp-csv", ("Index|lndex", "Question", "Options", "Correct Answer")),
+                 (("**/*.parquet",), _read_parquet, lambda row, images, n: _mmvp_row(row, images, n, None),
+                  ("Index|lndex|index", "Question", "Options", "Correct Answer", "image"))],
+        "cvbench": [(("test.jsonl", "*.jsonl"), _read_jsonl, _cvbench_row, cv_cols + ("filename|image",)),
+                    (("test.parquet", "**/test_[23][dD]*.parquet", "**/*.parquet"), _read_parquet, _cvbench_row,
+                     cv_cols + ("image",))],
+        "mmstar": [(("**/*.parquet",), _read_parquet, mcq(star_meta), star_cols),
+                   (("*.tsv",), _tsv, mcq(star_meta), star_cols)],
+        "pope": [(("**/*.parquet",), _read_parquet, _pope_row, ("question", "answer", "image", "category"))],
+    }
+    vision_opd = (("*.json",), _read_json_list, lambda row, images, n: _visionopd_row(name, row, images, n),
+                  ("images", "query|problem", "response"))
+    return table[name] + [vision_opd]
+
+
+def _mmvp_image_dir(csv_path: Path) -> Path:
+    for name in ("MMVP Images", "MMVP Imgaes", "images", "Images"):
+        if (csv_path.parent / name).is_dir():
+            return csv_path.parent / name
+    raise BenchmarkDataError(f"{csv_path}: no image folder 'MMVP Images/' beside it")
+
+
+def _load(name: str, root: Path, check_images: bool) -> list[BenchItem]:
+    if not root.is_dir():
+        raise BenchmarkDataError(f"{root}: benchmark folder not found (opd/benchmarks.py lists the files expected)")
+    for patterns, reader, row_fn, columns in _layouts(name):
+        files = _find(root, patterns)
+        if not files:
+            continue
+        items: list[BenchItem] = []
+        for path in files:
+            rows = list(reader(path))
+            if not rows:
+                raise BenchmarkDataError(f"{path}: no rows")
+            for column in columns:
+                if not any(alt in rows[0][0] for alt in column.split("|")):
+                    raise BenchmarkDataError(f"{path}: missing column '{column.split('|')[0]}'")
+            if row_fn == "mmvp-csv":
+                image_dir = _mmvp_image_dir(path)
+                row_fn = lambda row, images, n: _mmvp_row(row, images, n, image_dir)  # noqa: E731
+            images = _ImageSource(path.parent, rows)
+            start = len(items)
+            items += [row_fn(row, images, start + n) for n, row in enumerate(rows)]
+        _check_items(items, check_images)
+        return items
+    wanted = "; or ".join(", ".join(p) for p, *_ in _layouts(name))
+    raise BenchmarkDataError(f"{root}: no {name} files found; expected one of: {wanted}")
+
+
+def _check_items(items: list[BenchItem], check_images: bool) -> None:
+    seen: dict[str, str] = {}
+    for item in items:
+        origin = getattr(item.image, "origin", item.index).rsplit(" field ", 1)[0]
+        if item.index in seen:
+            raise BenchmarkDataError(f"{origin}: field 'index': duplicate index {item.index!r} (first at {seen[item.index]})")
+        seen[item.index] = origin
+        if check_images:
+            for ref in (item.image, item.crop):
+                if isinstance(ref, ImageRef):
+                    ref.check()
+
+
+def load_vstar(root: Path, check_images: bool = True) -> list[BenchItem]:
+    return _load("vstar", Path(root), check_images)
+
+
+def load_zoombench(root: Path, check_images: bool = True) -> list[BenchItem]:
+    return _load("zoombench", Path(root), check_images)
+
+
+def load_hrbench4k(root: Path, check_images: bool = True) -> list[BenchItem]:
+    return _load("hrbench4k", Path(root), check_images)
+
+
+def load_mmvp(root: Path, check_images: bool = True) -> list[BenchItem]:
+    return _load("mmvp", Path(root), check_images)
+
+
+def load_cvbench(root: Path, check_images: bool = True) -> list[BenchItem]:
+    return _load("cvbench", Path(root), check_images)
+
+
+def load_mmstar(root: Path, check_images: bool = True) -> list[BenchItem]:
+    return _load("mmstar", Path(root), check_images)
+
+
+def load_pope(root: Path, check_images: bool = True) -> list[BenchItem]:
+    return _load("pope", Path(root), check_images)
+
+
+LOADERS: dict[str, Callable[..., list[BenchItem]]] = {
+    "vstar": load_vstar,
+    "zoombench": load_zoombench,
+    "hrbench4k": load_hrbench4k,
+    "mmvp": load_mmvp,
+    "cvbench": load_cvbench,
+    "mmstar": load_mmstar,
+    "pope": load_pope,
+}
+
+
+def load_benchmark(name: str, data_dir, check_images: bool = True) -> list[BenchItem]:
+    """All items of benchmark ``name`` from ``data_dir/<name>/`` (see the module docstring)."""
+    if name not in LOADERS:
+        raise BenchmarkDataError(f"unknown benchmark {name!r}; known: {', '.join(LOADERS)}")
+    return LOADERS[name](Path(data_dir) / name, check_images=check_images)

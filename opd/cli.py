@@ -1,0 +1,62 @@
+"""Command lines from config dataclasses: one flag per field, its help from the field's docstring.
+
+A preset is a dict of field values applied first; flags given on the command line override it.
+"""
+
+import argparse
+import ast
+import dataclasses
+import inspect
+import textwrap
+import types
+import typing
+
+
+def field_docs(cls) -> dict[str, str]:
+    """The docstring written under each field of a dataclass (the cleanrl/tyro convention)."""
+    tree = ast.parse(textwrap.dedent(inspect.getsource(cls)))
+    body = tree.body[0].body
+    docs = {}
+    for node, nxt in zip(body, body[1:]):
+        if (
+            isinstance(node, ast.AnnAssign)
+            and isinstance(node.target, ast.Name)
+            and isinstance(nxt, ast.Expr)
+            and isinstance(nxt.value, ast.Constant)
+            and isinstance(nxt.value.value, str)
+        ):
+            docs[node.target.id] = " ".join(nxt.value.value.split())
+    return docs
+
+
+def _base_type(annotation):
+    """int for `int`, str for `str | None`, ..."""
+    if isinstance(annotation, types.UnionType) or typing.get_origin(annotation) is typing.Union:
+        args = [a for a in typing.get_args(annotation) if a is not type(None)]
+        return args[0]
+    return annotation
+
+
+def build_parser(cls, presets: dict[str, dict], description: str) -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(description=description, formatter_class=argparse.ArgumentDefaultsHelpFormatter)
+    docs = field_docs(cls)
+    hints = typing.get_type_hints(cls)
+    for f in dataclasses.fields(cls):
+        flag = "--" + f.name.replace("_", "-")
+        kind = _base_type(hints[f.name])
+        help_text = docs.get(f.name, "")
+        if f.name == "preset":
+            parser.add_argument(flag, choices=sorted(presets), default=f.default, help=help_text)
+        elif kind is bool:
+            parser.add_argument(flag, action=argparse.BooleanOptionalAction, default=None, help=help_text)
+        else:
+            parser.add_argument(flag, type=kind, default=None, help=f"{help_text} (default: {f.default!r})")
+    return parser
+
+
+def parse_config(cls, presets: dict[str, dict], argv: list[str] | None = None, description: str = ""):
+    """Builds `cls` from a preset (the `preset` field) and the flags given in argv."""
+    args = vars(build_parser(cls, presets, description).parse_args(argv))
+    preset = args.pop("preset")
+    given = {k: v for k, v in args.items() if v is not None}
+    return dataclasses.replace(cls(preset=preset, **presets[preset]), **given)

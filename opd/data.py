@@ -1,0 +1,188 @@
+"""Training records: the JSONL formats, crops, eligibility (the set C of Eq. 4) and the step's prompt batch.
+
+Two record forms are read, one JSON object per line:
+
+- Vision-OPD form: {"images": ["full.jpg"], "teacher_images": ["crop.jpg"], "problem": "<image>Q", "answer": "B"}
+- bbox form:       {"image": "full.jpg", "bbox": [x1, y1, x2, y2], "problem": "<image>Q", "answer": "B"}
+  (the crop is cut from the full image; `images` + `bbox` is accepted too)
+
+Image paths are relative to the JSONL file's folder unless absolute. A row with a crop (either form)
+belongs to the crop-eligible set C; a row with neither is trained on without a teacher. The crop-to-
+full area ratio a_i (the last feature of Eq. 5) is known from a bbox, else it is 0.
+
+Every problem is reported as a `DataError` naming the file, the line and the field.
+"""
+
+import json
+import math
+from dataclasses import dataclass
+from pathlib import Path
+
+import numpy as np
+from PIL import Image, UnidentifiedImageError
+
+
+class DataError(ValueError):
+    """A bad training record: the message names the file, the line and the field."""
+
+
+@dataclass(frozen=True)
+class Record:
+    """One training prompt x_i, q_i with its privileged crop x~_i when it has one."""
+
+    source: str
+    """'file:line' of the record, for error messages."""
+    image: Path
+    """The full image x_i."""
+    problem: str
+    """The question q_i; '<image>' marks where the image goes (front when absent)."""
+    answer: str
+    """The reference answer (not used by OPD training; kept for evaluation and the toy world)."""
+    crop: Path | None = None
+    """A crop image file x~_i (Vision-OPD's `teacher_images`)."""
+    bbox: tuple[int, int, int, int] | None = None
+    """[x1, y1, x2, y2] in full-image pixels; the crop is cut from the full image."""
+    image_size: tuple[int, int] = (0, 0)
+    """(width, height) of the full image."""
+
+    @property
+    def eligible(self) -> bool:
+        """Whether the record belongs to the crop-eligible set C (Eq. 4)."""
+        return self.crop is not None or self.bbox is not None
+
+    @property
+    def area_ratio(self) -> float:
+        """a_i of Eq. 5: crop area / full-image area from the bbox, 0 when unknown."""
+        if self.bbox is None or self.image_size[0] * self.image_size[1] == 0:
+            return 0.0
+        x1, y1, x2, y2 = self.bbox
+        return (x2 - x1) * (y2 - y1) / (self.image_size[0] * self.image_size[1])
+
+
+def open_image(path: Path, where: str, field: str) -> Image.Image:
+    """Opens an image as RGB or raises a DataError naming the record and field."""
+    try:
+        with Image.open(path) as im:
+            return im.convert("RGB")
+    except FileNotFoundError:
+        raise DataError(f"{where}: field '{field}': image file not found: {path}") from None
+    except (UnidentifiedImageError, OSError) as e:
+        raise DataError(f"{where}: field '{field}': cannot read image {path}: {e}") from None
+
+
+def image_size(path: Path, where: str, field: str) -> tuple[int, int]:
+    """(width, height) from the image header, or a DataError naming the record and field."""
+    try:
+        with Image.open(path) as im:
+            return im.size
+    except FileNotFoundError:
+        raise DataError(f"{where}: field '{field}': image file not found: {path}") from None
+    except (UnidentifiedImageError, OSError) as e:
+        raise DataError(f"{where}: field '{field}': cannot read image {path}: {e}") from None
+
+
+def _one_path(row: dict, key: str, where: str, root: Path) -> Path:
+    value = row[key]
+    if isinstance(value, list):
+        if len(value) != 1:
+            raise DataError(f"{where}: field '{key}': expected exactly one image, got {len(value)}")
+        value = value[0]
+    if not isinstance(value, str) or not value:
+        raise DataError(f"{where}: field '{key}': expected an image path, got {value!r}")
+    path = Path(value)
+    return path if path.is_absolute() else root / path
+
+
+def _bbox(value, size: tuple[int, int], where: str) -> tuple[int, int, int, int]:
+    if not isinstance(value, (list, tuple)) or len(value) != 4:
+        raise DataError(f"{where}: field 'bbox': expected [x1, y1, x2, y2], got {value!r}")
+    if not all(isinstance(v, (int, float)) and not isinstance(v, bool) and math.isfinite(v) for v in value):
+        raise DataError(f"{where}: field 'bbox': expected four numbers, got {value!r}")
+    x1, y1, x2, y2 = (int(round(v)) for v in value)
+    w, h = size
+    if not (0 <= x1 < x2 <= w and 0 <= y1 < y2 <= h):
+        raise DataError(
+            f"{where}: field 'bbox': {list(value)} is empty or outside the {w}x{h} image "
+            "(need 0 <= x1 < x2 <= width and 0 <= y1 < y2 <= height)"
+        )
+    return x1, y1, x2, y2
+
+
+def parse_record(row: object, where: str, root: Path) -> Record:
+    """Validates one decoded JSONL row (either form) into a Record."""
+    if not isinstance(row, dict):
+        raise DataError(f"{where}: expected a JSON object, got {type(row).__name__}")
+    image_key = "images" if "images" in row else "image" if "image" in row else None
+    if image_key is None:
+        raise DataError(f"{where}: field 'images': missing (need 'images' or 'image')")
+    for key in ("problem", "answer"):
+        if key not in row:
+            raise DataError(f"{where}: field '{key}': missing")
+        if not isinstance(row[key], (str, int, float)) or isinstance(row[key], bool):
+            raise DataError(f"{where}: field '{key}': expected a string, got {row[key]!r}")
+    image = _one_path(row, image_key, where, root)
+    size = image_size(image, where, image_key)
+    crop = bbox = None
+    if row.get("teacher_images"):
+        crop = _one_path(row, "teacher_images", where, root)
+        image_size(crop, where, "teacher_images")
+    if row.get("bbox") is not None:
+        bbox = _bbox(row["bbox"], size, where)
+    return Record(where, image, str(row["problem"]), str(row["answer"]), crop, bbox, size)
+
+
+def load_records(path: str | Path) -> list[Record]:
+    """Reads a training JSONL file; blank lines are skipped, anything else must be a valid record."""
+    path = Path(path)
+    if not path.is_file():
+        raise DataError(f"{path}: training data file not found")
+    records = []
+    with path.open(encoding="utf-8") as f:
+        for lineno, line in enumerate(f, start=1):
+            if not line.strip():
+                continue
+            where = f"{path}:{lineno}"
+            try:
+                row = json.loads(line)
+            except json.JSONDecodeError as e:
+                raise DataError(f"{where}: malformed JSON line: {e.msg} (column {e.colno})") from None
+            records.append(parse_record(row, where, path.parent))
+    if not records:
+        raise DataError(f"{path}: no records")
+    return records
+
+
+def full_image(record: Record) -> Image.Image:
+    """The student's view x_i: the full image."""
+    return open_image(record.image, record.source, "images")
+
+
+def crop_image(record: Record) -> Image.Image:
+    """The evidence-centred crop x~_i: the crop file, else the bbox cut from the full image."""
+    if record.crop is not None:
+        return open_image(record.crop, record.source, "teacher_images")
+    if record.bbox is None:
+        raise DataError(f"{record.source}: field 'teacher_images': the record has no crop (not in C)")
+    return full_image(record).crop(record.bbox)
+
+
+def step_prompt_indices(n_records: int, prompts_per_step: int, step: int, seed: int) -> list[int]:
+    """The record ids of training step `step`: epochs of a seeded permutation, last partial batch dropped.
+
+    Epoch e uses permutation seed (seed, e); one epoch is floor(n / B) steps (the paper's 111 steps of
+    28 prompts over 3,120 pairs). Pure function of its arguments, so a resumed run sees the same data.
+    """
+    steps_per_epoch = n_records // prompts_per_step
+    if steps_per_epoch == 0:
+        raise ValueError(f"{n_records} records cannot fill one step of {prompts_per_step} prompts")
+    epoch, within = divmod(step, steps_per_epoch)
+    perm = np.random.default_rng([seed, epoch]).permutation(n_records)
+    return perm[within * prompts_per_step : (within + 1) * prompts_per_step].tolist()
+
+
+def shard(items: list, rank: int, world: int) -> list:
+    """The contiguous block of a global step batch that rank `rank` generates and trains on."""
+    if len(items) % world:
+        raise ValueError(f"{len(items)} prompts per step do not split over {world} processes")
+    per = len(items) // world
+    return items[rank * per : (rank + 1) * per]

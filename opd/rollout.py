@@ -1,0 +1,146 @@
+"""On-policy rollouts with plain Hugging Face `generate` (Algorithm 1, line 3).
+
+y_i ~ p_theta(. | x_i, q_i): n rollouts per prompt, temperature 1, top_p 1, no top-k truncation,
+left padding, responses masked after EOS. The sampled-token log-probs log p_old(y_{i,t} | ...) and the
+token entropies H_{i,t} that Eq. 5 needs are computed step by step inside `generate` by a logits
+processor that keeps one step of (rows, V) log-probs at a time: storing every step's full-vocabulary
+scores (1,024 steps x 224 rows x 248,320 ids) does not fit. Everything returned is detached.
+"""
+
+from contextlib import contextmanager
+from dataclasses import dataclass
+
+import torch
+from transformers import LogitsProcessor, LogitsProcessorList
+
+from opd.chat import EncodedPrompt, collate
+from opd.model import neutral_generation_config, special_ids
+
+
+class RolloutStats(LogitsProcessor):
+    """Records log p(y_t) of each sampled token and the entropy H_t of the distribution it came from.
+
+    At step t the processor sees the scores of step t and the tokens sampled up to t - 1, so it
+    gathers the previous step's log-prob at the token just sampled and keeps only one step of
+    log-probs. It must see the final distribution: generate() runs it after the suppression
+    processors and before the temperature/top-k/top-p warpers, which are identities at temperature 1,
+    top_k 0, top_p 1 (the only settings `generate_rollouts` uses).
+    """
+
+    def __init__(self):
+        self.logp: list[torch.Tensor] = []
+        self.entropy: list[torch.Tensor] = []
+        self._prev: torch.Tensor | None = None
+
+    def _gather_prev(self, tokens: torch.Tensor) -> None:
+        self.logp.append(self._prev.gather(-1, tokens.unsqueeze(-1)).squeeze(-1))  # (N,)
+
+    def __call__(self, input_ids: torch.Tensor, scores: torch.Tensor) -> torch.Tensor:
+        if self._prev is not None:
+            self._gather_prev(input_ids[:, -1])
+        logp = torch.log_softmax(scores.float(), dim=-1)  # (N, V)
+        p = logp.exp()
+        # H_t = -sum_v p_v log p_v, with 0 log 0 = 0 for suppressed ids (logit -inf)
+        self.entropy.append(-torch.where(p > 0, p * logp, torch.zeros_like(p)).sum(-1))  # (N,)
+        self._prev = logp
+        return scores
+
+    def finish(self, last_tokens: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """Gathers the last step and returns (logp, entropy), each (N, T)."""
+        if self._prev is not None:
+            self._gather_prev(last_tokens)
+            self._prev = None
+        return torch.stack(self.logp, dim=1), torch.stack(self.entropy, dim=1)
+
+
+@dataclass
+class Rollouts:
+    """A rank's rollout batch: rows are (prompt, sample) pairs, all tensors detached on the CPU."""
+
+    prompt_index: torch.Tensor  # (N,) local prompt id of each row
+    response_ids: torch.Tensor  # (N, T) sampled tokens, pad after EOS
+    response_mask: torch.Tensor  # (N, T) bool: m_{i,t}, valid tokens up to and including EOS
+    logp: torch.Tensor  # (N, T) log p_old(y_{i,t} | x_i, q_i, y_{i,<t})
+    entropy: torch.Tensor  # (N, T) H_{i,t} of the sampling distribution
+    prompt_len: torch.Tensor  # (N,) L_i, prompt tokens including image tokens
+    valid: torch.Tensor  # (N,) bool: False when a response holds a vision special token
+
+    def __len__(self) -> int:
+        return self.response_ids.shape[0]
+
+    @property
+    def lengths(self) -> torch.Tensor:
+        """T_i, the valid response tokens of each row."""
+        return self.response_mask.sum(-1)
+
+
+def response_mask(response_ids: torch.Tensor, eos_ids: list[int]) -> torch.Tensor:
+    """m_{i,t}: true up to and including the first EOS, false after it (all true when no EOS)."""
+    is_eos = torch.isin(response_ids, torch.tensor(eos_ids, device=response_ids.device))  # (N, T)
+    eos_before = torch.cumsum(is_eos.long(), dim=1) - is_eos.long()  # EOS strictly before t
+    return eos_before == 0
+
+
+@contextmanager
+def _neutral_defaults(model):
+    """Hides the checkpoint's sampling defaults from generate() (see `neutral_generation_config`)."""
+    saved = model.generation_config
+    model.generation_config = neutral_generation_config(model)
+    try:
+        yield
+    finally:
+        model.generation_config = saved
+
+
+@torch.no_grad()
+def generate_rollouts(
+    model,
+    prompts: list[EncodedPrompt],
+    n_per_prompt: int,
+    max_new_tokens: int,
+    batch_rows: int = 0,
+) -> Rollouts:
+    """Samples `n_per_prompt` responses to each prompt; `batch_rows` rows per generate() call (0: all).
+
+    Randomness comes from the global torch generator: the caller seeds it per step and rank, which
+    makes a resumed run sample the same responses as an uninterrupted one.
+    """
+    ids = special_ids(model)
+    device = next(model.parameters()).device
+    rows = [j for j in range(len(prompts)) for _ in range(n_per_prompt)]
+    batch_rows = batch_rows or len(rows)
+    chunks = []
+    was_training = model.training
+    model.eval()
+    with _neutral_defaults(model):
+        for start in range(0, len(rows), batch_rows):
+            chunk = rows[start : start + batch_rows]
+            batch = {k: v.to(device) for k, v in collate([prompts[j] for j in chunk], ids["pad"]).items()}
+            stats = RolloutStats()
+            out = model.generate(
+                **batch,
+                do_sample=True, temperature=1.0, top_k=0, top_p=1.0, max_new_tokens=max_new_tokens,
+                suppress_tokens=ids["vision"], logits_processor=LogitsProcessorList([stats]),
+            )  # fmt: skip
+            response = out[:, batch["input_ids"].shape[1] :]  # (n, T)
+            logp, entropy = stats.finish(response[:, -1])
+            chunks.append((response.cpu(), logp.cpu(), entropy.cpu()))
+    model.train(was_training)
+    width = max(c[0].shape[1] for c in chunks)
+
+    def cat(j: int, fill) -> torch.Tensor:
+        return torch.cat([torch.nn.functional.pad(c[j], (0, width - c[j].shape[1]), value=fill) for c in chunks])
+
+    response_ids = cat(0, ids["pad"])  # (N, T)
+    mask = response_mask(response_ids, ids["eos"])  # (N, T)
+    vision = torch.isin(response_ids, torch.tensor(ids["vision"] or [-1])) & mask
+    logp, entropy = cat(1, 0.0), cat(2, 0.0)
+    return Rollouts(
+        prompt_index=torch.tensor(rows),
+        response_ids=response_ids,
+        response_mask=mask,
+        logp=torch.where(mask, logp, torch.zeros_like(logp)),
+        entropy=torch.where(mask, entropy, torch.zeros_like(entropy)),
+        prompt_len=torch.tensor([len(prompts[j]) for j in rows]),
+        valid=~vision.any(-1),
+    )

@@ -1,0 +1,48 @@
+"""The crop-conditioned EMA teacher theta-bar (Eq. 2; Algorithm 1, lines 1, 11 and 13).
+
+A separate, frozen copy of the policy initialised from the same weights, updated only by
+theta-bar <- (1 - tau) theta-bar + tau theta after a valid student update. It scores the student's own
+response tokens after its privileged prompt, only for selected rows, detached. `rows_scored` and
+`batches` count every row and batch it has been asked about, so the budget can be audited.
+"""
+
+import copy
+
+import torch
+
+
+def response_logits(model, inputs: dict[str, torch.Tensor], n_response: int, **kwargs) -> torch.Tensor:
+    """Logits of the n_response positions that predict the response block at the end of `inputs`.
+
+    With a left-padded prompt and a (n, T) response appended (`opd.chat.collate`), position P + t - 1
+    predicts response token t, so the last T + 1 positions minus the final one are kept. The model
+    computes its own multimodal (M-RoPE) positions from input_ids, mm_token_type_ids and the image
+    grid. Returns (n, T, V).
+    """
+    out = model(**inputs, logits_to_keep=n_response + 1, use_cache=False, **kwargs)
+    return out.logits[:, :-1]
+
+
+class EMATeacher:
+    def __init__(self, student: torch.nn.Module, copy_weights: bool = True):
+        """Algorithm 1, line 1: theta-bar <- theta (copy_weights=False adopts a loaded teacher as is)."""
+        model = copy.deepcopy(student) if copy_weights else student
+        self.model = model.eval().requires_grad_(False)
+        self.rows_scored = 0
+        self.batches: list[int] = []
+
+    @torch.no_grad()
+    def logits(self, inputs: dict[str, torch.Tensor], n_response: int) -> torch.Tensor:
+        """Eq. 2 of the paper: p^T_{i,t} = p_theta-bar(. | x~_i, q_i, y_{i,<t}) as detached logits (n, T, V)."""
+        n = inputs["input_ids"].shape[0]
+        self.rows_scored += n
+        self.batches.append(n)
+        return response_logits(self.model, inputs, n_response).detach()
+
+    @torch.no_grad()
+    def update(self, student: torch.nn.Module, tau: float) -> None:
+        """Algorithm 1, line 13: theta-bar <- (1 - tau) theta-bar + tau theta (parameters; buffers copied)."""
+        for t, s in zip(self.model.parameters(), student.parameters(), strict=True):
+            t.lerp_(s.detach().to(t.dtype), tau)
+        for t, s in zip(self.model.buffers(), student.buffers(), strict=True):
+            t.copy_(s)

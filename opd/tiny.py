@@ -1,0 +1,190 @@
+"""The built-in default: a tiny random-weight Qwen3.5 and a small generated image/crop dataset, offline.
+
+`build_tiny_model(dir)` writes a `Qwen3_5ForConditionalGeneration` (hidden 64, 4 layers, vision depth 2)
+with a character-level tokenizer and a `Qwen3VLProcessor` through `save_pretrained`, so training,
+evaluation and the tests load it through the same `from_pretrained` path as a real checkpoint.
+`build_tiny_dataset(dir)` writes images, crops and a training JSONL in both record forms of
+`opd.data`. Both are deterministic by seed and cached: an existing, complete folder is reused.
+"""
+
+import json
+import os
+import shutil
+import tempfile
+from pathlib import Path
+
+import numpy as np
+import torch
+from PIL import Image, ImageDraw
+
+TINY_VERSION = "1"
+
+SPECIAL_TOKENS = [
+    "<|endoftext|>", "<|im_start|>", "<|im_end|>", "<|vision_start|>", "<|vision_end|>",
+    "<|image_pad|>", "<|video_pad|>", "<think>", "</think>",
+]  # fmt: skip
+
+# A Qwen-style chat template: images as <|vision_start|><|image_pad|><|vision_end|>, and the
+# non-thinking generation prompt "<|im_start|>assistant\n<think>\n\n</think>\n\n" unless enable_thinking.
+CHAT_TEMPLATE = (
+    "{%- for message in messages -%}"
+    "<|im_start|>{{ message.role }}{{ '\n' }}"
+    "{%- if message.content is string -%}{{ message.content }}"
+    "{%- else -%}{%- for c in message.content -%}"
+    "{%- if c.type == 'image' -%}<|vision_start|><|image_pad|><|vision_end|>"
+    "{%- elif c.type == 'text' -%}{{ c.text }}{%- endif -%}"
+    "{%- endfor -%}{%- endif -%}"
+    "<|im_end|>{{ '\n' }}"
+    "{%- endfor -%}"
+    "{%- if add_generation_prompt -%}<|im_start|>assistant{{ '\n' }}"
+    "{%- if enable_thinking is not defined or enable_thinking is false -%}<think>{{ '\n\n' }}</think>{{ '\n\n' }}{%- endif -%}"
+    "{%- endif -%}"
+)
+
+
+def tiny_tokenizer():
+    """A character-level fast tokenizer over printable ASCII plus the Qwen special tokens."""
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers
+    from transformers import PreTrainedTokenizerFast
+
+    chars = [chr(i) for i in range(32, 127)] + ["\n"]
+    vocab = {t: i for i, t in enumerate(SPECIAL_TOKENS + chars)}
+    tok = Tokenizer(models.WordLevel(vocab=vocab, unk_token="<|endoftext|>"))
+    tok.pre_tokenizer = pre_tokenizers.Split(pattern="", behavior="isolated")
+    tok.decoder = decoders.Fuse()
+    return PreTrainedTokenizerFast(
+        tokenizer_object=tok,
+        eos_token="<|im_end|>",
+        pad_token="<|endoftext|>",
+        additional_special_tokens=SPECIAL_TOKENS[1:],
+    )
+
+
+def tiny_processor(max_pixels: int = 64 * 64):
+    """A Qwen3VLProcessor (Qwen2-VL image processor, patch 16, merge 2) around the tiny tokenizer."""
+    from transformers import Qwen2VLImageProcessor, Qwen3VLProcessor
+    from transformers.models.qwen3_vl.video_processing_qwen3_vl import Qwen3VLVideoProcessor
+
+    image_processor = Qwen2VLImageProcessor(
+        patch_size=16, temporal_patch_size=2, merge_size=2, min_pixels=32 * 32, max_pixels=max_pixels,
+        image_mean=[0.5, 0.5, 0.5], image_std=[0.5, 0.5, 0.5],
+    )  # fmt: skip
+    video_processor = Qwen3VLVideoProcessor(patch_size=16, temporal_patch_size=2, merge_size=2)
+    return Qwen3VLProcessor(
+        image_processor=image_processor, tokenizer=tiny_tokenizer(), video_processor=video_processor,
+        chat_template=CHAT_TEMPLATE,
+    )  # fmt: skip
+
+
+def tiny_config(tokenizer, hidden: int = 64, layers: int = 4, vision_depth: int = 2):
+    """A Qwen3_5Config scaled down: every 4th text layer full attention, the rest linear attention."""
+    from transformers import Qwen3_5Config
+
+    ids = tokenizer.convert_tokens_to_ids
+    text = dict(
+        vocab_size=len(tokenizer), hidden_size=hidden, intermediate_size=2 * hidden, num_hidden_layers=layers,
+        num_attention_heads=4, num_key_value_heads=2, head_dim=16, linear_key_head_dim=16,
+        linear_value_head_dim=16, linear_num_key_heads=2, linear_num_value_heads=4, max_position_embeddings=4096,
+        rope_parameters={"rope_type": "default", "rope_theta": 10000.0, "mrope_section": [2, 1, 1],
+                         "mrope_interleaved": True, "partial_rotary_factor": 0.25},
+        pad_token_id=ids("<|endoftext|>"), eos_token_id=ids("<|im_end|>"), bos_token_id=None,
+    )  # fmt: skip
+    vision = dict(
+        depth=vision_depth, hidden_size=32, intermediate_size=64, num_heads=2, out_hidden_size=hidden,
+        patch_size=16, spatial_merge_size=2, temporal_patch_size=2, num_position_embeddings=64,
+    )  # fmt: skip
+    return Qwen3_5Config(
+        text_config=text, vision_config=vision, image_token_id=ids("<|image_pad|>"),
+        video_token_id=ids("<|video_pad|>"), vision_start_token_id=ids("<|vision_start|>"),
+        vision_end_token_id=ids("<|vision_end|>"),
+    )  # fmt: skip
+
+
+def _atomic_dir(target: Path, write) -> Path:
+    """Builds a folder in a temporary sibling and renames it into place (safe against concurrent builders)."""
+    target = Path(target)
+    if (target / ".complete").exists():
+        return target
+    target.parent.mkdir(parents=True, exist_ok=True)
+    tmp = Path(tempfile.mkdtemp(prefix=f".{target.name}.", dir=target.parent))
+    try:
+        write(tmp)
+        (tmp / ".complete").write_text(TINY_VERSION)
+        if target.exists():  # an incomplete leftover from an interrupted build
+            shutil.rmtree(target, ignore_errors=True)
+        try:
+            os.rename(tmp, target)
+        except OSError:  # another process finished first
+            if not (target / ".complete").exists():
+                raise
+    finally:
+        shutil.rmtree(tmp, ignore_errors=True)
+    return target
+
+
+def build_tiny_model(out_dir: str | Path, seed: int = 0, **config_kwargs) -> Path:
+    """Writes the tiny model, tokenizer and processor with `save_pretrained`; returns the folder."""
+    from transformers import Qwen3_5ForConditionalGeneration
+
+    def write(tmp: Path):
+        processor = tiny_processor()
+        torch.manual_seed(seed)
+        model = Qwen3_5ForConditionalGeneration(tiny_config(processor.tokenizer, **config_kwargs))
+        ids = processor.tokenizer.convert_tokens_to_ids
+        model.generation_config.eos_token_id = [ids("<|im_end|>"), ids("<|endoftext|>")]
+        model.generation_config.pad_token_id = ids("<|endoftext|>")
+        model.save_pretrained(tmp)
+        processor.save_pretrained(tmp)
+
+    return _atomic_dir(Path(out_dir), write)
+
+
+COLOURS = {"red": (220, 40, 40), "green": (40, 180, 60), "blue": (50, 80, 220), "yellow": (230, 210, 40)}
+
+
+def build_tiny_dataset(out_dir: str | Path, n: int = 32, size: int = 96, seed: int = 0) -> Path:
+    """Writes n grey-noise images each with one small coloured square, a question about its colour,
+    and `train.jsonl`: even rows in Vision-OPD form (crop file), odd rows in bbox form, and every
+    eighth row without a crop (outside C). Returns the JSONL path."""
+
+    def write(tmp: Path):
+        rng = np.random.default_rng(seed)
+        names = list(COLOURS)
+        (tmp / "images").mkdir()
+        rows = []
+        for i in range(n):
+            pixels = rng.integers(90, 160, size=(size, size, 3), dtype=np.uint8)
+            image = Image.fromarray(pixels)
+            side = int(rng.integers(8, 14))
+            x, y = (int(v) for v in rng.integers(4, size - side - 4, size=2))
+            colour = names[int(rng.integers(len(names)))]
+            ImageDraw.Draw(image).rectangle([x, y, x + side - 1, y + side - 1], fill=COLOURS[colour])
+            image.save(tmp / "images" / f"{i:04d}.png")
+            pad = side
+            bbox = [max(0, x - pad), max(0, y - pad), min(size, x + side + pad), min(size, y + side + pad)]
+            options = "\n".join(f"({chr(65 + j)}) {c}" for j, c in enumerate(names))
+            problem = f"<image>What colour is the small square?\n{options}\nAnswer with the letter."
+            row = {"problem": problem, "answer": chr(65 + names.index(colour))}
+            if i % 8 == 7:
+                row["images"] = [f"images/{i:04d}.png"]
+            elif i % 2 == 0:
+                image.crop(bbox).save(tmp / "images" / f"{i:04d}_crop.png")
+                row.update(images=[f"images/{i:04d}.png"], teacher_images=[f"images/{i:04d}_crop.png"])
+            else:
+                row.update(image=f"images/{i:04d}.png", bbox=bbox)
+            rows.append(row)
+        with (tmp / "train.jsonl").open("w") as f:
+            f.writelines(json.dumps(r) + "\n" for r in rows)
+
+    return _atomic_dir(Path(out_dir), write) / "train.jsonl"
+
+
+def cache_dir() -> Path:
+    """Where the built-in default lives: $BAS_OPD_CACHE, else ~/.cache/bas-opd."""
+    return Path(os.environ.get("BAS_OPD_CACHE", Path.home() / ".cache" / "bas-opd"))
+
+
+def tiny_defaults() -> tuple[Path, Path]:
+    """(model folder, training JSONL) of the built-in default, built on first use."""
+    root = cache_dir()
+    return build_tiny_model(root / f"tiny-model-v{TINY_VERSION}"), build_tiny_dataset(root / f"tiny-data-v{TINY_VERSION}")

@@ -1,0 +1,408 @@
+"""BAS-OPD training: Algorithm 1 of the paper as one loop on accelerate (DDP).
+
+    accelerate launch train.py --policy learned --rho 0.25            # built-in tiny model, CPU, ~1 min
+    accelerate launch train.py --preset paper-4b --data train.jsonl   # Qwen3.5-4B, the paper's settings
+
+Each step: every rank samples rollouts for its shard of the prompts (line 3); features are
+all-gathered and every rank makes the same budgeted selection S (lines 4-9); the crop teacher scores
+only the rank's rows in S, and the student is updated on Eq. 11 (lines 11-13); utility labels are
+all-gathered and every rank updates the same CPU selector (line 14). DIR/ledger.jsonl records the
+teacher cost of each step.
+"""
+
+import dataclasses
+import json
+import sys
+import time
+import warnings
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+from accelerate import Accelerator
+from tqdm.auto import tqdm
+
+from opd.checkpoint import find_checkpoint, load_state, save_checkpoint
+from opd.chat import encode_prompt
+from opd.cli import parse_config
+from opd.data import Record, load_records, shard, step_prompt_indices
+from opd.distill import DistillConfig, distill
+from opd.features import rollout_features
+from opd.ledger import Ledger, format_summary, summarize, write_atomic
+from opd.model import load_model, load_processor, special_ids
+from opd.predictor import PredictorConfig
+from opd.rollout import Rollouts, generate_rollouts
+from opd.seeding import mix_seed
+from opd.selectors import POLICIES, Selector, query_budget
+from opd.teacher import EMATeacher
+from opd.tiny import tiny_defaults
+from opd.views import student_view, teacher_view
+
+
+@dataclass
+class TrainConfig:
+    preset: str = "tiny"
+    """Starting values: 'tiny' (built-in model and data, CPU), 'paper-4b' / 'paper-9b' (the paper's tables)."""
+    model: str | None = None
+    """HF image-text-to-text checkpoint (folder or hub id); none with --preset tiny: the built-in tiny model."""
+    data: str | None = None
+    """Training JSONL (Vision-OPD or bbox form); none with --preset tiny: the built-in tiny dataset."""
+    out: str = "runs/tiny"
+    """Output folder: ledger.jsonl, summary.md, checkpoints, TensorBoard logs."""
+    resume: str | None = None
+    """Continue from a run folder (its latest checkpoint) or a checkpoint folder."""
+    policy: str = "learned"
+    """Selection policy: full, random, entropy or learned."""
+    rho: float = 0.25
+    """Query ratio rho in (0, 1]; the budget is K = floor(rho |C|) per step (Eq. 4)."""
+    steps: int = 0
+    """Training steps; 0 = one epoch (floor(records / prompts_per_step), the paper's 111)."""
+    prompts_per_step: int = 28
+    """Prompts per step over all processes."""
+    rollouts_per_prompt: int = 8
+    """Sampled responses per prompt; candidates per step = prompts_per_step x rollouts_per_prompt."""
+    max_prompt_len: int = 8192
+    """Longest prompt in tokens (image tokens included); longer prompts are an error."""
+    max_response_len: int = 1024
+    """Most new tokens per rollout."""
+    enable_thinking: bool = False
+    """Qwen3.5's thinking generation prompt instead of the non-thinking one."""
+    teacher_view: str = "crop"
+    """The teacher's privileged view (opd/views.py)."""
+    lr: float = 2e-6
+    """AdamW learning rate of the policy."""
+    weight_decay: float = 0.01
+    """AdamW weight decay of the policy."""
+    grad_clip: float = 1.0
+    """Gradient-norm clip of the policy update."""
+    ema_tau: float = 0.05
+    """EMA rate tau of the crop teacher, applied after each valid update."""
+    alpha: float = 0.5
+    """Generalized JSD mixture weight (0.5: symmetric JSD)."""
+    topk: int = 100
+    """Top-k support of the distillation loss and the utility terms."""
+    micro_batch: int = 4
+    """Rows per student/teacher forward; bounds the full-vocabulary logits held at once."""
+    rollout_batch: int = 0
+    """Rows per generate() call; 0 = all of a rank's rows at once."""
+    explore: float = 0.10
+    """Exploration ratio eps of the learned selector: K_e = ceil(eps K)."""
+    selector_seed: int = 0
+    """Seed of the selector's initialisation and of every selection/replay draw."""
+    selector_lr: float = 1e-3
+    """Adam learning rate of the selector."""
+    selector_hidden: int = 32
+    """Hidden width of the selector MLP."""
+    norm_momentum: float = 0.99
+    """Momentum of the running feature normalizer."""
+    replay_capacity: int = 512
+    """FIFO replay capacity."""
+    replay_start: int = 96
+    """Labels in replay before the first selector update."""
+    replay_batch: int = 256
+    """Replay minibatch size."""
+    selector_updates: int = 2
+    """Selector updates per step that brought new labels."""
+    half_life: float = 10.0
+    """Replay age half-life h in steps (recency weight 2^(-age/h))."""
+    rank_weight: float = 0.2
+    """Weight lambda_rank of the pairwise ranking loss (Eq. 10)."""
+    min_gap: float = 1e-6
+    """Minimum utility gap for a ranking pair."""
+    no_overlap: bool = False
+    """Ablation: utility without the top-k overlap factor (o = 1)."""
+    no_confidence: bool = False
+    """Ablation: utility without the teacher-confidence factor (c = 1)."""
+    no_rank_loss: bool = False
+    """Ablation: selector trained without the ranking loss."""
+    no_exploration: bool = False
+    """Ablation: learned selection without random exploration (K_e = 0)."""
+    seed: int = 42
+    """Training seed: data order and rollout sampling."""
+    dtype: str = "float32"
+    """Weight dtype of policy and teacher (float32 keeps lr 2e-6 updates representable)."""
+    mixed_precision: str = "no"
+    """accelerate autocast: no, bf16 or fp16."""
+    grad_checkpointing: bool = False
+    """Recompute activations in backward (long responses on a real model)."""
+    save_every: int = 0
+    """Checkpoint every N steps (0: only at the end)."""
+    keep_checkpoints: int = 1
+    """Checkpoints kept in the output folder."""
+
+    def predictor(self) -> PredictorConfig:
+        return PredictorConfig(
+            seed=self.selector_seed, lr=self.selector_lr, hidden=self.selector_hidden,
+            norm_momentum=self.norm_momentum, replay_capacity=self.replay_capacity, replay_start=self.replay_start,
+            replay_batch=self.replay_batch, updates_per_step=self.selector_updates, half_life=self.half_life,
+            rank_weight=0.0 if self.no_rank_loss else self.rank_weight, min_gap=self.min_gap,
+        )  # fmt: skip
+
+    def distill(self) -> DistillConfig:
+        return DistillConfig(self.topk, self.alpha, self.micro_batch, not self.no_overlap, not self.no_confidence)
+
+
+PAPER = dict(
+    data=None, prompts_per_step=28, rollouts_per_prompt=8, max_prompt_len=8192, max_response_len=1024,
+    steps=0, lr=2e-6, micro_batch=4, mixed_precision="bf16", grad_checkpointing=True, save_every=10,
+)  # fmt: skip
+PRESETS: dict[str, dict] = {
+    # Scaled down so a CPU runs it in about a minute: 4 prompts x 8 rollouts, 16-token responses, a
+    # learning rate a random tiny model moves under, and a replay that starts within the run.
+    "tiny": dict(
+        prompts_per_step=4, rollouts_per_prompt=8, max_prompt_len=512, max_response_len=16, steps=8, lr=1e-4,
+        micro_batch=8, replay_start=16, replay_batch=64, save_every=4, out="runs/tiny",
+    ),  # fmt: skip
+    "paper-4b": dict(PAPER, model="Qwen/Qwen3.5-4B", out="runs/paper-4b"),
+    "paper-9b": dict(PAPER, model="Qwen/Qwen3.5-9B", out="runs/paper-9b"),
+}
+
+
+def check_config(cfg: TrainConfig, world: int) -> None:
+    """Refuses impossible settings with a message naming the flag."""
+    problems = []
+    if cfg.policy not in POLICIES:
+        problems.append(f"--policy {cfg.policy!r}: choose one of {', '.join(POLICIES)}")
+    if not 0.0 < cfg.rho <= 1.0:
+        problems.append(f"--rho {cfg.rho}: the query ratio must lie in (0, 1]")
+    if cfg.policy == "full" and cfg.rho != 1.0:
+        problems.append(f"--policy full queries every candidate: it needs --rho 1, got {cfg.rho}")
+    if cfg.prompts_per_step % world:
+        problems.append(f"--prompts-per-step {cfg.prompts_per_step} does not split over {world} processes")
+    if not 0.0 <= cfg.alpha <= 1.0:
+        problems.append(f"--alpha {cfg.alpha}: must lie in [0, 1]")
+    if cfg.topk < 2:
+        problems.append(f"--topk {cfg.topk}: must be at least 2")
+    if not 0.0 <= cfg.explore < 1.0:
+        problems.append(f"--explore {cfg.explore}: must lie in [0, 1)")
+    for name in ("micro_batch", "rollouts_per_prompt", "prompts_per_step", "max_response_len", "keep_checkpoints"):
+        if getattr(cfg, name) < 1:
+            problems.append(f"--{name.replace('_', '-')} {getattr(cfg, name)}: must be at least 1")
+    if cfg.steps < 0:
+        problems.append(f"--steps {cfg.steps}: must be >= 0")
+    if cfg.preset != "tiny" and cfg.data is None:
+        problems.append(f"--data is required with --preset {cfg.preset} (a Vision-OPD-style training JSONL)")
+    if problems:
+        raise SystemExit("train.py: " + "; ".join(problems))
+
+
+class Run:
+    """Everything one training run holds: model, teacher, optimizer, selector, data, ledger."""
+
+    def __init__(self, cfg: TrainConfig, accelerator: Accelerator | None = None):
+        self.acc = accelerator or Accelerator(mixed_precision=cfg.mixed_precision)
+        check_config(cfg, self.acc.num_processes)
+        self.cfg = cfg
+        self.out = Path(cfg.out)
+        model_path, data_path = cfg.model, cfg.data
+        if model_path is None or data_path is None:
+            tiny_model, tiny_data = tiny_defaults() if self.acc.is_main_process else (None, None)
+            self.acc.wait_for_everyone()
+            tiny_model, tiny_data = tiny_defaults()
+            model_path, data_path = model_path or str(tiny_model), data_path or str(tiny_data)
+        self.records: list[Record] = load_records(data_path)
+        self.steps = cfg.steps or len(self.records) // cfg.prompts_per_step
+        state, teacher_path = None, None
+        self.start = 0
+        if cfg.resume:
+            ckpt = find_checkpoint(cfg.resume)
+            state = load_state(ckpt)
+            model_path, teacher_path, self.start = str(ckpt / "policy"), str(ckpt / "teacher"), int(state["step"])
+        self.processor = load_processor(model_path)
+        student = load_model(model_path, cfg.dtype, self.acc.device)
+        if cfg.grad_checkpointing:
+            student.gradient_checkpointing_enable()
+        self.ids = special_ids(student)
+        if teacher_path:
+            self.teacher = EMATeacher(load_model(teacher_path, cfg.dtype, self.acc.device), copy_weights=False)
+        else:
+            self.teacher = EMATeacher(student)
+        optimizer = torch.optim.AdamW(student.parameters(), lr=cfg.lr, weight_decay=cfg.weight_decay)
+        self.student, self.optimizer = self.acc.prepare(student, optimizer)
+        self.selector = Selector(cfg.policy, 0.0 if cfg.no_exploration else cfg.explore, cfg.predictor())
+        self.view = teacher_view(cfg.teacher_view)
+        self.warned_no_eligible = False
+        if state is not None:
+            self.optimizer.load_state_dict(state["optimizer"])
+            self.selector.load_state_dict(state["selector"])
+            self.warned_no_eligible = state.get("warned_no_eligible", False)
+        self.ledger = Ledger(self.out / "ledger.jsonl", self.start if cfg.resume else None) if self.acc.is_main_process else None
+        self.writer = tensorboard_writer(self.out / "tb") if self.acc.is_main_process else None
+
+    @property
+    def policy(self):
+        return self.acc.unwrap_model(self.student)
+
+    def prompts(self, step: int) -> list[Record]:
+        """This rank's records of step `step`."""
+        ids = step_prompt_indices(len(self.records), self.cfg.prompts_per_step, step, self.cfg.seed)
+        return [self.records[i] for i in shard(ids, self.acc.process_index, self.acc.num_processes)]
+
+    def encode(self, view, record: Record):
+        images, problem = view(record)
+        return encode_prompt(self.processor, images, problem, self.cfg.enable_thinking, self.cfg.max_prompt_len)
+
+    def step(self, step: int, rollouts: Rollouts | None = None) -> dict:
+        """One iteration of Algorithm 1; `rollouts` may stand in for sampling (tests). Returns the ledger row."""
+        acc, cfg, device = self.acc, self.cfg, self.acc.device
+        t_step = time.perf_counter()
+        records = self.prompts(step)
+        student_prompts = [self.encode(student_view, r) for r in records]
+
+        # Line 3: y_i ~ p_theta(. | x_i, q_i) for every prompt of this rank; C = rows with a crop.
+        t0 = time.perf_counter()
+        if rollouts is None:
+            torch.manual_seed(mix_seed(cfg.seed, step, acc.process_index))
+            rollouts = generate_rollouts(
+                self.policy, student_prompts, cfg.rollouts_per_prompt, cfg.max_response_len, cfg.rollout_batch
+            )
+        generation_s = time.perf_counter() - t0
+        rows = rollouts.prompt_index.tolist()
+        eligible_local = torch.tensor([records[j].eligible for j in rows]) & rollouts.valid
+        area = torch.tensor([records[j].area_ratio for j in rows])
+
+        # Line 4: detached features (Eq. 5), all-gathered so every rank sees the global candidates.
+        phi_local = rollout_features(rollouts.logp, rollouts.entropy, rollouts.response_mask, rollouts.prompt_len, area)
+        phi = acc.gather(phi_local.to(device)).cpu()  # (N, 6)
+        eligible = acc.gather(eligible_local.long().to(device)).cpu().bool()  # (N,)
+        lengths = acc.gather(rollouts.lengths.to(device)).cpu()  # (N,)
+        n_eligible = int(eligible.sum())
+        budget = query_budget(cfg.rho, n_eligible)  # Eq. 4
+        if n_eligible == 0 and not self.warned_no_eligible:
+            warnings.warn(f"step {step}: no crop-eligible rollout in the batch; training with zero distillation")
+            self.warned_no_eligible = True
+
+        # Lines 5-9: S from the global candidates, before any teacher computation.
+        t0 = time.perf_counter()
+        selected = self.selector.select(phi, eligible, budget, step)  # global row ids
+        select_s = time.perf_counter() - t0
+        offset = acc.process_index * len(rollouts)
+        local = selected[(selected >= offset) & (selected < offset + len(rollouts))] - offset
+
+        # Lines 11-13: teacher only on S; Eq. 11 backpropagated; AdamW; EMA after a valid update.
+        teacher_prompts: dict[int, object] = {}
+
+        def teacher_prompt(j: int):
+            if j not in teacher_prompts:
+                teacher_prompts[j] = self.encode(self.view, records[j])
+            return teacher_prompts[j]
+
+        rows_before = self.teacher.rows_scored
+        res = distill(acc, self.student, self.teacher, rollouts, student_prompts, teacher_prompt, local, cfg.distill(), self.ids["pad"])
+        for p in self.student.parameters():  # an empty S still makes a (zero-gradient) optimizer step
+            if p.grad is None:
+                p.grad = torch.zeros_like(p)
+        grad_norm = acc.clip_grad_norm_(self.student.parameters(), cfg.grad_clip)
+        sums = acc.reduce(torch.tensor([res.loss_sum, self.teacher.rows_scored - rows_before], device=device, dtype=torch.float64), "sum")
+        loss = float(sums[0]) / max(1, res.global_tokens)
+        valid = bool(torch.isfinite(torch.as_tensor(loss)) and torch.isfinite(torch.as_tensor(grad_norm)))
+        if valid:
+            self.optimizer.step()
+            self.teacher.update(self.policy, cfg.ema_tau)
+        self.optimizer.zero_grad(set_to_none=True)
+
+        # Line 14: labels of S (gathered), replay, selector update on every rank alike.
+        utility = acc.gather(res.utility.to(device)).cpu()  # (N,) NaN outside S
+        sel_metrics = self.selector.observe(phi[selected], utility[selected], step)
+        times = acc.gather(torch.tensor([[res.teacher_s, res.student_s, generation_s]], device=device)).cpu().max(0).values
+        row = {
+            "step": step,
+            "rollouts": int(eligible.numel()),
+            "candidates": n_eligible,
+            "budget": budget,
+            "selected": int(selected.numel()),
+            "overrun": max(0, int(selected.numel()) - budget),
+            "teacher_rows": int(sums[1]),
+            "scored_tokens": int(lengths[selected].sum()),
+            "candidate_tokens": int(lengths[eligible].sum()),
+            "loss": loss,
+            "grad_norm": float(grad_norm),
+            "skipped": not valid,
+            "utility_mean": float(utility[selected].nanmean()) if selected.numel() else float("nan"),
+            "generation_s": float(times[2]),
+            "teacher_forward_s": float(times[0]),
+            "student_s": float(times[1]),
+            "select_s": select_s,
+            **{k.split("/")[-1]: v for k, v in sel_metrics.items()},
+        }
+        if not valid:
+            warnings.warn(f"step {step}: non-finite loss or gradient ({loss}, {float(grad_norm)}); update and EMA skipped")
+        row["step_s"] = time.perf_counter() - t_step
+        return row
+
+    def save(self, next_step: int) -> None:
+        if self.acc.is_main_process:
+            state = {
+                "optimizer": self.optimizer.state_dict(),
+                "selector": self.selector.state_dict(),
+                "config": dataclasses.asdict(self.cfg),
+                "warned_no_eligible": self.warned_no_eligible,
+            }
+            save_checkpoint(self.out, next_step, self.policy, self.processor, self.teacher.model, state, self.cfg.keep_checkpoints)
+        self.acc.wait_for_everyone()
+
+    def log(self, row: dict) -> None:
+        if not self.acc.is_main_process:
+            return
+        self.ledger.append(row)
+        if self.writer is not None:
+            scalars = {
+                "loss/distill": row["loss"], "loss/grad_norm": row["grad_norm"],
+                "select/selected": row["selected"], "select/budget": row["budget"],
+                "select/utility_mean": row["utility_mean"], "cost/scored_tokens": row["scored_tokens"],
+                "cost/teacher_forward_s": row["teacher_forward_s"], "cost/step_s": row["step_s"],
+                "cost/generation_s": row["generation_s"],
+            }  # fmt: skip
+            if "selector" in row:
+                scalars["loss/selector"] = row["selector"]
+            for key, value in scalars.items():
+                self.writer.add_scalar(key, value, row["step"])
+
+    def train(self) -> dict:
+        """Runs steps start..steps-1, checkpoints, and returns the Table 7/8 summary."""
+        bar = tqdm(total=self.steps, initial=self.start, desc="BAS-OPD", disable=not self.acc.is_main_process)
+        for step in range(self.start, self.steps):
+            row = self.step(step)
+            self.log(row)
+            bar.update(1)
+            bar.set_postfix(loss=f"{row['loss']:.4f}", S_K=f"{row['selected']}/{row['budget']}", u=f"{row['utility_mean']:.2e}")
+            last = step + 1 == self.steps
+            if last or (self.cfg.save_every and (step + 1) % self.cfg.save_every == 0):
+                self.save(step + 1)
+        bar.close()
+        return self.finish()
+
+    def finish(self) -> dict:
+        summary = {}
+        if self.acc.is_main_process:
+            summary = summarize(self.ledger.rows)
+            name = f"{self.cfg.policy}-{round(100 * self.cfg.rho)}"
+            table = format_summary(summary, name)
+            write_atomic(self.out / "summary.json", json.dumps(summary, indent=2) + "\n")
+            write_atomic(self.out / "summary.md", table + "\n")
+            print("\n" + table, flush=True)
+            if self.writer is not None:
+                self.writer.close()
+        self.acc.wait_for_everyone()
+        return summary
+
+
+def tensorboard_writer(path: Path):
+    """A TensorBoard SummaryWriter when tensorboard is installed, else None."""
+    try:
+        from torch.utils.tensorboard import SummaryWriter
+    except ImportError:
+        return None
+    return SummaryWriter(str(path))
+
+
+def main(argv: list[str] | None = None) -> dict:
+    cfg = parse_config(TrainConfig, PRESETS, argv, description=__doc__.split("\n")[0])
+    if cfg.resume and cfg.out == PRESETS[cfg.preset].get("out", TrainConfig.out):
+        run_dir = Path(cfg.resume)
+        cfg = dataclasses.replace(cfg, out=str(run_dir if (run_dir / "latest").exists() else run_dir.parent))
+    return Run(cfg).train()
+
+
+if __name__ == "__main__":
+    main(sys.argv[1:])
