@@ -19,7 +19,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 import torch
-from accelerate import Accelerator
+from accelerate import Accelerator, PartialState
 from tqdm.auto import tqdm
 
 from opd.checkpoint import find_checkpoint, load_state, save_checkpoint
@@ -190,8 +190,10 @@ class Run:
     """Everything one training run holds: model, teacher, optimizer, selector, data, ledger."""
 
     def __init__(self, cfg: TrainConfig, accelerator: Accelerator | None = None):
-        self.acc = accelerator or Accelerator(mixed_precision=cfg.mixed_precision)
-        check_config(cfg, self.acc.num_processes)
+        # cpu=True without CUDA: accelerate then sets up gloo DDP under torchrun / accelerate launch.
+        cpu = not torch.cuda.is_available()
+        check_config(cfg, PartialState(cpu=cpu).num_processes)
+        self.acc = accelerator or Accelerator(mixed_precision=cfg.mixed_precision, cpu=cpu)
         self.cfg = cfg
         self.out = Path(cfg.out)
         model_path, data_path = cfg.model, cfg.data

@@ -20,6 +20,7 @@ import re
 import string
 
 _THINK_BLOCK = re.compile(r"<think>.*?</think>", re.IGNORECASE | re.DOTALL)
+_ANSWER_TAG = re.compile(r"<answer>(.*?)</answer>", re.IGNORECASE | re.DOTALL)
 _BOLD_LETTER = re.compile(r"\*\*\s*\(?([A-Za-z])\)?\s*[.:]?\s*\*\*")
 _BOXED_LETTER = re.compile(r"\\boxed\{\s*\(?([A-Za-z])\)?\s*\}")
 _MARKED = re.compile(r"\u27e6([A-Za-z])\u27e7")  # letters marked by **X** or \boxed{X}
@@ -42,9 +43,11 @@ _LEADING = re.compile(
 # A last line that is only a letter: "...\n\n(C)".
 _TRAILING = re.compile(r"\n\s*\(?([A-Za-z])\)?\s*\.?\s*$")
 # A second letter right after the chosen one: "A or B", "B/C", "A, B".
-_HEDGE = re.compile(r"^\)?\s*(?:,|/|[Oo][Rr]\b|[Aa][Nn][Dd]\b)\s*(?:[Oo]ption\s*)?(?:\(([A-Za-z])\)|([A-Z]))(?![A-Za-z])")
+_HEDGE = re.compile(
+    r"^\)?\s*(?:,|/|[Oo][Rr]\b|[Aa][Nn][Dd]\b)\s*(?:[Oo]ption\s*)?(?:\(([A-Za-z])\)|([A-Z]))(?![A-Za-z])"
+)
 _REFUSAL = re.compile(
-    r"\b(?:cannot|can't|can not|unable to|not able to|impossible to)\s+(?:be\s+)?"
+    r"\b(?:cannot|can't|can not|unable to|not able to|impossible to|not possible to)\s+(?:be\s+)?"
     r"(?:determine|determined|tell|say|answer|know|identify|decide)\b"
     r"|\bnot (?:enough|sufficient) information\b|\binsufficient information\b"
     r"|\bnone of the (?:options|above|choices)\b|\bnot sure\b",
@@ -64,8 +67,15 @@ def strip_thinking(reply: str) -> str:
     return text.strip()
 
 
-def _clean(reply: str) -> str:
+def _final_part(reply: str) -> str:
+    """The reply after think blocks; only the last ``<answer>...</answer>`` body when there is one."""
     text = strip_thinking(reply)
+    tagged = _ANSWER_TAG.findall(text)
+    return tagged[-1].strip() if tagged else text
+
+
+def _clean(reply: str) -> str:
+    text = _final_part(reply)
     text = _BOXED_LETTER.sub(lambda m: f"\u27e6{m.group(1)}\u27e7", text)
     text = _BOLD_LETTER.sub(lambda m: f"\u27e6{m.group(1)}\u27e7", text)
     return text.replace("**", "").replace("__", "").replace("`", "").strip()
@@ -116,7 +126,8 @@ def _option_text_match(text: str, options: dict[str, str]) -> str | None:
 def parse_choice(reply: str, options: dict[str, str]) -> str | None:
     """The option letter a reply chooses, as one of ``options``' keys, or None when unparsed.
 
-    Order: the last explicit answer ("the answer is (C)", "Answer: c", "**C**", "C is correct",
+    Only the text after any think block is read, and only the last ``<answer>...</answer>`` body when
+    there is one. Order: the last explicit answer ("the answer is (C)", "Answer: c", "**C**", "C is correct",
     a reply opening with "(b)", "b.", "C)", "C:", a lone letter, or a last line holding only a letter);
     else the single option whose text the reply contains; else None. Letters outside the option keys
     are ignored; a hedge between two letters ("A or B") and a refusal give None.
@@ -194,10 +205,11 @@ def normalize_answer(text) -> str:
 def exact_match(pred, gold) -> bool:
     """Free-form match after :func:`normalize_answer`.
 
-    The prediction is the reply after any think block; when it states "answer is X" / "Answer: X",
-    the text after the last such statement (up to the end of its line) is compared. Empty never matches.
+    The prediction is the reply after any think block (or its last ``<answer>`` body); when it states
+    "answer is X" / "Answer: X", the text after the last such statement (up to the end of its line) is
+    compared. Empty never matches.
     """
-    text = strip_thinking(str(pred if pred is not None else ""))
+    text = _final_part(str(pred if pred is not None else ""))
     stated = list(_FINAL_ANSWER.finditer(text))
     if stated:
         text = text[stated[-1].end():].split("\n")[0]

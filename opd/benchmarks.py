@@ -2,19 +2,22 @@
 
 ``load_benchmark(name, data_dir)`` looks under ``data_dir/<name>/`` and reads the first layout
 found, in the order listed below (``**/`` means any sub-folder, as a Hugging Face download leaves
-parquet files under ``data/``). Every layout also accepts a Vision-OPD evaluation JSON
-(``*.json``: a list of ``{"images": [path], "query": ..., "response": gold, ...}`` rows, image
-paths relative to the JSON file) as the last choice.
+parquet files under ``data/``). Every benchmark also accepts a Vision-OPD evaluation JSON as the
+last choice (``*.json``: a list of ``{"images": [path], "query": ..., "response": gold, ...}`` rows,
+image paths relative to the JSON file; ``teacher_images``/``crop_images`` give the crop; options are
+read from the query unless ``question_format``/``question_type`` says open; other scalar fields such
+as ``category`` or ``cycle_category`` land in ``meta``).
 
 =============  ========================================================================================
 benchmark      expected files under ``data_dir/<name>/``
 =============  ========================================================================================
 ``vstar``      ``test_questions.jsonl`` (rows ``image`` relative path, ``text`` with "(A) ..." options,
                ``label``, ``category``, ``question_id``) with the image folders beside it; or a
-               VLMEvalKit TSV ``*.tsv``; or ``**/*.parquet``. 191 items.
-``zoombench``  ``**/*.parquet`` with ``image``, ``crop_image``, ``prompt`` (or ``question``), ``answer``
-               and optional ``id``/``index``, ``category``/``type``. 845 items, multiple choice
-               (options inside the prompt) and open-ended.
+               VLMEvalKit TSV ``*.tsv``; or ``**/*.parquet`` (lmms-lab/vstar-bench: the same fields
+               with an embedded ``image``). 191 items (direct_attributes 115, relative_position 76).
+``zoombench``  ``**/*.parquet`` with ``id``, ``query`` (or ``prompt``), ``response`` (or ``answer``),
+               ``question_type`` ("mcq" or open), ``image``, ``crop_image``. 845 items: 621 multiple
+               choice (options inside the query) and 224 open-ended.
 ``hrbench4k``  ``hr_bench_4k.tsv`` / ``*4k*.tsv`` (VLMEvalKit TSV: ``index, question, answer,
                category, A-D, cycle_category, image`` base64) or ``**/*4k*.parquet``; files whose
                name holds "8k" are never read. 800 items = 200 questions x 4 option cycles.
@@ -177,12 +180,10 @@ def split_options(text: str) -> tuple[str, dict[str, str]]:
         options = {}
         for m, n in zip(marks, marks[1:] + [None]):
             body = text[m.end(): n.start() if n else len(text)]
-            if n is None:
-                body = body.split("\n")[0]
+            if n is None:  # the last option ends with its line and loses a trailing instruction
+                body = _clean_question(body.split("\n")[0])
             options[m.group(1).upper()] = body.strip().rstrip(",;").strip()
-        head = text[: marks[0].start()]
-        if scope:
-            head = head[: re.search(r"(?:Options|Choices)\s*:\s*$", head, re.IGNORECASE).start()]
+        head = text[: hit.start()] if scope else text[: marks[0].start()]
         return _clean_question(head), options
     return _clean_question(text), {}
 
@@ -199,8 +200,12 @@ def _clean_question(text: str) -> str:
 
 
 def _letter(value) -> str:
-    """ "(A)", "A", "a.", "(a)" -> "A"; anything else -> "" (not a letter answer)."""
-    m = re.fullmatch(r"\s*\(?([A-Za-z])\)?[.:]?\s*", str(value or ""))
+    """A gold answer's letter: "(A)", "A", "a.", "(a)", "B. Nike", "C: red" -> "A"/"A"/"A"/"A"/"B"/"C".
+
+    Anything else (option text, free text) gives "".
+    """
+    text = str(value or "")
+    m = re.fullmatch(r"\s*\(?([A-Za-z])\)?[.:]?\s*", text) or re.match(r"\s*[(\[]?([A-Z])(?:[.)\]]|[:\-]\s)", text)
     return m.group(1).upper() if m else ""
 
 
@@ -237,7 +242,7 @@ def _read_json_list(path: Path) -> Iterator[Row]:
 
 
 def _read_delimited(path: Path, delimiter: str) -> Iterator[Row]:
-    csv.field_size_limit(sys.maxsize)  # base64 images are long fields
+    csv.field_size_limit(min(sys.maxsize, 2**31 - 1))  # base64 images are long fields
     with open(path, encoding="utf-8-sig", newline="") as fh:
         reader = csv.reader(fh, delimiter=delimiter)
         header = next(reader, None)
@@ -279,13 +284,6 @@ def _get(row: Row, *names: str, required: bool = True):
     return None
 
 
-def _check_columns(rows: list[Row], *names: str) -> None:
-    """Missing column (absent from the first row): name the file and column."""
-    if rows and not any(n in rows[0][0] for n in names):
-        where = rows[0][1].rsplit(" ", 2)[0]
-        raise BenchmarkDataError(f"{where}: missing column '{names[0]}'")
-
-
 class _ImageSource:
     """Turns image fields (HF structs, bytes, base64, paths, VLMEvalKit index references) into ImageRefs.
 
@@ -322,7 +320,7 @@ class _ImageSource:
             path = Path(text)
             return ImageRef(origin, path=path if path.is_absolute() else self.base / path)
         try:
-            return self._blob(base64.b64decode(text, validate=True), origin)
+            return self._blob(base64.b64decode(re.sub(r"\s+", "", text), validate=True), origin)
         except (binascii.Error, ValueError) as exc:
             raise BenchmarkDataError(f"{origin}: neither an image path nor base64 image data") from exc
 
@@ -348,9 +346,12 @@ def _choice(bench, index, question, options, answer, category, image, crop=None,
     return BenchItem(bench, index, question, options, letter, "choice", category, image, crop, meta or {})
 
 
-def _from_prompt(bench, index, prompt, answer, category, image, crop, meta, where) -> BenchItem:
-    """A prompt with options inside is multiple choice; else yes/no when the gold is yes/no; else open."""
-    question, options = split_options(str(prompt))
+def _from_prompt(bench, index, prompt, answer, category, image, crop, meta, where, split=True) -> BenchItem:
+    """A prompt with options inside is multiple choice; else yes/no when the gold is yes/no; else open.
+
+    ``split=False`` (a row marked open-ended) never reads options out of the prompt.
+    """
+    question, options = split_options(str(prompt)) if split else (_clean_question(str(prompt)), {})
     answer = str(answer).strip()
     if options:
         return _choice(bench, index, question, options, answer, category, image, crop, meta, where)
@@ -377,41 +378,59 @@ def _mcq_row(bench: str, row: Row, images: _ImageSource, n: int, meta_fields=())
                    meta={k: v for k, v in meta.items() if v is not None}, where=where)
 
 
-_OPD_FIELDS = {"images", "teacher_images", "query", "problem", "response"}
+_OPD_FIELDS = {"images", "teacher_images", "crop_images", "query", "problem", "response"}
+_OPEN_TYPES = {"open", "open_question", "open-ended", "open_ended", "free_form"}
 
 
 def _visionopd_row(bench: str, row: Row, images: _ImageSource, n: int) -> BenchItem:
     """Vision-OPD eval JSON row: images [path], query, response (the gold answer), optional teacher_images."""
     fields, where = row
     image = images.ref(_get(row, "images"), where, "images")
-    crop = images.ref(fields["teacher_images"], where, "teacher_images") if fields.get("teacher_images") else None
+    crop_field = next((k for k in ("teacher_images", "crop_images") if fields.get(k)), None)
+    crop = images.ref(fields[crop_field], where, crop_field) if crop_field else None
     meta = {k: v for k, v in fields.items() if k not in _OPD_FIELDS and isinstance(v, (str, int, float, bool))}
-    if bench == "mmvp" and str(meta.get("index", n)).isdigit():
-        meta.setdefault("pair", (int(meta.get("index", n)) - 1) // 2 + 1)
+    explicit = _get(row, "id", "index", "question_id", "source_id", "sample_uid", required=False)
+    index = str(n) if explicit is None else str(explicit).strip()
+    if bench == "mmvp":  # pairs from 1-based ids, else from the row order
+        number = int(index) if explicit is not None and index.isdigit() else n + 1
+        meta.setdefault("pair", (number - 1) // 2 + 1)
     if bench == "cvbench" and "source" not in meta:
         path = str(fields["images"][0] if isinstance(fields["images"], list) else fields["images"]).lower()
         meta.update({"source": v for k, v in _CV_SOURCES.items() if k in path})
-    category = str(meta.get("category", meta.get("task", meta.get("split", ""))))
-    return _from_prompt(bench, _index(row, n, "id", "index", "question_id"), _get(row, "query", "problem"),
-                        _get(row, "response"), category, image, crop, meta, where)
+    form = str(meta.get("question_format", meta.get("question_type", "")))
+    category = str(next((meta[k] for k in ("category", "task", "split") if k in meta), form))
+    item = _from_prompt(bench, index, _get(row, "query", "problem"), _get(row, "response"), category, image, crop,
+                        meta, where, split=form.lower() not in _OPEN_TYPES)
+    if bench == "zoombench" and not item.category:
+        item.category = item.kind
+    return item
 
 
 def _vstar_row(row: Row, images: _ImageSource, n: int) -> BenchItem:
     question, options = split_options(str(_get(row, "text")))
+    if not options:
+        raise BenchmarkDataError(f"{row[1]}: field 'text': no \"(A) ...\" options found")
     image = images.ref(_get(row, "image"), row[1], "image")
     return _choice("vstar", _index(row, n, "question_id"), question, options, _get(row, "label"),
                    str(_get(row, "category")), image, where=row[1])
 
 
 def _mmvp_row(row: Row, images: _ImageSource, n: int, image_dir: Path | None) -> BenchItem:
-    raw = _get(row, "Index", "lndex", "index")
+    raw = _get(row, "Index", "lndex", "index", required=False)
+    raw = n + 1 if raw is None else raw  # 1-based, as MMVP numbers its images
     try:
         number = int(float(raw))
     except ValueError as exc:
         raise BenchmarkDataError(f"{row[1]}: field 'Index': {raw!r} is not a number") from exc
-    options = split_options(str(_get(row, "Options", "options")))[1]
+    raw_options = _get(row, "Options", "options")
+    if isinstance(raw_options, (list, tuple)):
+        options = {chr(ord("A") + i): str(o) for i, o in enumerate(raw_options)}
+    else:
+        options = split_options(str(raw_options))[1]
+    if len(options) < 2:
+        raise BenchmarkDataError(f"{row[1]}: field 'Options': expected \"(a) ... (b) ...\", got {raw_options!r}")
     if image_dir is not None:
-        found = [image_dir / f"{number}{s}" for s in (".jpg", ".png", ".jpeg") if (image_dir / f"{number}{s}").is_file()]
+        found = [p for p in (image_dir / f"{number}{s}" for s in (".jpg", ".png", ".jpeg")) if p.is_file()]
         image = ImageRef(f"{row[1]} field 'image'", path=found[0] if found else image_dir / f"{number}.jpg")
     else:
         image = images.ref(_get(row, "image"), row[1], "image")
@@ -455,18 +474,26 @@ def _pope_row(row: Row, images: _ImageSource, n: int) -> BenchItem:
     if _get(row, "image_source", required=False) is not None:
         meta["image_source"] = str(row[0]["image_source"])
     image = images.ref(_get(row, "image"), row[1], "image")
-    return BenchItem("pope", f"{split}/{_index(row, n, 'question_id', 'id')}", _clean_question(str(_get(row, "question"))),
-                     {}, answer, "yesno", split, image, None, meta)
+    question = _clean_question(str(_get(row, "question")))
+    index = f"{split}/{_index(row, n, 'id', 'question_id')}"
+    return BenchItem("pope", index, question, {}, answer, "yesno", split, image, None, meta)
 
 
 def _zoombench_row(row: Row, images: _ImageSource, n: int) -> BenchItem:
+    """ZoomBench parquet row: id, query (or prompt), response (or answer), question_type "mcq" or open."""
     fields, where = row
     image = images.ref(_get(row, "image"), where, "image")
     crop = images.ref(fields["crop_image"], where, "crop_image") if fields.get("crop_image") is not None else None
-    category = _get(row, "category", "type", "question_type", "task", required=False)
-    item = _from_prompt("zoombench", _index(row, n, "id", "index", "question_id"), _get(row, "prompt", "question"),
-                        _get(row, "answer"), str(category or ""), image, crop, {}, where)
-    item.category = item.category or item.kind
+    prompt, answer = _get(row, "query", "prompt", "question"), _get(row, "response", "answer")
+    index = _index(row, n, "id", "index", "question_id")
+    qtype = str(_get(row, "question_type", required=False) or "").strip().lower()
+    meta = {"question_type": qtype} if qtype else {}
+    item = _from_prompt("zoombench", index, prompt, answer, "", image, crop, meta, where,
+                        split=not qtype or qtype == "mcq")  # an open question is never split into options
+    if qtype == "mcq" and item.kind != "choice":
+        raise BenchmarkDataError(f"{where}: field 'query': question_type is mcq but no options were found")
+    category = _get(row, "category", "type", "task", required=False)
+    item.category = str(category) if category is not None else item.kind
     return item
 
 
@@ -503,12 +530,15 @@ def _layouts(name: str) -> list[tuple]:
         "vstar": [(("test_questions.jsonl", "*.jsonl"), _read_jsonl, _vstar_row, ("text", "label", "image")),
                   (("*.tsv",), _tsv, mcq(), ("question", "answer", "image")),
                   (("**/*.parquet",), _read_parquet, _vstar_row, ("text", "label", "image"))],
-        "zoombench": [(("**/*.parquet",), _read_parquet, _zoombench_row, ("prompt|question", "answer", "image"))],
+        "zoombench": [(("**/*.parquet",), _read_parquet, _zoombench_row,
+                       ("query|prompt|question", "response|answer", "image"))],
         "hrbench4k": [(("hr_bench_4k.tsv", "*4k*.tsv", "*4K*.tsv", "*.tsv"), _tsv, mcq(hr_meta), hr_cols),
                       (("**/*4k*.parquet", "**/*4K*.parquet", "**/*.parquet"), _read_parquet, mcq(hr_meta), hr_cols)],
-        "mmvp": [(("Questions.csv",), _csv, "mmvp-csv", ("Index|lndex", "Question", "Options", "Correct Answer")),
+        "mmvp": [(("Questions.csv",), _csv,
+                  lambda row, images, n: _mmvp_row(row, images, n, _mmvp_image_dir(images.base)),
+                  ("Index|lndex", "Question", "Options", "Correct Answer")),
                  (("**/*.parquet",), _read_parquet, lambda row, images, n: _mmvp_row(row, images, n, None),
-                  ("Index|lndex|index", "Question", "Options", "Correct Answer", "image"))],
+                  ("Question", "Options", "Correct Answer", "image"))],
         "cvbench": [(("test.jsonl", "*.jsonl"), _read_jsonl, _cvbench_row, cv_cols + ("filename|image",)),
                     (("test.parquet", "**/test_[23][dD]*.parquet", "**/*.parquet"), _read_parquet, _cvbench_row,
                      cv_cols + ("image",))],
@@ -521,11 +551,11 @@ def _layouts(name: str) -> list[tuple]:
     return table[name] + [vision_opd]
 
 
-def _mmvp_image_dir(csv_path: Path) -> Path:
+def _mmvp_image_dir(folder: Path) -> Path:
     for name in ("MMVP Images", "MMVP Imgaes", "images", "Images"):
-        if (csv_path.parent / name).is_dir():
-            return csv_path.parent / name
-    raise BenchmarkDataError(f"{csv_path}: no image folder 'MMVP Images/' beside it")
+        if (folder / name).is_dir():
+            return folder / name
+    raise BenchmarkDataError(f"{folder / 'Questions.csv'}: no image folder 'MMVP Images/' beside it")
 
 
 def _load(name: str, root: Path, check_images: bool) -> list[BenchItem]:
@@ -543,9 +573,6 @@ def _load(name: str, root: Path, check_images: bool) -> list[BenchItem]:
             for column in columns:
                 if not any(alt in rows[0][0] for alt in column.split("|")):
                     raise BenchmarkDataError(f"{path}: missing column '{column.split('|')[0]}'")
-            if row_fn == "mmvp-csv":
-                image_dir = _mmvp_image_dir(path)
-                row_fn = lambda row, images, n: _mmvp_row(row, images, n, image_dir)  # noqa: E731
             images = _ImageSource(path.parent, rows)
             start = len(items)
             items += [row_fn(row, images, start + n) for n, row in enumerate(rows)]
@@ -560,7 +587,9 @@ def _check_items(items: list[BenchItem], check_images: bool) -> None:
     for item in items:
         origin = getattr(item.image, "origin", item.index).rsplit(" field ", 1)[0]
         if item.index in seen:
-            raise BenchmarkDataError(f"{origin}: field 'index': duplicate index {item.index!r} (first at {seen[item.index]})")
+            raise BenchmarkDataError(
+                f"{origin}: field 'index': duplicate index {item.index!r} (first at {seen[item.index]})"
+            )
         seen[item.index] = origin
         if check_images:
             for ref in (item.image, item.crop):

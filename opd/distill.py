@@ -91,7 +91,7 @@ def distill(
     if res.global_tokens == 0:  # S is empty everywhere: no teacher call, zero distillation term
         return res
     scale = accelerator.num_processes  # DDP averages gradients over ranks
-    chunks = list(torch.split(selected, cfg.micro_batch))
+    chunks = list(torch.split(selected, cfg.micro_batch)) if selected.numel() else []
     if not chunks:  # keep this rank in the gradient all-reduce with a zero-weighted forward
         inputs, _, width = micro_batch_inputs(
             [student_prompts[int(rollouts.prompt_index[0])]], rollouts, torch.tensor([0]), pad_id, device

@@ -20,8 +20,9 @@ import torch
 def kl_divergence(p_logp: torch.Tensor, q_logp: torch.Tensor) -> torch.Tensor:
     """KL(P || Q) = sum_v P_v (log P_v - log Q_v) over the last dim, with 0 log 0 = 0."""
     p = p_logp.exp()
-    terms = torch.where(p > 0, p * (p_logp - q_logp), torch.zeros_like(p))  # (..., k)
-    return terms.sum(-1)
+    # Mask the log-ratio, not the product: where(p > 0, p * (-inf - x), 0) has a NaN gradient.
+    log_ratio = torch.where(p > 0, p_logp - q_logp, torch.zeros_like(p))  # (..., k)
+    return (p * log_ratio).sum(-1)
 
 
 def generalized_jsd(student_logp: torch.Tensor, teacher_logp: torch.Tensor, alpha: float = 0.5) -> torch.Tensor:
@@ -46,6 +47,11 @@ def generalized_jsd(student_logp: torch.Tensor, teacher_logp: torch.Tensor, alph
     return alpha * kl_divergence(teacher_logp, log_m) + (1.0 - alpha) * kl_divergence(student_logp, log_m)
 
 
+def upcast(x: torch.Tensor) -> torch.Tensor:
+    """float32 for half-precision logits; float32 and float64 kept as they are."""
+    return x if x.dtype in (torch.float32, torch.float64) else x.float()
+
+
 def tail_logp(topk_logp: torch.Tensor) -> torch.Tensor:
     """log(1 - sum_k p_k) of the mass outside a top-k support, clamped at the dtype's tiny (k = V gives ~0)."""
     mass = topk_logp.exp().sum(-1, keepdim=True)  # (..., 1)
@@ -65,8 +71,8 @@ def topk_support(
     if student_logits.shape != teacher_logits.shape:
         raise ValueError(f"student {tuple(student_logits.shape)} and teacher {tuple(teacher_logits.shape)} logits differ")
     k = min(k, student_logits.shape[-1])
-    s_logp_full = torch.log_softmax(student_logits.float(), dim=-1)  # (..., V)
-    t_logp_full = torch.log_softmax(teacher_logits.float(), dim=-1)  # (..., V)
+    s_logp_full = torch.log_softmax(upcast(student_logits), dim=-1)  # (..., V)
+    t_logp_full = torch.log_softmax(upcast(teacher_logits), dim=-1)  # (..., V)
     ids = s_logp_full.topk(k, dim=-1).indices  # (..., k)
     s_logp = s_logp_full.gather(-1, ids)  # (..., k)
     t_logp = t_logp_full.gather(-1, ids)  # (..., k)

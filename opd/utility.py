@@ -19,7 +19,7 @@ import math
 import torch
 import torch.nn.functional as F
 
-from opd.divergence import generalized_jsd
+from opd.divergence import generalized_jsd, upcast
 
 
 def topk_overlap(student_ids: torch.Tensor, teacher_ids: torch.Tensor) -> torch.Tensor:
@@ -50,9 +50,9 @@ def utility_terms(
     k = min(k, student_logits.shape[-1])
     if k < 2:
         raise ValueError(f"the utility needs k >= 2 (c divides by log k), got k = {k}")
-    s_top = student_logits.float().topk(k, dim=-1)
+    s_top = upcast(student_logits).topk(k, dim=-1)
     s_logp_k = torch.log_softmax(s_top.values, dim=-1)  # (..., k) P^S renormalized
-    t_logp_k = torch.log_softmax(teacher_logits.float().gather(-1, s_top.indices), dim=-1)  # (..., k) P^T
+    t_logp_k = torch.log_softmax(upcast(teacher_logits).gather(-1, s_top.indices), dim=-1)  # (..., k) P^T
     t_ids = teacher_logits.topk(k, dim=-1).indices  # (..., k)
     d = token_jsd(s_logp_k, t_logp_k)
     o = topk_overlap(s_top.indices, t_ids)

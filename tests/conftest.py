@@ -1,0 +1,33 @@
+"""Shared fixtures: a per-session cache for the built-in tiny model and data, and seeding."""
+
+import os
+
+import pytest
+import torch
+
+
+@pytest.fixture(scope="session", autouse=True)
+def tiny_cache(tmp_path_factory):
+    """Points the built-in default's cache (opd.tiny.cache_dir) at a fresh session folder."""
+    path = tmp_path_factory.mktemp("bas-opd-cache")
+    old = os.environ.get("BAS_OPD_CACHE")
+    os.environ["BAS_OPD_CACHE"] = str(path)
+    yield path
+    if old is None:
+        os.environ.pop("BAS_OPD_CACHE", None)
+    else:
+        os.environ["BAS_OPD_CACHE"] = old
+
+
+@pytest.fixture(autouse=True)
+def seeded():
+    """Every test starts from the same global torch seed."""
+    torch.manual_seed(0)
+
+
+@pytest.fixture(scope="session")
+def tiny(tiny_cache):
+    """(model folder, training JSONL) of the built-in default."""
+    from opd.tiny import tiny_defaults
+
+    return tiny_defaults()

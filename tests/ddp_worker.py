@@ -1,0 +1,84 @@
+"""Worker for the DDP test: two training steps on fixed rollouts, with 1 or 2 processes.
+
+Run directly (one process) or under `torchrun --nproc_per_node 2` (gloo on the CPU). Every rank builds
+its shard of one global batch of fixed responses, so the 1- and 2-process runs train on the same
+global batch. With --skew, only rows of rank 0 have high entropy: the entropy policy then selects
+nothing on rank 1, which must still complete the step.
+Writes OUT/result.pt: the policy's parameters, the selections, and the ledger rows.
+"""
+
+import argparse
+import sys
+from pathlib import Path
+
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+from opd.rollout import Rollouts, response_mask  # noqa: E402
+from opd.seeding import seeded_generator  # noqa: E402
+from opd.views import student_view  # noqa: E402
+from train import Run, TrainConfig  # noqa: E402
+
+
+def fixed_rollouts(run: Run, step: int, skew: bool) -> Rollouts:
+    """Deterministic responses per global row, independent of how rows are split over ranks."""
+    records = run.prompts(step)
+    prompts = [run.encode(student_view, r) for r in records]
+    n = run.cfg.rollouts_per_prompt
+    per_rank = len(records) * n
+    first = run.acc.process_index * per_rank
+    ids, logp, ent = [], [], []
+    width = 10
+    chars = run.processor.tokenizer.convert_tokens_to_ids(list("abcdefghij"))
+    for g in range(first, first + per_rank):
+        gen = seeded_generator(123, step, g)
+        length = int(torch.randint(2, width, (1,), generator=gen))
+        row = torch.tensor(chars)[torch.randint(0, 10, (width,), generator=gen)]
+        row[length - 1] = run.ids["eos"][0]
+        row[length:] = run.ids["pad"]
+        ids.append(row)
+        logp.append(-torch.rand(width, generator=gen) * 3)
+        high = skew and g < run.cfg.prompts_per_step * n // 2  # the rows rank 0 holds with 2 processes
+        ent.append(torch.rand(width, generator=gen) + (10.0 if high else 0.0))
+    response_ids = torch.stack(ids)
+    mask = response_mask(response_ids, run.ids["eos"])
+    prompt_index = torch.arange(len(records)).repeat_interleave(n)
+    return Rollouts(
+        prompt_index=prompt_index,
+        response_ids=response_ids,
+        response_mask=mask,
+        logp=torch.stack(logp) * mask,
+        entropy=torch.stack(ent) * mask,
+        prompt_len=torch.tensor([len(prompts[j]) for j in prompt_index.tolist()]),
+        valid=torch.ones(len(prompt_index), dtype=torch.bool),
+    )
+
+
+def main() -> None:
+    p = argparse.ArgumentParser()
+    p.add_argument("--out", required=True)
+    p.add_argument("--policy", default="random")
+    p.add_argument("--rho", type=float, default=0.25)
+    p.add_argument("--skew", action="store_true")
+    a = p.parse_args()
+    cfg = TrainConfig(
+        out=a.out, policy=a.policy, rho=a.rho, prompts_per_step=4, rollouts_per_prompt=4, steps=2,
+        lr=1e-3, micro_batch=3, replay_start=4, replay_batch=16, max_prompt_len=512, max_response_len=10,
+    )  # fmt: skip
+    run = Run(cfg)
+    rows, teacher_rows = [], []
+    for step in range(2):
+        before = run.teacher.rows_scored
+        rows.append(run.step(step, fixed_rollouts(run, step, a.skew)))
+        teacher_rows.append(run.teacher.rows_scored - before)
+    counts = run.acc.gather(torch.tensor(teacher_rows)).view(run.acc.num_processes, -1)
+    if run.acc.is_main_process:
+        params = {k: v.detach().clone() for k, v in run.policy.state_dict().items()}
+        teacher = {k: v.detach().clone() for k, v in run.teacher.model.state_dict().items()}
+        torch.save({"params": params, "teacher": teacher, "rows": rows, "teacher_rows": counts}, Path(a.out) / "result.pt")
+    run.acc.wait_for_everyone()
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,309 @@
+"""End-to-end checks of Algorithm 1 on the built-in tiny Qwen3.5 (CPU, seeded)."""
+
+import math
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+from ddp_worker import fixed_rollouts
+
+import opd.distill
+import train
+from opd.chat import collate, encode_prompt
+from opd.data import load_records
+from opd.ledger import read_ledger
+from opd.model import load_model, load_processor, special_ids
+from opd.rollout import generate_rollouts, response_mask
+from opd.teacher import response_logits
+from opd.views import VIEWS, student_view
+from train import Run, TrainConfig
+
+ROOT = Path(__file__).resolve().parents[1]
+TIMING = {"generation_s", "teacher_forward_s", "student_s", "select_s", "step_s"}
+
+
+def small_config(tmp_path: Path, **kw) -> TrainConfig:
+    base = dict(
+        out=str(tmp_path / "run"), prompts_per_step=4, rollouts_per_prompt=4, max_response_len=8, steps=2,
+        lr=1e-3, micro_batch=3, replay_start=4, replay_batch=16, max_prompt_len=512,
+    )  # fmt: skip
+    base.update(kw)
+    return TrainConfig(**base)
+
+
+def params_of(model) -> dict[str, torch.Tensor]:
+    return {k: v.detach().clone() for k, v in model.named_parameters()}
+
+
+@torch.no_grad()
+def perturb(model, scale: float = 0.05, seed: int = 7) -> None:
+    """Moves a teacher away from the student so the divergence is far above float rounding."""
+    gen = torch.Generator().manual_seed(seed)
+    for p in model.parameters():
+        p.add_(torch.randn(p.shape, generator=gen) * scale)
+
+
+class Spy:
+    """Wraps a function and keeps every result."""
+
+    def __init__(self, fn):
+        self.fn, self.results = fn, []
+
+    def __call__(self, *args, **kwargs):
+        out = self.fn(*args, **kwargs)
+        self.results.append(out)
+        return out
+
+
+def test_rollout_stats_equal_a_forward_over_the_finished_sequence(tiny):
+    """The log-probs and entropies recorded during generate() are those of the sampling distribution."""
+    model_dir, data = tiny
+    model, processor = load_model(str(model_dir)), load_processor(str(model_dir))
+    records = load_records(data)[:3]
+    prompts = [encode_prompt(processor, *student_view(r)) for r in records]
+    ro = generate_rollouts(model, prompts, 3, 12, batch_rows=4)
+    ids = special_ids(model)
+    inputs = collate([prompts[j] for j in ro.prompt_index.tolist()], ids["pad"], ro.response_ids, ro.response_mask)
+    with torch.no_grad():
+        logits = response_logits(model, inputs, ro.response_ids.shape[1]).double()  # (N, T, V)
+    logits[..., ids["vision"]] = -math.inf  # sampling suppresses the vision special tokens
+    logp = torch.log_softmax(logits, -1)
+    expected_logp = logp.gather(-1, ro.response_ids.unsqueeze(-1)).squeeze(-1)
+    p = logp.exp()
+    expected_entropy = -torch.where(p > 0, p * logp, torch.zeros_like(p)).sum(-1)
+    m = ro.response_mask
+    assert m.any()
+    torch.testing.assert_close(ro.logp[m].double(), expected_logp[m], atol=2e-5, rtol=0)
+    torch.testing.assert_close(ro.entropy[m].double(), expected_entropy[m], atol=2e-5, rtol=0)
+    assert not torch.isin(ro.response_ids[m], torch.tensor(ids["vision"])).any()
+    assert ro.prompt_index.tolist() == [0, 0, 0, 1, 1, 1, 2, 2, 2]
+
+
+def test_response_mask_keeps_tokens_up_to_the_first_eos():
+    ids = torch.tensor([[5, 6, 2, 0, 0], [5, 2, 7, 2, 0], [5, 6, 7, 8, 9], [2, 0, 0, 0, 0]])
+    expected = torch.tensor([[1, 1, 1, 0, 0], [1, 1, 0, 0, 0], [1, 1, 1, 1, 1], [1, 0, 0, 0, 0]], dtype=torch.bool)
+    assert torch.equal(response_mask(ids, [2]), expected)
+
+
+def test_teacher_sees_exactly_the_selected_rows(tmp_path, tiny):
+    run = Run(small_config(tmp_path, policy="random", rho=0.5, micro_batch=2))
+    select = Spy(run.selector.select)
+    run.selector.select = select
+    seen = []
+    run.teacher.model.register_forward_pre_hook(lambda m, a, kw: seen.append(kw["input_ids"].clone()), with_kwargs=True)
+    for step in range(2):
+        seen.clear()
+        ro = fixed_rollouts(run, step, skew=False)
+        before = run.teacher.rows_scored
+        row = run.step(step, ro)
+        chosen = select.results[-1]
+        assert run.teacher.rows_scored - before == chosen.numel() == row["selected"] == row["teacher_rows"] > 0
+        assert all(batch.shape[0] <= 2 for batch in seen)
+        assert len(seen) == math.ceil(chosen.numel() / 2)
+        # Teacher batch b holds selected rows 2b, 2b + 1 in order: each row ends with that row's response.
+        assert sum(batch.shape[0] for batch in seen) == chosen.numel()
+        for batch, rows in zip(seen, torch.split(chosen, 2)):
+            width = int(ro.lengths[rows].max())
+            for r, i in zip(batch, rows.tolist()):
+                n = int(ro.lengths[i])
+                assert torch.equal(r[-width:][:n], ro.response_ids[i, :n])
+        eligible = torch.tensor([run.prompts(step)[j].eligible for j in ro.prompt_index.tolist()])
+        assert eligible[chosen].all()
+        assert row["budget"] == math.floor(0.5 * int(eligible.sum()))
+        assert row["scored_tokens"] == int(ro.lengths[chosen].sum())
+        assert row["candidate_tokens"] == int(ro.lengths[eligible].sum())
+
+
+@pytest.mark.parametrize("policy,rho", [("full", 1.0), ("random", 0.25), ("entropy", 0.25), ("learned", 0.25)])
+def test_two_steps_of_each_policy(tmp_path, tiny, monkeypatch, policy, rho):
+    gen = Spy(train.generate_rollouts)
+    monkeypatch.setattr(train, "generate_rollouts", gen)
+    run = Run(small_config(tmp_path, policy=policy, rho=rho, replay_start=4, replay_batch=8))
+    select = Spy(run.selector.select)
+    run.selector.select = select
+    rows = []
+    for step in range(2):
+        student_before, teacher_before = params_of(run.policy), params_of(run.teacher.model)
+        row = run.step(step)
+        run.log(row)
+        rows.append(row)
+        student_after, teacher_after = params_of(run.policy), params_of(run.teacher.model)
+        assert not row["skipped"]
+        assert any(not torch.equal(student_before[k], student_after[k]) for k in student_after)
+        for k in teacher_after:  # theta-bar <- (1 - tau) theta-bar + tau theta
+            torch.testing.assert_close(teacher_after[k], 0.95 * teacher_before[k] + 0.05 * student_after[k])
+        ro, chosen = gen.results[-1], select.results[-1]
+        eligible = torch.tensor([run.prompts(step)[j].eligible for j in ro.prompt_index.tolist()]) & ro.valid
+        assert row["candidates"] == int(eligible.sum())
+        assert row["budget"] == math.floor(rho * row["candidates"])
+        assert row["selected"] == chosen.numel() == row["budget"]
+        assert row["overrun"] == 0 and eligible[chosen].all()
+        assert row["scored_tokens"] == int(ro.lengths[chosen].sum())
+        assert row["teacher_rows"] == row["selected"]
+        assert math.isfinite(row["loss"]) and row["loss"] > 0
+    ledger = read_ledger(Path(run.cfg.out) / "ledger.jsonl")
+    assert [r["step"] for r in ledger] == [0, 1]
+    assert [r["scored_tokens"] for r in ledger] == [r["scored_tokens"] for r in rows]
+    if policy == "learned":
+        assert run.selector.model.trained  # the labels of two steps reached replay_start = 4
+
+
+def test_teacher_on_the_students_own_view_gives_zero_loss(tmp_path, tiny, monkeypatch):
+    """A new privileged view is one entry in VIEWS; with the student's view the teacher equals the student."""
+    monkeypatch.setitem(VIEWS, "same", student_view)
+    run = Run(small_config(tmp_path, policy="full", rho=1.0, teacher_view="same"))
+    row = run.step(0, fixed_rollouts(run, 0, skew=False))
+    assert row["selected"] > 0
+    assert abs(row["loss"]) < 1e-6 and abs(row["utility_mean"]) < 1e-6
+
+
+def test_micro_batch_size_does_not_change_the_loss_or_gradient(tmp_path, tiny):
+    rows = []
+    for mb in (1, 8):
+        run = Run(small_config(tmp_path / f"mb{mb}", policy="full", rho=1.0, micro_batch=mb))
+        perturb(run.teacher.model)
+        rows.append(run.step(0, fixed_rollouts(run, 0, skew=False)))
+    assert rows[0]["loss"] == pytest.approx(rows[1]["loss"], rel=1e-5)
+    assert rows[0]["grad_norm"] == pytest.approx(rows[1]["grad_norm"], rel=1e-4)
+
+
+def test_empty_selection_is_a_valid_step_without_teacher(tmp_path, tiny):
+    run = Run(small_config(tmp_path, policy="random", rho=0.01))
+    teacher_before = params_of(run.teacher.model)
+    row = run.step(0, fixed_rollouts(run, 0, skew=False))
+    assert row["budget"] == 0 and row["selected"] == 0 and row["teacher_rows"] == 0
+    assert run.teacher.rows_scored == 0 and run.teacher.batches == []
+    assert row["loss"] == 0.0 and not row["skipped"]
+    assert math.isnan(row["utility_mean"])
+    student = params_of(run.policy)
+    for k, v in params_of(run.teacher.model).items():  # the EMA still follows the (zero-gradient) update
+        torch.testing.assert_close(v, 0.95 * teacher_before[k] + 0.05 * student[k])
+
+
+def test_non_finite_loss_skips_update_and_ema(tmp_path, tiny, monkeypatch):
+    run = Run(small_config(tmp_path, policy="full", rho=1.0))
+    monkeypatch.setattr(opd.distill, "generalized_jsd", lambda s, t, a: (s * float("nan")).sum(-1))
+    student_before, teacher_before = params_of(run.policy), params_of(run.teacher.model)
+    with pytest.warns(UserWarning, match="non-finite"):
+        row = run.step(0, fixed_rollouts(run, 0, skew=False))
+    assert row["skipped"]
+    for k, v in params_of(run.policy).items():
+        assert torch.equal(v, student_before[k])
+    for k, v in params_of(run.teacher.model).items():
+        assert torch.equal(v, teacher_before[k])
+
+
+def test_batch_without_eligible_rows_trains_without_distillation_and_warns_once(tmp_path, tiny):
+    _, data = tiny
+    lines = [line.replace('"teacher_images"', '"unused"').replace('"bbox"', '"unused_bbox"') for line in data.read_text().splitlines()]
+    no_crop = data.parent / "no_crop.jsonl"
+    no_crop.write_text("\n".join(lines) + "\n")
+    run = Run(small_config(tmp_path, data=str(no_crop), policy="random"))
+    with pytest.warns(UserWarning, match="no crop-eligible") as record:
+        rows = [run.step(s, fixed_rollouts(run, s, skew=False)) for s in range(2)]
+    assert sum("no crop-eligible" in str(w.message) for w in record) == 1
+    assert all(r["candidates"] == 0 and r["selected"] == 0 and r["loss"] == 0.0 for r in rows)
+    assert run.teacher.rows_scored == 0
+
+
+def test_resume_continues_to_the_same_result(tmp_path, tiny):
+    kw = dict(policy="learned", rho=0.5, steps=4, replay_start=8, replay_batch=8)
+    whole = Run(small_config(tmp_path / "whole", **kw))
+    whole.train()
+    first = Run(small_config(tmp_path / "split", **{**kw, "steps": 2}))
+    first.train()
+    resumed = Run(small_config(tmp_path / "split", **kw, resume=str(tmp_path / "split" / "run")))
+    assert resumed.start == 2
+    resumed.train()
+    for k, v in params_of(whole.policy).items():
+        torch.testing.assert_close(params_of(resumed.policy)[k], v, rtol=0, atol=1e-6)
+    for k, v in params_of(whole.teacher.model).items():
+        torch.testing.assert_close(params_of(resumed.teacher.model)[k], v, rtol=0, atol=1e-6)
+    a = read_ledger(tmp_path / "whole" / "run" / "ledger.jsonl")
+    b = read_ledger(tmp_path / "split" / "run" / "ledger.jsonl")
+    assert [r["step"] for r in b] == [0, 1, 2, 3]
+    for ra, rb in zip(a, b):
+        for key in ra.keys() - TIMING:
+            assert ra[key] == pytest.approx(rb[key], rel=1e-6, nan_ok=True), key
+    assert whole.selector.model.updates == resumed.selector.model.updates > 0
+    torch.testing.assert_close(whole.selector.model.replay.u, resumed.selector.model.replay.u)
+
+
+@pytest.mark.parametrize(
+    "flags,message",
+    [
+        (["--rho", "0"], "--rho 0.0"),
+        (["--rho", "1.5"], "--rho 1.5"),
+        (["--policy", "full", "--rho", "0.25"], "--policy full"),
+        (["--policy", "greedy"], "--policy 'greedy'"),
+        (["--preset", "paper-4b"], "--data is required"),
+        (["--prompts-per-step", "0"], "--prompts-per-step 0"),
+    ],
+)
+def test_impossible_flags_are_refused_by_name(tmp_path, flags, message):
+    with pytest.raises(SystemExit, match=message.replace("(", r"\(")):
+        train.main(flags + ["--out", str(tmp_path)])
+
+
+def test_cli_default_run_prints_the_cost_summary_and_writes_a_loadable_checkpoint(tmp_path, tiny, capsys):
+    out = tmp_path / "cli"
+    summary = train.main(["--policy", "learned", "--rho", "0.25", "--steps", "3", "--out", str(out)])
+    printed = capsys.readouterr().out
+    assert "| Policy | Candidates | Teacher calls | Query ratio | Scored tokens" in printed
+    assert "| learned-25 |" in printed
+    ledger = read_ledger(out / "ledger.jsonl")
+    assert len(ledger) == 3
+    assert summary["calls"] == sum(r["selected"] for r in ledger)
+    assert summary["candidates"] == sum(r["candidates"] for r in ledger)
+    assert summary["max_overrun"] <= 0
+    ckpt = out / (out / "latest").read_text().strip()
+    model, processor = load_model(str(ckpt / "policy")), load_processor(str(ckpt / "policy"))
+    assert type(model).__name__ == "Qwen3_5ForConditionalGeneration"
+    assert type(processor).__name__ == "Qwen3VLProcessor"
+    assert (out / "summary.md").read_text().startswith("| Policy |")
+
+
+def _run_worker(out: Path, nproc: int, *args: str) -> dict:
+    env = {**os.environ, "OMP_NUM_THREADS": "1"}
+    worker = str(ROOT / "tests" / "ddp_worker.py")
+    if nproc == 1:
+        cmd = [sys.executable, worker]
+    else:
+        cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", str(nproc), "--master_port", "0", worker]
+    proc = subprocess.run(cmd + ["--out", str(out), *args], env=env, capture_output=True, text=True, timeout=600)
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    return torch.load(out / "result.pt", weights_only=False)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("policy,skew", [("random", False), ("entropy", True)])
+def test_two_process_ddp_matches_one_process(tmp_path, tiny, policy, skew):
+    args = ["--policy", policy] + (["--skew"] if skew else [])
+    one = _run_worker(tmp_path / "one", 1, *args)
+    two = _run_worker(tmp_path / "two", 2, *args)
+    for r1, r2 in zip(one["rows"], two["rows"]):
+        for key in ("candidates", "budget", "selected", "scored_tokens", "teacher_rows"):
+            assert r1[key] == r2[key], key
+        assert r1["loss"] == pytest.approx(r2["loss"], rel=1e-4)
+    for k, v in one["params"].items():
+        torch.testing.assert_close(two["params"][k], v, rtol=0, atol=1e-4)
+    for k, v in one["teacher"].items():
+        torch.testing.assert_close(two["teacher"][k], v, rtol=0, atol=1e-4)
+    per_rank = two["teacher_rows"]  # (2 ranks, 2 steps)
+    assert per_rank.sum(0).tolist() == [r["selected"] for r in two["rows"]]
+    if skew:  # every selected row lies on rank 0; rank 1 held none and still finished both steps
+        assert per_rank[1].tolist() == [0, 0] and per_rank[0].sum() > 0
+
+
+@pytest.mark.slow
+def test_accelerate_launch_runs_the_default(tmp_path, tiny):
+    env = {**os.environ, "OMP_NUM_THREADS": "2"}
+    cmd = [sys.executable, "-m", "accelerate.commands.launch", "--num_processes", "1", "--cpu",
+           str(ROOT / "train.py"), "--policy", "learned", "--rho", "0.25", "--steps", "2", "--out", str(tmp_path / "acc")]  # fmt: skip
+    proc = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=600, cwd=ROOT)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert "| learned-25 |" in proc.stdout
+    assert len(read_ledger(tmp_path / "acc" / "ledger.jsonl")) == 2
