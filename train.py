@@ -367,7 +367,7 @@ class Run:
             row = self.step(step)
             self.log(row)
             bar.update(1)
-            bar.set_postfix(loss=f"{row['loss']:.4f}", S_K=f"{row['selected']}/{row['budget']}", u=f"{row['utility_mean']:.2e}")
+            bar.set_postfix(loss=f"{row['loss']:.3e}", S_K=f"{row['selected']}/{row['budget']}", u=f"{row['utility_mean']:.2e}")
             last = step + 1 == self.steps
             if last or (self.cfg.save_every and (step + 1) % self.cfg.save_every == 0):
                 self.save(step + 1)
