@@ -1,7 +1,7 @@
 """The built-in default: a tiny random-weight Qwen3.5 and a small generated image/crop dataset, offline.
 
 `build_tiny_model(dir)` writes a `Qwen3_5ForConditionalGeneration` (hidden 64, 4 layers, vision depth 2)
-with a character-level tokenizer and a `Qwen3VLProcessor` through `save_pretrained`, so training,
+with a character-level `Qwen3_5Tokenizer` and a `Qwen3VLProcessor` through `save_pretrained`, so training,
 evaluation and the tests load it through the same `from_pretrained` path as a real checkpoint.
 `build_tiny_dataset(dir)` writes images, crops and a training JSONL in both record forms of
 `opd.data`. Both are deterministic by seed and cached: an existing, complete folder is reused.
@@ -17,7 +17,7 @@ import numpy as np
 import torch
 from PIL import Image, ImageDraw
 
-TINY_VERSION = "2"
+TINY_VERSION = "3"
 
 SPECIAL_TOKENS = [
     "<|endoftext|>", "<|im_start|>", "<|im_end|>", "<|vision_start|>", "<|vision_end|>",
@@ -43,21 +43,18 @@ CHAT_TEMPLATE = (
 
 
 def tiny_tokenizer():
-    """A character-level fast tokenizer over printable ASCII plus the Qwen special tokens."""
-    from tokenizers import Tokenizer, decoders, models, pre_tokenizers
-    from transformers import PreTrainedTokenizerFast
+    """Qwen3.5's own tokenizer class (byte-level BPE) with a character vocabulary and no merges:
+    printable ASCII, newline and the Qwen special tokens, ids stable across save/load."""
+    from transformers.convert_slow_tokenizer import bytes_to_unicode
+    from transformers.models.qwen3_5.tokenization_qwen3_5 import Qwen3_5Tokenizer
 
-    chars = [chr(i) for i in range(32, 127)] + ["\n"]
+    byte_char = bytes_to_unicode()
+    chars = [byte_char[b] for b in [*range(32, 127), 10]]
     vocab = {t: i for i, t in enumerate(SPECIAL_TOKENS + chars)}
-    tok = Tokenizer(models.WordLevel(vocab=vocab, unk_token="<|endoftext|>"))
-    tok.pre_tokenizer = pre_tokenizers.Split(pattern="", behavior="isolated")
-    tok.decoder = decoders.Fuse()
-    return PreTrainedTokenizerFast(
-        tokenizer_object=tok,
-        eos_token="<|im_end|>",
-        pad_token="<|endoftext|>",
-        additional_special_tokens=SPECIAL_TOKENS[1:],
-    )
+    return Qwen3_5Tokenizer(
+        vocab=vocab, merges=[], eos_token="<|im_end|>", pad_token="<|endoftext|>",
+        extra_special_tokens=SPECIAL_TOKENS[1:],
+    )  # fmt: skip
 
 
 def tiny_processor(max_pixels: int = 64 * 64):
