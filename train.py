@@ -28,8 +28,8 @@ from opd.cli import parse_config
 from opd.data import Record, load_records, shard, step_prompt_indices
 from opd.distill import DistillConfig, distill
 from opd.features import rollout_features
-from opd.ledger import Ledger, format_summary, summarize, write_atomic
-from opd.model import load_model, load_processor, special_ids
+from opd.ledger import PHASES, Ledger, PhaseTimer, format_summary, summarize, write_atomic
+from opd.model import autocast, load_model, load_processor, special_ids
 from opd.predictor import PredictorConfig
 from opd.rollout import Rollouts, generate_rollouts
 from opd.seeding import mix_seed
@@ -82,7 +82,11 @@ class TrainConfig:
     topk: int = 100
     """Top-k support of the distillation loss and the utility terms."""
     micro_batch: int = 4
-    """Rows per student/teacher forward; bounds the full-vocabulary logits held at once."""
+    """Most rows per student/teacher forward."""
+    micro_batch_tokens: int = 0
+    """Most padded teacher tokens per forward (rows grouped by length under it); 0 = rows only."""
+    loss_chunk: int = 512
+    """Response positions per LM-head chunk in the loss (logits never held beyond it); 0 = whole micro-batch logits."""
     rollout_batch: int = 0
     """Rows per generate() call; 0 = all of a rank's rows at once."""
     explore: float = 0.10
@@ -122,7 +126,7 @@ class TrainConfig:
     dtype: str = "float32"
     """Weight dtype of policy and teacher (float32 keeps lr 2e-6 updates representable)."""
     mixed_precision: str = "no"
-    """accelerate autocast: no, bf16 or fp16."""
+    """Autocast of the forwards: no, bf16 or fp16 (weights stay in --dtype)."""
     grad_checkpointing: bool = False
     """Recompute activations in backward (long responses on a real model)."""
     save_every: int = 0
@@ -139,7 +143,10 @@ class TrainConfig:
         )  # fmt: skip
 
     def distill(self) -> DistillConfig:
-        return DistillConfig(self.topk, self.alpha, self.micro_batch, not self.no_overlap, not self.no_confidence)
+        return DistillConfig(
+            self.topk, self.alpha, self.micro_batch, self.micro_batch_tokens, self.loss_chunk,
+            not self.no_overlap, not self.no_confidence,
+        )  # fmt: skip
 
 
 PAPER = dict(
@@ -178,6 +185,10 @@ def check_config(cfg: TrainConfig, world: int) -> None:
     for name in ("micro_batch", "rollouts_per_prompt", "prompts_per_step", "max_response_len", "keep_checkpoints"):
         if getattr(cfg, name) < 1:
             problems.append(f"--{name.replace('_', '-')} {getattr(cfg, name)}: must be at least 1")
+    if cfg.mixed_precision not in ("no", "bf16", "fp16"):
+        problems.append(f"--mixed-precision {cfg.mixed_precision!r}: choose no, bf16 or fp16")
+    if cfg.micro_batch_tokens < 0 or cfg.loss_chunk < 0:
+        problems.append("--micro-batch-tokens and --loss-chunk must be >= 0")
     if cfg.steps < 0:
         problems.append(f"--steps {cfg.steps}: must be >= 0")
     if cfg.preset != "tiny" and cfg.data is None:
@@ -193,7 +204,8 @@ class Run:
         # cpu=True without CUDA: accelerate then sets up gloo DDP under torchrun / accelerate launch.
         cpu = not torch.cuda.is_available()
         check_config(cfg, PartialState(cpu=cpu).num_processes)
-        self.acc = accelerator or Accelerator(mixed_precision=cfg.mixed_precision, cpu=cpu)
+        self.acc = accelerator or Accelerator(cpu=cpu)
+        self.autocast = autocast(self.acc.device, cfg.mixed_precision)
         self.cfg = cfg
         self.out = Path(cfg.out)
         model_path, data_path = cfg.model, cfg.data
@@ -248,26 +260,29 @@ class Run:
         """One iteration of Algorithm 1; `rollouts` may stand in for sampling (tests). Returns the ledger row."""
         acc, cfg, device = self.acc, self.cfg, self.acc.device
         t_step = time.perf_counter()
-        records = self.prompts(step)
-        student_prompts = [self.encode(student_view, r) for r in records]
+        timer = PhaseTimer(device)
+        with timer("prompt"):
+            records = self.prompts(step)
+            student_prompts = [self.encode(student_view, r) for r in records]
 
         # Line 3: y_i ~ p_theta(. | x_i, q_i) for every prompt of this rank; C = rows with a crop.
-        t0 = time.perf_counter()
-        if rollouts is None:
-            torch.manual_seed(mix_seed(cfg.seed, step, acc.process_index))
-            rollouts = generate_rollouts(
-                self.policy, student_prompts, cfg.rollouts_per_prompt, cfg.max_response_len, cfg.rollout_batch
-            )
-        generation_s = time.perf_counter() - t0
+        with timer("generation"):
+            if rollouts is None:
+                torch.manual_seed(mix_seed(cfg.seed, step, acc.process_index))
+                with self.autocast():
+                    rollouts = generate_rollouts(
+                        self.policy, student_prompts, cfg.rollouts_per_prompt, cfg.max_response_len, cfg.rollout_batch
+                    )
         rows = rollouts.prompt_index.tolist()
         eligible_local = torch.tensor([records[j].eligible for j in rows]) & rollouts.valid
         area = torch.tensor([records[j].area_ratio for j in rows])
 
         # Line 4: detached features (Eq. 5), all-gathered so every rank sees the global candidates.
         phi_local = rollout_features(rollouts.logp, rollouts.entropy, rollouts.response_mask, rollouts.prompt_len, area)
-        phi = acc.gather(phi_local.to(device)).cpu()  # (N, 6)
-        eligible = acc.gather(eligible_local.long().to(device)).cpu().bool()  # (N,)
-        lengths = acc.gather(rollouts.lengths.to(device)).cpu()  # (N,)
+        with timer("wait"):
+            phi = acc.gather(phi_local.to(device)).cpu()  # (N, 6)
+            eligible = acc.gather(eligible_local.long().to(device)).cpu().bool()  # (N,)
+            lengths = acc.gather(rollouts.lengths.to(device)).cpu()  # (N,)
         n_eligible = int(eligible.sum())
         budget = query_budget(cfg.rho, n_eligible)  # Eq. 4
         if n_eligible == 0 and not self.warned_no_eligible:
@@ -275,9 +290,8 @@ class Run:
             self.warned_no_eligible = True
 
         # Lines 5-9: S from the global candidates, before any teacher computation.
-        t0 = time.perf_counter()
-        selected = self.selector.select(phi, eligible, budget, step)  # global row ids
-        select_s = time.perf_counter() - t0
+        with timer("select"):
+            selected = self.selector.select(phi, eligible, budget, step)  # global row ids
         offset = acc.process_index * len(rollouts)
         local = selected[(selected >= offset) & (selected < offset + len(rollouts))] - offset
 
@@ -290,23 +304,40 @@ class Run:
             return teacher_prompts[j]
 
         rows_before = self.teacher.rows_scored
-        res = distill(acc, self.student, self.teacher, rollouts, student_prompts, teacher_prompt, local, cfg.distill(), self.ids["pad"])
-        for p in self.student.parameters():  # an empty S still makes a (zero-gradient) optimizer step
-            if p.grad is None:
-                p.grad = torch.zeros_like(p)
-        grad_norm = acc.clip_grad_norm_(self.student.parameters(), cfg.grad_clip)
-        sums = acc.reduce(torch.tensor([res.loss_sum, self.teacher.rows_scored - rows_before], device=device, dtype=torch.float64), "sum")
+        t0 = time.perf_counter()
+        res = distill(
+            acc, self.student, self.teacher, rollouts, student_prompts, teacher_prompt, local, cfg.distill(),
+            self.ids["pad"], self.autocast,
+        )  # fmt: skip
+        timer.seconds["teacher_forward"] += res.teacher_s
+        timer.seconds["student"] += time.perf_counter() - t0 - res.teacher_s
+        with timer("optimizer"):
+            for p in self.student.parameters():  # an empty S still makes a (zero-gradient) optimizer step
+                if p.grad is None:
+                    p.grad = torch.zeros_like(p)
+            grad_norm = acc.clip_grad_norm_(self.student.parameters(), cfg.grad_clip)
+        with timer("wait"):
+            counts = [res.loss_sum, self.teacher.rows_scored - rows_before, res.teacher_tokens, res.teacher_padded_tokens]
+            sums = acc.reduce(torch.tensor(counts, device=device, dtype=torch.float64), "sum").cpu()
         loss = float(sums[0]) / max(1, res.global_tokens)
         valid = bool(torch.isfinite(torch.as_tensor(loss)) and torch.isfinite(torch.as_tensor(grad_norm)))
         if valid:
-            self.optimizer.step()
-            self.teacher.update(self.policy, cfg.ema_tau)
+            with timer("optimizer"):
+                self.optimizer.step()
+            with timer("ema"):
+                self.teacher.update(self.policy, cfg.ema_tau)
+        else:
+            warnings.warn(f"step {step}: non-finite loss or gradient ({loss}, {float(grad_norm)}); update and EMA skipped")
         self.optimizer.zero_grad(set_to_none=True)
 
         # Line 14: labels of S (gathered), replay, selector update on every rank alike.
-        utility = acc.gather(res.utility.to(device)).cpu()  # (N,) NaN outside S
-        sel_metrics = self.selector.observe(phi[selected], utility[selected], step)
-        times = acc.gather(torch.tensor([[res.teacher_s, res.student_s, generation_s]], device=device)).cpu().max(0).values
+        with timer("wait"):
+            utility = acc.gather(res.utility.to(device)).cpu()  # (N,) NaN outside S
+        with timer("selector"):
+            sel_metrics = self.selector.observe(phi[selected], utility[selected], step)
+        with timer("wait"):
+            phases = torch.tensor([[timer.seconds[p] for p in PHASES]], device=device, dtype=torch.float64)
+            phases = acc.gather(phases).cpu().max(0).values  # the slowest rank's seconds per phase
         row = {
             "step": step,
             "rollouts": int(eligible.numel()),
@@ -317,18 +348,15 @@ class Run:
             "teacher_rows": int(sums[1]),
             "scored_tokens": int(lengths[selected].sum()),
             "candidate_tokens": int(lengths[eligible].sum()),
+            "teacher_tokens": int(sums[2]),
+            "teacher_padded_tokens": int(sums[3]),
             "loss": loss,
             "grad_norm": float(grad_norm),
             "skipped": not valid,
             "utility_mean": float(utility[selected].nanmean()) if selected.numel() else float("nan"),
-            "generation_s": float(times[2]),
-            "teacher_forward_s": float(times[0]),
-            "student_s": float(times[1]),
-            "select_s": select_s,
+            **{f"{p}_s": float(v) for p, v in zip(PHASES, phases)},
             **{k.split("/")[-1]: v for k, v in sel_metrics.items()},
         }
-        if not valid:
-            warnings.warn(f"step {step}: non-finite loss or gradient ({loss}, {float(grad_norm)}); update and EMA skipped")
         row["step_s"] = time.perf_counter() - t_step
         return row
 

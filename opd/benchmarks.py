@@ -69,11 +69,14 @@ class ImageRef:
     path: Path | None = None
     data: bytes | None = field(default=None, repr=False)
 
+    def _file(self) -> str:
+        return f" {self.path}" if self.path is not None else ""
+
     def _open(self) -> Image.Image:
         try:
             return Image.open(self.path) if self.path is not None else Image.open(io.BytesIO(self.data or b""))
         except (OSError, ValueError) as exc:
-            raise BenchmarkDataError(f"{self.origin}: cannot decode image: {exc}") from exc
+            raise BenchmarkDataError(f"{self.origin}: cannot decode image{self._file()}: {exc}") from exc
 
     def check(self) -> None:
         """Read the header only (cheap); raise BenchmarkDataError if the image is missing or corrupt."""
@@ -86,7 +89,7 @@ class ImageRef:
             try:
                 return img.convert("RGB")
             except (OSError, ValueError) as exc:
-                raise BenchmarkDataError(f"{self.origin}: cannot decode image: {exc}") from exc
+                raise BenchmarkDataError(f"{self.origin}: cannot decode image{self._file()}: {exc}") from exc
 
 
 @dataclass

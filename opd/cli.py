@@ -38,19 +38,20 @@ def _base_type(annotation):
 
 
 def build_parser(cls, presets: dict[str, dict], description: str) -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(description=description, formatter_class=argparse.ArgumentDefaultsHelpFormatter)
+    parser = argparse.ArgumentParser(description=description)
     docs = field_docs(cls)
     hints = typing.get_type_hints(cls)
     for f in dataclasses.fields(cls):
         flag = "--" + f.name.replace("_", "-")
         kind = _base_type(hints[f.name])
-        help_text = docs.get(f.name, "")
+        overrides = "".join(f"; {name}: {p[f.name]!r}" for name, p in presets.items() if p.get(f.name, f.default) != f.default)
+        help_text = f"{docs.get(f.name, '')} (default: {f.default!r}{overrides})"
         if f.name == "preset":
             parser.add_argument(flag, choices=sorted(presets), default=f.default, help=help_text)
         elif kind is bool:
             parser.add_argument(flag, action=argparse.BooleanOptionalAction, default=None, help=help_text)
         else:
-            parser.add_argument(flag, type=kind, default=None, help=f"{help_text} (default: {f.default!r})")
+            parser.add_argument(flag, type=kind, default=None, help=help_text)
     return parser
 
 

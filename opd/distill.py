@@ -1,10 +1,15 @@
 """Selective distillation of one step (Algorithm 1, lines 11-12): Eq. 1, 2, 3, 9 and 11 on the selected rows.
 
-For each micro-batch of a rank's selected rows: the teacher's detached logits on the crop prompt
-(Eq. 2), the student's logits on the full-image prompt (Eq. 1), both over the same sampled response
-tokens; the top-k JSD per token (Eq. 3); its share of the budgeted loss (Eq. 11) backpropagated at
-once; the utility labels (Eq. 7-9) from the same logits. Full-vocabulary logits live for one
-micro-batch only.
+A rank's selected rows are grouped by length into micro-batches (at most `micro_batch` rows and, when
+set, `micro_batch_tokens` padded teacher tokens), so the teacher computes little padding. For each
+micro-batch: the teacher's detached final hidden states on the crop prompt (Eq. 2) and the student's on
+the full-image prompt (Eq. 1), both over the same sampled response tokens; then, one chunk of
+`loss_chunk` valid positions at a time, both sides' logits through the LM head, the top-k JSD per token
+(Eq. 3) and the utility terms (Eq. 7-8), without ever holding (positions x vocabulary) logits beyond a
+chunk (`opd.chunked`); its share of the budgeted loss (Eq. 11) is backpropagated at once, and the
+utility labels (Eq. 9) come from the same chunks. `loss_chunk = 0` takes the plain path instead: whole
+micro-batch logits, `topk_support` + `generalized_jsd` + `utility_labels` (same numbers; a test
+compares them).
 
 Distributed: Eq. 11's denominator is the global count of selected valid tokens (one all-reduce, run
 by every rank); DDP averages gradients over ranks, so each rank's loss is scaled by the world size.
@@ -23,10 +28,11 @@ from dataclasses import dataclass, field
 import torch
 
 from opd.chat import EncodedPrompt, collate
+from opd.chunked import topk_jsd_from_hidden
 from opd.divergence import budgeted_loss, generalized_jsd, topk_support
 from opd.rollout import Rollouts
-from opd.teacher import EMATeacher, response_logits
-from opd.utility import utility_labels
+from opd.teacher import EMATeacher, lm_head_weight, response_hidden, response_logits
+from opd.utility import sample_utility, utility_labels
 
 
 @dataclass
@@ -34,6 +40,11 @@ class DistillConfig:
     k: int = 100
     alpha: float = 0.5
     micro_batch: int = 4
+    """Most rows per student/teacher forward."""
+    micro_batch_tokens: int = 0
+    """Most padded teacher tokens (rows x longest prompt + response) per forward; 0 = no limit."""
+    loss_chunk: int = 512
+    """Positions per LM-head chunk of the loss; 0 = the plain path on whole micro-batch logits."""
     use_overlap: bool = True
     use_confidence: bool = True
 
@@ -48,8 +59,28 @@ class DistillResult:
     """Eq. 11's denominator over all ranks."""
     utility: torch.Tensor = field(default_factory=lambda: torch.zeros(0))
     """(N_local,) u_i for selected rows, NaN for unselected rows (they get no label)."""
+    teacher_tokens: int = 0
+    """prompt + valid response tokens of the rows the teacher scored."""
+    teacher_padded_tokens: int = 0
+    """tokens of the teacher's input batches, padding included."""
     teacher_s: float = 0.0
     student_s: float = 0.0
+
+
+def plan_micro_batches(lengths: torch.Tensor, max_rows: int, max_tokens: int = 0) -> list[torch.Tensor]:
+    """Groups rows by length: sorted longest first, filled greedily while rows <= max_rows and
+    rows x longest <= max_tokens (a row longer than max_tokens goes alone). Returns index tensors."""
+    order = torch.sort(lengths, descending=True, stable=True).indices.tolist()
+    batches, current = [], []
+    for i in order:
+        longest = int(lengths[current[0]]) if current else int(lengths[i])
+        if current and (len(current) == max_rows or (max_tokens and (len(current) + 1) * longest > max_tokens)):
+            batches.append(torch.tensor(current))
+            current = []
+        current.append(i)
+    if current:
+        batches.append(torch.tensor(current))
+    return batches
 
 
 def _sync(device: torch.device) -> None:
@@ -68,6 +99,35 @@ def micro_batch_inputs(
     return {k: v.to(device) for k, v in inputs.items()}, mask.to(device), width
 
 
+def token_divergence(student, teacher: EMATeacher, s_inputs, t_inputs, mask, width: int, cfg: DistillConfig):
+    """Eq. 3 per token (n, T) with gradient, and the detached u_i (n,) of Eq. 9, for one micro-batch.
+
+    Also returns the seconds spent in the teacher forward.
+    """
+    _sync(mask.device)
+    t0 = time.perf_counter()
+    if cfg.loss_chunk == 0:  # plain path: whole micro-batch logits
+        t_logits = teacher.logits(t_inputs, width)  # (n, T, V) Eq. 2
+        _sync(mask.device)
+        teacher_s = time.perf_counter() - t0
+        s_logits = response_logits(student, s_inputs, width)  # (n, T, V) Eq. 1
+        s_logp, t_logp = topk_support(s_logits, t_logits, cfg.k, tail=True)  # (n, T, k + 1)
+        per_token = generalized_jsd(s_logp, t_logp, cfg.alpha)  # (n, T) Eq. 3
+        u = utility_labels(s_logits, t_logits, mask, cfg.k, cfg.use_overlap, cfg.use_confidence)  # (n,) Eq. 9
+        return per_token, u, teacher_s
+    h_t = teacher.hidden(t_inputs, width)[mask]  # (P, H) Eq. 2, valid positions only
+    _sync(mask.device)
+    teacher_s = time.perf_counter() - t0
+    h_s = response_hidden(student, s_inputs, width)[mask]  # (P, H) Eq. 1
+    w_s, w_t = lm_head_weight(getattr(student, "module", student)), lm_head_weight(teacher.model)  # DDP wraps in .module
+    d_alpha, terms = topk_jsd_from_hidden(h_s, w_s, h_t, w_t, cfg.k, cfg.alpha, cfg.loss_chunk)  # (P,), (P, 3)
+    per_token = torch.zeros(mask.shape, dtype=d_alpha.dtype, device=mask.device).masked_scatter(mask, d_alpha)
+    d, o, c = (torch.zeros(mask.shape, dtype=terms.dtype, device=mask.device).masked_scatter(mask, terms[:, j]) for j in range(3))
+    o = o if cfg.use_overlap else torch.ones_like(o)
+    c = c if cfg.use_confidence else torch.ones_like(c)
+    return per_token, sample_utility(d, o, c, mask), teacher_s
+
+
 def distill(
     accelerator,
     student,
@@ -78,11 +138,13 @@ def distill(
     selected: torch.Tensor,
     cfg: DistillConfig,
     pad_id: int,
+    autocast=nullcontext,
 ) -> DistillResult:
     """Backpropagates this rank's share of Eq. 11 and returns its sums and utility labels.
 
     selected: local row ids of S on this rank. teacher_prompt(j) -> EncodedPrompt of local prompt j's
-    privileged view; it is called only for prompts with a selected row.
+    privileged view; it is called only for prompts with a selected row. autocast() -> the mixed
+    precision context of the forwards.
     """
     device = accelerator.device
     res = DistillResult(utility=torch.full((len(rollouts),), float("nan")))
@@ -91,39 +153,36 @@ def distill(
     if res.global_tokens == 0:  # S is empty everywhere: no teacher call, zero distillation term
         return res
     scale = accelerator.num_processes  # DDP averages gradients over ranks
-    chunks = list(torch.split(selected, cfg.micro_batch)) if selected.numel() else []
-    if not chunks:  # keep this rank in the gradient all-reduce with a zero-weighted forward
+    if not selected.numel():  # keep this rank in the gradient all-reduce with a zero-weighted forward
         inputs, _, width = micro_batch_inputs(
             [student_prompts[int(rollouts.prompt_index[0])]], rollouts, torch.tensor([0]), pad_id, device
         )
-        with accelerator.autocast():
-            dummy = response_logits(student, inputs, width).float().sum() * 0.0
+        with autocast():
+            dummy = student(**inputs, logits_to_keep=1, use_cache=False).logits.float().sum() * 0.0
         accelerator.backward(dummy)
         return res
-    for j, rows in enumerate(chunks):
-        sync = nullcontext() if j == len(chunks) - 1 else accelerator.no_sync(student)
+    prompt_of = rollouts.prompt_index[selected].tolist()
+    t_len = torch.tensor([len(teacher_prompt(j)) for j in prompt_of]) + rollouts.lengths[selected]
+    plan = plan_micro_batches(t_len, cfg.micro_batch, cfg.micro_batch_tokens)
+    for j, group in enumerate(plan):
+        rows = selected[group]
+        sync = nullcontext() if j == len(plan) - 1 else accelerator.no_sync(student)
         prompt_ids = rollouts.prompt_index[rows].tolist()
         with sync:
             _sync(device)
             t0 = time.perf_counter()
             t_inputs, mask, width = micro_batch_inputs([teacher_prompt(p) for p in prompt_ids], rollouts, rows, pad_id, device)
-            with accelerator.autocast():
-                t_logits = teacher.logits(t_inputs, width)  # (n, T, V) Eq. 2
-            _sync(device)
-            t1 = time.perf_counter()
             s_inputs, _, _ = micro_batch_inputs([student_prompts[p] for p in prompt_ids], rollouts, rows, pad_id, device)
-            with accelerator.autocast():
-                s_logits = response_logits(student, s_inputs, width)  # (n, T, V) Eq. 1
-            s_logp, t_logp = topk_support(s_logits, t_logits, cfg.k, tail=True)  # (n, T, k + 1)
-            per_token = generalized_jsd(s_logp, t_logp, cfg.alpha)  # (n, T) Eq. 3
-            ones = torch.ones(len(rows), device=device)
-            loss = budgeted_loss(per_token, ones, mask, denominator=res.global_tokens) * scale  # Eq. 11
-            accelerator.backward(loss)
+            with autocast():
+                per_token, u, teacher_s = token_divergence(student, teacher, s_inputs, t_inputs, mask, width, cfg)
+            loss = budgeted_loss(per_token, torch.ones(len(rows), device=device), mask, denominator=res.global_tokens)  # Eq. 11
+            accelerator.backward(loss * scale)
             res.loss_sum += float((per_token.detach() * mask).sum())
-            u = utility_labels(s_logits, t_logits, mask, cfg.k, cfg.use_overlap, cfg.use_confidence)  # (n,) Eq. 9
             res.utility[rows] = u.float().cpu()
-            del s_logits, t_logits, s_logp, t_logp, per_token, loss
+            res.teacher_tokens += int(t_len[group].sum())
+            res.teacher_padded_tokens += t_inputs["input_ids"].numel()
+            del per_token, loss
             _sync(device)
-            res.teacher_s += t1 - t0
-            res.student_s += time.perf_counter() - t1
+            res.teacher_s += teacher_s
+            res.student_s += time.perf_counter() - t0 - teacher_s
     return res

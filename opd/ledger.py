@@ -13,7 +13,12 @@ pass over the same rollouts would have scored).
 
 import json
 import os
+import time
+from collections import defaultdict
+from contextlib import contextmanager
 from pathlib import Path
+
+import torch
 
 REQUIRED = ("step", "candidates", "budget", "selected", "scored_tokens", "teacher_forward_s", "step_s")
 
@@ -27,6 +32,33 @@ def write_atomic(path: Path, text: str) -> None:
         f.flush()
         os.fsync(f.fileno())
     os.replace(tmp, path)
+
+
+PHASES = ("prompt", "generation", "select", "teacher_forward", "student", "optimizer", "ema", "selector", "wait")
+"""Table 8's breakdown: prompt encoding, rollout generation, selection, teacher forward, student
+forward + backward, optimizer step, EMA, selector update, and waiting on other ranks (collectives)."""
+
+
+class PhaseTimer:
+    """Seconds per phase of one step; on CUDA the device is synchronised at each phase boundary."""
+
+    def __init__(self, device: torch.device):
+        self.device = torch.device(device)
+        self.seconds: dict[str, float] = defaultdict(float)
+
+    def _sync(self) -> None:
+        if self.device.type == "cuda":
+            torch.cuda.synchronize(self.device)
+
+    @contextmanager
+    def __call__(self, phase: str):
+        self._sync()
+        t0 = time.perf_counter()
+        try:
+            yield
+        finally:
+            self._sync()
+            self.seconds[phase] += time.perf_counter() - t0
 
 
 def read_ledger(path: str | Path) -> list[dict]:
@@ -84,6 +116,9 @@ def summarize(rows: list[dict]) -> dict:
         "mean_teacher_s": total("teacher_forward_s") / steps if steps else 0.0,
         "mean_step_s": total("step_s") / steps if steps else 0.0,
         "step_s": total("step_s"),
+        "teacher_tokens": total("teacher_tokens"),
+        "teacher_padded_tokens": total("teacher_padded_tokens"),
+        "phases_s": {p: total(f"{p}_s") for p in PHASES},
     }
 
 
@@ -101,5 +136,16 @@ def format_summary(summary: dict, name: str = "this run") -> str:
             "| --- | ---: | ---: | ---: | ---: |",
             f"| {name} | {s['teacher_forward_s']:,.2f} s | {s['mean_teacher_s']:,.2f} s | "
             f"{s['mean_step_s']:,.2f} s | {s['step_s']:,.2f} s |",
+            "",
+            "| Phase | " + " | ".join(PHASES) + " |",
+            "| --- |" + " ---: |" * len(PHASES),
+            "| share of step time | "
+            + " | ".join(f"{100 * s['phases_s'][p] / s['step_s']:.1f}%" if s["step_s"] else "-" for p in PHASES)
+            + " |",
+            "",
+            f"Teacher input tokens: {s['teacher_tokens']:,} real, {s['teacher_padded_tokens']:,} with padding "
+            f"({100 * (1 - s['teacher_tokens'] / s['teacher_padded_tokens']):.1f}% padding)."
+            if s["teacher_padded_tokens"]
+            else "Teacher input tokens: none.",
         ]
     )

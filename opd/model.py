@@ -5,6 +5,7 @@ Optional GPU kernels (flash-attn; flash-linear-attention and causal-conv1d for Q
 attention) are used when importable; transformers falls back to PyTorch code otherwise.
 """
 
+import contextlib
 import importlib.util
 
 import torch
@@ -64,3 +65,33 @@ def neutral_generation_config(model, **kwargs) -> GenerationConfig:
     """
     ids = special_ids(model)
     return GenerationConfig(eos_token_id=ids["eos"], pad_token_id=ids["pad"], **kwargs)
+
+
+@contextlib.contextmanager
+def neutral_generation_defaults(model):
+    """Swaps model.generation_config for `neutral_generation_config(model)` while generating.
+
+    generate(generation_config=...) fills the fields a passed config leaves unset from the checkpoint's
+    own config (transformers 5), so shipped defaults would still leak; swapping the model's config
+    does not let them.
+    """
+    saved = model.generation_config
+    model.generation_config = neutral_generation_config(model)
+    try:
+        yield
+    finally:
+        model.generation_config = saved
+
+
+def autocast(device: torch.device | str, mixed_precision: str = "no"):
+    """A context-manager factory for the forwards: torch.autocast in bf16/fp16, else a no-op.
+
+    The training loop manages autocast itself instead of accelerate's mixed precision, which would
+    convert every float output (all hidden states included) to fp32 copies.
+    """
+    if mixed_precision not in ("no", "bf16", "fp16"):
+        raise ValueError(f"unknown mixed precision {mixed_precision!r}; known: no, bf16, fp16")
+    if mixed_precision == "no":
+        return contextlib.nullcontext
+    dtype = torch.bfloat16 if mixed_precision == "bf16" else torch.float16
+    return lambda: torch.autocast(torch.device(device).type, dtype=dtype)

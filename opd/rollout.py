@@ -7,14 +7,13 @@ processor that keeps one step of (rows, V) log-probs at a time: storing every st
 scores (1,024 steps x 224 rows x 248,320 ids) does not fit. Everything returned is detached.
 """
 
-from contextlib import contextmanager
 from dataclasses import dataclass
 
 import torch
 from transformers import LogitsProcessor, LogitsProcessorList
 
 from opd.chat import EncodedPrompt, collate
-from opd.model import neutral_generation_config, special_ids
+from opd.model import neutral_generation_defaults, special_ids
 
 
 class RolloutStats(LogitsProcessor):
@@ -81,17 +80,6 @@ def response_mask(response_ids: torch.Tensor, eos_ids: list[int]) -> torch.Tenso
     return eos_before == 0
 
 
-@contextmanager
-def _neutral_defaults(model):
-    """Hides the checkpoint's sampling defaults from generate() (see `neutral_generation_config`)."""
-    saved = model.generation_config
-    model.generation_config = neutral_generation_config(model)
-    try:
-        yield
-    finally:
-        model.generation_config = saved
-
-
 @torch.no_grad()
 def generate_rollouts(
     model,
@@ -112,7 +100,7 @@ def generate_rollouts(
     chunks = []
     was_training = model.training
     model.eval()
-    with _neutral_defaults(model):
+    with neutral_generation_defaults(model):
         for start in range(0, len(rows), batch_rows):
             chunk = rows[start : start + batch_rows]
             batch = {k: v.to(device) for k, v in collate([prompts[j] for j in chunk], ids["pad"]).items()}

@@ -14,6 +14,7 @@ global row indices; it uses no per-rank randomness, so all ranks make the same s
 """
 
 import math
+import numbers
 
 import torch
 
@@ -25,8 +26,9 @@ POLICIES = ("full", "random", "entropy", "learned")
 
 def query_budget(rho: float, n_eligible: int) -> int:
     """Eq. 4 of the paper: K = floor(rho |C|), rho in (0, 1]."""
-    if not (isinstance(rho, (int, float)) and 0.0 < rho <= 1.0):
-        raise ValueError(f"the query ratio rho must lie in (0, 1], got {rho}")
+    if isinstance(rho, bool) or not isinstance(rho, numbers.Real) or not 0.0 < float(rho) <= 1.0:
+        raise ValueError(f"the query ratio rho must be a number in (0, 1], got {rho!r}")
+    rho = float(rho)
     # A tiny tolerance against float error: 0.29 * 100 = 28.999999999999996 must give 29.
     return int(math.floor(rho * n_eligible + 1e-9))
 

@@ -23,6 +23,21 @@ def response_logits(model, inputs: dict[str, torch.Tensor], n_response: int, **k
     return out.logits[:, :-1]
 
 
+def response_hidden(model, inputs: dict[str, torch.Tensor], n_response: int) -> torch.Tensor:
+    """The final (normed) hidden states at the same positions as `response_logits`: (n, T, H).
+
+    logits = hidden @ W_lm_head^T; the LM head itself is left to `opd.chunked`, which never builds
+    the (n, T, V) logits. Only one position's logits are computed here (logits_to_keep=1).
+    """
+    out = model(**inputs, logits_to_keep=1, output_hidden_states=True, use_cache=False)
+    return out.hidden_states[-1][:, -(n_response + 1) : -1]
+
+
+def lm_head_weight(model) -> torch.Tensor:
+    """W of logits = h W^T (the output embedding; tied to the input embedding in some checkpoints)."""
+    return model.get_output_embeddings().weight
+
+
 class EMATeacher:
     def __init__(self, student: torch.nn.Module, copy_weights: bool = True):
         """Algorithm 1, line 1: theta-bar <- theta (copy_weights=False adopts a loaded teacher as is)."""
@@ -38,6 +53,14 @@ class EMATeacher:
         self.rows_scored += n
         self.batches.append(n)
         return response_logits(self.model, inputs, n_response).detach()
+
+    @torch.no_grad()
+    def hidden(self, inputs: dict[str, torch.Tensor], n_response: int) -> torch.Tensor:
+        """Eq. 2 as final hidden states (n, T, H): logits = hidden @ lm_head_weight(model)^T."""
+        n = inputs["input_ids"].shape[0]
+        self.rows_scored += n
+        self.batches.append(n)
+        return response_hidden(self.model, inputs, n_response).detach()
 
     @torch.no_grad()
     def update(self, student: torch.nn.Module, tau: float) -> None:

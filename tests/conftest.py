@@ -19,6 +19,16 @@ def tiny_cache(tmp_path_factory):
         os.environ["BAS_OPD_CACHE"] = old
 
 
+@pytest.fixture(scope="session", autouse=True)
+def one_thread():
+    """The tiny model's ops are too small for intra-op threads: one thread is faster, and immune to a
+    busy machine (two threads on a loaded 2-core CPU ran tests 40-100x slower)."""
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(threads)
+
+
 @pytest.fixture(autouse=True)
 def seeded():
     """Every test starts from the same global torch seed."""

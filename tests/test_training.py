@@ -10,6 +10,7 @@ import pytest
 import torch
 from ddp_worker import fixed_rollouts
 
+import opd.chunked
 import opd.distill
 import train
 from opd.chat import collate, encode_prompt
@@ -22,7 +23,7 @@ from opd.views import VIEWS, student_view
 from train import Run, TrainConfig
 
 ROOT = Path(__file__).resolve().parents[1]
-TIMING = {"generation_s", "teacher_forward_s", "student_s", "select_s", "step_s"}
+TIMING = {"prompt_s", "generation_s", "select_s", "teacher_forward_s", "student_s", "optimizer_s", "ema_s", "selector_s", "wait_s", "step_s"}
 
 
 def small_config(tmp_path: Path, **kw) -> TrainConfig:
@@ -76,8 +77,10 @@ def test_rollout_stats_equal_a_forward_over_the_finished_sequence(tiny):
     expected_entropy = -torch.where(p > 0, p * logp, torch.zeros_like(p)).sum(-1)
     m = ro.response_mask
     assert m.any()
-    torch.testing.assert_close(ro.logp[m].double(), expected_logp[m], atol=2e-5, rtol=0)
-    torch.testing.assert_close(ro.entropy[m].double(), expected_entropy[m], atol=2e-5, rtol=0)
+    # float32 round-off between the recurrent (generate) and chunked (forward) linear attention: ~1e-5;
+    # a top-k truncation or an unsuppressed vision token would differ by > 1e-2.
+    torch.testing.assert_close(ro.logp[m].double(), expected_logp[m], atol=2e-4, rtol=1e-4)
+    torch.testing.assert_close(ro.entropy[m].double(), expected_entropy[m], atol=2e-4, rtol=1e-4)
     assert not torch.isin(ro.response_ids[m], torch.tensor(ids["vision"])).any()
     assert ro.prompt_index.tolist() == [0, 0, 0, 1, 1, 1, 2, 2, 2]
 
@@ -88,7 +91,9 @@ def test_response_mask_keeps_tokens_up_to_the_first_eos():
     assert torch.equal(response_mask(ids, [2]), expected)
 
 
-def test_teacher_sees_exactly_the_selected_rows(tmp_path, tiny):
+def test_teacher_sees_exactly_the_selected_rows(tmp_path, tiny, monkeypatch):
+    plan = Spy(opd.distill.plan_micro_batches)
+    monkeypatch.setattr(opd.distill, "plan_micro_batches", plan)
     run = Run(small_config(tmp_path, policy="random", rho=0.5, micro_batch=2))
     select = Spy(run.selector.select)
     run.selector.select = select
@@ -103,11 +108,13 @@ def test_teacher_sees_exactly_the_selected_rows(tmp_path, tiny):
         assert run.teacher.rows_scored - before == chosen.numel() == row["selected"] == row["teacher_rows"] > 0
         assert all(batch.shape[0] <= 2 for batch in seen)
         assert len(seen) == math.ceil(chosen.numel() / 2)
-        # Teacher batch b holds selected rows 2b, 2b + 1 in order: each row ends with that row's response.
-        assert sum(batch.shape[0] for batch in seen) == chosen.numel()
-        for batch, rows in zip(seen, torch.split(chosen, 2)):
+        # Teacher batch b holds the selected rows of plan group b: each row ends with that row's response.
+        groups = plan.results[-1]
+        assert sorted(torch.cat(groups).tolist()) == list(range(chosen.numel()))
+        for batch, group in zip(seen, groups, strict=True):
+            rows = chosen[group]
             width = int(ro.lengths[rows].max())
-            for r, i in zip(batch, rows.tolist()):
+            for r, i in zip(batch, rows.tolist(), strict=True):
                 n = int(ro.lengths[i])
                 assert torch.equal(r[-width:][:n], ro.response_ids[i, :n])
         eligible = torch.tensor([run.prompts(step)[j].eligible for j in ro.prompt_index.tolist()])
@@ -185,7 +192,9 @@ def test_empty_selection_is_a_valid_step_without_teacher(tmp_path, tiny):
 
 def test_non_finite_loss_skips_update_and_ema(tmp_path, tiny, monkeypatch):
     run = Run(small_config(tmp_path, policy="full", rho=1.0))
-    monkeypatch.setattr(opd.distill, "generalized_jsd", lambda s, t, a: (s * float("nan")).sum(-1))
+    nan_jsd = lambda s, t, a: (s * float("nan")).sum(-1)  # noqa: E731
+    monkeypatch.setattr(opd.distill, "generalized_jsd", nan_jsd)  # the plain path
+    monkeypatch.setattr(opd.chunked, "generalized_jsd", nan_jsd)  # the chunked path (default)
     student_before, teacher_before = params_of(run.policy), params_of(run.teacher.model)
     with pytest.warns(UserWarning, match="non-finite"):
         row = run.step(0, fixed_rollouts(run, 0, skew=False))
@@ -272,8 +281,8 @@ def _run_worker(out: Path, nproc: int, *args: str) -> dict:
     if nproc == 1:
         cmd = [sys.executable, worker]
     else:
-        cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", str(nproc), "--master_port", "0", worker]
-    proc = subprocess.run(cmd + ["--out", str(out), *args], env=env, capture_output=True, text=True, timeout=600)
+        cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", str(nproc), worker]
+    proc = subprocess.run(cmd + ["--out", str(out), *args], env=env, capture_output=True, text=True, timeout=300)
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     return torch.load(out / "result.pt", weights_only=False)
 

@@ -1,0 +1,233 @@
+"""Evaluation on the paper's seven benchmarks (Table 1) from their shipped local files.
+
+    python eval.py --model runs/paper-4b --data-dir data/eval --out runs/paper-4b/eval
+    python eval.py --model Qwen/Qwen3.5-4B --benchmarks zoombench --view crop --data-dir data/eval --out runs/base
+    python eval.py --compare runs/base runs/paper-4b/eval
+
+Greedy decoding (temperature 0, seed 42) with plain Hugging Face `generate`, the model and processor
+loaded as in training, the non-thinking prompt unless --enable-thinking. Predictions are appended to
+OUT/<benchmark>/predictions.jsonl as they come, so a stopped run resumes where it stopped; the scores
+go to OUT/results.json and OUT/results.md (Table 1 order, unweighted average). docs/EVAL.md lists the
+files each benchmark needs and where scoring departs from the paper.
+"""
+
+import sys
+import time
+from dataclasses import asdict, dataclass
+from pathlib import Path
+
+from opd.benchmarks import LOADERS, BenchmarkDataError, load_benchmark
+from opd.cli import build_parser
+
+ALL_BENCHMARKS = ",".join(LOADERS)  # Table 1 order
+
+
+@dataclass
+class EvalConfig:
+    preset: str = "default"
+    """Starting values (only 'default'; flags set everything)."""
+    model: str | None = None
+    """HF image-text-to-text checkpoint (folder or hub id), a train.py run or checkpoint folder (its policy/),
+    or 'tiny' for the built-in tiny model."""
+    benchmarks: str = ALL_BENCHMARKS
+    """Comma-separated benchmarks: vstar, zoombench, hrbench4k, mmvp, cvbench, mmstar, pope."""
+    data_dir: str | None = None
+    """Folder holding one sub-folder per benchmark, as shipped (docs/EVAL.md lists the files)."""
+    out: str = "runs/eval"
+    """Output folder: <benchmark>/predictions.jsonl, results.json, results.md, judge_cache.jsonl."""
+    view: str = "full"
+    """'full' (the paper's protocol) or 'crop': also answer from the crop images (ZoomBench) as <name>@crop
+    and report the crop-minus-full gap."""
+    batch_size: int = 8
+    """Prompts per generate() call."""
+    max_new_tokens: int = 0
+    """Most new tokens per answer; 0 = 64 without thinking (a letter, yes/no or a short phrase), 1024 with
+    --enable-thinking (the training response length)."""
+    enable_thinking: bool = False
+    """Qwen3.5's thinking generation prompt instead of the non-thinking one."""
+    dtype: str = "auto"
+    """Weight dtype: auto (bfloat16 on CUDA, float32 on CPU), float32, bfloat16 or float16."""
+    device: str = "auto"
+    """Device: auto (cuda if available, else cpu), cpu, cuda, cuda:1, ..."""
+    max_prompt_len: int = 0
+    """Refuse prompts longer than this many tokens (image tokens included); 0 = no limit."""
+    limit: int = 0
+    """Answer only the first N items of each benchmark (quick runs); 0 = all."""
+    seed: int = 42
+    """Seed of python, numpy and torch (greedy decoding does not draw; kept as in the paper)."""
+    judge_url: str | None = None
+    """OpenAI-compatible endpoint (e.g. http://127.0.0.1:8000/v1) judging free-form answers; none: normalised
+    exact match."""
+    judge_model: str | None = None
+    """Model name sent to the judge endpoint."""
+    judge_key_env: str = "JUDGE_API_KEY"
+    """Environment variable holding the judge's API key (sent as a Bearer token when set)."""
+    judge_timeout: float = 60.0
+    """Seconds to wait for one judge reply."""
+    label: str | None = None
+    """Row label of this run in the tables (default: the output folder's name)."""
+    progress: bool = True
+    """Show a progress bar per benchmark."""
+
+
+PRESETS: dict[str, dict] = {"default": {}}
+
+
+def parse_args(argv: list[str] | None) -> tuple[EvalConfig, list[str] | None]:
+    """(config, runs to compare or None): the EvalConfig flags plus ``--compare RUN [RUN ...]``."""
+    import dataclasses
+
+    parser = build_parser(EvalConfig, PRESETS, __doc__.split("\n")[0])
+    parser.add_argument("--compare", nargs="+", metavar="RUN",
+                        help="Print these runs (folders or results.json files) side by side with deltas, then exit.")
+    args = vars(parser.parse_args(argv))
+    compare = args.pop("compare")
+    preset = args.pop("preset")
+    given = {k: v for k, v in args.items() if v is not None}
+    return dataclasses.replace(EvalConfig(preset=preset, **PRESETS[preset]), **given), compare
+
+
+def check_config(cfg: EvalConfig) -> list[str]:
+    """The benchmark names, after refusing impossible settings with a message naming the flag."""
+    names = [n.strip().lower() for n in cfg.benchmarks.split(",") if n.strip()]
+    unknown = [n for n in names if n not in LOADERS]
+    problems = []
+    if unknown:
+        problems.append(f"--benchmarks: unknown benchmark(s) {', '.join(map(repr, unknown))}; "
+                        f"known: {', '.join(LOADERS)}")
+    if not names:
+        problems.append(f"--benchmarks is empty; known: {', '.join(LOADERS)}")
+    if cfg.model is None:
+        problems.append("--model is required (a checkpoint folder, hub id, train.py run folder, or 'tiny')")
+    if cfg.data_dir is None:
+        problems.append("--data-dir is required (a folder with one sub-folder per benchmark; see docs/EVAL.md)")
+    if cfg.view not in ("full", "crop"):
+        problems.append(f"--view {cfg.view!r}: choose full or crop")
+    if cfg.dtype not in ("auto", "float32", "bfloat16", "float16"):
+        problems.append(f"--dtype {cfg.dtype!r}: choose auto, float32, bfloat16 or float16")
+    for flag in ("batch_size",):
+        if getattr(cfg, flag) < 1:
+            problems.append(f"--{flag.replace('_', '-')} {getattr(cfg, flag)}: must be at least 1")
+    for flag in ("max_new_tokens", "limit", "max_prompt_len"):
+        if getattr(cfg, flag) < 0:
+            problems.append(f"--{flag.replace('_', '-')} {getattr(cfg, flag)}: must be >= 0")
+    if cfg.judge_url and not cfg.judge_model:
+        problems.append("--judge-url needs --judge-model (the model name the endpoint serves)")
+    if problems:
+        raise SystemExit("eval.py: " + "; ".join(problems))
+    missing = [n for n in names if not (Path(cfg.data_dir) / n).is_dir()]
+    if missing:
+        raise SystemExit(f"eval.py: no data folder for {', '.join(missing)} under {cfg.data_dir} "
+                         f"(expected {cfg.data_dir}/<benchmark>/; docs/EVAL.md lists the files each needs)")
+    return list(dict.fromkeys(names))
+
+
+def resolve_model(path: str) -> str:
+    """A checkpoint folder or hub id; a train.py run/checkpoint folder becomes its policy/."""
+    if path == "tiny":
+        from opd.tiny import tiny_defaults
+
+        return str(tiny_defaults()[0])
+    folder = Path(path)
+    if not folder.is_dir():
+        return path  # a hub id
+    if (folder / "config.json").is_file():
+        return str(folder.resolve())
+    from opd.checkpoint import find_checkpoint
+
+    try:
+        return str((find_checkpoint(folder) / "policy").resolve())
+    except FileNotFoundError as exc:
+        raise SystemExit(f"eval.py: --model {path}: no config.json there and {exc}") from exc
+
+
+def runtime(cfg: EvalConfig) -> tuple[str, str]:
+    import torch
+
+    device = cfg.device if cfg.device != "auto" else ("cuda" if torch.cuda.is_available() else "cpu")
+    dtype = cfg.dtype if cfg.dtype != "auto" else ("bfloat16" if device.startswith("cuda") else "float32")
+    return device, dtype
+
+
+def main(argv: list[str] | None = None) -> dict:
+    cfg, compare = parse_args(argv)
+    if compare:
+        from opd.report import compare_runs
+
+        text = compare_runs(compare)
+        print(text, end="")
+        return {"compare": text}
+    names = check_config(cfg)
+
+    from transformers import set_seed
+
+    from opd.evaluate import predict, score_view, write_jsonl_atomic
+    from opd.metrics import zoom_gap
+    from opd.report import markdown_table, write_results
+
+    set_seed(cfg.seed)
+    out = Path(cfg.out)
+    device, dtype = runtime(cfg)
+    model_path = resolve_model(cfg.model)
+    max_new = cfg.max_new_tokens or (1024 if cfg.enable_thinking else 64)
+    cache: dict = {}
+
+    def get_model():
+        if not cache:
+            from opd.model import load_model, load_processor
+
+            cache["pair"] = (load_model(model_path, dtype, device), load_processor(model_path))
+        return cache["pair"]
+
+    judge = None
+    if cfg.judge_url:
+        from opd.judge import judge_from_env
+
+        judge = judge_from_env(cfg.judge_url, cfg.judge_model, out / "judge_cache.jsonl", cfg.judge_key_env,
+                               cfg.judge_timeout)
+    results, notes, no_crop = {}, [], []
+    for name in names:
+        try:
+            items = load_benchmark(name, cfg.data_dir)
+        except (BenchmarkDataError, ImportError) as exc:  # a bad file (named with row and field); no pyarrow
+            raise SystemExit(f"eval.py: benchmark '{name}': {exc}") from exc
+        try:
+            views = ["full"] + (["crop"] if cfg.view == "crop" and any(i.crop is not None for i in items) else [])
+            if cfg.view == "crop" and len(views) == 1:
+                no_crop.append(name)
+            by_view = {}
+            for view in views:
+                subset = [item for item in items if view == "full" or item.crop is not None]
+                subset = subset[: cfg.limit] if cfg.limit else subset
+                key = name if view == "full" else f"{name}@crop"
+                settings = {"model": model_path, "view": view, "enable_thinking": cfg.enable_thinking,
+                            "max_new_tokens": max_new, "dtype": dtype}
+                stored = predict(key, subset, out / key, settings, get_model, cfg.batch_size, cfg.progress,
+                                 cfg.max_prompt_len or None)
+                results[key], by_view[view] = score_view(name, subset, stored, judge)
+                write_jsonl_atomic(out / key / "scored.jsonl", by_view[view])
+        except BenchmarkDataError as exc:  # a missing/corrupt file or image, named with its row and field
+            raise SystemExit(f"eval.py: benchmark '{name}': {exc}") from exc
+        if "crop" in by_view:
+            gap = results[f"{name}@crop"]["zoom_gap"] = zoom_gap(by_view["full"], by_view["crop"])
+            notes.append(f"{name} zoom gap (crop - full, {gap['n']} items): {gap['gap']:+.2f} points "
+                         f"(full {gap['full']:.2f}, crop {gap['crop']:.2f})" if gap["n"] else
+                         f"{name} zoom gap: no item answered in both views (raise --limit)")
+        del items
+    if no_crop:
+        notes.append(f"--view crop: no crop images in {', '.join(no_crop)}; full view only there.")
+    label = cfg.label or out.resolve().name
+    meta = {**asdict(cfg), "label": label, "model_path": model_path, "device": device, "dtype": dtype,
+            "max_new_tokens": max_new, "scoring": f"judge {cfg.judge_model} at {cfg.judge_url}" if judge else
+            "free-form answers by normalised exact match", "finished": time.strftime("%Y-%m-%d %H:%M:%S")}
+    if judge is not None:
+        meta["judge_requests"] = judge.requests
+    write_results(out / "results.json", results, meta)
+    table = markdown_table(results, label) + "".join(f"\n{n}\n" for n in notes)
+    (out / "results.md").write_text(table, encoding="utf-8")
+    print("\n" + table, end="", flush=True)
+    return {"results": results, "meta": meta, "table": table}
+
+
+if __name__ == "__main__":
+    main(sys.argv[1:])

@@ -1,0 +1,194 @@
+"""The resumable per-benchmark evaluation loop behind eval.py.
+
+For each benchmark (and view) ``OUT/<key>/`` holds, with ``key`` the benchmark name or
+``<name>@crop`` for the crop view:
+
+* ``predictions.jsonl``: one graded record per answered item (`opd.answers.grade`: index, reply,
+  pred, correct, ...), appended and flushed as the replies come. A restarted run skips the items
+  whose ``index`` is already there; a torn last line (a run killed mid-write) is dropped and the
+  item answered again.
+* ``settings.json``: what the predictions depend on (model, view, thinking, max new tokens, dtype). A
+  resume with different settings is refused instead of mixing two runs in one file.
+* ``scored.jsonl``: the final records of the last scoring: every reply re-graded with the current
+  parsers and, for free-form answers, the judge's verdict when a judge is used.
+
+Scoring reads the stored replies, so rescoring (another parser, a judge) never regenerates.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import tempfile
+from collections.abc import Callable, Iterable, Iterator
+from pathlib import Path
+
+from opd import inference
+from opd.answers import grade, strip_thinking
+from opd.benchmarks import BenchItem
+from opd.metrics import score
+
+
+def read_jsonl(path, repair: bool = False) -> list[dict]:
+    """The rows of a JSONL file ([] when it does not exist).
+
+    A torn last line (no final newline, or not valid JSON) is left out; with ``repair`` the file is
+    also truncated to its last complete row so appends continue cleanly. A bad line before the last
+    one is an error naming the file and line.
+    """
+    path = Path(path)
+    if not path.is_file():
+        return []
+    data = path.read_bytes()
+    lines = data.split(b"\n")
+    rows, good_end, offset = [], 0, 0
+    for n, line in enumerate(lines, 1):
+        end = offset + len(line) + 1  # past this line's newline
+        last = n >= len(lines) - 1  # the final segment, or the final line before a trailing newline
+        complete = n < len(lines)  # followed by a newline
+        if line.strip():
+            try:
+                row = json.loads(line)
+                if not isinstance(row, dict):
+                    raise ValueError("not a JSON object")
+            except ValueError as exc:
+                if last:
+                    break
+                raise ValueError(f"{path} line {n}: bad JSON row ({exc}); fix or delete the line") from exc
+            if not complete:  # valid JSON but the newline never got written: treat as torn
+                break
+            rows.append(row)
+        if complete:
+            good_end = end
+        offset = end
+    if repair and good_end < len(data):
+        with open(path, "r+b") as fh:
+            fh.truncate(good_end)
+    return rows
+
+
+def append_jsonl(path, rows: Iterable[dict]) -> None:
+    """Appends rows as JSON lines and flushes."""
+    path = Path(path)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    with open(path, "a", encoding="utf-8") as fh:
+        for row in rows:
+            fh.write(json.dumps(row, ensure_ascii=False, default=str) + "\n")
+        fh.flush()
+
+
+def write_jsonl_atomic(path, rows: Iterable[dict]) -> None:
+    """Writes rows to a temporary file beside ``path`` and renames it into place."""
+    path = Path(path)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", suffix=".tmp", dir=path.parent)
+    try:
+        with os.fdopen(fd, "w", encoding="utf-8") as fh:
+            for row in rows:
+                fh.write(json.dumps(row, ensure_ascii=False, default=str) + "\n")
+        os.replace(tmp, path)
+    except BaseException:
+        Path(tmp).unlink(missing_ok=True)
+        raise
+
+
+def check_settings(folder: Path, settings: dict) -> None:
+    """Records the settings of a prediction folder, or refuses to resume one made with others."""
+    path = Path(folder) / "settings.json"
+    if path.is_file():
+        old = json.loads(path.read_text(encoding="utf-8"))
+        diff = [f"{k}: {old.get(k)!r} there, {settings.get(k)!r} now" for k in sorted(settings.keys() | old.keys())
+                if old.get(k) != settings.get(k)]
+        if diff:
+            raise SystemExit(
+                f"eval.py: {folder} holds predictions made with other settings ({'; '.join(diff)}). "
+                "Use another --out, or delete that folder to start it again."
+            )
+        return
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text(json.dumps(settings, indent=2, sort_keys=True) + "\n", encoding="utf-8")
+
+
+def load_predictions(folder: Path) -> dict[str, dict]:
+    """index -> stored record from ``folder/predictions.jsonl`` (repairing a torn last line)."""
+    rows = read_jsonl(Path(folder) / "predictions.jsonl", repair=True)
+    by_index: dict[str, dict] = {}
+    for row in rows:
+        by_index.setdefault(str(row["index"]), row)
+    return by_index
+
+
+def predict(
+    key: str,
+    items: list[BenchItem],
+    folder: Path,
+    settings: dict,
+    get_model: Callable[[], tuple],
+    batch_size: int,
+    progress: bool = True,
+    max_prompt_len: int | None = None,
+) -> dict[str, dict]:
+    """Answers the items of ``folder`` not yet answered and returns index -> record for all stored.
+
+    ``get_model()`` is called only when something is left to answer (rescoring loads no model).
+    """
+    from tqdm.auto import tqdm
+
+    folder = Path(folder)
+    check_settings(folder, settings)
+    stored = load_predictions(folder)
+    pending = [item for item in items if item.index not in stored]
+    if not pending:
+        return stored
+    model, processor = get_model()
+    bar = tqdm(total=len(items), initial=len(items) - len(pending), desc=key, unit="item", disable=not progress)
+    replies: Iterator = inference.answer_items(
+        model, processor, pending, batch_size=batch_size, max_new_tokens=settings["max_new_tokens"],
+        enable_thinking=settings["enable_thinking"], view=settings["view"], max_prompt_len=max_prompt_len,
+    )  # fmt: skip
+    path = folder / "predictions.jsonl"
+    try:
+        with open(path, "a", encoding="utf-8") as fh:
+            for item, reply in replies:
+                record = {**grade(item, reply), "view": settings["view"]}
+                fh.write(json.dumps(record, ensure_ascii=False, default=str) + "\n")
+                fh.flush()
+                stored[item.index] = record
+                bar.update(1)
+    finally:
+        bar.close()
+    return stored
+
+
+def score_view(name: str, items: list[BenchItem], stored: dict[str, dict], judge=None) -> tuple[dict, list[dict]]:
+    """(score dict, records): the stored replies of ``items`` re-graded, free-form ones judged if asked.
+
+    With a judge, a free-form answer that already matches exactly counts as correct without a request;
+    the others take the judge's verdict ("unparsed" scores as wrong). ``record["judge"]`` says which.
+    """
+    records = []
+    for item in items:
+        row = stored.get(item.index)
+        if row is None:
+            continue
+        record = {**grade(item, row["reply"]), "view": row.get("view", "full")}
+        if judge is not None and item.kind == "open":
+            record["exact_match"] = record["correct"]
+            answer = strip_thinking(record["reply"])
+            if record["correct"]:
+                record["judge"] = "exact match"
+            elif not answer:
+                record["judge"] = "empty reply"
+            else:
+                record["judge"] = judge.verdict(item.question, item.answer, answer)
+                record["correct"] = record["judge"] == "correct"
+        records.append(record)
+    result = score(name, records)
+    if judge is not None:
+        judged = [r for r in records if "judge" in r]
+        result["judged"] = {v: sum(r["judge"] == v for r in judged)
+                            for v in ("exact match", "empty reply", "correct", "incorrect", "unparsed")}
+    missing = len(items) - len(records)
+    if missing:
+        result["missing_predictions"] = missing
+    return result, records

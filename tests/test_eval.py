@@ -1,0 +1,390 @@
+"""eval.py end to end on the built-in tiny model over fixture copies of all seven benchmarks.
+
+One module-scoped run (`full_run`: every benchmark, plus ZoomBench's crop view) is shared; the other
+tests resume, rescore, judge or compare copies of its output, so the tiny model generates only a
+handful of batches in the whole file. The judge talks to a fake OpenAI-compatible server on 127.0.0.1.
+"""
+
+import contextlib
+import http.server
+import io
+import json
+import shutil
+import threading
+from pathlib import Path
+from types import SimpleNamespace
+
+import pytest
+from transformers import GenerationConfig
+
+import eval as eval_py
+from bench_fixtures import ZOOMBENCH_ANSWERS, write_all_fixtures, write_vstar_fixture, write_zoombench_fixture
+from opd import evaluate, inference
+from opd.judge import Judge, JudgeError, cache_key, endpoint, parse_verdict
+from opd.report import write_results
+
+NAMES = ["vstar", "zoombench", "hrbench4k", "mmvp", "cvbench", "mmstar", "pope"]
+HEADER = "| Model | V*Bench | ZoomBench | HR-Bench 4K | MMVP | CV-Bench | MMStar | POPE | Avg. |"
+MAX_NEW = 3
+BATCH = 4
+
+
+def args(model, data_dir, out, *extra):
+    return ["--model", str(model), "--data-dir", str(data_dir), "--out", str(out), "--batch-size", str(BATCH),
+            "--max-new-tokens", str(MAX_NEW), "--device", "cpu", "--no-progress", *map(str, extra)]
+
+
+def run_quiet(argv):
+    buf = io.StringIO()
+    with contextlib.redirect_stdout(buf):
+        ret = eval_py.main(argv)
+    return ret, buf.getvalue()
+
+
+def predictions(folder) -> list[dict]:
+    lines = (Path(folder) / "predictions.jsonl").read_text(encoding="utf-8").splitlines()
+    return [json.loads(line) for line in lines]
+
+
+def results(out) -> dict:
+    return json.loads((Path(out) / "results.json").read_text(encoding="utf-8"))["benchmarks"]
+
+
+
+@pytest.fixture(scope="module")
+def data(tmp_path_factory):
+    root = tmp_path_factory.mktemp("benchdata")
+    return SimpleNamespace(dir=root, golds=write_all_fixtures(root))
+
+
+@pytest.fixture(scope="module")
+def full_run(tiny, data, tmp_path_factory):
+    out = tmp_path_factory.mktemp("runs") / "tiny-full"
+    ret, stdout = run_quiet(args(tiny[0], data.dir, out, "--view", "crop", "--progress"))
+    return SimpleNamespace(model=tiny[0], out=out, stdout=stdout, ret=ret)
+
+
+def copy_run(src: Path, dst: Path, keys) -> Path:
+    for key in keys:
+        shutil.copytree(src / key, dst / key)
+    return dst
+
+
+class NoGeneration:
+    """Replaces inference.answer_items; fails the test if anything is generated."""
+
+    def __call__(self, model, processor, items, *a, **k):
+        items = list(items)
+        if items:
+            raise AssertionError(f"unexpected generation for {[i.index for i in items]}")
+        return iter(())
+
+
+# ----------------------------------------------------------------------------- end to end
+
+
+def test_every_benchmark_scored_and_table_printed(full_run, data):
+    bench = results(full_run.out)
+    assert set(bench) == set(NAMES) | {"zoombench@crop"}
+    for name in NAMES:
+        assert isinstance(bench[name]["score"], float) and 0.0 <= bench[name]["score"] <= 100.0, name
+        assert bench[name]["n"] == len(data.golds[name]), name
+        rows = predictions(full_run.out / name)
+        assert sorted(r["index"] for r in rows) == sorted(data.golds[name]), name
+        for r in rows:
+            # the gold stored with each reply is this item's gold: replies land on the right items
+            assert r["answer"].lower() == str(data.golds[name][r["index"]]).lower(), (name, r)
+            # only new tokens are decoded (a char-level tokenizer: at most MAX_NEW characters), no specials
+            assert len(r["reply"]) <= MAX_NEW and "<|" not in r["reply"], r["reply"]
+        settings = json.loads((full_run.out / name / "settings.json").read_text())
+        assert settings["max_new_tokens"] == MAX_NEW and settings["enable_thinking"] is False
+        assert settings["view"] == "full" and settings["dtype"] == "float32"
+    lines = full_run.stdout.strip().splitlines()
+    assert HEADER in lines
+    row = lines[lines.index(HEADER) + 2]
+    assert row.startswith("| tiny-full |") and len(row.split("|")) == len(HEADER.split("|"))
+    assert (full_run.out / "results.md").read_text().strip() in full_run.stdout
+    meta = json.loads((full_run.out / "results.json").read_text())["meta"]
+    assert meta["seed"] == 42 and meta["max_new_tokens"] == MAX_NEW and meta["device"] == "cpu"
+
+
+def test_crop_view_reports_the_zoom_gap(full_run, data):
+    bench = results(full_run.out)
+    gap = bench["zoombench@crop"]["zoom_gap"]
+    assert gap["n"] == len(ZOOMBENCH_ANSWERS)
+    assert gap["full"] == pytest.approx(bench["zoombench"]["score"])
+    assert gap["crop"] == pytest.approx(bench["zoombench@crop"]["score"])
+    assert gap["gap"] == pytest.approx(gap["crop"] - gap["full"])
+    crop_rows = predictions(full_run.out / "zoombench@crop")
+    assert {r["view"] for r in crop_rows} == {"crop"} and len(crop_rows) == len(ZOOMBENCH_ANSWERS)
+    assert "zoombench zoom gap (crop - full, 4 items)" in full_run.stdout
+    assert "no crop images" in full_run.stdout and "vstar" in full_run.stdout
+
+
+def test_crop_view_uses_the_crop_image(data):
+    from opd.benchmarks import load_benchmark
+
+    item = load_benchmark("zoombench", data.dir)[0]
+    assert inference.item_image(item, "full").size == (16, 16)  # the fixture's full image
+    assert inference.item_image(item, "crop").size == (8, 8)  # and its crop
+    item.crop = None
+    with pytest.raises(ValueError, match="no crop image"):
+        inference.item_image(item, "crop")
+
+
+def test_oracle_replies_score_100_everywhere(tiny, data, tmp_path, monkeypatch):
+    """Replies equal to the gold (in a form each parser must read) give 100 on every benchmark."""
+
+    def oracle(model, processor, items, *a, **k):
+        for item in items:
+            if item.kind == "choice":
+                yield item, f"The answer is ({item.answer})."
+            elif item.kind == "yesno":
+                yield item, item.answer.capitalize() + "."
+            else:
+                yield item, item.answer
+
+    monkeypatch.setattr(inference, "answer_items", oracle)
+    ret, stdout = run_quiet(args(tiny[0], data.dir, tmp_path / "oracle"))
+    assert {k: v["score"] for k, v in ret["results"].items()} == {name: 100.0 for name in NAMES}
+    assert ret["results"]["mmvp"]["pair_accuracy"] == 100.0
+    assert "| oracle | 100.00 | 100.00 | 100.00 | 100.00 | 100.00 | 100.00 | 100.00 | 100.00 |" in stdout
+
+
+# ----------------------------------------------------------------------------- resume
+
+
+def test_interrupted_run_resumes_to_the_same_predictions(full_run, data, tmp_path, monkeypatch, capsys):
+    out = tmp_path / "resumed"
+    argv = args(full_run.model, data.dir, out, "--benchmarks", "hrbench4k", "--progress")
+    real = inference.answer_items
+    asked: list[str] = []
+
+    def interrupted(model, processor, items, *a, **k):
+        for n, pair in enumerate(real(model, processor, items, *a, **k)):
+            yield pair
+            if n + 1 == BATCH:  # stop after the first batch, like a Ctrl-C
+                raise KeyboardInterrupt
+
+    def recording(model, processor, items, *a, **k):
+        items = list(items)
+        asked.extend(i.index for i in items)
+        return real(model, processor, items, *a, **k)
+
+    monkeypatch.setattr(inference, "answer_items", interrupted)
+    with pytest.raises(KeyboardInterrupt):
+        run_quiet(argv)
+    first = predictions(out / "hrbench4k")
+    assert [r["index"] for r in first] == ["0", "1", "2", "3"]
+    with open(out / "hrbench4k" / "predictions.jsonl", "a") as fh:
+        fh.write('{"index": "4", "kind": "choice", "rep')  # a torn last line: killed mid-write
+
+    monkeypatch.setattr(inference, "answer_items", recording)
+    ret, _ = run_quiet(argv)
+    assert asked == ["4", "5"]  # only the missing items, the torn one included
+    rows = predictions(out / "hrbench4k")
+    assert [r["index"] for r in rows] == [str(i) for i in range(6)]  # each index exactly once
+    assert rows == predictions(full_run.out / "hrbench4k")  # greedy: same as the uninterrupted run
+    assert ret["results"]["hrbench4k"]["score"] == results(full_run.out)["hrbench4k"]["score"]
+    assert "hrbench4k" in capsys.readouterr().err  # the progress bar
+
+    asked.clear()
+    run_quiet(argv)  # nothing left: nothing generated, same file
+    assert asked == [] and predictions(out / "hrbench4k") == rows
+
+    with pytest.raises(SystemExit, match="max_new_tokens"):  # other settings never mix into the file
+        run_quiet(argv + ["--max-new-tokens", "7"])
+
+
+def test_limit_and_rescoring_need_no_generation(full_run, data, tmp_path, monkeypatch):
+    out = copy_run(full_run.out, tmp_path / "limited", ["vstar"])
+    monkeypatch.setattr(inference, "answer_items", NoGeneration())
+    ret, _ = run_quiet(args(full_run.model, data.dir, out, "--benchmarks", "vstar", "--limit", "2"))
+    assert ret["results"]["vstar"]["n"] == 2
+    scored = [json.loads(x) for x in (out / "vstar" / "scored.jsonl").read_text().splitlines()]
+    assert [r["index"] for r in scored] == ["0", "1"]
+
+
+def test_read_jsonl_drops_a_torn_tail_and_names_a_bad_line(tmp_path):
+    path = tmp_path / "p.jsonl"
+    path.write_text('{"index": "a"}\n{"index": "b"}\n{"index": "c", "re')
+    assert [r["index"] for r in evaluate.read_jsonl(path)] == ["a", "b"]
+    assert path.read_text().endswith('"re')  # untouched without repair
+    assert [r["index"] for r in evaluate.read_jsonl(path, repair=True)] == ["a", "b"]
+    assert path.read_text() == '{"index": "a"}\n{"index": "b"}\n'
+    path.write_text('{"index": "a"}\n{"index": "b"}')  # valid JSON but no newline: torn as well
+    assert [r["index"] for r in evaluate.read_jsonl(path, repair=True)] == ["a"]
+    path.write_text('{"index": "a"}\nnot json\n{"index": "c"}\n')
+    with pytest.raises(ValueError, match="line 2"):
+        evaluate.read_jsonl(path)
+
+
+# ----------------------------------------------------------------------------- generation settings
+
+
+def test_greedy_is_batch_invariant_and_ignores_checkpoint_sampling_defaults(tiny, data):
+    from opd.benchmarks import load_benchmark
+    from opd.model import load_model, load_processor
+
+    model, processor = load_model(str(tiny[0])), load_processor(str(tiny[0]))
+    items = load_benchmark("zoombench", data.dir)
+    base = [r for _, r in inference.answer_items(model, processor, items, BATCH, MAX_NEW)]
+    # left padding is masked: a prompt gets the same greedy reply alone as in a padded batch
+    assert [r for _, r in inference.answer_items(model, processor, items, 1, MAX_NEW)] == base
+    used = sorted({t for r in base for t in processor.tokenizer(r, add_special_tokens=False).input_ids})
+    assert used
+    # "Shipped" defaults that would change greedy replies if they leaked: every token of the replies banned.
+    shipped = GenerationConfig(do_sample=True, temperature=50.0, top_k=0, bad_words_ids=[[t] for t in used],
+                               eos_token_id=model.generation_config.eos_token_id,
+                               pad_token_id=model.generation_config.pad_token_id)
+    model.generation_config = shipped
+    again = [r for _, r in inference.answer_items(model, processor, items, BATCH, MAX_NEW)]
+    assert again == base
+    assert model.generation_config is shipped and not model.training
+    think = processor.decode(inference.encode_item(processor, items[0], enable_thinking=False).input_ids)
+    assert think.endswith("<|im_start|>assistant\n<think>\n\n</think>\n\n")
+    plain = processor.decode(inference.encode_item(processor, items[0], enable_thinking=True).input_ids)
+    assert plain.endswith("<|im_start|>assistant\n")
+
+
+# ----------------------------------------------------------------------------- judge
+
+
+class FakeJudgeServer:
+    """An OpenAI-compatible /v1/chat/completions on 127.0.0.1: "correct", or "incorrect" for model "strict"."""
+
+    MAX_REQUESTS = 20
+
+    def __init__(self):
+        self.requests: list[dict] = []
+        owner = self
+
+        class Handler(http.server.BaseHTTPRequestHandler):
+            def do_POST(self):
+                body = json.loads(self.rfile.read(int(self.headers["Content-Length"])))
+                owner.requests.append({"path": self.path, "headers": dict(self.headers), "body": body})
+                if len(owner.requests) > owner.MAX_REQUESTS:
+                    self.send_error(503, "too many requests in a test")
+                    return
+                verdict = "incorrect" if body.get("model") == "strict" else "Correct."
+                data = json.dumps({"choices": [{"message": {"role": "assistant", "content": verdict}}]}).encode()
+                self.send_response(200)
+                self.send_header("Content-Type", "application/json")
+                self.send_header("Content-Length", str(len(data)))
+                self.end_headers()
+                self.wfile.write(data)
+
+            def log_message(self, *a):
+                pass
+
+        self.server = http.server.ThreadingHTTPServer(("127.0.0.1", 0), Handler)
+        self.thread = threading.Thread(target=self.server.serve_forever, kwargs={"poll_interval": 0.05}, daemon=True)
+
+    @property
+    def url(self) -> str:
+        return f"http://127.0.0.1:{self.server.server_address[1]}/v1"
+
+    def __enter__(self):
+        self.thread.start()
+        return self
+
+    def __exit__(self, *exc):
+        self.server.shutdown()
+        self.server.server_close()
+        self.thread.join(timeout=5)
+
+
+def test_judge_scores_free_form_answers_and_caches_verdicts(full_run, data, tmp_path, monkeypatch):
+    out = copy_run(full_run.out, tmp_path / "judged", ["zoombench"])
+    monkeypatch.setattr(inference, "answer_items", NoGeneration())  # rescoring only
+    monkeypatch.setenv("JUDGE_API_KEY", "test-key")
+    base = results(full_run.out)["zoombench"]
+    open_rows = [r for r in predictions(out / "zoombench") if r["kind"] == "open"]
+    assert [r["index"] for r in open_rows] == ["zb2"] and not open_rows[0]["correct"]
+    with FakeJudgeServer() as server:
+        argv = args(full_run.model, data.dir, out, "--benchmarks", "zoombench", "--judge-url", server.url,
+                    "--judge-model", "lenient", "--judge-timeout", "5")
+        ret, _ = run_quiet(argv)
+        assert len(server.requests) == 1  # one open answer that does not match exactly
+        req = server.requests[0]
+        assert req["path"] == "/v1/chat/completions" and req["headers"]["Authorization"] == "Bearer test-key"
+        assert req["body"]["model"] == "lenient" and req["body"]["temperature"] == 0
+        prompt = req["body"]["messages"][-1]["content"]
+        assert "Reference answer: Exit" in prompt and f"Model answer: {open_rows[0]['reply']}" in prompt
+        zb = ret["results"]["zoombench"]
+        assert zb["per_kind"]["open"] == 100.0 and base["per_kind"]["open"] == 0.0
+        assert zb["judged"]["correct"] == 1
+        assert zb["score"] == pytest.approx(base["score"] + 100.0 / len(ZOOMBENCH_ANSWERS))
+        cache = evaluate.read_jsonl(out / "judge_cache.jsonl")
+        assert [(c["verdict"], c["gold"]) for c in cache] == [("correct", "Exit")]
+
+        again, _ = run_quiet(argv)  # every verdict cached: no request
+        assert len(server.requests) == 1 and again["results"]["zoombench"] == zb
+
+        strict, _ = run_quiet([a if a != "lenient" else "strict" for a in argv])  # another judge model: asked
+        assert len(server.requests) == 2 and strict["results"]["zoombench"]["per_kind"]["open"] == 0.0
+
+
+def test_judge_endpoint_parsing_and_errors(tmp_path):
+    assert endpoint("http://h:8000") == "http://h:8000/v1/chat/completions"
+    assert endpoint("http://h:8000/v1/") == "http://h:8000/v1/chat/completions"
+    assert endpoint("https://h/x/v1/chat/completions") == "https://h/x/v1/chat/completions"
+    with pytest.raises(ValueError, match="http"):
+        endpoint("h:8000")
+    assert [parse_verdict(t) for t in ("Correct.", "incorrect", "It is not correct", "maybe")] == [
+        "correct", "incorrect", "incorrect", "unparsed"]
+    assert cache_key("q", "g", "r", "m1") != cache_key("q", "g", "r", "m2")
+
+    class Refusing(FakeJudgeServer):
+        MAX_REQUESTS = 0  # every request answered 503
+
+    with Refusing() as server:
+        judge = Judge(server.url, "m", tmp_path / "cache.jsonl", timeout=5, retries=2, backoff=0.0)
+        with pytest.raises(JudgeError, match="HTTP 503"):
+            judge.verdict("q", "g", "r")
+        assert judge.requests == 2 and len(server.requests) == 2
+        assert evaluate.read_jsonl(tmp_path / "cache.jsonl") == []  # a failure is never cached
+
+
+# ----------------------------------------------------------------------------- compare and errors
+
+
+def test_compare_prints_runs_side_by_side_with_deltas(full_run, tmp_path, capsys):
+    base = results(full_run.out)
+    other = {k: dict(v, score=v["score"] + 10.0) if k == "vstar" else v for k, v in base.items()}
+    write_results(tmp_path / "better" / "results.json", other, {"label": "better"})
+    ret = eval_py.main(["--compare", str(full_run.out), str(tmp_path / "better")])
+    printed = capsys.readouterr().out
+    assert printed == ret["compare"]
+    assert "| tiny-full |" in printed and "| better |" in printed and "Delta vs tiny-full" in printed
+    delta_row = next(line for line in printed.splitlines() if line.startswith("| better |") and "+" in line)
+    assert delta_row.split("|")[2].strip() == "+10.00"
+
+
+def test_unknown_benchmark_lists_the_known_ones(tmp_path):
+    with pytest.raises(SystemExit) as exc:
+        eval_py.main(["--model", "tiny", "--benchmarks", "vstar,imagenet", "--data-dir", str(tmp_path)])
+    assert "'imagenet'" in str(exc.value) and "known: " + ", ".join(NAMES) in str(exc.value)
+
+
+def test_missing_or_malformed_data_names_benchmark_file_and_field(tiny, tmp_path):
+    write_vstar_fixture(tmp_path)
+    with pytest.raises(SystemExit, match=r"no data folder for mmvp under"):
+        eval_py.main(args(tiny[0], tmp_path, tmp_path / "out", "--benchmarks", "vstar,mmvp"))
+    path = tmp_path / "vstar" / "test_questions.jsonl"
+    rows = [json.loads(line) for line in path.read_text().splitlines()]
+    del rows[1]["label"]
+    path.write_text("".join(json.dumps(r) + "\n" for r in rows))
+    with pytest.raises(SystemExit) as exc:
+        eval_py.main(args(tiny[0], tmp_path, tmp_path / "out", "--benchmarks", "vstar"))
+    assert "benchmark 'vstar'" in str(exc.value) and "test_questions.jsonl line 2" in str(exc.value)
+    assert "'label'" in str(exc.value)
+    write_zoombench_fixture(tmp_path)
+    image = tmp_path / "zoombench" / "images" / "zb1.jpg"
+    image.write_bytes(image.read_bytes()[:50])  # the header reads, the pixels do not: found while answering
+    with pytest.raises(SystemExit) as exc:
+        eval_py.main(args(tiny[0], tmp_path, tmp_path / "out", "--benchmarks", "zoombench"))
+    assert "benchmark 'zoombench'" in str(exc.value) and "zb1.jpg" in str(exc.value)
+    assert "cannot decode image" in str(exc.value)
+    with pytest.raises(SystemExit, match="--model is required"):
+        eval_py.main(["--data-dir", str(tmp_path)])
