@@ -88,7 +88,9 @@ class TrainConfig:
     loss_chunk: int = 512
     """Response positions per LM-head chunk in the loss (logits never held beyond it); 0 = whole micro-batch logits."""
     rollout_batch: int = 0
-    """Rows per generate() call; 0 = all of a rank's rows at once."""
+    """Rows per generate() call, in whole prompts; 0 = all of a rank's rows at once."""
+    share_prefill: bool = True
+    """Encode and prefill each prompt once for its rollouts (when the model's cache can be expanded)."""
     explore: float = 0.10
     """Exploration ratio eps of the learned selector: K_e = ceil(eps K)."""
     selector_seed: int = 0
@@ -271,8 +273,9 @@ class Run:
                 torch.manual_seed(mix_seed(cfg.seed, step, acc.process_index))
                 with self.autocast():
                     rollouts = generate_rollouts(
-                        self.policy, student_prompts, cfg.rollouts_per_prompt, cfg.max_response_len, cfg.rollout_batch
-                    )
+                        self.policy, student_prompts, cfg.rollouts_per_prompt, cfg.max_response_len,
+                        cfg.rollout_batch, cfg.share_prefill,
+                    )  # fmt: skip
         rows = rollouts.prompt_index.tolist()
         eligible_local = torch.tensor([records[j].eligible for j in rows]) & rollouts.valid
         area = torch.tensor([records[j].area_ratio for j in rows])

@@ -80,6 +80,26 @@ def response_mask(response_ids: torch.Tensor, eos_ids: list[int]) -> torch.Tenso
     return eos_before == 0
 
 
+def prefill_shared_cache(model, batch: dict[str, torch.Tensor], n: int):
+    """Encodes and prefills each prompt once and expands the cache to its n rollouts, or returns None
+    when the model's cache cannot be expanded (generate() then prefills every row itself).
+
+    The prompts minus their last token (a text token under left padding) go through one forward with
+    the images; the cache rows (KV and linear-attention states) are repeated n times in place, and
+    so is Qwen's M-RoPE offset (`rope_deltas`), which generate() reads without expanding it.
+    """
+    prefix = {k: (v[:, :-1] if k in ("input_ids", "attention_mask", "mm_token_type_ids") else v) for k, v in batch.items()}
+    out = model(**prefix, use_cache=True)
+    cache = getattr(out, "cache", None) or getattr(out, "past_key_values", None)
+    if cache is None or not hasattr(cache, "reorder_cache"):
+        return None
+    cache.reorder_cache(torch.arange(batch["input_ids"].shape[0], device=batch["input_ids"].device).repeat_interleave(n))
+    inner = getattr(model, "model", None)
+    if getattr(inner, "rope_deltas", None) is not None:
+        inner.rope_deltas = inner.rope_deltas.repeat_interleave(n, dim=0)
+    return cache
+
+
 @torch.no_grad()
 def generate_rollouts(
     model,
@@ -87,30 +107,37 @@ def generate_rollouts(
     n_per_prompt: int,
     max_new_tokens: int,
     batch_rows: int = 0,
+    share_prefill: bool = True,
 ) -> Rollouts:
-    """Samples `n_per_prompt` responses to each prompt; `batch_rows` rows per generate() call (0: all).
+    """Samples `n_per_prompt` responses to each prompt; about `batch_rows` rows per generate() call (0: all).
 
+    With `share_prefill`, each prompt (and its image) is encoded and prefilled once for its n rollouts
+    (`prefill_shared_cache`); the sampled tokens are the same as without it (a test checks it).
     Randomness comes from the global torch generator: the caller seeds it per step and rank, which
     makes a resumed run sample the same responses as an uninterrupted one.
     """
     ids = special_ids(model)
     device = next(model.parameters()).device
-    rows = [j for j in range(len(prompts)) for _ in range(n_per_prompt)]
-    batch_rows = batch_rows or len(rows)
+    n = n_per_prompt
+    rows = [j for j in range(len(prompts)) for _ in range(n)]
+    per_call = max(1, (batch_rows or len(rows)) // n)  # prompts per generate() call
     chunks = []
     was_training = model.training
     model.eval()
+    sampling = dict(do_sample=True, temperature=1.0, top_k=0, top_p=1.0, max_new_tokens=max_new_tokens, suppress_tokens=ids["vision"])
     with neutral_generation_defaults(model):
-        for start in range(0, len(rows), batch_rows):
-            chunk = rows[start : start + batch_rows]
-            batch = {k: v.to(device) for k, v in collate([prompts[j] for j in chunk], ids["pad"]).items()}
+        for start in range(0, len(prompts), per_call):
+            group = prompts[start : start + per_call]
+            unique = {k: v.to(device) for k, v in collate(group, ids["pad"]).items()}
+            cache = prefill_shared_cache(model, unique, n) if share_prefill else None
+            if cache is not None:
+                batch = {k: unique[k].repeat_interleave(n, dim=0) for k in ("input_ids", "attention_mask", "mm_token_type_ids")}
+                batch["cache"] = cache
+            else:
+                batch = {k: v.to(device) for k, v in collate([p for p in group for _ in range(n)], ids["pad"]).items()}
             stats = RolloutStats()
-            out = model.generate(
-                **batch,
-                do_sample=True, temperature=1.0, top_k=0, top_p=1.0, max_new_tokens=max_new_tokens,
-                suppress_tokens=ids["vision"], logits_processor=LogitsProcessorList([stats]),
-            )  # fmt: skip
-            response = out[:, batch["input_ids"].shape[1] :]  # (n, T)
+            out = model.generate(**batch, **sampling, logits_processor=LogitsProcessorList([stats]))
+            response = out[:, unique["input_ids"].shape[1] :]  # (rows, T)
             logp, entropy = stats.finish(response[:, -1])
             chunks.append((response.cpu(), logp.cpu(), entropy.cpu()))
     model.train(was_training)

@@ -59,13 +59,14 @@ class Spy:
         return out
 
 
-def test_rollout_stats_equal_a_forward_over_the_finished_sequence(tiny):
+@pytest.mark.parametrize("share_prefill", [True, False])
+def test_rollout_stats_equal_a_forward_over_the_finished_sequence(tiny, share_prefill):
     """The log-probs and entropies recorded during generate() are those of the sampling distribution."""
     model_dir, data = tiny
     model, processor = load_model(str(model_dir)), load_processor(str(model_dir))
     records = load_records(data)[:3]
     prompts = [encode_prompt(processor, *student_view(r)) for r in records]
-    ro = generate_rollouts(model, prompts, 3, 12, batch_rows=4)
+    ro = generate_rollouts(model, prompts, 3, 12, batch_rows=6, share_prefill=share_prefill)
     ids = special_ids(model)
     inputs = collate([prompts[j] for j in ro.prompt_index.tolist()], ids["pad"], ro.response_ids, ro.response_mask)
     with torch.no_grad():
@@ -83,6 +84,19 @@ def test_rollout_stats_equal_a_forward_over_the_finished_sequence(tiny):
     torch.testing.assert_close(ro.entropy[m].double(), expected_entropy[m], atol=2e-4, rtol=1e-4)
     assert not torch.isin(ro.response_ids[m], torch.tensor(ids["vision"])).any()
     assert ro.prompt_index.tolist() == [0, 0, 0, 1, 1, 1, 2, 2, 2]
+
+
+def test_shared_prefill_samples_the_same_responses(tiny):
+    model_dir, data = tiny
+    model, processor = load_model(str(model_dir)), load_processor(str(model_dir))
+    prompts = [encode_prompt(processor, *student_view(r)) for r in load_records(data)[:4]]
+    outs = []
+    for share in (True, False):
+        torch.manual_seed(3)
+        outs.append(generate_rollouts(model, prompts, 4, 10, share_prefill=share))
+    assert torch.equal(outs[0].response_ids, outs[1].response_ids)
+    torch.testing.assert_close(outs[0].logp, outs[1].logp, atol=1e-4, rtol=1e-4)
+    torch.testing.assert_close(outs[0].entropy, outs[1].entropy, atol=1e-4, rtol=1e-4)
 
 
 def test_response_mask_keeps_tokens_up_to_the_first_eos():
