@@ -34,9 +34,9 @@ class _ChunkTopKJSD(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx, h_s, w_s, h_t, w_t, k: int, alpha: float):
-        z = upcast(h_s @ w_s.to(h_s.dtype).T)  # (C, V) student logits
+        z = upcast(h_s @ w_s.T)  # (C, V) student logits
         with torch.no_grad():
-            z_t = upcast(h_t @ w_t.to(h_t.dtype).T)  # (C, V) teacher logits
+            z_t = upcast(h_t @ w_t.T)  # (C, V) teacher logits
         k = min(k, z.shape[-1])
         lse = torch.logsumexp(z, dim=-1, keepdim=True)  # (C, 1)
         top = z.topk(k, dim=-1)
@@ -57,7 +57,7 @@ class _ChunkTopKJSD(torch.autograd.Function):
     @staticmethod
     def backward(ctx, grad_d, _grad_terms):
         h_s, w_s, ids, lse, q, g = ctx.saved_tensors
-        z = upcast(h_s @ w_s.to(h_s.dtype).T)  # (C, V) recomputed
+        z = upcast(h_s @ w_s.T)  # (C, V) recomputed
         p = torch.exp(z - lse)  # (C, V)
         g = g * grad_d.unsqueeze(-1)  # (C, k + 1)
         g_top, g_tail = g[:, :-1], g[:, -1:]
@@ -65,8 +65,8 @@ class _ChunkTopKJSD(torch.autograd.Function):
         dz = p * (tail_scale - g.sum(-1, keepdim=True))  # every v: [v not in I] term and -p_v sum(g)
         dz.scatter_add_(-1, ids, g_top - p.gather(-1, ids) * tail_scale)  # v in I: + g_v, no tail term
         dz = dz.to(h_s.dtype)
-        grad_h = dz @ w_s.to(h_s.dtype)  # (C, H)
-        grad_w = (dz.T @ h_s).to(w_s.dtype)  # (V, H)
+        grad_h = dz @ w_s  # (C, H)
+        grad_w = dz.T @ h_s  # (V, H)
         return grad_h, grad_w, None, None, None, None
 
 
@@ -83,11 +83,15 @@ def topk_jsd_from_hidden(
 
     h_s, h_t: (P, H) final hidden states of the student and the teacher at the same response
     positions; w_s, w_t: (V, H) their LM-head weights. At most `chunk` positions' logits exist at once.
+    Weights in another dtype than the hidden states (fp32 master weights under bf16 autocast) are cast
+    once here, not per chunk; autograd carries the gradient back to the original weight.
     """
     if h_s.shape[0] == 0:
         return h_s.new_zeros(0, dtype=torch.float32), h_s.new_zeros(0, 3, dtype=torch.float32)
+    w_s = w_s if w_s.dtype == h_s.dtype else w_s.to(h_s.dtype)
+    w_t = w_t.detach() if w_t.dtype == h_t.dtype else w_t.detach().to(h_t.dtype)
     outs = [
-        _ChunkTopKJSD.apply(h_s[j : j + chunk], w_s, h_t[j : j + chunk].detach(), w_t.detach(), k, alpha)
+        _ChunkTopKJSD.apply(h_s[j : j + chunk], w_s, h_t[j : j + chunk].detach(), w_t, k, alpha)
         for j in range(0, h_s.shape[0], chunk)
     ]
     return torch.cat([o[0] for o in outs]), torch.cat([o[1] for o in outs])
