@@ -19,14 +19,8 @@ where p = softmax(z) and I the student's top-k ids. `topk_jsd_from_hidden` is nu
 
 import torch
 
-from opd.divergence import generalized_jsd, upcast
+from opd.divergence import generalized_jsd, tail_logp, upcast
 from opd.utility import utility_terms
-
-
-def _tail(topk_logp: torch.Tensor) -> torch.Tensor:
-    """log q = log(1 - sum_I p) from the top-k log-probs, summed in float64, clamped at float32's tiny."""
-    mass = topk_logp.double().exp().sum(-1, keepdim=True)  # (C, 1)
-    return torch.log(torch.clamp(1.0 - mass, min=torch.finfo(topk_logp.dtype).tiny)).to(topk_logp.dtype)
 
 
 class _ChunkTopKJSD(torch.autograd.Function):
@@ -41,9 +35,9 @@ class _ChunkTopKJSD(torch.autograd.Function):
         lse = torch.logsumexp(z, dim=-1, keepdim=True)  # (C, 1)
         top = z.topk(k, dim=-1)
         s_k = top.values - lse  # (C, k)
-        s_sup = torch.cat([s_k, _tail(s_k)], dim=-1)  # (C, k + 1)
+        s_sup = torch.cat([s_k, tail_logp(s_k)], dim=-1)  # (C, k + 1)
         t_k = torch.log_softmax(z_t, dim=-1).gather(-1, top.indices)  # (C, k)
-        t_sup = torch.cat([t_k, _tail(t_k)], dim=-1)  # (C, k + 1)
+        t_sup = torch.cat([t_k, tail_logp(t_k)], dim=-1)  # (C, k + 1)
         with torch.enable_grad():
             s_leaf = s_sup.detach().requires_grad_(True)
             d_alpha = generalized_jsd(s_leaf, t_sup, alpha)  # (C,) Eq. 3

@@ -53,9 +53,10 @@ def upcast(x: torch.Tensor) -> torch.Tensor:
 
 
 def tail_logp(topk_logp: torch.Tensor) -> torch.Tensor:
-    """log(1 - sum_k p_k) of the mass outside a top-k support, clamped at the dtype's tiny (k = V gives ~0)."""
-    mass = topk_logp.exp().sum(-1, keepdim=True)  # (..., 1)
-    return torch.log(torch.clamp(1.0 - mass, min=torch.finfo(topk_logp.dtype).tiny))
+    """log(1 - sum_k p_k) of the mass outside a top-k support, the sum in float64, clamped at the dtype's
+    smallest normal number (k = V leaves an empty tail)."""
+    mass = topk_logp.double().exp().sum(-1, keepdim=True)  # (..., 1)
+    return torch.log(torch.clamp(1.0 - mass, min=torch.finfo(topk_logp.dtype).tiny)).to(topk_logp.dtype)
 
 
 def topk_support(
