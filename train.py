@@ -21,6 +21,7 @@ from pathlib import Path
 import torch
 from accelerate import Accelerator, PartialState
 from tqdm.auto import tqdm
+from transformers.utils import logging as hf_logging
 
 from opd.checkpoint import find_checkpoint, load_state, save_checkpoint
 from opd.chat import encode_prompt
@@ -431,6 +432,7 @@ def tensorboard_writer(path: Path):
 
 def main(argv: list[str] | None = None) -> dict:
     cfg = parse_config(TrainConfig, PRESETS, argv, description=__doc__.split("\n")[0])
+    hf_logging.disable_progress_bar()  # weight loading/saving bars would break the training bar
     if cfg.resume and cfg.out == PRESETS[cfg.preset].get("out", TrainConfig.out):
         run_dir = Path(cfg.resume)
         cfg = dataclasses.replace(cfg, out=str(run_dir if (run_dir / "latest").exists() else run_dir.parent))
