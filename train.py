@@ -226,9 +226,10 @@ class Run:
             state = load_state(ckpt)
             model_path, teacher_path, self.start = str(ckpt / "policy"), str(ckpt / "teacher"), int(state["step"])
         self.processor = load_processor(model_path)
-        student = load_model(model_path, cfg.dtype, self.acc.device)
+        student = load_model(model_path, cfg.dtype, self.acc.device).train()  # from_pretrained returns eval mode
         if cfg.grad_checkpointing:
-            student.gradient_checkpointing_enable()
+            # non-reentrant: the reentrant variant marks DDP parameters ready twice
+            student.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
         self.ids = special_ids(student)
         if teacher_path:
             self.teacher = EMATeacher(load_model(teacher_path, cfg.dtype, self.acc.device), copy_weights=False)
