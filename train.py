@@ -30,14 +30,14 @@ from opd.data import Record, load_records, shard, step_prompt_indices
 from opd.distill import DistillConfig, distill
 from opd.features import rollout_features
 from opd.ledger import PHASES, Ledger, PhaseTimer, format_summary, summarize, write_atomic
-from opd.model import autocast, load_model, load_processor, special_ids
+from opd.model import DTYPES, autocast, load_model, load_processor, special_ids
 from opd.predictor import PredictorConfig
 from opd.rollout import Rollouts, generate_rollouts
 from opd.seeding import mix_seed
 from opd.selectors import POLICIES, Selector, query_budget
 from opd.teacher import EMATeacher
 from opd.tiny import tiny_defaults
-from opd.views import student_view, teacher_view
+from opd.views import VIEWS, student_view, teacher_view
 
 
 @dataclass
@@ -194,6 +194,10 @@ def check_config(cfg: TrainConfig, world: int) -> None:
         problems.append("--micro-batch-tokens and --loss-chunk must be >= 0")
     if cfg.steps < 0:
         problems.append(f"--steps {cfg.steps}: must be >= 0")
+    if cfg.teacher_view not in VIEWS:
+        problems.append(f"--teacher-view {cfg.teacher_view!r}: choose one of {', '.join(sorted(VIEWS))}")
+    if cfg.dtype not in DTYPES:
+        problems.append(f"--dtype {cfg.dtype!r}: choose one of {', '.join(DTYPES)}")
     if cfg.preset != "tiny" and cfg.data is None:
         problems.append(f"--data is required with --preset {cfg.preset} (a Vision-OPD-style training JSONL)")
     if problems:
@@ -213,7 +217,8 @@ class Run:
         self.out = Path(cfg.out)
         model_path, data_path = cfg.model, cfg.data
         if model_path is None or data_path is None:
-            tiny_model, tiny_data = tiny_defaults() if self.acc.is_main_process else (None, None)
+            if self.acc.is_main_process:
+                tiny_defaults()  # built once, then every rank reads the cached folders
             self.acc.wait_for_everyone()
             tiny_model, tiny_data = tiny_defaults()
             model_path, data_path = model_path or str(tiny_model), data_path or str(tiny_data)

@@ -264,6 +264,8 @@ def test_resume_continues_to_the_same_result(tmp_path, tiny):
         (["--policy", "greedy"], "--policy 'greedy'"),
         (["--preset", "paper-4b"], "--data is required"),
         (["--prompts-per-step", "0"], "--prompts-per-step 0"),
+        (["--teacher-view", "zoom"], "--teacher-view 'zoom'"),
+        (["--mixed-precision", "fp8"], "--mixed-precision 'fp8'"),
     ],
 )
 def test_impossible_flags_are_refused_by_name(tmp_path, flags, message):
