@@ -46,20 +46,22 @@ class EMATeacher:
         self.rows_scored = 0
         self.batches: list[int] = []
 
-    @torch.no_grad()
-    def logits(self, inputs: dict[str, torch.Tensor], n_response: int) -> torch.Tensor:
-        """Eq. 2 of the paper: p^T_{i,t} = p_theta-bar(. | x~_i, q_i, y_{i,<t}) as detached logits (n, T, V)."""
+    def _record(self, inputs: dict[str, torch.Tensor]) -> None:
+        """Counts the rows of every teacher batch (the budget audit)."""
         n = inputs["input_ids"].shape[0]
         self.rows_scored += n
         self.batches.append(n)
+
+    @torch.no_grad()
+    def logits(self, inputs: dict[str, torch.Tensor], n_response: int) -> torch.Tensor:
+        """Eq. 2 of the paper: p^T_{i,t} = p_theta-bar(. | x~_i, q_i, y_{i,<t}) as detached logits (n, T, V)."""
+        self._record(inputs)
         return response_logits(self.model, inputs, n_response).detach()
 
     @torch.no_grad()
     def hidden(self, inputs: dict[str, torch.Tensor], n_response: int) -> torch.Tensor:
         """Eq. 2 as final hidden states (n, T, H): logits = hidden @ lm_head_weight(model)^T."""
-        n = inputs["input_ids"].shape[0]
-        self.rows_scored += n
-        self.batches.append(n)
+        self._record(inputs)
         return response_hidden(self.model, inputs, n_response).detach()
 
     @torch.no_grad()
