@@ -1,20 +1,26 @@
-"""Eq. 3 and the utility terms of Eq. 7-8 from final hidden states, one chunk of positions at a time.
+"""Eq. 3 and the utility terms of Eq. 7-8 without (positions x vocabulary) tensors beyond one chunk.
 
 With Qwen3.5's 248,320-token vocabulary one position's fp32 logits take about 1 MB, so logits over a
-micro-batch of responses (positions x V) do not fit. This path takes the student's and teacher's final
-hidden states (P, H) of the valid response positions and the LM-head weights, and for each chunk of
-positions computes both sides' logits, the student's top-k, the teacher gathered there, the top-k JSD
-(Eq. 3) and the detached utility terms d, o, c (Eq. 7-8), then drops the logits. Backward recomputes
-the chunk's student logits (one extra LM-head product) instead of storing them: the memory held
-between forward and backward is O(P k), not O(P V).
+micro-batch of responses do not fit. Two functions compute the top-k JSD of Eq. 3 (student top-k
+support plus a tail bucket, as `topk_support` + `generalized_jsd`) and the detached utility terms
+d, o, c of Eq. 7-8 with an analytic gradient instead of autograd's stored intermediates:
 
-The gradient of Eq. 3 with respect to the student logits z of one position, with support
-s = [z_I - lse(z), log q], q = sum_{v not in I} p_v, and g = dD/ds, is
+- `budgeted_loss_from_hidden`: from the student's and teacher's final hidden states (P, H) and the
+  LM-head weights, one chunk of positions at a time: both sides' logits, the loss terms, and the
+  chunk's gradient contributions, which are accumulated into dL/dh (P, H) and dL/dW (V, H) during the
+  forward; the chunk's logits are then dropped. Backward only scales those buffers. Four LM-head
+  products in all (student, teacher, dL/dh, dL/dW), the minimum; memory O(P k + V H).
+  It returns the weighted sum of Eq. 11 directly (per-token weights are the Eq. 11 weights).
+- `topk_jsd_from_logits`: the same per-position D from given logits; backward rebuilds p = softmax(z)
+  in one (N, V) buffer that becomes the gradient.
 
-    dD/dz_v = [v in I] g_v + [v not in I] g_tail p_v / q - p_v (sum_{i in I} g_i + g_tail),
+The gradient of D at one position with respect to the student logits z, with support
+s = [z_I - lse(z), log q], q = sum_{v not in I} p_v, I the student's top-k ids, p = softmax(z) and
+g = dD/ds, is
 
-where p = softmax(z) and I the student's top-k ids. `topk_jsd_from_hidden` is numerically the same as
-`topk_support` + `generalized_jsd` on full logits (a test compares values and gradients).
+    dD/dz_v = [v in I] g_v + [v not in I] g_tail p_v / q - p_v (sum_{i in I} g_i + g_tail).
+
+Tests compare values and gradients with `topk_support` + `generalized_jsd` on full logits.
 """
 
 import torch
@@ -23,69 +29,123 @@ from opd.divergence import generalized_jsd, tail_logp, upcast
 from opd.utility import utility_terms
 
 
-class _ChunkTopKJSD(torch.autograd.Function):
-    """D (C,) for one chunk of positions, and the detached utility terms (C, 3) = (d, o, c)."""
+def _loss_parts(z: torch.Tensor, z_t: torch.Tensor, k: int, alpha: float):
+    """One block of logits (C, V): D (C,), g = dD/ds (C, k + 1), ids (C, k), lse (C, 1), q (C, 1), (d, o, c) (C, 3)."""
+    k = min(k, z.shape[-1])
+    lse = torch.logsumexp(z, dim=-1, keepdim=True)  # (C, 1)
+    top = z.topk(k, dim=-1)
+    s_k = top.values - lse  # (C, k) student log-probs on its top-k
+    s_sup = torch.cat([s_k, tail_logp(s_k)], dim=-1)  # (C, k + 1)
+    t_k = z_t.gather(-1, top.indices) - torch.logsumexp(z_t, dim=-1, keepdim=True)  # (C, k) teacher there
+    t_sup = torch.cat([t_k, tail_logp(t_k)], dim=-1)  # (C, k + 1)
+    with torch.enable_grad():
+        s_leaf = s_sup.detach().requires_grad_(True)
+        d_alpha = generalized_jsd(s_leaf, t_sup, alpha)  # (C,) Eq. 3
+        (g,) = torch.autograd.grad(d_alpha.sum(), s_leaf)  # (C, k + 1)
+    terms = torch.stack(utility_terms(z, z_t, k, student_topk=(top.values, top.indices)), dim=-1)  # (C, 3) Eq. 7-8
+    return d_alpha.detach(), g, top.indices, lse, s_sup[:, -1:].exp(), terms
 
+
+def _logit_grad(z: torch.Tensor, lse, ids, g, q) -> torch.Tensor:
+    """dD/dz (C, V) by the formula in the module docstring, built in place in one new (C, V) buffer."""
+    g_top, g_tail = g[:, :-1], g[:, -1:]
+    tail_scale = g_tail / q  # (C, 1)
+    dz = torch.sub(z, lse).exp_()  # (C, V) p
+    p_top = dz.gather(-1, ids)  # (C, k)
+    dz.mul_(tail_scale - g.sum(-1, keepdim=True))  # every v: [v not in I] term and -p_v sum(g)
+    dz.scatter_add_(-1, ids, g_top - p_top * tail_scale)  # v in I: + g_v, and no tail term
+    return dz
+
+
+class _FromLogits(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, h_s, w_s, h_t, w_t, k: int, alpha: float):
-        z = upcast(h_s @ w_s.T)  # (C, V) student logits
-        with torch.no_grad():
-            z_t = upcast(h_t @ w_t.T)  # (C, V) teacher logits
-        k = min(k, z.shape[-1])
-        lse = torch.logsumexp(z, dim=-1, keepdim=True)  # (C, 1)
-        top = z.topk(k, dim=-1)
-        s_k = top.values - lse  # (C, k)
-        s_sup = torch.cat([s_k, tail_logp(s_k)], dim=-1)  # (C, k + 1)
-        t_k = torch.log_softmax(z_t, dim=-1).gather(-1, top.indices)  # (C, k)
-        t_sup = torch.cat([t_k, tail_logp(t_k)], dim=-1)  # (C, k + 1)
-        with torch.enable_grad():
-            s_leaf = s_sup.detach().requires_grad_(True)
-            d_alpha = generalized_jsd(s_leaf, t_sup, alpha)  # (C,) Eq. 3
-            (g,) = torch.autograd.grad(d_alpha.sum(), s_leaf)  # (C, k + 1) dD/ds
-        d, o, c = utility_terms(z, z_t, k)  # (C,) each, Eq. 7-8
-        terms = torch.stack([d, o, c], dim=-1)
-        ctx.save_for_backward(h_s, w_s, top.indices, lse, s_sup[:, -1:].exp(), g)
+    def forward(ctx, z_s, z_t, k: int, alpha: float):
+        z = upcast(z_s)
+        d_alpha, g, ids, lse, q, terms = _loss_parts(z, upcast(z_t), k, alpha)
+        ctx.save_for_backward(z_s, ids, lse, g, q)
         ctx.mark_non_differentiable(terms)
-        return d_alpha.detach(), terms
+        return d_alpha, terms
 
     @staticmethod
     def backward(ctx, grad_d, _grad_terms):
-        h_s, w_s, ids, lse, q, g = ctx.saved_tensors
-        z = upcast(h_s @ w_s.T)  # (C, V) recomputed
-        p = torch.exp(z - lse)  # (C, V)
-        g = g * grad_d.unsqueeze(-1)  # (C, k + 1)
-        g_top, g_tail = g[:, :-1], g[:, -1:]
-        tail_scale = g_tail / q  # (C, 1)
-        dz = p * (tail_scale - g.sum(-1, keepdim=True))  # every v: [v not in I] term and -p_v sum(g)
-        dz.scatter_add_(-1, ids, g_top - p.gather(-1, ids) * tail_scale)  # v in I: + g_v, no tail term
-        dz = dz.to(h_s.dtype)
-        grad_h = dz @ w_s  # (C, H)
-        grad_w = dz.T @ h_s  # (V, H)
-        return grad_h, grad_w, None, None, None, None
+        z_s, ids, lse, g, q = ctx.saved_tensors
+        dz = _logit_grad(upcast(z_s), lse, ids, g * grad_d.unsqueeze(-1), q)
+        return dz.to(z_s.dtype), None, None, None
 
 
-def topk_jsd_from_hidden(
+def topk_jsd_from_logits(
+    student_logits: torch.Tensor, teacher_logits: torch.Tensor, k: int = 100, alpha: float = 0.5
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Per-position D_alpha (...) with gradient to the student logits, and detached (d, o, c) (..., 3).
+
+    Same values as generalized_jsd(*topk_support(student_logits, teacher_logits, k), alpha); the
+    backward holds one (N, V) buffer (the gradient itself) instead of autograd's log-softmax copies.
+    """
+    shape = student_logits.shape[:-1]
+    vocab = student_logits.shape[-1]
+    d_alpha, terms = _FromLogits.apply(
+        student_logits.reshape(-1, vocab), teacher_logits.detach().reshape(-1, vocab), k, alpha
+    )
+    return d_alpha.reshape(shape), terms.reshape(*shape, 3)
+
+
+class _FromHidden(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, h_s, w_s, h_t, w_t, weights, k: int, alpha: float, chunk: int):
+        w = w_s.to(h_s.dtype)  # one cast per call under mixed precision (a no-op otherwise)
+        w_t = w_t.to(h_t.dtype)
+        grad_h = torch.empty_like(h_s)  # (P, H) dL/dh, one row per position
+        grad_w = torch.zeros(w_s.shape, dtype=torch.float32 if w_s.dtype != torch.float64 else w_s.dtype, device=w_s.device)
+        loss = torch.zeros((), dtype=torch.float64, device=h_s.device)
+        d_all, terms_all = [], []
+        for j in range(0, h_s.shape[0], chunk):
+            h_c = h_s[j : j + chunk]  # (C, H)
+            z = upcast(h_c @ w.T)  # (C, V) student logits
+            z_t = upcast(h_t[j : j + chunk] @ w_t.T)  # (C, V) teacher logits
+            d_alpha, g, ids, lse, q, terms = _loss_parts(z, z_t, k, alpha)
+            del z_t
+            w_c = weights[j : j + chunk].to(g.dtype)
+            dz = _logit_grad(z, lse, ids, g * w_c.unsqueeze(-1), q).to(h_s.dtype)  # (C, V)
+            del z
+            grad_h[j : j + chunk] = dz @ w  # (C, H)
+            if grad_w.dtype == dz.dtype:
+                grad_w.addmm_(dz.T, h_c)  # (V, H), accumulated in place
+            else:
+                grad_w.add_(dz.T @ h_c)  # bf16 products summed in fp32
+            del dz
+            loss += (w_c * d_alpha).sum()
+            d_all.append(d_alpha)
+            terms_all.append(terms)
+        ctx.save_for_backward(grad_h, grad_w.to(w_s.dtype))
+        d_all, terms_all = torch.cat(d_all), torch.cat(terms_all)
+        ctx.mark_non_differentiable(d_all, terms_all)
+        return loss, d_all, terms_all
+
+    @staticmethod
+    def backward(ctx, grad_loss, _grad_d, _grad_terms):
+        grad_h, grad_w = ctx.saved_tensors
+        return grad_h * grad_loss.to(grad_h.dtype), grad_w * grad_loss.to(grad_w.dtype), None, None, None, None, None, None
+
+
+def budgeted_loss_from_hidden(
     h_s: torch.Tensor,
     w_s: torch.Tensor,
     h_t: torch.Tensor,
     w_t: torch.Tensor,
+    weights: torch.Tensor,
     k: int = 100,
     alpha: float = 0.5,
     chunk: int = 512,
-) -> tuple[torch.Tensor, torch.Tensor]:
-    """Per-position D_alpha (P,) with gradient to h_s and w_s, and detached (d, o, c) (P, 3).
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """sum_p weights_p D_alpha(p) (Eq. 11 with its per-token weights, Eq. 3 per position), differentiable
+    to h_s and w_s; plus the detached per-position D (P,) and (d, o, c) (P, 3).
 
     h_s, h_t: (P, H) final hidden states of the student and the teacher at the same response
-    positions; w_s, w_t: (V, H) their LM-head weights. At most `chunk` positions' logits exist at once.
-    Weights in another dtype than the hidden states (fp32 master weights under bf16 autocast) are cast
-    once here, not per chunk; autograd carries the gradient back to the original weight.
+    positions; w_s, w_t: (V, H) their LM-head weights; weights: (P,). At most `chunk` positions'
+    logits exist at once. Weights in another dtype than the hidden states (fp32 master weights under
+    bf16 autocast) are cast once per call; dL/dW is accumulated in fp32.
     """
     if h_s.shape[0] == 0:
-        return h_s.new_zeros(0, dtype=torch.float32), h_s.new_zeros(0, 3, dtype=torch.float32)
-    w_s = w_s if w_s.dtype == h_s.dtype else w_s.to(h_s.dtype)
-    w_t = w_t.detach() if w_t.dtype == h_t.dtype else w_t.detach().to(h_t.dtype)
-    outs = [
-        _ChunkTopKJSD.apply(h_s[j : j + chunk], w_s, h_t[j : j + chunk].detach(), w_t, k, alpha)
-        for j in range(0, h_s.shape[0], chunk)
-    ]
-    return torch.cat([o[0] for o in outs]), torch.cat([o[1] for o in outs])
+        zero = (h_s.sum() + w_s.sum()) * 0.0  # keeps the graph (and DDP's gradient hooks) intact
+        return zero, h_s.new_zeros(0, dtype=torch.float32), h_s.new_zeros(0, 3, dtype=torch.float32)
+    return _FromHidden.apply(h_s, w_s, h_t.detach(), w_t.detach(), weights.detach(), k, alpha, chunk)

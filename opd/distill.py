@@ -7,9 +7,9 @@ the full-image prompt (Eq. 1), both over the same sampled response tokens; then,
 `loss_chunk` valid positions at a time, both sides' logits through the LM head, the top-k JSD per token
 (Eq. 3) and the utility terms (Eq. 7-8), without ever holding (positions x vocabulary) logits beyond a
 chunk (`opd.chunked`); its share of the budgeted loss (Eq. 11) is backpropagated at once, and the
-utility labels (Eq. 9) come from the same chunks. `loss_chunk = 0` takes the plain path instead: whole
-micro-batch logits, `topk_support` + `generalized_jsd` + `utility_labels` (same numbers; a test
-compares them).
+utility labels (Eq. 9) come from the same chunks. `loss_chunk = 0` computes whole micro-batch logits
+instead (`opd.chunked.topk_jsd_from_logits`); tests check both against `topk_support` +
+`generalized_jsd` + `utility_labels` on full logits.
 
 Distributed: Eq. 11's denominator is the global count of selected valid tokens (one all-reduce, run
 by every rank); DDP averages gradients over ranks, so each rank's loss is scaled by the world size.
@@ -28,11 +28,11 @@ from dataclasses import dataclass, field
 import torch
 
 from opd.chat import EncodedPrompt, collate
-from opd.chunked import topk_jsd_from_hidden
-from opd.divergence import budgeted_loss, generalized_jsd, topk_support
+from opd.chunked import budgeted_loss_from_hidden, topk_jsd_from_logits
+from opd.divergence import budgeted_weights
 from opd.rollout import Rollouts
 from opd.teacher import EMATeacher, lm_head_weight, response_hidden, response_logits
-from opd.utility import sample_utility, utility_labels
+from opd.utility import sample_utility
 
 
 @dataclass
@@ -99,33 +99,38 @@ def micro_batch_inputs(
     return {k: v.to(device) for k, v in inputs.items()}, mask.to(device), width
 
 
-def token_divergence(student, teacher: EMATeacher, s_inputs, t_inputs, mask, width: int, cfg: DistillConfig):
-    """Eq. 3 per token (n, T) with gradient, and the detached u_i (n,) of Eq. 9, for one micro-batch.
+def micro_batch_loss(student, teacher: EMATeacher, s_inputs, t_inputs, mask, width: int, weights, cfg: DistillConfig):
+    """This micro-batch's share of Eq. 11 (differentiable), its per-token D_alpha (Eq. 3, detached, (n, T)),
+    the utility labels u_i (Eq. 9, (n,)), and the seconds of the teacher forward.
 
-    Also returns the seconds spent in the teacher forward.
+    weights (n, T): Eq. 11's per-token weights (times the DDP world size).
     """
     _sync(mask.device)
     t0 = time.perf_counter()
-    if cfg.loss_chunk == 0:  # plain path: whole micro-batch logits
+    if cfg.loss_chunk == 0:  # whole micro-batch logits
         t_logits = teacher.logits(t_inputs, width)  # (n, T, V) Eq. 2
         _sync(mask.device)
         teacher_s = time.perf_counter() - t0
         s_logits = response_logits(student, s_inputs, width)  # (n, T, V) Eq. 1
-        s_logp, t_logp = topk_support(s_logits, t_logits, cfg.k, tail=True)  # (n, T, k + 1)
-        per_token = generalized_jsd(s_logp, t_logp, cfg.alpha)  # (n, T) Eq. 3
-        u = utility_labels(s_logits, t_logits, mask, cfg.k, cfg.use_overlap, cfg.use_confidence)  # (n,) Eq. 9
-        return per_token, u, teacher_s
-    h_t = teacher.hidden(t_inputs, width)[mask]  # (P, H) Eq. 2, valid positions only
-    _sync(mask.device)
-    teacher_s = time.perf_counter() - t0
-    h_s = response_hidden(student, s_inputs, width)[mask]  # (P, H) Eq. 1
-    w_s, w_t = lm_head_weight(getattr(student, "module", student)), lm_head_weight(teacher.model)  # DDP wraps in .module
-    d_alpha, terms = topk_jsd_from_hidden(h_s, w_s, h_t, w_t, cfg.k, cfg.alpha, cfg.loss_chunk)  # (P,), (P, 3)
-    per_token = torch.zeros(mask.shape, dtype=d_alpha.dtype, device=mask.device).masked_scatter(mask, d_alpha)
-    d, o, c = (torch.zeros(mask.shape, dtype=terms.dtype, device=mask.device).masked_scatter(mask, terms[:, j]) for j in range(3))
+        per_token, terms = topk_jsd_from_logits(s_logits, t_logits, cfg.k, cfg.alpha)  # (n, T) Eq. 3, (n, T, 3)
+        loss = torch.where(weights > 0, per_token * weights, torch.zeros_like(per_token)).sum()  # Eq. 11
+        per_token = per_token.detach()
+    else:  # final hidden states, LM head chunk by chunk
+        h_t = teacher.hidden(t_inputs, width)[mask]  # (P, H) Eq. 2, valid positions only
+        _sync(mask.device)
+        teacher_s = time.perf_counter() - t0
+        h_s = response_hidden(student, s_inputs, width)[mask]  # (P, H) Eq. 1
+        w_s, w_t = lm_head_weight(getattr(student, "module", student)), lm_head_weight(teacher.model)  # DDP: .module
+        loss, d_alpha, flat_terms = budgeted_loss_from_hidden(
+            h_s, w_s, h_t, w_t, weights[mask], cfg.k, cfg.alpha, cfg.loss_chunk
+        )  # Eq. 11 of Eq. 3
+        per_token = torch.zeros(mask.shape, dtype=d_alpha.dtype, device=mask.device).masked_scatter(mask, d_alpha)
+        terms = torch.zeros((*mask.shape, 3), dtype=flat_terms.dtype, device=mask.device)
+        terms[mask] = flat_terms
+    d, o, c = terms.unbind(-1)  # (n, T) each, Eq. 7-8
     o = o if cfg.use_overlap else torch.ones_like(o)
     c = c if cfg.use_confidence else torch.ones_like(c)
-    return per_token, sample_utility(d, o, c, mask), teacher_s
+    return loss, per_token, sample_utility(d, o, c, mask), teacher_s
 
 
 def distill(
@@ -173,11 +178,11 @@ def distill(
             t0 = time.perf_counter()
             t_inputs, mask, width = micro_batch_inputs([teacher_prompt(p) for p in prompt_ids], rollouts, rows, pad_id, device)
             s_inputs, _, _ = micro_batch_inputs([student_prompts[p] for p in prompt_ids], rollouts, rows, pad_id, device)
+            weights = budgeted_weights(torch.ones(len(rows), device=device), mask, res.global_tokens) * scale  # Eq. 11
             with autocast():
-                per_token, u, teacher_s = token_divergence(student, teacher, s_inputs, t_inputs, mask, width, cfg)
-            loss = budgeted_loss(per_token, torch.ones(len(rows), device=device), mask, denominator=res.global_tokens)  # Eq. 11
-            accelerator.backward(loss * scale)
-            res.loss_sum += float((per_token.detach() * mask).sum())
+                loss, per_token, u, teacher_s = micro_batch_loss(student, teacher, s_inputs, t_inputs, mask, width, weights, cfg)
+            accelerator.backward(loss)
+            res.loss_sum += float((per_token * mask).sum())
             res.utility[rows] = u.float().cpu()
             res.teacher_tokens += int(t_len[group].sum())
             res.teacher_padded_tokens += t_inputs["input_ids"].numel()

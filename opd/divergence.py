@@ -99,6 +99,23 @@ def opd_loss(per_token: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
     return per_seq.mean() if per_seq.numel() else per_token.sum() * 0.0
 
 
+def budgeted_weights(
+    selected: torch.Tensor,
+    mask: torch.Tensor,
+    denominator: torch.Tensor | float | None = None,
+    dtype: torch.dtype = torch.float32,
+) -> torch.Tensor:
+    """Eq. 11's weight of each token: z_i m_{i,t} / max(1, sum_i sum_t z_i m_{i,t}), shape (N, T).
+
+    `denominator` replaces the sum when the batch is split: the training loop evaluates Eq. 11 one
+    micro-batch (and one rank) at a time with the global count, so the parts add up to Eq. 11.
+    """
+    zm = selected.to(dtype).unsqueeze(-1) * mask.to(dtype)  # (N, T)
+    if denominator is None:
+        denominator = zm.sum()
+    return zm / torch.clamp(torch.as_tensor(denominator, dtype=zm.dtype, device=zm.device), min=1.0)
+
+
 def budgeted_loss(
     per_token: torch.Tensor,
     selected: torch.Tensor,
@@ -111,16 +128,8 @@ def budgeted_loss(
 
     per_token (N, T) holds D_alpha, selected (N,) is z_i, mask (N, T) is m_{i,t}. With no selected
     valid token the result is an exact zero (the denominator is clamped to at least 1).
-
-    `denominator` replaces the sum in the denominator when the batch is split: the training loop
-    evaluates Eq. 11 one micro-batch at a time (and one rank at a time) with the global count, so the
-    micro-batch losses add up to Eq. 11 over the whole batch.
+    `denominator`: see `budgeted_weights`.
     """
-    z = selected.to(per_token.dtype).unsqueeze(-1)  # (N, 1)
-    zm = z * mask.to(per_token.dtype)  # (N, T)
+    w = budgeted_weights(selected, mask, denominator, per_token.dtype)  # (N, T)
     # Rows with z = 0 may hold non-finite values (never computed); they must not leak into the sum.
-    numerator = torch.where(zm > 0, per_token * zm, torch.zeros_like(per_token)).sum()
-    if denominator is None:
-        denominator = zm.sum()
-    denominator = torch.clamp(torch.as_tensor(denominator, dtype=per_token.dtype, device=per_token.device), min=1.0)
-    return numerator / denominator
+    return torch.where(w > 0, per_token * w, torch.zeros_like(per_token)).sum()

@@ -44,18 +44,24 @@ def teacher_confidence(teacher_logp_k: torch.Tensor) -> torch.Tensor:
 
 
 def utility_terms(
-    student_logits: torch.Tensor, teacher_logits: torch.Tensor, k: int = 100
+    student_logits: torch.Tensor,
+    teacher_logits: torch.Tensor,
+    k: int = 100,
+    student_topk: tuple[torch.Tensor, torch.Tensor] | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """(d, o, c) per position from full-vocabulary logits (..., V); each (...)."""
+    """(d, o, c) per position from full-vocabulary logits (..., V); each (...).
+
+    `student_topk` = (values, ids) of the student's top-k logits, when the caller has them already.
+    """
     k = min(k, student_logits.shape[-1])
     if k < 2:
         raise ValueError(f"the utility needs k >= 2 (c divides by log k), got k = {k}")
-    s_top = upcast(student_logits).topk(k, dim=-1)
-    s_logp_k = torch.log_softmax(s_top.values, dim=-1)  # (..., k) P^S renormalized
-    t_logp_k = torch.log_softmax(upcast(teacher_logits).gather(-1, s_top.indices), dim=-1)  # (..., k) P^T
+    s_values, s_ids = student_topk if student_topk is not None else upcast(student_logits).topk(k, dim=-1)
+    s_logp_k = torch.log_softmax(upcast(s_values), dim=-1)  # (..., k) P^S renormalized
+    t_logp_k = torch.log_softmax(upcast(teacher_logits.gather(-1, s_ids)), dim=-1)  # (..., k) P^T
     t_ids = teacher_logits.topk(k, dim=-1).indices  # (..., k)
     d = token_jsd(s_logp_k, t_logp_k)
-    o = topk_overlap(s_top.indices, t_ids)
+    o = topk_overlap(s_ids, t_ids)
     c = teacher_confidence(t_logp_k)
     return d, o, c
 

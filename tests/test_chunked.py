@@ -1,12 +1,12 @@
-"""The chunked hidden-state path (opd/chunked.py) against the plain path on full logits, and the
-length-grouped micro-batch plan (opd/distill.py)."""
+"""opd/chunked.py's loss functions against `topk_support` + `generalized_jsd` on full logits (values,
+gradients, gradcheck, a training step), and the length-grouped micro-batch plan (opd/distill.py)."""
 
 import pytest
 import torch
 from ddp_worker import fixed_rollouts
 from test_training import perturb, small_config
 
-from opd.chunked import topk_jsd_from_hidden
+from opd.chunked import budgeted_loss_from_hidden, topk_jsd_from_logits
 from opd.distill import plan_micro_batches
 from opd.divergence import generalized_jsd, topk_support
 from opd.utility import utility_terms
@@ -26,43 +26,78 @@ def inputs(P=11, H=6, V=40, dtype=F64, seed=0):
 
 @pytest.mark.parametrize("chunk", [1, 4, 11, 64])
 @pytest.mark.parametrize("k,alpha", [(5, 0.5), (40, 0.5), (7, 0.2)])
-def test_values_and_gradients_equal_the_plain_path(chunk, k, alpha):
+def test_hidden_path_equals_the_plain_formula(chunk, k, alpha):
     h_s, w_s, h_t, w_t = inputs()
-    weights = torch.linspace(0.5, 2.0, h_s.shape[0], dtype=F64)  # a non-uniform upstream gradient
-    d, terms = topk_jsd_from_hidden(h_s, w_s, h_t, w_t, k, alpha, chunk)
-    (d * weights).sum().backward()
+    weights = torch.linspace(0.5, 2.0, h_s.shape[0], dtype=F64)  # per-position weights of Eq. 11
+    loss, d, terms = budgeted_loss_from_hidden(h_s, w_s, h_t, w_t, weights, k, alpha, chunk)
+    loss.backward()
     grads = h_s.grad.clone(), w_s.grad.clone()
     h_s.grad = w_s.grad = None
-    z_s, z_t = h_s @ w_s.T, h_t @ w_t.T  # (P, V) the plain path's logits
+    z_s, z_t = h_s @ w_s.T, h_t @ w_t.T  # (P, V) full logits
     d_plain = generalized_jsd(*topk_support(z_s, z_t, k, tail=True), alpha)
     (d_plain * weights).sum().backward()
+    torch.testing.assert_close(loss, (d_plain * weights).sum().detach(), rtol=1e-10, atol=1e-12)
     torch.testing.assert_close(d, d_plain.detach(), rtol=1e-10, atol=1e-12)
     torch.testing.assert_close(grads[0], h_s.grad, rtol=1e-8, atol=1e-10)
     torch.testing.assert_close(grads[1], w_s.grad, rtol=1e-8, atol=1e-10)
     torch.testing.assert_close(terms, torch.stack(utility_terms(z_s.detach(), z_t, k), -1), rtol=1e-10, atol=1e-12)
 
 
+@pytest.mark.parametrize("k,alpha", [(5, 0.5), (40, 0.5), (7, 0.8)])
+def test_logits_path_equals_the_plain_formula(k, alpha):
+    g = torch.Generator().manual_seed(3)
+    z_s = torch.randn(3, 4, 40, generator=g, dtype=F64).requires_grad_(True)
+    z_t = torch.randn(3, 4, 40, generator=g, dtype=F64)
+    upstream = torch.rand(3, 4, generator=g, dtype=F64)
+    d, terms = topk_jsd_from_logits(z_s, z_t, k, alpha)
+    (d * upstream).sum().backward()
+    grad = z_s.grad.clone()
+    z_s.grad = None
+    d_plain = generalized_jsd(*topk_support(z_s, z_t, k, tail=True), alpha)
+    (d_plain * upstream).sum().backward()
+    torch.testing.assert_close(d, d_plain.detach(), rtol=1e-10, atol=1e-12)
+    torch.testing.assert_close(grad, z_s.grad, rtol=1e-8, atol=1e-10)
+    torch.testing.assert_close(terms, torch.stack(utility_terms(z_s.detach(), z_t, k), -1), rtol=1e-10, atol=1e-12)
+
+
 @pytest.mark.parametrize("k", [3, 9])  # k = V = 9 covers the empty tail
 def test_gradcheck(k):
     h_s, w_s, h_t, w_t = inputs(P=5, H=4, V=9, seed=1)
-    assert torch.autograd.gradcheck(lambda a, b: topk_jsd_from_hidden(a, b, h_t, w_t, k, 0.5, 2)[0], (h_s, w_s))
+    weights = torch.tensor([0.3, 1.0, 0.0, 2.0, 0.7], dtype=F64)
+    assert torch.autograd.gradcheck(lambda a, b: budgeted_loss_from_hidden(a, b, h_t, w_t, weights, k, 0.5, 2)[0], (h_s, w_s))
+    z_t = h_t @ w_t.T
+    assert torch.autograd.gradcheck(lambda z: topk_jsd_from_logits(z, z_t, k, 0.5)[0], ((h_s @ w_s.T).detach().requires_grad_(),))
 
 
 def test_float32_matches_a_float64_reference():
     h_s, w_s, h_t, w_t = inputs(dtype=torch.float32, seed=2)
-    d, _ = topk_jsd_from_hidden(h_s, w_s, h_t, w_t, 10, 0.5, 3)
-    d.sum().backward()
+    weights = torch.ones(h_s.shape[0])
+    loss, d, _ = budgeted_loss_from_hidden(h_s, w_s, h_t, w_t, weights, 10, 0.5, 3)
+    loss.backward()
     ref = [t.detach().double().requires_grad_(i < 2) for i, t in enumerate((h_s, w_s, h_t, w_t))]
     d64 = generalized_jsd(*topk_support(ref[0] @ ref[1].T, ref[2] @ ref[3].T, 10), 0.5)
     d64.sum().backward()
     torch.testing.assert_close(d.double(), d64.detach(), rtol=1e-4, atol=1e-6)
     torch.testing.assert_close(h_s.grad.double(), ref[0].grad, rtol=1e-3, atol=1e-5)
+    torch.testing.assert_close(w_s.grad.double(), ref[1].grad, rtol=1e-3, atol=1e-5)
 
 
-def test_no_positions_gives_empty_outputs():
+def test_bf16_hidden_states_with_fp32_master_weights():
+    h_s, w_s, h_t, w_t = inputs(dtype=torch.float32, seed=4)
+    h16 = h_s.detach().bfloat16().requires_grad_(True)
+    loss, _, _ = budgeted_loss_from_hidden(h16, w_s, h_t.bfloat16(), w_t, torch.ones(h_s.shape[0]), 10, 0.5, 4)
+    loss.backward()
+    assert w_s.grad.dtype == torch.float32 and h16.grad.dtype == torch.bfloat16
+    ref = generalized_jsd(*topk_support(h16.detach().float() @ w_s.detach().T, h_t.bfloat16().float() @ w_t.T, 10), 0.5).sum()
+    assert float(loss.detach()) == pytest.approx(float(ref), rel=2e-2)
+
+
+def test_no_positions_gives_a_zero_loss_that_still_reaches_the_weights():
     h_s, w_s, h_t, w_t = inputs()
-    d, terms = topk_jsd_from_hidden(h_s[:0], w_s, h_t[:0], w_t, 5)
-    assert d.shape == (0,) and terms.shape == (0, 3)
+    loss, d, terms = budgeted_loss_from_hidden(h_s[:0], w_s, h_t[:0], w_t, torch.ones(0, dtype=F64), 5)
+    loss.backward()
+    assert float(loss) == 0.0 and d.shape == (0,) and terms.shape == (0, 3)
+    assert torch.equal(w_s.grad, torch.zeros_like(w_s))
 
 
 def test_plan_groups_by_length_under_both_limits():
