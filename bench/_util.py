@@ -322,7 +322,7 @@ def model_and_data(kind: str, image_size: int = 384, seed: int = 0, **config) ->
     processor whose max_pixels admits the generated `image_size`^2 images (opd.tiny's own processor
     caps images at 64 x 64 pixels), with opd.tiny's dataset generator at that image size.
     """
-    from opd.tiny import _atomic_dir, build_tiny_dataset, tiny_config, tiny_defaults, tiny_processor
+    from opd.tiny import build_tiny_dataset, build_tiny_model, tiny_defaults
 
     if kind == "tiny":
         return tiny_defaults()
@@ -330,61 +330,9 @@ def model_and_data(kind: str, image_size: int = 384, seed: int = 0, **config) ->
         raise ValueError(f"unknown model kind {kind!r}: tiny or mid")
     config = {"hidden": 512, "layers": 8, "vision_depth": 4, **config}
     name = "mid-" + "-".join(f"{k}{v}" for k, v in sorted(config.items())) + f"-img{image_size}-s{seed}"
-
-    def write(tmp: Path):
-        import torch
-        from transformers import Qwen3_5ForConditionalGeneration
-
-        processor = tiny_processor(max_pixels=image_size * image_size)
-        torch.manual_seed(seed)
-        model = Qwen3_5ForConditionalGeneration(tiny_config(processor.tokenizer, **config))
-        ids = processor.tokenizer.convert_tokens_to_ids
-        model.generation_config.eos_token_id = [ids("<|im_end|>"), ids("<|endoftext|>")]
-        model.generation_config.pad_token_id = ids("<|endoftext|>")
-        model.save_pretrained(tmp)
-        processor.save_pretrained(tmp)
-
-    model_dir = _atomic_dir(bench_cache() / name, write)
+    model_dir = build_tiny_model(bench_cache() / name, seed, max_pixels=image_size * image_size, **config)
     data = build_tiny_dataset(bench_cache() / f"data-img{image_size}-s{seed}", size=image_size, seed=seed)
     return model_dir, data
-
-
-def fixed_rollouts(run, step: int, min_len: int, max_len: int, seed: int = 123):
-    """Deterministic rollouts of a Run's step with response lengths uniform in [min_len, max_len]
-    (EOS last), random character tokens, random log-probs and entropies (tests/ddp_worker.py's
-    `fixed_rollouts`, with the length range as parameters)."""
-    import torch
-
-    from opd.rollout import Rollouts, response_mask
-    from opd.seeding import seeded_generator
-    from opd.views import student_view
-
-    records = run.prompts(step)
-    prompts = [run.encode(student_view, r) for r in records]
-    n = run.cfg.rollouts_per_prompt
-    chars = torch.tensor(run.processor.tokenizer.convert_tokens_to_ids(list("abcdefghij")))
-    ids, logp, ent = [], [], []
-    for g in range(len(records) * n):
-        gen = seeded_generator(seed, step, g)
-        length = int(torch.randint(min_len, max_len + 1, (1,), generator=gen))
-        row = chars[torch.randint(0, len(chars), (max_len,), generator=gen)]
-        row[length - 1] = run.ids["eos"][0]
-        row[length:] = run.ids["pad"]
-        ids.append(row)
-        logp.append(-torch.rand(max_len, generator=gen) * 3)
-        ent.append(torch.rand(max_len, generator=gen))
-    response_ids = torch.stack(ids)
-    mask = response_mask(response_ids, run.ids["eos"])
-    prompt_index = torch.arange(len(records)).repeat_interleave(n)
-    return Rollouts(
-        prompt_index=prompt_index,
-        response_ids=response_ids,
-        response_mask=mask,
-        logp=torch.stack(logp) * mask,
-        entropy=torch.stack(ent) * mask,
-        prompt_len=torch.tensor([len(prompts[j]) for j in prompt_index.tolist()]),
-        valid=torch.ones(len(prompt_index), dtype=torch.bool),
-    )
 
 
 if __name__ == "__main__" and len(sys.argv) == 5 and sys.argv[1] == "--child":

@@ -21,7 +21,6 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from bench._util import (
-    fixed_rollouts,
     fmt_ratio,
     fmt_s,
     format_machine,
@@ -93,6 +92,8 @@ def measure(model: str, rhos: list[float], prompts_per_step: int, rollouts_per_p
         "micro_batch": micro_batch, "micro_batch_tokens": micro_batch_tokens, "mixed_precision": mixed_precision,
     })  # fmt: skip
     run = Run(cfg)
+    from opd.synthetic import fixed_rollouts
+
     rollouts = fixed_rollouts(run, 0, min_len, max_len)
     run.step(0, rollouts)  # warm-up
     rows = {rho: [] for rho in rhos}

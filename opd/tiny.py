@@ -125,12 +125,13 @@ def _atomic_dir(target: Path, write) -> Path:
     return target
 
 
-def build_tiny_model(out_dir: str | Path, seed: int = 0, **config_kwargs) -> Path:
-    """Writes the tiny model, tokenizer and processor with `save_pretrained`; returns the folder."""
+def build_tiny_model(out_dir: str | Path, seed: int = 0, max_pixels: int = 64 * 64, **config_kwargs) -> Path:
+    """Writes a tiny (or, with `config_kwargs`, larger) random-weight Qwen3.5 with its tokenizer and
+    processor (images up to `max_pixels`) through `save_pretrained`; returns the folder."""
     from transformers import Qwen3_5ForConditionalGeneration
 
     def write(tmp: Path):
-        processor = tiny_processor()
+        processor = tiny_processor(max_pixels=max_pixels)
         torch.manual_seed(seed)
         model = Qwen3_5ForConditionalGeneration(tiny_config(processor.tokenizer, **config_kwargs))
         ids = processor.tokenizer.convert_tokens_to_ids

@@ -15,44 +15,8 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from opd.rollout import Rollouts, response_mask  # noqa: E402
-from opd.seeding import seeded_generator  # noqa: E402
-from opd.views import student_view  # noqa: E402
+from opd.synthetic import fixed_rollouts  # noqa: E402
 from train import Run, TrainConfig  # noqa: E402
-
-
-def fixed_rollouts(run: Run, step: int, skew: bool) -> Rollouts:
-    """Deterministic responses per global row, independent of how rows are split over ranks."""
-    records = run.prompts(step)
-    prompts = [run.encode(student_view, r) for r in records]
-    n = run.cfg.rollouts_per_prompt
-    per_rank = len(records) * n
-    first = run.acc.process_index * per_rank
-    ids, logp, ent = [], [], []
-    width = 10
-    chars = run.processor.tokenizer.convert_tokens_to_ids(list("abcdefghij"))
-    for g in range(first, first + per_rank):
-        gen = seeded_generator(123, step, g)
-        length = int(torch.randint(2, width, (1,), generator=gen))
-        row = torch.tensor(chars)[torch.randint(0, 10, (width,), generator=gen)]
-        row[length - 1] = run.ids["eos"][0]
-        row[length:] = run.ids["pad"]
-        ids.append(row)
-        logp.append(-torch.rand(width, generator=gen) * 3)
-        high = skew and g < run.cfg.prompts_per_step * n // 2  # the rows rank 0 holds with 2 processes
-        ent.append(torch.rand(width, generator=gen) + (10.0 if high else 0.0))
-    response_ids = torch.stack(ids)
-    mask = response_mask(response_ids, run.ids["eos"])
-    prompt_index = torch.arange(len(records)).repeat_interleave(n)
-    return Rollouts(
-        prompt_index=prompt_index,
-        response_ids=response_ids,
-        response_mask=mask,
-        logp=torch.stack(logp) * mask,
-        entropy=torch.stack(ent) * mask,
-        prompt_len=torch.tensor([len(prompts[j]) for j in prompt_index.tolist()]),
-        valid=torch.ones(len(prompt_index), dtype=torch.bool),
-    )
 
 
 def main() -> None:
@@ -70,7 +34,8 @@ def main() -> None:
     rows, teacher_rows = [], []
     for step in range(2):
         before = run.teacher.rows_scored
-        rows.append(run.step(step, fixed_rollouts(run, step, a.skew)))
+        high = run.cfg.prompts_per_step * run.cfg.rollouts_per_prompt // 2 if a.skew else None  # rank 0's rows
+        rows.append(run.step(step, fixed_rollouts(run, step, high_entropy_below=high)))
         teacher_rows.append(run.teacher.rows_scored - before)
     counts = run.acc.gather(torch.tensor(teacher_rows)).view(run.acc.num_processes, -1)
     if run.acc.is_main_process:

@@ -3,12 +3,12 @@ gradients, gradcheck, a training step), and the length-grouped micro-batch plan 
 
 import pytest
 import torch
-from ddp_worker import fixed_rollouts
 from test_training import perturb, small_config
 
 from opd.chunked import budgeted_loss_from_hidden, topk_jsd_from_logits
 from opd.distill import plan_micro_batches
 from opd.divergence import generalized_jsd, topk_support
+from opd.synthetic import fixed_rollouts
 from opd.utility import utility_terms
 from train import Run
 
@@ -117,7 +117,7 @@ def test_training_step_is_the_same_on_both_paths(tmp_path, tiny):
     for chunk in (0, 5):
         run = Run(small_config(tmp_path / f"c{chunk}", policy="full", rho=1.0, loss_chunk=chunk, micro_batch_tokens=150))
         perturb(run.teacher.model)
-        rows.append(run.step(0, fixed_rollouts(run, 0, skew=False)))
+        rows.append(run.step(0, fixed_rollouts(run, 0)))
     assert rows[0]["loss"] > 1e-3
     assert rows[0]["loss"] == pytest.approx(rows[1]["loss"], rel=1e-5)
     assert rows[0]["grad_norm"] == pytest.approx(rows[1]["grad_norm"], rel=1e-4)

@@ -8,7 +8,6 @@ from pathlib import Path
 
 import pytest
 import torch
-from ddp_worker import fixed_rollouts
 
 import opd.chunked
 import opd.distill
@@ -17,6 +16,7 @@ from opd.chat import collate, encode_prompt
 from opd.data import load_records
 from opd.ledger import read_ledger
 from opd.model import load_model, load_processor, special_ids
+from opd.synthetic import fixed_rollouts
 from opd.rollout import generate_rollouts, response_mask
 from opd.teacher import response_logits
 from opd.views import VIEWS, student_view
@@ -115,7 +115,7 @@ def test_teacher_sees_exactly_the_selected_rows(tmp_path, tiny, monkeypatch):
     run.teacher.model.register_forward_pre_hook(lambda m, a, kw: seen.append(kw["input_ids"].clone()), with_kwargs=True)
     for step in range(2):
         seen.clear()
-        ro = fixed_rollouts(run, step, skew=False)
+        ro = fixed_rollouts(run, step)
         before = run.teacher.rows_scored
         row = run.step(step, ro)
         chosen = select.results[-1]
@@ -176,7 +176,7 @@ def test_teacher_on_the_students_own_view_gives_zero_loss(tmp_path, tiny, monkey
     """A new privileged view is one entry in VIEWS; with the student's view the teacher equals the student."""
     monkeypatch.setitem(VIEWS, "same", student_view)
     run = Run(small_config(tmp_path, policy="full", rho=1.0, teacher_view="same"))
-    row = run.step(0, fixed_rollouts(run, 0, skew=False))
+    row = run.step(0, fixed_rollouts(run, 0))
     assert row["selected"] > 0
     assert abs(row["loss"]) < 1e-6 and abs(row["utility_mean"]) < 1e-6
 
@@ -186,7 +186,7 @@ def test_micro_batch_size_does_not_change_the_loss_or_gradient(tmp_path, tiny):
     for mb in (1, 8):
         run = Run(small_config(tmp_path / f"mb{mb}", policy="full", rho=1.0, micro_batch=mb))
         perturb(run.teacher.model)
-        rows.append(run.step(0, fixed_rollouts(run, 0, skew=False)))
+        rows.append(run.step(0, fixed_rollouts(run, 0)))
     assert rows[0]["loss"] == pytest.approx(rows[1]["loss"], rel=1e-5)
     assert rows[0]["grad_norm"] == pytest.approx(rows[1]["grad_norm"], rel=1e-4)
 
@@ -194,7 +194,7 @@ def test_micro_batch_size_does_not_change_the_loss_or_gradient(tmp_path, tiny):
 def test_empty_selection_is_a_valid_step_without_teacher(tmp_path, tiny):
     run = Run(small_config(tmp_path, policy="random", rho=0.01))
     teacher_before = params_of(run.teacher.model)
-    row = run.step(0, fixed_rollouts(run, 0, skew=False))
+    row = run.step(0, fixed_rollouts(run, 0))
     assert row["budget"] == 0 and row["selected"] == 0 and row["teacher_rows"] == 0
     assert run.teacher.rows_scored == 0 and run.teacher.batches == []
     assert row["loss"] == 0.0 and not row["skipped"]
@@ -210,7 +210,7 @@ def test_non_finite_loss_skips_update_and_ema(tmp_path, tiny, monkeypatch):
     monkeypatch.setattr(opd.chunked, "generalized_jsd", nan_jsd)  # both loss paths compute Eq. 3 there
     student_before, teacher_before = params_of(run.policy), params_of(run.teacher.model)
     with pytest.warns(UserWarning, match="non-finite"):
-        row = run.step(0, fixed_rollouts(run, 0, skew=False))
+        row = run.step(0, fixed_rollouts(run, 0))
     assert row["skipped"]
     for k, v in params_of(run.policy).items():
         assert torch.equal(v, student_before[k])
@@ -225,7 +225,7 @@ def test_batch_without_eligible_rows_trains_without_distillation_and_warns_once(
     no_crop.write_text("\n".join(lines) + "\n")
     run = Run(small_config(tmp_path, data=str(no_crop), policy="random"))
     with pytest.warns(UserWarning, match="no crop-eligible") as record:
-        rows = [run.step(s, fixed_rollouts(run, s, skew=False)) for s in range(2)]
+        rows = [run.step(s, fixed_rollouts(run, s)) for s in range(2)]
     assert sum("no crop-eligible" in str(w.message) for w in record) == 1
     assert all(r["candidates"] == 0 and r["selected"] == 0 and r["loss"] == 0.0 for r in rows)
     assert run.teacher.rows_scored == 0
