@@ -1,0 +1,382 @@
+"""Selection diagnostics of the paper's Figures 3 and 4, for any `train.Run` (the toy or a real model).
+
+Figure 3 (frozen-selector utility audit). On held batches, the student samples rollouts as in training
+(Algorithm 1, line 3), the selector's frozen network scores them (no normalizer update, no replay),
+and the teacher scores *every* candidate so the true utility u_i (Eq. 9) of all of them is known:
+
+- `capture_curve` / `pooled_capture`: the share of the batch's total utility held by the top
+  floor(f |C|) rows of a ranking, for the oracle (rank by u), learned (rank by u^) and random
+  (expected floor(f |C|) / |C|) rankings;
+- `rank_bands`: mean utility per predicted-rank band (quartiles within each batch) with percentile
+  bootstrap 95% intervals (`bootstrap_ci`), and one-sided paired sign-flip tests of each band against
+  the next over batches (`sign_flip_pvalue`), Holm-adjusted (`holm`).
+
+Figure 4 (gradient geometry). On a held batch, S = the frozen selector's top floor(rho |C|) rows (no
+exploration) and U = C \\ S; `opd_gradient` is the gradient of Eq. 11's token mean over a row set with
+respect to the policy's parameters (nothing is stepped; the optimizer and .grad are untouched);
+`gradient_geometry` reports ||g_S||, ||g_U|| and cos(g_S, g_U) per batch, `geometry_summary` the
+ratio of mean norms and the mean cosine.
+
+The run's state is left as it was: rollouts are sampled under a forked RNG, the teacher's call
+counters are restored, and the selector is only read. On a DDP run call these on one process (they
+use the unwrapped policy and no collectives). The statistics helpers are pure functions on tensors.
+"""
+
+from __future__ import annotations
+
+import itertools
+import math
+from contextlib import contextmanager
+from dataclasses import dataclass
+
+import numpy as np
+import torch
+
+from opd.data import Record, step_prompt_indices
+from opd.distill import micro_batch_inputs, micro_batch_loss, plan_micro_batches
+from opd.divergence import budgeted_weights
+from opd.features import rollout_features
+from opd.rollout import Rollouts, generate_rollouts
+from opd.seeding import mix_seed
+from opd.selectors import entropy_scores, query_budget, top_subset
+from opd.views import student_view
+
+# ----------------------------------------------------------------------------- statistics
+
+
+def top_count(n: int, fraction: float) -> int:
+    """floor(f n) (Eq. 4's rounding, with its float tolerance)."""
+    return int(math.floor(fraction * n + 1e-9))
+
+
+def capture_curve(utility: torch.Tensor, scores: torch.Tensor, fractions) -> np.ndarray:
+    """Share of sum(utility) held by the top floor(f n) rows by `scores` (ties: lower index), per f."""
+    u = utility.double()
+    order = torch.sort(scores.double(), descending=True, stable=True).indices
+    cum = torch.cat([torch.zeros(1, dtype=torch.float64), torch.cumsum(u[order], 0)])
+    total = float(u.sum())
+    return np.array([float(cum[top_count(len(u), f)]) / total if total > 0 else 0.0 for f in fractions])
+
+
+def pooled_capture(batches: list[tuple[torch.Tensor, torch.Tensor]], fractions) -> np.ndarray:
+    """capture_curve over several batches, each ranked on its own: sum of captured / sum of totals."""
+    captured = np.zeros(len(fractions))
+    total = 0.0
+    for u, s in batches:
+        t = float(u.double().sum())
+        captured += capture_curve(u, s, fractions) * t
+        total += t
+    return captured / total if total > 0 else captured
+
+
+def random_capture(n: int, fractions) -> np.ndarray:
+    """Expected share captured by a uniform random floor(f n) of n rows: floor(f n) / n."""
+    return np.array([top_count(n, f) / n for f in fractions])
+
+
+def band_index(scores: torch.Tensor, n_bands: int = 4) -> torch.Tensor:
+    """Band of each row by its rank (0 = highest scores): rank r of n goes to floor(r n_bands / n)."""
+    n = scores.numel()
+    order = torch.sort(scores.double(), descending=True, stable=True).indices
+    band = torch.empty(n, dtype=torch.long)
+    band[order] = torch.arange(n) * n_bands // max(n, 1)
+    return band
+
+
+def bootstrap_ci(values, n_boot: int = 2000, level: float = 0.95, seed: int = 0) -> tuple[float, float, float]:
+    """(mean, low, high): percentile bootstrap interval of the mean, resampling values with replacement."""
+    x = np.asarray(values, dtype=np.float64)
+    if x.size == 0:
+        return float("nan"), float("nan"), float("nan")
+    rng = np.random.default_rng(seed)
+    means = x[rng.integers(0, x.size, size=(n_boot, x.size))].mean(1)
+    lo, hi = np.quantile(means, [(1 - level) / 2, (1 + level) / 2])
+    return float(x.mean()), float(lo), float(hi)
+
+
+def sign_flip_pvalue(diffs, n_perm: int = 20000, seed: int = 0) -> float:
+    """One-sided paired sign-flip test of mean(diffs) > 0: P(mean of randomly signed diffs >= observed).
+
+    Exact (all 2^n sign patterns) when 2^n <= n_perm, else Monte Carlo with the observed pattern
+    counted (p >= 1 / (n_perm + 1)).
+    """
+    d = np.asarray(diffs, dtype=np.float64)
+    if d.size == 0:
+        return 1.0
+    observed = d.mean()
+    if 2 ** d.size <= n_perm:
+        signs = np.array(list(itertools.product([1.0, -1.0], repeat=d.size)))
+        return float(np.mean((signs * d).mean(1) >= observed - 1e-15))
+    rng = np.random.default_rng(seed)
+    signs = rng.choice([1.0, -1.0], size=(n_perm, d.size))
+    return float((1 + np.sum((signs * d).mean(1) >= observed - 1e-15)) / (n_perm + 1))
+
+
+def holm(pvalues) -> list[float]:
+    """Holm-Bonferroni adjusted p-values (monotone, capped at 1), in the input order."""
+    p = np.asarray(pvalues, dtype=np.float64)
+    m = p.size
+    order = np.argsort(p, kind="stable")
+    adjusted = np.empty(m)
+    running = 0.0
+    for rank, i in enumerate(order):
+        running = max(running, (m - rank) * p[i])
+        adjusted[i] = min(1.0, running)
+    return adjusted.tolist()
+
+
+def rank_bands(batches: list[tuple[torch.Tensor, torch.Tensor]], n_bands: int = 4, n_boot: int = 2000,
+               seed: int = 0) -> dict:
+    """Figure 3b: mean utility per predicted-rank band, bootstrap 95% intervals, adjacent-band tests.
+
+    batches: (utility, score) per held batch; bands are cut within each batch. Returns
+    {"bands": [{"band", "n", "mean", "low", "high"}], "tests": [{"bands", "p", "p_holm"}],
+    "top_over_next": mean(band 0) / mean(band 1)}. Each test pairs the per-batch band means.
+    """
+    pooled = [[] for _ in range(n_bands)]
+    per_batch = np.full((len(batches), n_bands), np.nan)
+    for b, (u, s) in enumerate(batches):
+        band = band_index(s, n_bands)
+        for k in range(n_bands):
+            values = u[band == k].double().tolist()
+            pooled[k] += values
+            if values:
+                per_batch[b, k] = float(np.mean(values))
+    bands = []
+    for k in range(n_bands):
+        mean, lo, hi = bootstrap_ci(pooled[k], n_boot, 0.95, seed + k)
+        bands.append({"band": k, "n": len(pooled[k]), "mean": mean, "low": lo, "high": hi})
+    tests = []
+    for k in range(n_bands - 1):
+        d = per_batch[:, k] - per_batch[:, k + 1]
+        tests.append({"bands": [k, k + 1], "p": sign_flip_pvalue(d[~np.isnan(d)], seed=seed + k)})
+    for t, p in zip(tests, holm([t["p"] for t in tests])):
+        t["p_holm"] = p
+    ratio = bands[0]["mean"] / bands[1]["mean"] if n_bands > 1 and bands[1]["mean"] else float("nan")
+    return {"bands": bands, "tests": tests, "top_over_next": ratio}
+
+
+def cosine(a: torch.Tensor, b: torch.Tensor) -> float:
+    """cos(a, b) of two flat vectors (0 when either is zero)."""
+    na, nb = float(a.double().norm()), float(b.double().norm())
+    return float(a.double() @ b.double()) / (na * nb) if na > 0 and nb > 0 else 0.0
+
+
+def geometry_summary(rows: list[dict]) -> dict:
+    """Figure 4 over batches: ratio of mean norms ||g_S|| / ||g_U||, mean cosine, and their ranges."""
+    s = np.array([r["norm_selected"] for r in rows], dtype=np.float64)
+    u = np.array([r["norm_unselected"] for r in rows], dtype=np.float64)
+    c = np.array([r["cosine"] for r in rows], dtype=np.float64)
+    ratio = s / np.where(u > 0, u, np.nan)
+    return {
+        "batches": len(rows),
+        "mean_norm_selected": float(s.mean()) if s.size else float("nan"),
+        "mean_norm_unselected": float(u.mean()) if u.size else float("nan"),
+        "norm_ratio": float(s.mean() / u.mean()) if u.size and u.mean() > 0 else float("nan"),
+        "ratio_min": float(np.nanmin(ratio)) if ratio.size else float("nan"),
+        "ratio_max": float(np.nanmax(ratio)) if ratio.size else float("nan"),
+        "mean_cosine": float(c.mean()) if c.size else float("nan"),
+        "cosine_min": float(c.min()) if c.size else float("nan"),
+        "cosine_max": float(c.max()) if c.size else float("nan"),
+        "angle_deg": float(np.degrees(np.arccos(np.clip(c.mean(), -1, 1)))) if c.size else float("nan"),
+    }
+
+
+# ----------------------------------------------------------------------------- held batches on a Run
+
+
+@dataclass
+class HeldBatch:
+    """One held batch of rollouts with everything the audits need (all on the CPU, detached)."""
+
+    records: list[Record]
+    rollouts: Rollouts
+    student_prompts: list
+    phi: torch.Tensor  # (N, 6) Eq. 5
+    eligible: torch.Tensor  # (N,) bool: the candidates C
+    predicted: torch.Tensor | None  # (N,) u^ of the frozen selector, None when it has no update yet
+    utility: torch.Tensor | None = None  # (N,) u_i of every candidate (NaN outside C), after `score_utility`
+
+
+def held_records(records: list[Record], prompts: int, n_batches: int, seed: int = 1234) -> list[list[Record]]:
+    """n_batches disjoint-within-an-epoch prompt batches drawn like training steps (seeded)."""
+    return [[records[i] for i in step_prompt_indices(len(records), prompts, b, seed)] for b in range(n_batches)]
+
+
+@contextmanager
+def _preserved(run):
+    """Forks the RNG of the policy's device and restores the teacher's call counters afterwards."""
+    device = next(run.policy.parameters()).device
+    rows, batches = run.teacher.rows_scored, len(run.teacher.batches)
+    devices = [device] if device.type == "cuda" else []
+    try:
+        with torch.random.fork_rng(devices=devices):
+            yield
+    finally:
+        run.teacher.rows_scored = rows
+        del run.teacher.batches[batches:]
+
+
+def sample_batch(run, records: list[Record], seed: int) -> HeldBatch:
+    """Rollouts of `records` by the run's current student (as in Algorithm 1, line 3), features and u^."""
+    cfg = run.cfg
+    with _preserved(run):
+        torch.manual_seed(seed)
+        prompts = [run.encode(student_view, r) for r in records]
+        with run.autocast():
+            ro = generate_rollouts(run.policy, prompts, cfg.rollouts_per_prompt, cfg.max_response_len, cfg.rollout_batch)
+    rows = ro.prompt_index.tolist()
+    eligible = torch.tensor([records[j].eligible for j in rows]) & ro.valid
+    area = torch.tensor([records[j].area_ratio for j in rows])
+    phi = rollout_features(ro.logp, ro.entropy, ro.response_mask, ro.prompt_len, area)
+    return HeldBatch(records, ro, prompts, phi, eligible, run.selector.predict(phi))
+
+
+def _micro_batches(run, batch: HeldBatch, rows: torch.Tensor):
+    """(sel, student inputs, teacher inputs, mask, width) per length-grouped micro-batch of `rows`, as
+    `opd.distill` forms them (the teacher on the run's privileged view, the student on the full image)."""
+    cfg, device, ro = run.cfg.distill(), run.acc.device, batch.rollouts
+    teacher_prompts: dict[int, object] = {}
+    for group in plan_micro_batches(ro.lengths[rows], cfg.micro_batch):
+        sel = rows[group]
+        pids = ro.prompt_index[sel].tolist()
+        for j in pids:
+            if j not in teacher_prompts:
+                teacher_prompts[j] = run.encode(run.view, batch.records[j])
+        t_inputs, mask, width = micro_batch_inputs([teacher_prompts[j] for j in pids], ro, sel, run.ids["pad"], device)
+        s_inputs, _, _ = micro_batch_inputs([batch.student_prompts[j] for j in pids], ro, sel, run.ids["pad"], device)
+        yield sel, s_inputs, t_inputs, mask, width
+
+
+@torch.no_grad()
+def score_utility(run, batch: HeldBatch) -> torch.Tensor:
+    """u_i (Eq. 9) of every candidate of the batch from the run's teacher; stores and returns it."""
+    cfg, device = run.cfg.distill(), run.acc.device
+    utility = torch.full((len(batch.rollouts),), float("nan"))
+    rows = batch.eligible.nonzero().squeeze(-1)
+    with _preserved(run):
+        for sel, s_inputs, t_inputs, mask, width in _micro_batches(run, batch, rows):
+            weights = budgeted_weights(torch.ones(len(sel), device=device), mask)
+            with run.autocast():
+                _, _, u, _ = micro_batch_loss(run.policy, run.teacher, s_inputs, t_inputs, mask, width, weights, cfg)
+            utility[sel] = u.float().cpu()
+    batch.utility = utility
+    return utility
+
+
+def audit_utility(run, records: list[Record], n_batches: int = 10, seed: int = 1234,
+                  fractions=(0.1, 0.25, 0.5, 0.75, 1.0), n_boot: int = 2000) -> dict:
+    """Figure 3 on `n_batches` held batches of `records` (prompts_per_step prompts each).
+
+    Returns capture curves (oracle, learned, entropy, random) at `fractions` (also a fine grid under
+    "curve"), the rank-band statistics of the learned (or, without a trained selector, the entropy)
+    ranking, and the per-batch utilities. The selector must have had an update for "learned".
+    """
+    batches = []
+    for b, recs in enumerate(held_records(records, run.cfg.prompts_per_step, n_batches, seed)):
+        batch = sample_batch(run, recs, mix_seed(seed, b))
+        score_utility(run, batch)
+        batches.append(batch)
+    grid = np.round(np.linspace(0, 1, 41), 4).tolist()
+    fractions = list(fractions)
+
+    def pairs(key: str):
+        out = []
+        for batch in batches:
+            c = batch.eligible
+            u = batch.utility[c]
+            score = {"oracle": u, "entropy": entropy_scores(batch.phi, True)[c],
+                     "learned": batch.predicted[c] if batch.predicted is not None else None}[key]
+            if score is None:
+                return None
+            out.append((u, score))
+        return out
+
+    result = {"batches": n_batches, "candidates": int(sum(int(b.eligible.sum()) for b in batches)),
+              "fractions": fractions, "grid": grid, "capture": {}, "curve": {}}
+    n_per = [int(b.eligible.sum()) for b in batches]
+    for key in ("oracle", "learned", "entropy"):
+        p = pairs(key)
+        if p is not None:
+            result["capture"][key] = pooled_capture(p, fractions).tolist()
+            result["curve"][key] = pooled_capture(p, grid).tolist()
+    result["capture"]["random"] = np.average([random_capture(n, fractions) for n in n_per], 0, n_per).tolist()
+    result["curve"]["random"] = np.average([random_capture(n, grid) for n in n_per], 0, n_per).tolist()
+    result["prompts_per_batch"] = float(np.mean([len(b.records) for b in batches]))
+    result["coverage"] = prompt_coverage(batches, 0.25, seed)
+    ranking = "learned" if pairs("learned") is not None else "entropy"
+    result["bands_by"] = ranking
+    result["bands"] = rank_bands(pairs(ranking), 4, n_boot, seed)
+    result["utility"] = [b.utility[b.eligible].tolist() for b in batches]
+    return result
+
+
+def prompt_coverage(batches: list[HeldBatch], fraction: float = 0.25, seed: int = 0, draws: int = 200) -> dict:
+    """Mean number of distinct prompts among the top floor(f |C|) candidates of each ranking (random:
+    averaged over `draws` seeded uniform subsets). Near-duplicate rollouts of one prompt score alike,
+    so a score-based top-K can spend the whole budget on a few prompts."""
+    gen = torch.Generator().manual_seed(seed)
+    out: dict[str, list[float]] = {"oracle": [], "learned": [], "entropy": [], "random": []}
+    for b in batches:
+        c = b.eligible.nonzero().squeeze(-1)
+        k = top_count(c.numel(), fraction)
+        prompts = b.rollouts.prompt_index[c]
+        scores = {"oracle": b.utility[c], "entropy": entropy_scores(b.phi, True)[c],
+                  "learned": b.predicted[c] if b.predicted is not None else None}
+        for key, score in scores.items():
+            if score is not None:
+                top = torch.sort(score.double(), descending=True, stable=True).indices[:k]
+                out[key].append(float(prompts[top].unique().numel()))
+        out["random"].append(float(np.mean([prompts[torch.randperm(c.numel(), generator=gen)[:k]].unique().numel()
+                                            for _ in range(draws)])))
+    return {key: float(np.mean(v)) for key, v in out.items() if v}
+
+
+# ----------------------------------------------------------------------------- gradient geometry
+
+
+def opd_gradient(run, batch: HeldBatch, rows: torch.Tensor) -> torch.Tensor:
+    """Flat gradient of Eq. 11's token mean over `rows` (global row ids of the batch) w.r.t. the policy.
+
+    Uses the training path (`opd.distill.micro_batch_loss` with Eq. 11's weights: the teacher on the
+    crop prompt, the student on the full image, top-k JSD); nothing is stepped and no .grad is written.
+    """
+    cfg, device, ro = run.cfg.distill(), run.acc.device, batch.rollouts
+    params = [p for p in run.policy.parameters() if p.requires_grad]
+    total = [torch.zeros_like(p) for p in params]
+    tokens = int(ro.lengths[rows].sum())
+    if tokens == 0:
+        return torch.cat([t.flatten() for t in total])
+    with _preserved(run):
+        for sel, s_inputs, t_inputs, mask, width in _micro_batches(run, batch, rows):
+            weights = budgeted_weights(torch.ones(len(sel), device=device), mask, tokens)  # Eq. 11 over `rows`
+            with run.autocast():
+                loss, _, _, _ = micro_batch_loss(run.policy, run.teacher, s_inputs, t_inputs, mask, width, weights, cfg)
+            grads = torch.autograd.grad(loss, params, allow_unused=True)
+            for t, g in zip(total, grads):
+                if g is not None:
+                    t += g.detach()
+    return torch.cat([t.flatten().double().cpu() for t in total])
+
+
+def frozen_selection(run, batch: HeldBatch, rho: float) -> torch.Tensor:
+    """S for the geometry audit: top floor(rho |C|) by the frozen selector's u^ (entropy before its
+    first update), no exploration."""
+    candidates = batch.eligible.nonzero().squeeze(-1)
+    scores = batch.predicted if batch.predicted is not None else entropy_scores(batch.phi, True)
+    return top_subset(scores, candidates, query_budget(rho, candidates.numel())).sort().values
+
+
+def gradient_geometry(run, records: list[Record], rho: float = 0.25, n_batches: int = 5, seed: int = 4321) -> dict:
+    """Figure 4 at the run's current state: per held batch ||g_S||, ||g_U||, cos(g_S, g_U); summary."""
+    rows = []
+    for b, recs in enumerate(held_records(records, run.cfg.prompts_per_step, n_batches, seed)):
+        batch = sample_batch(run, recs, mix_seed(seed, b))
+        selected = frozen_selection(run, batch, rho)
+        candidates = batch.eligible.nonzero().squeeze(-1)
+        unselected = candidates[~torch.isin(candidates, selected)]
+        g_s, g_u = opd_gradient(run, batch, selected), opd_gradient(run, batch, unselected)
+        rows.append({"batch": b, "selected": int(selected.numel()), "unselected": int(unselected.numel()),
+                     "norm_selected": float(g_s.norm()), "norm_unselected": float(g_u.norm()),
+                     "cosine": cosine(g_s, g_u), "by": "learned" if batch.predicted is not None else "entropy"})
+    return {"rho": rho, "rows": rows, "summary": geometry_summary(rows)}

@@ -1,0 +1,157 @@
+"""Supervised training of the toy world's base model: the policy that BAS-OPD then distills.
+
+The architecture is `opd.tiny`'s Qwen3.5 (`Qwen3_5ForConditionalGeneration`, the character-level
+`Qwen3_5Tokenizer`, the `Qwen3VLProcessor`) with the sizes of `SFTConfig`: a hybrid stack of
+`layers` text layers (linear attention, then full attention, as Qwen3.5 interleaves them), a vision
+tower with `patch`-pixel patches merged `merge` x `merge` into one visual token, and a processor
+that resizes every image to the world's `resolution` (min_pixels = max_pixels). With the defaults
+(32 pixels, patch 8, merge 4) an image is 16 patches and one visual token: 8-pixel patches keep a
+4-pixel target a large part of its patch, which a 16-pixel patch does not (measured: a base with
+16-pixel patches barely learned the full view at all).
+
+Training is teacher forcing on the answer tokens only (the letter and <|im_end|>), AdamW with a
+linear warm-up and cosine decay, on samples of the world's "sft" split drawn on the fly: each one is
+shown as its crop with probability `crop_share`, else as the full image. The default base sees only
+crops (crop_share 1): it reads a large target well and a small one in a cluttered scene poorly - the
+regional-to-global gap that OPD is meant to close. Learning rate 1e-3 (3e-3 stalled in a two-class
+plateau, blue vs the rest) and 150 steps: the crop view is learned (100%) while the letter
+probabilities stay moderate (about 0.8); longer training makes the base over-confident on the full
+view, and then the OPD divergence mostly flattens it instead of correcting it (measured). The folder is written through `save_pretrained` (model and processor),
+so `train.py --model` and `eval.py --model` load it like any checkpoint; a finished folder is reused.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+import shutil
+import tempfile
+import time
+from dataclasses import asdict, dataclass
+from pathlib import Path
+
+import numpy as np
+import torch
+
+from opd.chat import collate, encode_prompt
+from opd.teacher import response_logits
+from opd.tiny import tiny_config, tiny_processor
+from opd.toy import WorldConfig, sample
+
+SFT_VERSION = "1"
+
+
+@dataclass(frozen=True)
+class SFTConfig:
+    hidden: int = 64
+    """Text hidden size (the vision tower's output size too)."""
+    layers: int = 2
+    """Text layers: all linear attention except the last, which is full attention."""
+    vision_depth: int = 2
+    """Vision transformer blocks."""
+    vision_hidden: int = 64
+    """Vision transformer width (heads of 16 dimensions, MLP twice as wide)."""
+    patch: int = 8
+    """Vision patch side in pixels (processor and model)."""
+    merge: int = 4
+    """Spatial merge: merge x merge patches become one visual token (processor and model)."""
+    steps: int = 150
+    """Optimizer steps."""
+    batch: int = 16
+    """Samples per step."""
+    lr: float = 1e-3
+    """Peak AdamW learning rate (warm-up over the first 5% of steps, cosine decay to 10% after)."""
+    weight_decay: float = 0.01
+    """AdamW weight decay."""
+    crop_share: float = 1.0
+    """Probability that a training sample is shown as its crop (else the full image)."""
+    seed: int = 0
+    """Initialisation seed of the model (the data come from the world seed)."""
+
+
+def toy_processor(resolution: int, patch: int = 8, merge: int = 4):
+    """`opd.tiny.tiny_processor` resizing every image to exactly resolution x resolution pixels."""
+    processor = tiny_processor(max_pixels=resolution * resolution)
+    processor.image_processor.patch_size, processor.image_processor.merge_size = patch, merge
+    processor.image_processor.size = {"shortest_edge": resolution * resolution, "longest_edge": resolution * resolution}
+    return processor
+
+
+def build_model(processor, cfg: SFTConfig):
+    """A freshly initialised tiny Qwen3.5 of `cfg`'s size (Qwen's init range 0.02, not tiny's 0.2)."""
+    from transformers import Qwen3_5ForConditionalGeneration
+
+    config = tiny_config(processor.tokenizer, hidden=cfg.hidden, layers=cfg.layers, vision_depth=cfg.vision_depth,
+                         init_range=0.02)
+    config.text_config.layer_types = ["linear_attention"] * (cfg.layers - 1) + ["full_attention"]
+    vision = config.vision_config
+    vision.hidden_size, vision.intermediate_size, vision.num_heads = cfg.vision_hidden, 2 * cfg.vision_hidden, cfg.vision_hidden // 16
+    vision.patch_size, vision.spatial_merge_size = cfg.patch, cfg.merge
+    torch.manual_seed(cfg.seed)
+    model = Qwen3_5ForConditionalGeneration(config)
+    ids = processor.tokenizer.convert_tokens_to_ids
+    model.generation_config.eos_token_id = [ids("<|im_end|>"), ids("<|endoftext|>")]
+    model.generation_config.pad_token_id = ids("<|endoftext|>")
+    return model
+
+
+def _lr_at(step: int, cfg: SFTConfig) -> float:
+    warm = max(1, round(0.05 * cfg.steps))
+    if step < warm:
+        return cfg.lr * (step + 1) / warm
+    progress = (step - warm) / max(1, cfg.steps - warm)
+    return cfg.lr * (0.1 + 0.9 * 0.5 * (1 + math.cos(math.pi * progress)))
+
+
+def answer_batch(processor, model, samples, views: list[str]):
+    """(model inputs, target ids (n, 2), mask) for teacher forcing "<letter><|im_end|>"."""
+    ids = processor.tokenizer.convert_tokens_to_ids
+    prompts = [encode_prompt(processor, [s.crop() if v == "crop" else s.image], s.problem) for s, v in zip(samples, views)]
+    target = torch.tensor([[ids(s.answer), ids("<|im_end|>")] for s in samples])
+    pad = model.generation_config.pad_token_id
+    return collate(prompts, pad, target), target
+
+
+def train_base(out_dir: str | Path, world: WorldConfig, cfg: SFTConfig, log=print) -> Path:
+    """Trains the base model on the world's sft split and writes it to `out_dir`; reused when complete."""
+    out = Path(out_dir)
+    want = {"version": SFT_VERSION, "sft": asdict(cfg), "world": asdict(world)}
+    if (out / "sft.json").exists():
+        have = json.loads((out / "sft.json").read_text())
+        if {k: have.get(k) for k in want} != want:
+            raise SystemExit(f"{out} holds a base model trained with other settings; use another output folder")
+        return out
+    processor = toy_processor(world.resolution, cfg.patch, cfg.merge)
+    model = build_model(processor, cfg)
+    optimizer = torch.optim.AdamW(model.parameters(), lr=cfg.lr, weight_decay=cfg.weight_decay)
+    rng = np.random.default_rng([world.seed, cfg.seed, 7])
+    model.train()
+    t0, losses = time.perf_counter(), []
+    for step in range(cfg.steps):
+        for group in optimizer.param_groups:
+            group["lr"] = _lr_at(step, cfg)
+        samples = [sample(world, "sft", step * cfg.batch + j) for j in range(cfg.batch)]
+        views = ["crop" if rng.random() < cfg.crop_share else "full" for _ in samples]
+        inputs, target = answer_batch(processor, model, samples, views)
+        logits = response_logits(model, inputs, target.shape[1])  # (n, 2, V)
+        loss = torch.nn.functional.cross_entropy(logits.float().flatten(0, 1), target.flatten())
+        optimizer.zero_grad(set_to_none=True)
+        loss.backward()
+        torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
+        optimizer.step()
+        losses.append(loss.item())
+        if (step + 1) % max(1, cfg.steps // 10) == 0 or step + 1 == cfg.steps:
+            log(f"  sft step {step + 1}/{cfg.steps}: loss {np.mean(losses[-20:]):.4f} ({time.perf_counter() - t0:.0f} s)")
+    out.parent.mkdir(parents=True, exist_ok=True)
+    tmp = Path(tempfile.mkdtemp(prefix=f".{out.name}.", dir=out.parent))
+    try:
+        model.save_pretrained(tmp)
+        processor.save_pretrained(tmp)
+        (tmp / "sft.json").write_text(json.dumps({**want, "seconds": time.perf_counter() - t0,
+                                                  "final_loss": float(np.mean(losses[-20:]))}, indent=2) + "\n")
+        shutil.rmtree(out, ignore_errors=True)
+        os.rename(tmp, out)
+    finally:
+        shutil.rmtree(tmp, ignore_errors=True)
+    return out
