@@ -8,7 +8,9 @@ d, o, c of Eq. 7-8 with an analytic gradient instead of autograd's stored interm
 - `budgeted_loss_from_hidden`: from the student's and teacher's final hidden states (P, H) and the
   LM-head weights, one chunk of positions at a time: both sides' logits, the loss terms, and the
   chunk's gradient contributions, which are accumulated into dL/dh (P, H) and dL/dW (V, H) during the
-  forward; the chunk's logits are then dropped. Backward only scales those buffers. Four LM-head
+  forward (dL/dW starts as the first chunk's product, not a zero-filled buffer); the chunk's logits
+  are then dropped. Backward hands the buffers to autograd as they are (a scaled copy only when the
+  loss was scaled after the call), so dL/dW can become .grad without a (V, H) copy. Four LM-head
   products in all (student, teacher, dL/dh, dL/dW), the minimum; memory O(P k + V H).
   It returns the weighted sum of Eq. 11 directly (per-token weights are the Eq. 11 weights).
 - `topk_jsd_from_logits`: the same per-position D from given logits; backward rebuilds p = softmax(z)
@@ -95,7 +97,8 @@ class _FromHidden(torch.autograd.Function):
         w = w_s.to(h_s.dtype)  # one cast per call under mixed precision (a no-op otherwise)
         w_t = w_t.to(h_t.dtype)
         grad_h = torch.empty_like(h_s)  # (P, H) dL/dh, one row per position
-        grad_w = torch.zeros(w_s.shape, dtype=torch.float32 if w_s.dtype != torch.float64 else w_s.dtype, device=w_s.device)
+        acc_dtype = torch.float32 if w_s.dtype != torch.float64 else w_s.dtype  # dL/dW accumulates in fp32 (or fp64)
+        grad_w = None  # (V, H) dL/dW: the first chunk's product, later chunks added in place (no zero-filled buffer)
         loss = torch.zeros((), dtype=torch.float64, device=h_s.device)
         d_all, terms_all = [], []
         for j in range(0, h_s.shape[0], chunk):
@@ -108,7 +111,9 @@ class _FromHidden(torch.autograd.Function):
             dz = _logit_grad(z, lse, ids, g * w_c.unsqueeze(-1), q).to(h_s.dtype)  # (C, V)
             del z
             grad_h[j : j + chunk] = dz @ w  # (C, H)
-            if grad_w.dtype == dz.dtype:
+            if grad_w is None:
+                grad_w = (dz.T @ h_c).to(acc_dtype)  # (V, H)
+            elif grad_w.dtype == dz.dtype:
                 grad_w.addmm_(dz.T, h_c)  # (V, H), accumulated in place
             else:
                 grad_w.add_(dz.T @ h_c)  # bf16 products summed in fp32
@@ -124,7 +129,10 @@ class _FromHidden(torch.autograd.Function):
     @staticmethod
     def backward(ctx, grad_loss, _grad_d, _grad_terms):
         grad_h, grad_w = ctx.saved_tensors
-        return grad_h * grad_loss.to(grad_h.dtype), grad_w * grad_loss.to(grad_w.dtype), None, None, None, None, None, None
+        if not bool(grad_loss == 1):  # the loss was scaled after the call: a scaled copy
+            grad_h, grad_w = grad_h * grad_loss.to(grad_h.dtype), grad_w * grad_loss.to(grad_w.dtype)
+        # else the buffers themselves: autograd can take dL/dW as .grad without a (V, H) copy
+        return grad_h, grad_w, None, None, None, None, None, None
 
 
 def budgeted_loss_from_hidden(
