@@ -69,6 +69,21 @@ def test_gradcheck(k):
     assert torch.autograd.gradcheck(lambda z: topk_jsd_from_logits(z, z_t, k, 0.5)[0], ((h_s @ w_s.T).detach().requires_grad_(),))
 
 
+def test_a_loss_scaled_after_the_call_scales_the_gradients_and_accumulates():
+    """Backward hands over its buffers when the incoming gradient is 1 and scales a copy otherwise;
+    either way .grad equals autograd's through the plain formula, also when added to an existing .grad."""
+    h_s, w_s, h_t, w_t = inputs(P=7, H=4, V=12, seed=3)
+    weights = torch.rand(7, generator=torch.Generator().manual_seed(0), dtype=F64)
+    d_plain = generalized_jsd(*topk_support(h_s @ w_s.T, h_t @ w_t.T, 5, tail=True), 0.5)
+    ref = torch.autograd.grad((weights * d_plain).sum(), (h_s, w_s))
+    for scale in (1.0, -2.5):
+        h_s.grad = w_s.grad = None
+        (scale * budgeted_loss_from_hidden(h_s, w_s, h_t, w_t, weights, 5, 0.5, 3)[0]).backward()
+        budgeted_loss_from_hidden(h_s, w_s, h_t, w_t, weights, 5, 0.5, 3)[0].backward()  # adds to .grad
+        torch.testing.assert_close(h_s.grad, (scale + 1) * ref[0])
+        torch.testing.assert_close(w_s.grad, (scale + 1) * ref[1])
+
+
 def test_float32_matches_a_float64_reference():
     h_s, w_s, h_t, w_t = inputs(dtype=torch.float32, seed=2)
     weights = torch.ones(h_s.shape[0])
