@@ -100,6 +100,31 @@ def wait_quiet(max_minutes: float, threshold: float = 1.0, poll_s: float = 60.0)
     return load
 
 
+def add_run_args(p, *, mixed_precision: bool = True, what: str = "model") -> None:
+    """The flags every benchmark script shares: --threads, --mixed-precision (optional), --in-process,
+    --wait-quiet. `what` names the unit that runs in a fresh process (a model, a case)."""
+    p.add_argument("--threads", type=int, default=1, help="torch intra-op threads (default: 1; 0 = torch's default)")
+    if mixed_precision:
+        p.add_argument("--mixed-precision", default="auto", help="no, bf16, or auto = bf16 on cuda, no on cpu")
+    p.add_argument("--in-process", action="store_true", help=f"run each {what} in this process, not a fresh one")
+    p.add_argument(
+        "--wait-quiet",
+        type=float,
+        default=0.0,
+        help="first wait up to this many minutes for a 1-minute load average below 1.0 (default: 0)",
+    )
+
+
+def start(wait_minutes: float, device: str, threads: int) -> dict:
+    """Waits for a quiet machine (`wait_quiet`), then returns `machine_info` with the load average at the start."""
+    import torch
+
+    load = wait_quiet(wait_minutes)
+    info = machine_info(device, threads if threads > 0 else torch.get_num_threads())
+    info["loadavg"] = load
+    return info
+
+
 def set_threads(threads: int) -> None:
     """torch intra-op threads (0 keeps torch's default)."""
     import torch

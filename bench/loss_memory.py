@@ -29,17 +29,17 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from bench._util import (
     GB,
     PeakMemory,
+    add_run_args,
     fmt_bytes,
     fmt_ratio,
     fmt_s,
     format_machine,
-    machine_info,
     markdown_table,
     median,
     met,
     run_case,
+    start,
     time_repeats,
-    wait_quiet,
     write_json,
 )
 
@@ -96,9 +96,6 @@ def parse_args(argv=None) -> argparse.Namespace:
         help="dtype of logits, hidden states and weights: float32, bfloat16, or auto = bfloat16 on cuda, float32 on cpu",
     )
     p.add_argument(
-        "--threads", type=int, default=1, help="torch intra-op threads of each case (default: 1; 0 = torch's default)"
-    )
-    p.add_argument(
         "--rss-cap-gb",
         type=float,
         default=14.0,
@@ -112,17 +109,7 @@ def parse_args(argv=None) -> argparse.Namespace:
         "(the same products, 2.5 GB less baseline at H 2,560)",
     )
     p.add_argument("--no-peer", action="store_true", help="skip the peer (TRL) cases")
-    p.add_argument(
-        "--in-process",
-        action="store_true",
-        help="run cases in this process instead of fresh ones (smoke tests; memory numbers less clean)",
-    )
-    p.add_argument(
-        "--wait-quiet",
-        type=float,
-        default=0.0,
-        help="first wait up to this many minutes for a 1-minute load average below 1.0 (default: 0)",
-    )
+    add_run_args(p, mixed_precision=False, what="case")
     p.add_argument("--seed", type=int, default=0, help="seed of the random inputs (default: 0)")
     p.add_argument(
         "--quick",
@@ -306,9 +293,7 @@ def main(argv=None) -> dict:
     import torch
 
     device, dtype = resolve_device(a.device, a.dtype)
-    load = wait_quiet(a.wait_quiet)
-    info = machine_info(device, a.threads if a.threads > 0 else torch.get_num_threads())
-    info["loadavg"] = load
+    info = start(a.wait_quiet, device, a.threads)
     positions = sorted(int(x) for x in a.positions.split(","))
     elem = torch.tensor([], dtype=getattr(torch, dtype)).element_size()
     cap = int(a.rss_cap_gb * GB)

@@ -21,18 +21,18 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from bench._util import (
+    add_run_args,
     fmt_ratio,
     fmt_s,
     format_machine,
-    machine_info,
     markdown_table,
     median,
     met,
     model_and_data,
     run_case,
     set_threads,
+    start,
     sync,
-    wait_quiet,
     write_json,
 )
 
@@ -52,14 +52,7 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument(
         "--repeats", type=int, default=5, help="generate_rollouts calls per setting, median reported (default: 5)"
     )
-    p.add_argument("--threads", type=int, default=1, help="torch intra-op threads (default: 1; 0 = torch's default)")
-    p.add_argument("--in-process", action="store_true", help="run each model in this process, not a fresh one")
-    p.add_argument(
-        "--wait-quiet",
-        type=float,
-        default=0.0,
-        help="first wait up to this many minutes for a 1-minute load average below 1.0 (default: 0)",
-    )
+    add_run_args(p, mixed_precision=False)
     p.add_argument(
         "--quick", action="store_true", help="smoke test: tiny model, 2 prompts, 4 new tokens, one repeat, in process"
     )
@@ -163,10 +156,8 @@ def main(argv=None) -> dict:
     import torch
 
     set_threads(a.threads)
-    load = wait_quiet(a.wait_quiet)
     device = "cuda" if torch.cuda.is_available() else "cpu"
-    info = machine_info(device, a.threads if a.threads > 0 else torch.get_num_threads())
-    info["loadavg"] = load
+    info = start(a.wait_quiet, device, a.threads)
     results = []
     for model in a.models.split(","):
         print(f"{model}: {a.prompts} prompts x {a.rollouts_per_prompt} rollouts", file=sys.stderr, flush=True)

@@ -21,16 +21,16 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from bench._util import (
+    add_run_args,
     fmt_bytes,
     fmt_s,
     format_machine,
-    machine_info,
     markdown_table,
     met,
     model_and_data,
     run_case,
     set_threads,
-    wait_quiet,
+    start,
     write_json,
 )
 
@@ -48,15 +48,7 @@ def parse_args(argv=None) -> argparse.Namespace:
     )
     p.add_argument("--policy", default="learned", help="selection policy (default: learned)")
     p.add_argument("--rho", type=float, default=0.25, help="query ratio (default: 0.25)")
-    p.add_argument("--threads", type=int, default=1, help="torch intra-op threads (default: 1; 0 = torch's default)")
-    p.add_argument("--mixed-precision", default="auto", help="no, bf16, or auto = bf16 on cuda, no on cpu")
-    p.add_argument("--in-process", action="store_true", help="run each model in this process, not a fresh one")
-    p.add_argument(
-        "--wait-quiet",
-        type=float,
-        default=0.0,
-        help="first wait up to this many minutes for a 1-minute load average below 1.0 (default: 0)",
-    )
+    add_run_args(p)
     p.add_argument(
         "--quick", action="store_true", help="smoke test: tiny model, 2 prompts x 4 rollouts, 3 steps, in process"
     )
@@ -110,10 +102,8 @@ def main(argv=None) -> dict:
     import torch
 
     set_threads(a.threads)
-    load = wait_quiet(a.wait_quiet)
     device = "cuda" if torch.cuda.is_available() else "cpu"
-    info = machine_info(device, a.threads if a.threads > 0 else torch.get_num_threads())
-    info["loadavg"] = load
+    info = start(a.wait_quiet, device, a.threads)
     results = []
     with tempfile.TemporaryDirectory(prefix="bench-step-") as tmp:
         for model in a.models.split(","):

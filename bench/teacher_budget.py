@@ -21,17 +21,17 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from bench._util import (
+    add_run_args,
     fmt_ratio,
     fmt_s,
     format_machine,
-    machine_info,
     markdown_table,
     median,
     met,
     model_and_data,
     run_case,
     set_threads,
-    wait_quiet,
+    start,
     write_json,
 )
 
@@ -54,15 +54,7 @@ def parse_args(argv=None) -> argparse.Namespace:
         help="the 'on' setting of --micro-batch-tokens: most padded teacher tokens per forward (default: 1024)",
     )
     p.add_argument("--repeats", type=int, default=5, help="steps per rho and setting; median teacher time (default: 5)")
-    p.add_argument("--threads", type=int, default=1, help="torch intra-op threads (default: 1; 0 = torch's default)")
-    p.add_argument("--mixed-precision", default="auto", help="no, bf16, or auto = bf16 on cuda, no on cpu")
-    p.add_argument("--in-process", action="store_true", help="run each model in this process, not a fresh one")
-    p.add_argument(
-        "--wait-quiet",
-        type=float,
-        default=0.0,
-        help="first wait up to this many minutes for a 1-minute load average below 1.0 (default: 0)",
-    )
+    add_run_args(p)
     p.add_argument(
         "--quick",
         action="store_true",
@@ -118,10 +110,8 @@ def main(argv=None) -> dict:
     import torch
 
     set_threads(a.threads)
-    load = wait_quiet(a.wait_quiet)
     device = "cuda" if torch.cuda.is_available() else "cpu"
-    info = machine_info(device, a.threads if a.threads > 0 else torch.get_num_threads())
-    info["loadavg"] = load
+    info = start(a.wait_quiet, device, a.threads)
     rhos = [float(x) for x in a.rhos.split(",")]
     results = []
     with tempfile.TemporaryDirectory(prefix="bench-teacher-") as tmp:
