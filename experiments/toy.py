@@ -342,8 +342,8 @@ def plots(root: Path, runs: dict, base: dict) -> list[str]:
     acc = {n: np.array([r["full"] for r in rs]) for n, rs in runs.items()}
     full = acc.get("full-100")
     tok = {}
+    full_tok = {r["seed"]: r["ledger"]["scored_tokens"] for r in runs.get("full-100", [])}
     for n, rs in runs.items():
-        full_tok = {r["seed"]: r["ledger"]["scored_tokens"] for r in runs.get("full-100", [])}
         tok[n] = np.array([100 * r["ledger"]["scored_tokens"] / full_tok[r["seed"]] for r in rs if full_tok.get(r["seed"])])
 
     # Figure 2: accuracy vs budget
