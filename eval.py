@@ -16,7 +16,7 @@ import time
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
-from opd.benchmarks import LOADERS, BenchmarkDataError, load_benchmark
+from opd.eval.benchmarks import LOADERS, BenchmarkDataError, load_benchmark
 from opd.cli import build_parser
 
 ALL_BENCHMARKS = ",".join(LOADERS)  # Table 1 order
@@ -152,7 +152,7 @@ def runtime(cfg: EvalConfig) -> tuple[str, str]:
 def main(argv: list[str] | None = None) -> dict:
     cfg, compare = parse_args(argv)
     if compare:
-        from opd.report import compare_runs
+        from opd.eval.report import compare_runs
 
         text = compare_runs(compare)
         print(text, end="")
@@ -161,9 +161,9 @@ def main(argv: list[str] | None = None) -> dict:
 
     from transformers import set_seed
 
-    from opd.evaluate import predict, score_view, write_jsonl_atomic
-    from opd.metrics import zoom_gap
-    from opd.report import markdown_table, write_results
+    from opd.eval.evaluate import predict, score_view, write_jsonl_atomic
+    from opd.eval.metrics import zoom_gap
+    from opd.eval.report import markdown_table, write_results
 
     set_seed(cfg.seed)
     out = Path(cfg.out)
@@ -181,7 +181,7 @@ def main(argv: list[str] | None = None) -> dict:
 
     judge = None
     if cfg.judge_url:
-        from opd.judge import judge_from_env
+        from opd.eval.judge import judge_from_env
 
         judge = judge_from_env(cfg.judge_url, cfg.judge_model, out / "judge_cache.jsonl", cfg.judge_key_env,
                                cfg.judge_timeout)

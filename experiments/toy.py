@@ -3,10 +3,10 @@
     python experiments/toy.py --out runs/toy                 # 3 seeds, about 15-20 minutes on 2 cores
     python experiments/toy.py --out runs/toy-smoke --smoke   # one seed, a few steps (the test)
 
-1. The world (`opd.toy`): a cluttered canvas with one small coloured target, exported as a training
+1. The world (`opd.toy.world`): a cluttered canvas with one small coloured target, exported as a training
    JSONL (full image + bbox), a held audit JSONL and a held-out benchmark in eval.py's Vision-OPD JSON
    layout (read as `zoombench`, crops included).
-2. The base (`opd.sft`): a tiny Qwen3.5 trained by teacher forcing on the crops only, so it reads the
+2. The base (`opd.toy.sft`): a tiny Qwen3.5 trained by teacher forcing on the crops only, so it reads the
    crop well and the full image poorly. eval.py measures both views (the regional-to-global gap).
 3. OPD runs through `train.Run` on the same base: Full, Random-25, Entropy-25, Learned-25 and
    Learned-10/50, over `--seeds` seeds (Learned-100 is Full querying: identical selection, reused).
@@ -139,13 +139,13 @@ def run_specs(cfg: ToyConfig) -> list[dict]:
 
 
 def world_config(cfg: ToyConfig):
-    from opd.toy import WorldConfig
+    from opd.toy.world import WorldConfig
 
     return WorldConfig(seed=cfg.world_seed, n_opd=cfg.n_opd, n_audit=cfg.n_audit, n_eval=cfg.n_eval)
 
 
 def sft_config(cfg: ToyConfig):
-    from opd.sft import SFTConfig
+    from opd.toy.sft import SFTConfig
 
     return SFTConfig(steps=cfg.sft_steps, batch=cfg.sft_batch)
 
@@ -306,7 +306,7 @@ def world_figure(root: Path, cfg: ToyConfig, n: int = 6) -> str:
     import matplotlib.pyplot as plt
     from PIL import Image
 
-    from opd.toy import sample
+    from opd.toy.world import sample
 
     world = world_config(cfg)
     side = (world.resolution, world.resolution)
@@ -591,8 +591,8 @@ def report(root: Path, cfg: ToyConfig, timing: dict, command: str) -> str:
 def main(argv: list[str] | None = None) -> str:
     cfg = parse(argv)
     quiet()
-    from opd.sft import train_base
-    from opd.toy import export_world
+    from opd.toy.sft import train_base
+    from opd.toy.world import export_world
 
     root = Path(cfg.out)
     root.mkdir(parents=True, exist_ok=True)

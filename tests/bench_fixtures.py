@@ -1,7 +1,7 @@
 """Tiny benchmark fixtures in each shipped layout, for loader tests and end-to-end eval tests.
 
 Each ``write_<name>_fixture(data_dir, ...)`` writes into ``data_dir/<name>/`` the layout that
-``opd.benchmarks.load_benchmark(name, data_dir)`` reads, and returns ``{index: gold answer}``.
+``opd.eval.benchmarks.load_benchmark(name, data_dir)`` reads, and returns ``{index: gold answer}``.
 ``<name>_rows()`` give the Hugging Face parquet rows (images as ``{"bytes", "path"}`` structs);
 ``fmt="parquet"`` writes them with pyarrow (callers skip when it is missing).
 """
@@ -217,7 +217,7 @@ def write_mmstar_fixture(data_dir, fmt: str = "tsv") -> dict[str, str]:
     if fmt == "parquet":
         _write_parquet(root / "mmstar.parquet", rows)
     else:
-        from opd.benchmarks import split_options
+        from opd.eval.benchmarks import split_options
 
         out = []
         for r in rows:

@@ -2,8 +2,8 @@
 
 import pytest
 
-from opd.answers import exact_match, grade, normalize_answer, parse_choice, parse_yes_no, strip_thinking
-from opd.benchmarks import BenchItem
+from opd.eval.answers import exact_match, grade, normalize_answer, parse_choice, parse_yes_no, strip_thinking
+from opd.eval.benchmarks import BenchItem
 
 COLORS = {"A": "red", "B": "blue", "C": "green", "D": "dark red"}
 YES_NO = {"A": "Yes", "B": "No"}  # MMVP-style options after loading "(a) Yes (b) No"

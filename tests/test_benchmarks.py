@@ -7,7 +7,7 @@ import json
 import pytest
 from PIL import Image
 
-import opd.benchmarks as bm
+import opd.eval.benchmarks as bm
 from bench_fixtures import (
     ZOOMBENCH_ANSWERS,
     cvbench_rows,
@@ -25,7 +25,7 @@ from bench_fixtures import (
     write_zoombench_fixture,
     zoombench_rows,
 )
-from opd.benchmarks import BenchmarkDataError, ImageRef, load_benchmark, load_image, prompt_text, split_options
+from opd.eval.benchmarks import BenchmarkDataError, ImageRef, load_benchmark, load_image, prompt_text, split_options
 
 HAS_PYARROW = importlib.util.find_spec("pyarrow") is not None
 

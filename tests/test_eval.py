@@ -19,9 +19,9 @@ from transformers import GenerationConfig
 
 import eval as eval_py
 from bench_fixtures import ZOOMBENCH_ANSWERS, write_all_fixtures, write_vstar_fixture, write_zoombench_fixture
-from opd import evaluate, inference
-from opd.judge import Judge, JudgeError, cache_key, endpoint, parse_verdict
-from opd.report import write_results
+from opd.eval import evaluate, inference
+from opd.eval.judge import Judge, JudgeError, cache_key, endpoint, parse_verdict
+from opd.eval.report import write_results
 
 NAMES = ["vstar", "zoombench", "hrbench4k", "mmvp", "cvbench", "mmstar", "pope"]
 HEADER = "| Model | V*Bench | ZoomBench | HR-Bench 4K | MMVP | CV-Bench | MMStar | POPE | Avg. |"
@@ -122,7 +122,7 @@ def test_crop_view_reports_the_zoom_gap(full_run, data):
 
 
 def test_crop_view_uses_the_crop_image(data):
-    from opd.benchmarks import load_benchmark
+    from opd.eval.benchmarks import load_benchmark
 
     item = load_benchmark("zoombench", data.dir)[0]
     assert inference.item_image(item, "full").size == (16, 16)  # the fixture's full image
@@ -223,7 +223,7 @@ def test_read_jsonl_drops_a_torn_tail_and_names_a_bad_line(tmp_path):
 
 
 def test_greedy_is_batch_invariant_and_ignores_checkpoint_sampling_defaults(tiny, data):
-    from opd.benchmarks import load_benchmark
+    from opd.eval.benchmarks import load_benchmark
     from opd.model import load_model, load_processor
 
     model, processor = load_model(str(tiny[0])), load_processor(str(tiny[0]))

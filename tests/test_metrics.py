@@ -2,7 +2,7 @@
 
 import pytest
 
-from opd.metrics import accuracy, score, zoom_gap
+from opd.eval.metrics import accuracy, score, zoom_gap
 
 
 def rec(index, correct, category="", parsed=True, pred=None, answer=None, **meta):

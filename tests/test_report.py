@@ -4,7 +4,7 @@ import json
 
 import pytest
 
-from opd.report import compare_runs, markdown_table, read_results, row_scores, write_results
+from opd.eval.report import compare_runs, markdown_table, read_results, row_scores, write_results
 
 FULL = {"vstar": {"score": 80.0}, "zoombench": {"score": 50.5}, "hrbench4k": {"score": 70.0},
         "mmvp": {"score": 75.0}, "cvbench": {"score": 82.125}, "mmstar": {"score": 60.0}, "pope": {"score": 88.0}}

@@ -1,4 +1,4 @@
-"""The toy-world experiment (experiments/toy.py, opd/toy.py, opd/sft.py) and the audit diagnostics (opd/audit.py).
+"""The toy-world experiment (experiments/toy.py, opd/toy/world.py, opd/toy/sft.py) and the audit diagnostics (opd/audit.py).
 
 The smoke run (one seed, two OPD steps per policy, a 16-item benchmark) checks the report's structure,
 the ledgers' arithmetic against the report's tables, and resuming; the audit functions are checked
@@ -17,10 +17,10 @@ import pytest
 import torch
 
 from opd import audit
-from opd.benchmarks import load_benchmark, prompt_text
+from opd.eval.benchmarks import load_benchmark, prompt_text
 from opd.data import load_records
 from opd.ledger import read_ledger, summarize
-from opd.toy import WorldConfig, export_world, sample
+from opd.toy.world import WorldConfig, export_world, sample
 
 ROOT = Path(__file__).resolve().parents[1]
 

@@ -15,7 +15,7 @@ from collections.abc import Iterable, Iterator
 
 import torch
 
-from opd.benchmarks import BenchItem, prompt_text
+from opd.eval.benchmarks import BenchItem, prompt_text
 from opd.chat import EncodedPrompt, collate, encode_prompt
 from opd.model import neutral_generation_defaults, special_ids
 
@@ -35,7 +35,7 @@ def item_image(item: BenchItem, view: str):
 
 def encode_item(processor, item: BenchItem, view: str = "full", enable_thinking: bool = False,
                 max_prompt_len: int | None = None) -> EncodedPrompt:
-    """One item's prompt: its image (full or crop) and `opd.benchmarks.prompt_text(item)`."""
+    """One item's prompt: its image (full or crop) and `opd.eval.benchmarks.prompt_text(item)`."""
     return encode_prompt(processor, [item_image(item, view)], prompt_text(item), enable_thinking, max_prompt_len)
 
 

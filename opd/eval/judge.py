@@ -20,7 +20,7 @@ import urllib.error
 import urllib.request
 from pathlib import Path
 
-from opd.evaluate import append_jsonl, read_jsonl
+from opd.eval.evaluate import append_jsonl, read_jsonl
 
 SYSTEM_PROMPT = "You grade answers to visual questions. Reply with one word: correct or incorrect."
 USER_PROMPT = (

@@ -218,7 +218,7 @@ def exact_match(pred, gold) -> bool:
 
 
 def grade(item, reply: str) -> dict:
-    """One per-item record for :mod:`opd.metrics` from a benchmark item and the model's reply.
+    """One per-item record for :mod:`opd.eval.metrics` from a benchmark item and the model's reply.
 
     Keys: index, kind, category, meta, answer, reply, pred (parsed letter / yes-no / text, or None),
     parsed (bool) and correct (bool; an unparsed reply is wrong).

@@ -37,7 +37,7 @@ import torch
 from opd.chat import collate, encode_prompt
 from opd.teacher import response_logits
 from opd.tiny import tiny_config, tiny_processor
-from opd.toy import WorldConfig, sample
+from opd.toy.world import WorldConfig, sample
 
 SFT_VERSION = "1"
 

@@ -563,7 +563,7 @@ def _mmvp_image_dir(folder: Path) -> Path:
 
 def _load(name: str, root: Path, check_images: bool) -> list[BenchItem]:
     if not root.is_dir():
-        raise BenchmarkDataError(f"{root}: benchmark folder not found (opd/benchmarks.py lists the files expected)")
+        raise BenchmarkDataError(f"{root}: benchmark folder not found (opd/eval/benchmarks.py lists the files expected)")
     for patterns, reader, row_fn, columns in _layouts(name):
         files = _find(root, patterns)
         if not files:

@@ -1,7 +1,7 @@
 """Results files and tables in the paper's Table 1 layout.
 
 ``results.json`` holds ``{"meta": {...}, "benchmarks": {name: score dict}}`` where each score dict
-comes from :func:`opd.metrics.score` (``"score"`` in percent). It is written atomically (a temp
+comes from :func:`opd.eval.metrics.score` (``"score"`` in percent). It is written atomically (a temp
 file in the same folder, then ``os.replace``), so a crash never leaves half a file.
 
 Tables follow Table 1's column order: V*Bench, ZoomBench, HR-Bench 4K, MMVP, CV-Bench, MMStar,
@@ -58,7 +58,7 @@ def read_results(path) -> dict:
     except json.JSONDecodeError as exc:
         raise ValueError(f"{path}: not valid JSON: {exc}") from exc
     if not isinstance(data, dict) or not isinstance(data.get("benchmarks"), dict):
-        raise ValueError(f"{path}: field 'benchmarks' missing; not a results.json from opd.report")
+        raise ValueError(f"{path}: field 'benchmarks' missing; not a results.json from opd.eval.report")
     return data
 
 
