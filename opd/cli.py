@@ -1,15 +1,32 @@
 """Command lines from config dataclasses: one flag per field, its help from the field's docstring.
 
 A preset is a dict of field values applied first; flags given on the command line override it.
+Errors the user caused (a bad flag, file, path or record) are `UserError`s: `run_cli` reports them
+in one line on stderr, without a traceback, and exits with code 2 (argparse's code for bad usage).
 """
 
 import argparse
 import ast
 import dataclasses
 import inspect
+import sys
 import textwrap
 import types
 import typing
+from collections.abc import Callable
+
+
+class UserError(Exception):
+    """An error the user caused and can fix: reported in one line naming the flag, file, line or field."""
+
+
+def run_cli(main: Callable, argv: list[str], prog: str):
+    """Calls main(argv); a UserError becomes one line 'prog: error: ...' on stderr and exit code 2."""
+    try:
+        return main(argv)
+    except UserError as exc:
+        print(f"{prog}: error: {exc}", file=sys.stderr, flush=True)
+        sys.exit(2)
 
 
 def field_docs(cls) -> dict[str, str]:

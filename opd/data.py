@@ -21,8 +21,10 @@ from pathlib import Path
 import numpy as np
 from PIL import Image, UnidentifiedImageError
 
+from opd.cli import UserError
 
-class DataError(ValueError):
+
+class DataError(UserError, ValueError):
     """A bad training record: the message names the file, the line and the field."""
 
 

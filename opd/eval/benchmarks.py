@@ -56,8 +56,10 @@ from typing import Callable, Iterator
 
 from PIL import Image
 
+from opd.cli import UserError
 
-class BenchmarkDataError(ValueError):
+
+class BenchmarkDataError(UserError, ValueError):
     """A benchmark file is missing or malformed; the message names the file, row and field."""
 
 
