@@ -55,7 +55,7 @@ def _base_type(annotation):
 
 
 def build_parser(cls, presets: dict[str, dict], description: str) -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(description=description)
+    parser = argparse.ArgumentParser(description=description, allow_abbrev=False)  # a flag is spelled out (given_flags)
     docs = field_docs(cls)
     hints = typing.get_type_hints(cls)
     for f in dataclasses.fields(cls):
@@ -65,6 +65,8 @@ def build_parser(cls, presets: dict[str, dict], description: str) -> argparse.Ar
         help_text = f"{docs.get(f.name, '')} (default: {f.default!r}{overrides})"
         if f.name == "preset":
             parser.add_argument(flag, choices=sorted(presets), default=f.default, help=help_text)
+        elif kind is bool and f.name.startswith("no_"):  # an ablation switch: --no-overlap, not --no-no-overlap
+            parser.add_argument(flag, action="store_const", const=True, default=None, help=help_text)
         elif kind is bool:
             parser.add_argument(flag, action=argparse.BooleanOptionalAction, default=None, help=help_text)
         else:
@@ -72,9 +74,18 @@ def build_parser(cls, presets: dict[str, dict], description: str) -> argparse.Ar
     return parser
 
 
+def given_flags(cls, presets: dict[str, dict], argv: list[str] | None = None, description: str = "") -> dict:
+    """The fields set on the command line, by field name ('preset' only when given)."""
+    args = vars(build_parser(cls, presets, description).parse_args(argv))
+    return {k: v for k, v in args.items() if v is not None and (k != "preset" or _flag_given("--preset", argv))}
+
+
+def _flag_given(flag: str, argv: list[str] | None) -> bool:
+    return any(a == flag or a.startswith(flag + "=") for a in (sys.argv[1:] if argv is None else argv))
+
+
 def parse_config(cls, presets: dict[str, dict], argv: list[str] | None = None, description: str = ""):
     """Builds `cls` from a preset (the `preset` field) and the flags given in argv."""
-    args = vars(build_parser(cls, presets, description).parse_args(argv))
-    preset = args.pop("preset")
-    given = {k: v for k, v in args.items() if v is not None}
+    given = given_flags(cls, presets, argv, description)
+    preset = given.pop("preset", cls.preset)
     return dataclasses.replace(cls(preset=preset, **presets[preset]), **given)

@@ -7,14 +7,21 @@ Two record forms are read, one JSON object per line:
   (the crop is cut from the full image; `images` + `bbox` is accepted too)
 
 Image paths are relative to the JSONL file's folder unless absolute. A row with a crop (either form)
-belongs to the crop-eligible set C; a row with neither is trained on without a teacher. The crop-to-
-full area ratio a_i (the last feature of Eq. 5) is known from a bbox, else it is 0.
+belongs to the crop-eligible set C; a row with neither is trained on without a teacher.
 
-Every problem is reported as a `DataError` naming the file, the line and the field.
+The crop-to-full area ratio a_i (the last feature of Eq. 5) comes from the bbox when there is one,
+else from the crop file's and the full image's sizes, assuming the crop was cut from the full image at
+its native resolution (as Vision-OPD's crops are); a crop file larger than the full image (an
+upscaled crop) gives a_i = 1, the most a cut can cover. A row without a crop has a_i = 0.
+
+Every image is decoded once when the file is read (JPEGs at reduced scale, which still reads every
+byte of the compressed stream), so a damaged file stops the run at once instead of steps later.
+Every problem is reported as a `DataError` naming the file, the line and the record's own field.
 """
 
 import json
 import math
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -46,6 +53,10 @@ class Record:
     """[x1, y1, x2, y2] in full-image pixels; the crop is cut from the full image."""
     image_size: tuple[int, int] = (0, 0)
     """(width, height) of the full image."""
+    crop_size: tuple[int, int] = (0, 0)
+    """(width, height) of the crop file, when there is one."""
+    image_key: str = "images"
+    """The record's own field of the full image ('images' or 'image'), for error messages."""
 
     @property
     def eligible(self) -> bool:
@@ -54,11 +65,17 @@ class Record:
 
     @property
     def area_ratio(self) -> float:
-        """a_i of Eq. 5: crop area / full-image area from the bbox, 0 when unknown."""
-        if self.bbox is None or self.image_size[0] * self.image_size[1] == 0:
+        """a_i of Eq. 5: crop area / full-image area, from the bbox, else from the crop file's size
+        (capped at 1: a crop cut at native resolution covers at most the whole image); 0 without a crop."""
+        full = self.image_size[0] * self.image_size[1]
+        if full == 0:
             return 0.0
-        x1, y1, x2, y2 = self.bbox
-        return (x2 - x1) * (y2 - y1) / (self.image_size[0] * self.image_size[1])
+        if self.bbox is not None:
+            x1, y1, x2, y2 = self.bbox
+            return (x2 - x1) * (y2 - y1) / full
+        if self.crop is not None:
+            return min(1.0, self.crop_size[0] * self.crop_size[1] / full)
+        return 0.0
 
 
 def open_image(path: Path, where: str, field: str) -> Image.Image:
@@ -73,13 +90,19 @@ def open_image(path: Path, where: str, field: str) -> Image.Image:
 
 
 def image_size(path: Path, where: str, field: str) -> tuple[int, int]:
-    """(width, height) from the image header, or a DataError naming the record and field."""
+    """(width, height) of an image after decoding it in full, or a DataError naming the record and field.
+
+    JPEGs are decoded at reduced scale (`draft`), which still reads every byte of the compressed
+    stream, so a truncated or damaged body fails here too."""
     try:
         with Image.open(path) as im:
-            return im.size
+            size = im.size
+            im.draft("RGB", (max(1, size[0] // 8), max(1, size[1] // 8)))
+            im.load()
+            return size
     except FileNotFoundError:
         raise DataError(f"{where}: field '{field}': image file not found: {path}") from None
-    except (UnidentifiedImageError, OSError) as e:
+    except (UnidentifiedImageError, OSError, SyntaxError, ValueError) as e:
         raise DataError(f"{where}: field '{field}': cannot read image {path}: {e}") from None
 
 
@@ -111,7 +134,7 @@ def _bbox(value, size: tuple[int, int], where: str) -> tuple[int, int, int, int]
 
 
 def parse_record(row: object, where: str, root: Path) -> Record:
-    """Validates one decoded JSONL row (either form) into a Record."""
+    """Validates one decoded JSONL row (either form) into a Record, decoding its images."""
     if not isinstance(row, dict):
         raise DataError(f"{where}: expected a JSON object, got {type(row).__name__}")
     image_key = "images" if "images" in row else "image" if "image" in row else None
@@ -124,39 +147,41 @@ def parse_record(row: object, where: str, root: Path) -> Record:
             raise DataError(f"{where}: field '{key}': expected a string, got {row[key]!r}")
     image = _one_path(row, image_key, where, root)
     size = image_size(image, where, image_key)
-    crop = bbox = None
+    crop = crop_size = None
     if row.get("teacher_images"):
         crop = _one_path(row, "teacher_images", where, root)
-        image_size(crop, where, "teacher_images")
-    if row.get("bbox") is not None:
-        bbox = _bbox(row["bbox"], size, where)
-    return Record(where, image, str(row["problem"]), str(row["answer"]), crop, bbox, size)
+        crop_size = image_size(crop, where, "teacher_images")
+    bbox = _bbox(row["bbox"], size, where) if row.get("bbox") is not None else None
+    return Record(where, image, str(row["problem"]), str(row["answer"]), crop, bbox, size, crop_size or (0, 0), image_key)
 
 
 def load_records(path: str | Path) -> list[Record]:
-    """Reads a training JSONL file; blank lines are skipped, anything else must be a valid record."""
+    """Reads a training JSONL file; blank lines are skipped, anything else must be a valid record.
+
+    Rows are parsed in file order and their images decoded on a few threads; the first bad line in
+    file order is the one reported."""
     path = Path(path)
     if not path.is_file():
         raise DataError(f"{path}: training data file not found")
-    records = []
+    rows = []
     with path.open(encoding="utf-8") as f:
         for lineno, line in enumerate(f, start=1):
             if not line.strip():
                 continue
             where = f"{path}:{lineno}"
             try:
-                row = json.loads(line)
+                rows.append((json.loads(line), where))
             except json.JSONDecodeError as e:
                 raise DataError(f"{where}: malformed JSON line: {e.msg} (column {e.colno})") from None
-            records.append(parse_record(row, where, path.parent))
-    if not records:
+    if not rows:
         raise DataError(f"{path}: no records")
-    return records
+    with ThreadPoolExecutor(max_workers=4) as pool:  # image decoding releases the GIL
+        return list(pool.map(lambda r: parse_record(r[0], r[1], path.parent), rows))
 
 
 def full_image(record: Record) -> Image.Image:
     """The student's view x_i: the full image."""
-    return open_image(record.image, record.source, "images")
+    return open_image(record.image, record.source, record.image_key)
 
 
 def crop_image(record: Record) -> Image.Image:

@@ -36,13 +36,38 @@ def test_both_record_forms_and_eligibility(folder):
     )
     a, b, c = load_records(path)
     assert (a.eligible, b.eligible, c.eligible) == (True, True, False)
-    assert a.area_ratio == 0.0 and c.area_ratio == 0.0
+    assert a.area_ratio == pytest.approx(12 * 10 / (60 * 40))  # crop file cut at native resolution
+    assert c.area_ratio == 0.0
     assert b.area_ratio == pytest.approx(30 * 20 / (60 * 40))
     assert crop_image(a).size == (12, 10)
     cut = np.asarray(crop_image(b))
     assert cut.shape == (20, 30, 3)
     assert np.array_equal(cut, np.asarray(full_image(b))[4:24, 6:36])
     assert a.source.endswith("train.jsonl:1") and c.source.endswith("train.jsonl:3")
+
+
+def test_a_crop_file_larger_than_the_image_gives_area_ratio_one(folder):
+    Image.new("RGB", (120, 80)).save(folder / "big_crop.png")  # an upscaled crop: 4x the full image's area
+    path = write(folder, [{"images": ["full.png"], "teacher_images": ["big_crop.png"], "problem": "q", "answer": "a"}])
+    assert load_records(path)[0].area_ratio == 1.0
+
+
+@pytest.mark.parametrize("fmt,key", [("PNG", "image"), ("JPEG", "image"), ("PNG", "images"), ("JPEG", "teacher_images")])
+def test_a_damaged_image_body_fails_at_load_time_naming_the_rows_own_key(folder, fmt, key):
+    """The header reads, the body is cut: refused when the file is read, naming the key the row uses."""
+    rng = np.random.default_rng(1)
+    Image.fromarray(rng.integers(0, 255, (64, 64, 3), dtype=np.uint8)).save(folder / "whole", format=fmt)
+    data = (folder / "whole").read_bytes()
+    (folder / "cut").write_bytes(data[: len(data) // 2])
+    with Image.open(folder / "cut") as im:  # the header alone still reads
+        assert im.size == (64, 64)
+    row = {"problem": "q", "answer": "a"}
+    if key == "teacher_images":
+        row.update(images=["full.png"], teacher_images=["cut"])
+    else:
+        row[key] = "cut" if key == "image" else ["cut"]
+    with pytest.raises(DataError, match=rf"train.jsonl:1: field '{key}': cannot read image"):
+        load_records(write(folder, [row]))
 
 
 @pytest.mark.parametrize(
