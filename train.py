@@ -12,6 +12,9 @@ teacher cost of each step.
 
 import dataclasses
 import json
+import os
+import shlex
+import shutil
 import sys
 import time
 import warnings
@@ -23,9 +26,9 @@ from accelerate import Accelerator, PartialState
 from tqdm.auto import tqdm
 from transformers.utils import logging as hf_logging
 
-from opd.checkpoint import find_checkpoint, load_state, save_checkpoint
+from opd.checkpoint import find_checkpoint, load_config, load_state, save_checkpoint
 from opd.chat import encode_prompt
-from opd.cli import parse_config
+from opd.cli import UserError, given_flags, run_cli
 from opd.data import Record, load_records, shard, step_prompt_indices
 from opd.distill import DistillConfig, distill
 from opd.features import rollout_features
@@ -51,7 +54,9 @@ class TrainConfig:
     out: str = "runs/tiny"
     """Output folder: ledger.jsonl, summary.md, checkpoints, TensorBoard logs."""
     resume: str | None = None
-    """Continue from a run folder (its latest checkpoint) or a checkpoint folder."""
+    """Continue from a run folder (its latest checkpoint) or a checkpoint folder, with the run's own settings."""
+    overwrite: bool = False
+    """Start over in an --out folder that holds a run, deleting its ledger, summary and checkpoints."""
     policy: str = "learned"
     """Selection policy: full, random, entropy or learned."""
     rho: float = 0.25
@@ -168,6 +173,31 @@ PRESETS: dict[str, dict] = {
 }
 
 
+RESUMABLE = (
+    "resume", "out", "steps", "save_every", "keep_checkpoints",
+    "micro_batch", "micro_batch_tokens", "loss_chunk", "rollout_batch", "share_prefill", "grad_checkpointing",
+)  # fmt: skip
+"""The fields a resumed run may change: its length, its checkpointing, and memory/speed settings that
+leave the method's results unchanged. Every other field is the run's own, read from its checkpoint."""
+
+RUN_FILES = ("ledger.jsonl", "summary.json", "summary.md", "latest", "tb")
+"""What a training run writes into its --out folder, besides checkpoint-NNNNNN/."""
+
+
+def run_files(out: Path) -> list[Path]:
+    """The files and folders of a training run in `out` (none when it holds no run)."""
+    if not out.is_dir():
+        return []
+    return sorted(p for p in out.iterdir() if p.name in RUN_FILES or p.name.startswith(("checkpoint-", ".checkpoint-")))
+
+
+def launch_info(world: int) -> dict:
+    """What ran: the number of processes, the launcher and this process's command line."""
+    env = os.environ
+    launcher = "accelerate" if any(k.startswith("ACCELERATE_") for k in env) else "torchrun" if "TORCHELASTIC_RUN_ID" in env else "python"
+    return {"world_size": world, "launcher": launcher, "command": shlex.join([Path(sys.executable).name, *sys.argv])}
+
+
 def check_config(cfg: TrainConfig, world: int) -> None:
     """Refuses impossible settings with a message naming the flag."""
     problems = []
@@ -200,8 +230,10 @@ def check_config(cfg: TrainConfig, world: int) -> None:
         problems.append(f"--dtype {cfg.dtype!r}: choose one of {', '.join(DTYPES)}")
     if cfg.preset != "tiny" and cfg.data is None:
         problems.append(f"--data is required with --preset {cfg.preset} (a Vision-OPD-style training JSONL)")
+    if cfg.resume and cfg.overwrite:
+        problems.append("--resume continues a run and --overwrite deletes it: choose one")
     if problems:
-        raise SystemExit("train.py: " + "; ".join(problems))
+        raise UserError("; ".join(problems))
 
 
 class Run:
@@ -215,6 +247,8 @@ class Run:
         self.autocast = autocast(self.acc.device, cfg.mixed_precision)
         self.cfg = cfg
         self.out = Path(cfg.out)
+        self.launch = launch_info(self.acc.num_processes)
+        self._claim_out_folder()
         model_path, data_path = cfg.model, cfg.data
         if model_path is None or data_path is None:
             if self.acc.is_main_process:
@@ -223,13 +257,17 @@ class Run:
             tiny_model, tiny_data = tiny_defaults()
             model_path, data_path = model_path or str(tiny_model), data_path or str(tiny_data)
         self.records: list[Record] = load_records(data_path)
+        self._check_records(data_path)
         self.steps = cfg.steps or len(self.records) // cfg.prompts_per_step
         state, teacher_path = None, None
         self.start = 0
         if cfg.resume:
-            ckpt = find_checkpoint(cfg.resume)
+            ckpt = checkpoint_of(cfg.resume)
+            refuse_changed_settings(cfg, load_config(ckpt), ckpt)
             state = load_state(ckpt)
             model_path, teacher_path, self.start = str(ckpt / "policy"), str(ckpt / "teacher"), int(state["step"])
+            if self.steps < self.start:
+                raise UserError(f"--steps {self.steps}: the checkpoint {ckpt} is already at step {self.start}")
         self.processor = load_processor(model_path)
         student = load_model(model_path, cfg.dtype, self.acc.device).train()  # from_pretrained returns eval mode
         if cfg.grad_checkpointing:
@@ -251,6 +289,32 @@ class Run:
             self.warned_no_eligible = state.get("warned_no_eligible", False)
         self.ledger = Ledger(self.out / "ledger.jsonl", self.start if cfg.resume else None) if self.acc.is_main_process else None
         self.writer = tensorboard_writer(self.out / "tb") if self.acc.is_main_process else None
+
+    def _claim_out_folder(self) -> None:
+        """A new run refuses an --out folder that holds a run, unless --overwrite, which empties it first."""
+        found = [] if self.cfg.resume else run_files(self.out)
+        if found and not self.cfg.overwrite:
+            names = ", ".join(p.name for p in found[:4]) + (", ..." if len(found) > 4 else "")
+            raise UserError(
+                f"--out {self.out} holds a run ({names}): continue it with --resume {self.out}, "
+                "or start over with --overwrite, which deletes it"
+            )
+        self.acc.wait_for_everyone()  # every rank has looked before rank 0 deletes or writes anything
+        if found and self.acc.is_main_process:
+            for path in found:
+                shutil.rmtree(path) if path.is_dir() else path.unlink()
+        self.acc.wait_for_everyone()
+
+    def _check_records(self, data_path) -> None:
+        """Refuses data on which the run would do nothing: too few records for a step, or no crop at all."""
+        n, per_step = len(self.records), self.cfg.prompts_per_step
+        if n < per_step:
+            raise UserError(f"{data_path}: {n} records cannot fill one step of --prompts-per-step {per_step}")
+        if not any(r.eligible for r in self.records):
+            raise UserError(
+                f"{data_path}: no record has a crop ('teacher_images' or 'bbox'), so no rollout could ever be "
+                "sent to the teacher: every step would train with zero distillation"
+            )
 
     @property
     def policy(self):
@@ -367,6 +431,7 @@ class Run:
             **{f"{p}_s": float(v) for p, v in zip(PHASES, phases)},
             **{k.split("/")[-1]: v for k, v in sel_metrics.items()},
         }
+        row["world_size"] = acc.num_processes
         row["step_s"] = time.perf_counter() - t_step
         return row
 
@@ -384,6 +449,8 @@ class Run:
     def log(self, row: dict) -> None:
         if not self.acc.is_main_process:
             return
+        if row["step"] == self.start:  # the first row of this launch says what ran
+            row = {**row, "launch": self.launch}
         self.ledger.append(row)
         if self.writer is not None:
             scalars = {
@@ -400,12 +467,22 @@ class Run:
 
     def train(self) -> dict:
         """Runs steps start..steps-1, checkpoints, and returns the Table 7/8 summary."""
-        bar = tqdm(total=self.steps, initial=self.start, desc="BAS-OPD", disable=not self.acc.is_main_process)
+        main = self.acc.is_main_process
+        if self.start >= self.steps:
+            if main:
+                print(f"train.py: the run in {self.out} is complete ({self.start} of {self.steps} steps); "
+                      "nothing to train (give a larger --steps to continue it)", flush=True)
+            return json.loads((self.out / "summary.json").read_text()) if (self.out / "summary.json").is_file() else {}
+        if main:
+            print(f"train.py: {self.acc.num_processes} process(es), steps {self.start}..{self.steps - 1}; "
+                  f"writing {self.out}/ledger.jsonl, summary.md and checkpoints", flush=True)
+        # loss: Eq. 11 this step; queried: teacher calls |S| / budget K (Eq. 4); utility: mean u_i over S (Eq. 9)
+        bar = tqdm(total=self.steps, initial=self.start, desc=f"{self.cfg.policy}-{round(100 * self.cfg.rho)}", disable=not main)
         for step in range(self.start, self.steps):
             row = self.step(step)
             self.log(row)
             bar.update(1)
-            bar.set_postfix(loss=f"{row['loss']:.3e}", S_K=f"{row['selected']}/{row['budget']}", u=f"{row['utility_mean']:.2e}")
+            bar.set_postfix(loss=f"{row['loss']:.3e}", queried=f"{row['selected']}/{row['budget']}", utility=f"{row['utility_mean']:.2e}")
             last = step + 1 == self.steps
             if last or (self.cfg.save_every and (step + 1) % self.cfg.save_every == 0):
                 self.save(step + 1)
@@ -416,11 +493,15 @@ class Run:
         summary = {}
         if self.acc.is_main_process:
             summary = summarize(self.ledger.rows)
+            summary["world_size"] = self.acc.num_processes
+            summary["launches"] = [r["launch"] for r in self.ledger.rows if "launch" in r]
             name = f"{self.cfg.policy}-{round(100 * self.cfg.rho)}"
             table = format_summary(summary, name)
             write_atomic(self.out / "summary.json", json.dumps(summary, indent=2) + "\n")
             write_atomic(self.out / "summary.md", table + "\n")
             print("\n" + table, flush=True)
+            print(f"\ntrain.py: wrote {self.out}/ledger.jsonl, summary.md, summary.json and "
+                  f"{(self.out / 'latest').read_text().strip()}/ (evaluate it with: eval.py --model {self.out})", flush=True)
             if self.writer is not None:
                 self.writer.close()
         self.acc.wait_for_everyone()
@@ -436,14 +517,58 @@ def tensorboard_writer(path: Path):
     return SummaryWriter(str(path))
 
 
+def checkpoint_of(path: str) -> Path:
+    """The checkpoint a --resume path names, or a UserError saying what is missing."""
+    try:
+        return find_checkpoint(path)
+    except FileNotFoundError as exc:
+        raise UserError(f"--resume {path}: {exc}") from None
+
+
+def _same(field: str, a, b) -> bool:
+    if field in ("model", "data") and a is not None and b is not None and Path(a).exists() and Path(b).exists():
+        return Path(a).resolve() == Path(b).resolve()
+    return a == b
+
+
+def refuse_changed_settings(cfg: TrainConfig, stored: dict, ckpt: Path, given: set[str] | None = None) -> None:
+    """A resumed run keeps the settings it was trained with: any other field that differs is refused by name.
+
+    `given` limits the check to the flags given on the command line (the others come from `stored`)."""
+    fields = [f.name for f in dataclasses.fields(TrainConfig) if f.name not in RESUMABLE and f.name != "overwrite"]
+    changed = [f for f in fields if (given is None or f in given) and f in stored and not _same(f, getattr(cfg, f), stored[f])]
+    if changed:
+        flags = ", ".join(f"--{f.replace('_', '-')} {getattr(cfg, f)!r} (the run has {stored[f]!r})" for f in changed)
+        allowed = ", ".join("--" + f.replace("_", "-") for f in RESUMABLE if f not in ("resume", "out"))
+        raise UserError(
+            f"--resume {ckpt}: {flags}: a resumed run keeps its own settings; it may change only {allowed}. "
+            "Start a new run in another --out to change the others"
+        )
+
+
+def resumed_config(given: dict) -> TrainConfig:
+    """--resume: the run's stored settings are the defaults; the flags given may change only RESUMABLE ones."""
+    ckpt = checkpoint_of(given["resume"])
+    stored = load_config(ckpt)
+    cfg = TrainConfig(**{f.name: stored[f.name] for f in dataclasses.fields(TrainConfig) if f.name in stored})
+    cfg = dataclasses.replace(cfg, **given, overwrite=False)
+    refuse_changed_settings(cfg, stored, ckpt, set(given))
+    run_dir = ckpt.parent
+    if "out" in given and Path(given["out"]).resolve() != run_dir.resolve():
+        raise UserError(f"--out {given['out']}: a resumed run writes into its own folder {run_dir}")
+    return dataclasses.replace(cfg, resume=str(ckpt), out=str(run_dir))
+
+
 def main(argv: list[str] | None = None) -> dict:
-    cfg = parse_config(TrainConfig, PRESETS, argv, description=__doc__.split("\n")[0])
+    given = given_flags(TrainConfig, PRESETS, argv, description=__doc__.split("\n")[0])
+    if given.get("resume"):
+        cfg = resumed_config(given)
+    else:
+        preset = given.pop("preset", TrainConfig.preset)
+        cfg = dataclasses.replace(TrainConfig(preset=preset, **PRESETS[preset]), **given)
     hf_logging.disable_progress_bar()  # weight loading/saving bars would break the training bar
-    if cfg.resume and cfg.out == PRESETS[cfg.preset].get("out", TrainConfig.out):
-        run_dir = Path(cfg.resume)
-        cfg = dataclasses.replace(cfg, out=str(run_dir if (run_dir / "latest").exists() else run_dir.parent))
     return Run(cfg).train()
 
 
 if __name__ == "__main__":
-    main(sys.argv[1:])
+    run_cli(main, sys.argv[1:], "train.py")

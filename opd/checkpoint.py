@@ -1,12 +1,14 @@
 """Checkpoints: everything a run needs to continue to the same result, written atomically.
 
 DIR/checkpoint-NNNNNN/ holds policy/ (HF `save_pretrained` with its processor, loadable by eval.py),
-teacher/ (the EMA teacher, same format) and state.pt (step, policy optimizer, selector - network,
-normalizer, replay, optimizer - RNG states and the config). It is written into a temporary folder and
+teacher/ (the EMA teacher, same format), state.pt (step, policy optimizer, selector - network,
+normalizer, replay, optimizer - RNG states and the config) and train_config.json (the run's settings,
+readable without loading the optimizer state, for `train.py --resume`). It is written into a temporary folder and
 renamed into place; DIR/latest then names it (also replaced atomically). Older checkpoints beyond
 `keep` are removed only after the new one is complete.
 """
 
+import json
 import random
 import shutil
 from pathlib import Path
@@ -42,6 +44,8 @@ def save_checkpoint(out_dir: str | Path, step: int, policy, processor, teacher, 
     processor.save_pretrained(tmp / "policy")
     teacher.save_pretrained(tmp / "teacher")
     torch.save({**state, "step": step, "rng": rng_state()}, tmp / "state.pt")
+    if "config" in state:
+        (tmp / "train_config.json").write_text(json.dumps(state["config"], indent=2) + "\n")
     shutil.rmtree(final, ignore_errors=True)
     tmp.rename(final)
     write_atomic(out_dir / "latest", final.name + "\n")
@@ -67,3 +71,11 @@ def find_checkpoint(path: str | Path) -> Path:
 
 def load_state(ckpt: Path) -> dict:
     return torch.load(Path(ckpt) / "state.pt", map_location="cpu", weights_only=False)
+
+
+def load_config(ckpt: Path) -> dict:
+    """The run's settings stored with a checkpoint (train_config.json; state.pt for older checkpoints)."""
+    path = Path(ckpt) / "train_config.json"
+    if path.is_file():
+        return json.loads(path.read_text())
+    return load_state(ckpt).get("config", {})

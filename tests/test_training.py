@@ -1,5 +1,6 @@
 """End-to-end checks of Algorithm 1 on the built-in tiny Qwen3.5 (CPU, seeded)."""
 
+import json
 import math
 import os
 import subprocess
@@ -13,7 +14,8 @@ import opd.chunked
 import opd.distill
 import train
 from opd.chat import collate, encode_prompt
-from opd.data import load_records
+from opd.cli import UserError
+from opd.data import load_records, step_prompt_indices
 from opd.ledger import read_ledger
 from opd.model import load_model, load_processor, special_ids
 from opd.synthetic import fixed_rollouts
@@ -220,15 +222,33 @@ def test_non_finite_loss_skips_update_and_ema(tmp_path, tiny, monkeypatch):
 
 def test_batch_without_eligible_rows_trains_without_distillation_and_warns_once(tmp_path, tiny):
     _, data = tiny
-    lines = [line.replace('"teacher_images"', '"unused"').replace('"bbox"', '"unused_bbox"') for line in data.read_text().splitlines()]
-    no_crop = data.parent / "no_crop.jsonl"
-    no_crop.write_text("\n".join(lines) + "\n")
+    lines = data.read_text().splitlines()
+    used = {i for s in range(2) for i in step_prompt_indices(len(lines), 4, s, 42)}  # the records of steps 0-1
+    keep = next(i for i, line in enumerate(lines) if i not in used and ("bbox" in line or "teacher_images" in line))
+    strip = lambda line: line.replace('"teacher_images"', '"unused"').replace('"bbox"', '"unused_bbox"')  # noqa: E731
+    no_crop = data.parent / "few_crops.jsonl"  # one record of 32 keeps its crop, outside the first two steps
+    no_crop.write_text("\n".join(line if i == keep else strip(line) for i, line in enumerate(lines)) + "\n")
     run = Run(small_config(tmp_path, data=str(no_crop), policy="random"))
     with pytest.warns(UserWarning, match="no crop-eligible") as record:
         rows = [run.step(s, fixed_rollouts(run, s)) for s in range(2)]
     assert sum("no crop-eligible" in str(w.message) for w in record) == 1
     assert all(r["candidates"] == 0 and r["selected"] == 0 and r["loss"] == 0.0 for r in rows)
     assert run.teacher.rows_scored == 0
+
+
+def test_runs_that_would_do_nothing_are_refused(tmp_path, tiny):
+    _, data = tiny
+    lines = data.read_text().splitlines()
+    no_crop = data.parent / "no_crop.jsonl"
+    no_crop.write_text("\n".join(line.replace('"teacher_images"', '"x"').replace('"bbox"', '"y"') for line in lines) + "\n")
+    with pytest.raises(UserError, match="no record has a crop"):
+        Run(small_config(tmp_path, data=str(no_crop), out=str(tmp_path / "a")))
+    few = data.parent / "few.jsonl"
+    few.write_text("\n".join(lines[:3]) + "\n")
+    for steps in (0, 5):
+        with pytest.raises(UserError, match="3 records cannot fill one step of --prompts-per-step 4"):
+            Run(small_config(tmp_path, data=str(few), steps=steps, out=str(tmp_path / "b")))
+    assert not (tmp_path / "a").exists() and not (tmp_path / "b").exists()
 
 
 def test_resume_continues_to_the_same_result(tmp_path, tiny):
@@ -248,8 +268,9 @@ def test_resume_continues_to_the_same_result(tmp_path, tiny):
     b = read_ledger(tmp_path / "split" / "run" / "ledger.jsonl")
     assert [r["step"] for r in b] == [0, 1, 2, 3]
     for ra, rb in zip(a, b):
-        for key in ra.keys() - TIMING:
+        for key in ra.keys() - TIMING - {"launch"}:
             assert ra[key] == pytest.approx(rb[key], rel=1e-6, nan_ok=True), key
+    assert ["launch" in r for r in b] == [True, False, True, False]  # each launch's first row says what ran
     assert whole.selector.model.updates == resumed.selector.model.updates > 0
     torch.testing.assert_close(whole.selector.model.replay.u, resumed.selector.model.replay.u)
 
@@ -268,8 +289,22 @@ def test_resume_continues_to_the_same_result(tmp_path, tiny):
     ],
 )
 def test_impossible_flags_are_refused_by_name(tmp_path, flags, message):
-    with pytest.raises(SystemExit, match=message.replace("(", r"\(")):
+    with pytest.raises(UserError, match=message.replace("(", r"\(")):
         train.main(flags + ["--out", str(tmp_path)])
+
+
+@pytest.mark.parametrize("args,words", [
+    (["--rho", "2"], "--rho 2.0: the query ratio must lie in (0, 1]"),
+    (["--data", "missing.jsonl"], "missing.jsonl: training data file not found"),
+    (["--resume", "no/such/run"], "--resume no/such/run: no checkpoint in no/such/run"),
+])  # fmt: skip
+def test_user_errors_are_one_line_with_exit_code_2(tmp_path, args, words):
+    proc = subprocess.run([sys.executable, str(ROOT / "train.py"), *args, "--out", str(tmp_path / "r")],
+                          capture_output=True, text=True, timeout=120, cwd=tmp_path)  # fmt: skip
+    assert proc.returncode == 2, proc.stderr
+    lines = [line for line in proc.stderr.splitlines() if line.strip()]
+    assert lines == [f"train.py: error: {lines[0].split('error: ', 1)[1]}"] and words in lines[0], proc.stderr
+    assert "Traceback" not in proc.stderr
 
 
 def test_cli_default_run_prints_the_cost_summary_and_writes_a_loadable_checkpoint(tmp_path, tiny, capsys):
@@ -288,6 +323,55 @@ def test_cli_default_run_prints_the_cost_summary_and_writes_a_loadable_checkpoin
     assert type(model).__name__ == "Qwen3_5ForConditionalGeneration"
     assert type(processor).__name__ == "Qwen3VLProcessor"
     assert (out / "summary.md").read_text().startswith("| Policy |")
+
+
+def test_a_new_run_refuses_a_folder_holding_a_run_and_overwrite_replaces_it(tmp_path, tiny):
+    out = str(tmp_path / "x")
+    train.main(["--steps", "3", "--save-every", "1", "--keep-checkpoints", "3", "--out", out])
+    before = (tmp_path / "x" / "ledger.jsonl").read_text()
+    with pytest.raises(UserError, match=rf"--out {out} holds a run .*--resume {out}.*--overwrite"):
+        train.main(["--steps", "2", "--out", out])
+    assert (tmp_path / "x" / "ledger.jsonl").read_text() == before  # untouched
+    assert sorted(p.name for p in (tmp_path / "x").glob("checkpoint-*")) == [f"checkpoint-00000{i}" for i in (1, 2, 3)]
+    train.main(["--steps", "2", "--out", out, "--overwrite"])
+    assert [r["step"] for r in read_ledger(tmp_path / "x" / "ledger.jsonl")] == [0, 1]
+    assert sorted(p.name for p in (tmp_path / "x").glob("checkpoint-*")) == ["checkpoint-000002"]
+
+
+def test_resume_takes_the_runs_own_settings_and_refuses_method_changes(tmp_path, tiny, capsys):
+    out = str(tmp_path / "r")
+    train.main(["--steps", "3", "--save-every", "2", "--keep-checkpoints", "2", "--policy", "random", "--rho", "0.5", "--out", out])
+    (tmp_path / "r" / "latest").write_text("checkpoint-000002\n")  # as if stopped after step 2
+    for flags, field in ((["--rho", "0.25"], "--rho 0.25"), (["--policy", "entropy"], "--policy 'entropy'"),
+                         (["--seed", "1"], "--seed 1"), (["--preset", "paper-4b"], "--preset 'paper-4b'")):  # fmt: skip
+        with pytest.raises(UserError, match=f"{field} \\(the run has .*a resumed run keeps its own settings"):
+            train.main(["--resume", out, *flags])
+    summary = train.main(["--resume", out])  # no flags: the run's 3 steps, its policy and rho
+    rows = read_ledger(tmp_path / "r" / "ledger.jsonl")
+    assert [r["step"] for r in rows] == [0, 1, 2] and summary["steps"] == 3
+    assert all(r["budget"] == r["candidates"] // 2 for r in rows)  # rho 0.5 throughout
+    assert "| random-50 |" in capsys.readouterr().out
+    stamp = (tmp_path / "r" / "summary.json").stat().st_mtime_ns
+    assert train.main(["--resume", out]) == summary  # complete: nothing trained, nothing rewritten
+    assert "is complete (3 of 3 steps)" in capsys.readouterr().out
+    assert (tmp_path / "r" / "summary.json").stat().st_mtime_ns == stamp
+    summary = train.main(["--resume", out, "--steps", "4"])  # run-length flags may change
+    assert summary["steps"] == 4 and [r["step"] for r in read_ledger(tmp_path / "r" / "ledger.jsonl")] == [0, 1, 2, 3]
+
+
+@pytest.mark.slow
+def test_torchrun_two_processes_record_two_ranks(tmp_path, tiny):
+    """The README's 2-process CPU command runs two ranks, and the run says so."""
+    out = tmp_path / "two"
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", "2", str(ROOT / "train.py"),
+           "--steps", "1", "--out", str(out)]  # fmt: skip
+    proc = subprocess.run(cmd, env={**os.environ, "OMP_NUM_THREADS": "1"}, capture_output=True, text=True, timeout=300, cwd=ROOT)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    summary = json.loads((out / "summary.json").read_text())
+    first = read_ledger(out / "ledger.jsonl")[0]
+    assert summary["world_size"] == 2 and first["world_size"] == 2
+    assert first["launch"]["world_size"] == 2 and first["launch"]["launcher"] == "torchrun"
+    assert summary["launches"] == [first["launch"]] and "train.py --steps 1" in first["launch"]["command"]
 
 
 def _run_worker(out: Path, nproc: int, *args: str) -> dict:
