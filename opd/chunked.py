@@ -13,80 +13,116 @@ d, o, c of Eq. 7-8 with an analytic gradient instead of autograd's stored interm
   loss was scaled after the call), so dL/dW can become .grad without a (V, H) copy. Four LM-head
   products in all (student, teacher, dL/dh, dL/dW), the minimum; memory O(P k + V H).
   It returns the weighted sum of Eq. 11 directly (per-token weights are the Eq. 11 weights).
-- `topk_jsd_from_logits`: the same per-position D from given logits; backward rebuilds p = softmax(z)
-  in one (N, V) buffer that becomes the gradient.
+- `topk_jsd_from_logits`: the same per-position D from given logits, `chunk` positions at a time;
+  backward builds the gradient in one (N, V) buffer.
 
-The gradient of D at one position with respect to the student logits z, with support
-s = [z_I - lse(z), log q], q = sum_{v not in I} p_v, I the student's top-k ids, p = softmax(z) and
-g = dD/ds, is
+The gradient of D at one position with respect to the student logits z, with p = softmax(z), I the
+student's top-k ids, the support s = [z_I - lse(z), log q] where the tail
 
-    dD/dz_v = [v in I] g_v + [v not in I] g_tail p_v / q - p_v (sum_{i in I} g_i + g_tail).
+    log q = lse(z_{v not in I}) - lse(z),   q = sum_{v not in I} p_v,
 
-Tests compare values and gradients with `topk_support` + `generalized_jsd` on full logits.
+is computed exactly (the top-k masked to -inf), and g = dD/ds, G = sum of all k + 1 entries of g, is
+
+    dD/dz_v = g_v - p_v G                       for v in I,
+    dD/dz_v = g_tail p_v / q - p_v G
+            = r_v (g_tail - q G)                for v not in I,  r_v = exp(z_v - lse(z_{not I})) = p_v / q.
+
+The second form has no 1 / q (q may underflow or be 0 at k = V) and r_v, q <= 1, so nothing large is
+added and subtracted again: the buffer is filled with r_v (g_tail - q G) and the top-k entries are
+then overwritten with g_v - p_v G. At k = V the tail is empty (log q = -inf, g_tail = 0) and every
+entry is a top-k entry.
+
+Tests compare values and gradients with `topk_support` + `generalized_jsd` on full logits, and with
+autograd through an exact float64 support (the endpoints alpha = 0 and 1, k = V, peaked logits).
 """
 
 import torch
 
-from opd.divergence import generalized_jsd, tail_logp, upcast
+from opd.divergence import generalized_jsd, upcast
 from opd.utility import utility_terms
 
 
 def _loss_parts(z: torch.Tensor, z_t: torch.Tensor, k: int, alpha: float):
-    """One block of logits (C, V): D (C,), g = dD/ds (C, k + 1), ids (C, k), lse (C, 1), q (C, 1), (d, o, c) (C, 3)."""
+    """One block of logits (C, V), which it overwrites (the top-k masked to -inf):
+    D (C,), g = dD/ds (C, k + 1), ids (C, k), s = the student's support (C, k + 1), shift = lse(z_{not I}) (C, 1),
+    (d, o, c) (C, 3)."""
     k = min(k, z.shape[-1])
     lse = torch.logsumexp(z, dim=-1, keepdim=True)  # (C, 1)
-    top = z.topk(k, dim=-1)
-    s_k = top.values - lse  # (C, k) student log-probs on its top-k
-    s_sup = torch.cat([s_k, tail_logp(s_k)], dim=-1)  # (C, k + 1)
-    t_k = z_t.gather(-1, top.indices) - torch.logsumexp(z_t, dim=-1, keepdim=True)  # (C, k) teacher there
-    t_sup = torch.cat([t_k, tail_logp(t_k)], dim=-1)  # (C, k + 1)
+    lse_t = torch.logsumexp(z_t, dim=-1, keepdim=True)  # (C, 1)
+    top = z.topk(k, dim=-1)  # I
+    terms = torch.stack(utility_terms(z, z_t, k, student_topk=(top.values, top.indices)), dim=-1)  # (C, 3) Eq. 7-8
+    t_k = z_t.gather(-1, top.indices) - lse_t  # (C, k) teacher at the student's ids
+    shift = _masked_lse_(z, top.indices)  # (C, 1) lse(z_{v not in I})
+    s_sup = torch.cat([top.values - lse, shift - lse], dim=-1)  # (C, k + 1) Eq. 3's student support
+    t_sup = torch.cat([t_k, _masked_lse_(z_t, top.indices) - lse_t], dim=-1)  # (C, k + 1)
     with torch.enable_grad():
         s_leaf = s_sup.detach().requires_grad_(True)
         d_alpha = generalized_jsd(s_leaf, t_sup, alpha)  # (C,) Eq. 3
         (g,) = torch.autograd.grad(d_alpha.sum(), s_leaf)  # (C, k + 1)
-    terms = torch.stack(utility_terms(z, z_t, k, student_topk=(top.values, top.indices)), dim=-1)  # (C, 3) Eq. 7-8
-    return d_alpha.detach(), g, top.indices, lse, s_sup[:, -1:].exp(), terms
+    return d_alpha.detach(), g, top.indices, s_sup, shift, terms
 
 
-def _logit_grad(z: torch.Tensor, lse, ids, g, q) -> torch.Tensor:
-    """dD/dz (C, V) by the formula in the module docstring, built in place in one new (C, V) buffer."""
-    g_top, g_tail = g[:, :-1], g[:, -1:]
-    tail_scale = g_tail / q  # (C, 1)
-    dz = torch.sub(z, lse).exp_()  # (C, V) p
-    p_top = dz.gather(-1, ids)  # (C, k)
-    dz.mul_(tail_scale - g.sum(-1, keepdim=True))  # every v: [v not in I] term and -p_v sum(g)
-    dz.scatter_add_(-1, ids, g_top - p_top * tail_scale)  # v in I: + g_v, and no tail term
-    return dz
+def _masked_lse_(z: torch.Tensor, ids: torch.Tensor) -> torch.Tensor:
+    """logsumexp over the entries outside ids (C, k), -inf when ids hold them all: `divergence.tail_logp`
+    + lse(z), with the ids masked in z's own buffer (no (C, V) copy)."""
+    if ids.shape[-1] >= z.shape[-1]:
+        return torch.full_like(z[:, :1], float("-inf"))
+    return torch.logsumexp(z.scatter_(-1, ids, float("-inf")), dim=-1, keepdim=True)  # (C, 1)
+
+
+def _logit_grad(z: torch.Tensor, ids, s_sup, g, shift, inplace: bool = False) -> torch.Tensor:
+    """dD/dz (C, V) by the formula in the module docstring, in one (C, V) buffer (z's own when `inplace`).
+
+    z may have its top-k entries masked to -inf (they are overwritten); shift = lse(z_{not I}) (C, 1).
+    """
+    k = ids.shape[-1]
+    G = g.sum(-1, keepdim=True)  # (C, 1)
+    b = g[:, k:] - s_sup[:, k:].exp() * G  # (C, 1) g_tail - q G
+    shift = shift.clamp(min=torch.finfo(z.dtype).min)  # an empty tail: z - shift stays finite or -inf
+    dz = z.sub_(shift) if inplace else torch.sub(z, shift)  # (C, V)
+    dz.clamp_(max=0.0).exp_().mul_(b)  # v not in I: r_v (g_tail - q G); r_v <= 1 there
+    return dz.scatter_(-1, ids, g[:, :k] - s_sup[:, :k].exp() * G)  # v in I: g_v - p_v G, overwritten
+
+
+def _owned(x: torch.Tensor) -> torch.Tensor:
+    """A float32/float64 copy of a block of logits that `_loss_parts` may overwrite."""
+    return x.float() if x.dtype not in (torch.float32, torch.float64) else x.clone()
 
 
 class _FromLogits(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, z_s, z_t, k: int, alpha: float):
-        z = upcast(z_s)
-        d_alpha, g, ids, lse, q, terms = _loss_parts(z, upcast(z_t), k, alpha)
-        ctx.save_for_backward(z_s, ids, lse, g, q)
+    def forward(ctx, z_s, z_t, k: int, alpha: float, chunk: int):
+        parts = [_loss_parts(_owned(z_s[j : j + chunk]), _owned(z_t[j : j + chunk]), k, alpha) for j in range(0, z_s.shape[0], chunk)]
+        d_alpha, g, ids, s_sup, shift, terms = (torch.cat(p) for p in zip(*parts))
+        ctx.save_for_backward(z_s, ids, s_sup, g, shift)
+        ctx.chunk = chunk
         ctx.mark_non_differentiable(terms)
         return d_alpha, terms
 
     @staticmethod
     def backward(ctx, grad_d, _grad_terms):
-        z_s, ids, lse, g, q = ctx.saved_tensors
-        dz = _logit_grad(upcast(z_s), lse, ids, g * grad_d.unsqueeze(-1), q)
-        return dz.to(z_s.dtype), None, None, None
+        z_s, ids, s_sup, g, shift = ctx.saved_tensors
+        g = g * grad_d.unsqueeze(-1)
+        dz = torch.empty_like(z_s)  # (N, V) the gradient, filled one chunk at a time
+        for j in range(0, z_s.shape[0], ctx.chunk):
+            c = slice(j, j + ctx.chunk)
+            dz[c] = _logit_grad(upcast(z_s[c]), ids[c], s_sup[c], g[c], shift[c])
+        return dz, None, None, None, None
 
 
 def topk_jsd_from_logits(
-    student_logits: torch.Tensor, teacher_logits: torch.Tensor, k: int = 100, alpha: float = 0.5
+    student_logits: torch.Tensor, teacher_logits: torch.Tensor, k: int = 100, alpha: float = 0.5, chunk: int = 512
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Per-position D_alpha (...) with gradient to the student logits, and detached (d, o, c) (..., 3).
 
-    Same values as generalized_jsd(*topk_support(student_logits, teacher_logits, k), alpha); the
-    backward holds one (N, V) buffer (the gradient itself) instead of autograd's log-softmax copies.
+    Same values as generalized_jsd(*topk_support(student_logits, teacher_logits, k), alpha). Positions
+    are processed `chunk` at a time (the forward's working copies are O(chunk V)); the backward holds
+    one (N, V) buffer (the gradient itself) instead of autograd's log-softmax copies.
     """
     shape = student_logits.shape[:-1]
     vocab = student_logits.shape[-1]
     d_alpha, terms = _FromLogits.apply(
-        student_logits.reshape(-1, vocab), teacher_logits.detach().reshape(-1, vocab), k, alpha
+        student_logits.reshape(-1, vocab), teacher_logits.detach().reshape(-1, vocab), k, alpha, chunk
     )
     return d_alpha.reshape(shape), terms.reshape(*shape, 3)
 
@@ -105,10 +141,10 @@ class _FromHidden(torch.autograd.Function):
             h_c = h_s[j : j + chunk]  # (C, H)
             z = upcast(h_c @ w.T)  # (C, V) student logits
             z_t = upcast(h_t[j : j + chunk] @ w_t.T)  # (C, V) teacher logits
-            d_alpha, g, ids, lse, q, terms = _loss_parts(z, z_t, k, alpha)
+            d_alpha, g, ids, s_sup, shift, terms = _loss_parts(z, z_t, k, alpha)  # overwrites z, z_t
             del z_t
             w_c = weights[j : j + chunk].to(g.dtype)
-            dz = _logit_grad(z, lse, ids, g * w_c.unsqueeze(-1), q).to(h_s.dtype)  # (C, V)
+            dz = _logit_grad(z, ids, s_sup, g * w_c.unsqueeze(-1), shift, inplace=True).to(h_s.dtype)  # (C, V)
             del z
             grad_h[j : j + chunk] = dz @ w  # (C, H)
             if grad_w is None:

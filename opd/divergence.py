@@ -4,8 +4,11 @@ Pure functions on tensors; no model is needed to call them.
 
 Where this departs from / interprets the paper:
 - The support is the student's top-k ids at each position plus one tail bucket holding the remaining
-  probability mass, log(1 - sum_topk p), on both sides (as in Vision-OPD, which BAS-OPD extends).
-  The paper says "top-100 distillation" without fixing the support; this is the peer's convention.
+  probability mass on both sides (as in Vision-OPD, which BAS-OPD extends). The paper says "top-100
+  distillation" without fixing the support; this is the peer's convention. The tail is computed
+  exactly, log q = logsumexp(z outside the top-k) - logsumexp(z), not as log(1 - sum_topk p): the
+  latter cancels to rounding noise when the top-k hold nearly all the mass (Vision-OPD clamps it at
+  1e-7 instead). Without a tail the support is renormalised over the top-k (as the peers do).
 - At the endpoints alpha = 0 and alpha = 1 the mixture formula degenerates to 0. We return the limits
   that the peers use instead (TRL's generalized_jsd_loss): alpha = 0 gives KL(T || S) and alpha = 1
   gives KL(S || T), i.e. lim D_alpha / alpha and lim D_alpha / (1 - alpha). A silent zero loss at the
@@ -25,6 +28,20 @@ def kl_divergence(p_logp: torch.Tensor, q_logp: torch.Tensor) -> torch.Tensor:
     return (p * log_ratio).sum(-1)
 
 
+def log_mixture(teacher_logp: torch.Tensor, student_logp: torch.Tensor, alpha: float) -> torch.Tensor:
+    """log M = log(alpha P^T + (1 - alpha) P^S), elementwise, 0 < alpha < 1.
+
+    An entry where both sides are 0 (an empty tail bucket at k = V) gives log M = -inf with a zero
+    gradient: logaddexp(-inf, -inf) alone has a NaN derivative, so those entries are swapped for 0
+    before it and set back to -inf after it.
+    """
+    empty = (teacher_logp == float("-inf")) & (student_logp == float("-inf"))  # (..., k)
+    t = torch.where(empty, torch.zeros_like(teacher_logp), teacher_logp)
+    s = torch.where(empty, torch.zeros_like(student_logp), student_logp)
+    log_m = torch.logaddexp(t + math.log(alpha), s + math.log1p(-alpha))  # (..., k)
+    return torch.where(empty, torch.full_like(log_m, float("-inf")), log_m)
+
+
 def generalized_jsd(student_logp: torch.Tensor, teacher_logp: torch.Tensor, alpha: float = 0.5) -> torch.Tensor:
     """Eq. 3 of the paper: the per-position divergence D_alpha(p^T || p^S).
 
@@ -42,8 +59,7 @@ def generalized_jsd(student_logp: torch.Tensor, teacher_logp: torch.Tensor, alph
         return kl_divergence(teacher_logp, student_logp)
     if alpha == 1.0:
         return kl_divergence(student_logp, teacher_logp)
-    # log M = logsumexp(log alpha + log P^T, log(1 - alpha) + log P^S)
-    log_m = torch.logaddexp(teacher_logp + math.log(alpha), student_logp + math.log1p(-alpha))  # (..., k)
+    log_m = log_mixture(teacher_logp, student_logp, alpha)  # (..., k)
     return alpha * kl_divergence(teacher_logp, log_m) + (1.0 - alpha) * kl_divergence(student_logp, log_m)
 
 
@@ -52,11 +68,20 @@ def upcast(x: torch.Tensor) -> torch.Tensor:
     return x if x.dtype in (torch.float32, torch.float64) else x.float()
 
 
-def tail_logp(topk_logp: torch.Tensor) -> torch.Tensor:
-    """log(1 - sum_k p_k) of the mass outside a top-k support, the sum in float64, clamped at the dtype's
-    smallest normal number (k = V leaves an empty tail)."""
-    mass = topk_logp.double().exp().sum(-1, keepdim=True)  # (..., 1)
-    return torch.log(torch.clamp(1.0 - mass, min=torch.finfo(topk_logp.dtype).tiny)).to(topk_logp.dtype)
+def tail_logp(logits: torch.Tensor, ids: torch.Tensor) -> torch.Tensor:
+    """The tail bucket: log q with q = sum_{v not in I} p_v the mass outside the ids I, computed exactly
+
+        log q = logsumexp_{v not in I} z_v - logsumexp_v z_v
+
+    (the ids masked to -inf), never as log(1 - sum_{i in I} p_i), which cancels to rounding noise when
+    I holds nearly all the mass. logits (..., V), ids (..., k) -> (..., 1). I holding every id (k = V)
+    gives an empty tail, log q = -inf (a constant). Logits are assumed finite.
+    """
+    lse = torch.logsumexp(logits, dim=-1, keepdim=True)  # (..., 1)
+    if ids.shape[-1] >= logits.shape[-1]:
+        return torch.full_like(lse, float("-inf")).detach()
+    outside = logits.scatter(-1, ids, float("-inf"))  # (..., V) the top-k masked out
+    return torch.logsumexp(outside, dim=-1, keepdim=True) - lse  # (..., 1)
 
 
 def topk_support(
@@ -64,22 +89,25 @@ def topk_support(
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """The shared support of the top-k distillation loss (Eq. 3 is evaluated on it).
 
-    Takes the student's top-k ids at each position, gathers both sides' log-probs there, and, when
-    `tail`, appends one bucket log(1 - sum of the top-k probs) per side so each side sums to one.
-    The teacher is gathered at the *student's* ids (the teacher's own top-k matters only for the
-    overlap term of Eq. 9). Returns (student_logp, teacher_logp) of shape (..., k) or (..., k + 1).
+    Takes the student's top-k ids I at each position and gathers both sides' full-vocabulary
+    log-probs there. With `tail` (Vision-OPD, BAS-OPD) each side gains one bucket log q = log of the
+    mass outside I (`tail_logp`, exact); without it each side is renormalised over I,
+    log P_i = z_i - logsumexp_{j in I} z_j. Either way each side is a distribution (Eq. 3 takes
+    distributions). The teacher is gathered at the *student's* ids (the teacher's own top-k matters
+    only for the overlap term of Eq. 9). Returns (student_logp, teacher_logp) of shape (..., k + 1)
+    with the tail or (..., k) without.
     """
     if student_logits.shape != teacher_logits.shape:
         raise ValueError(f"student {tuple(student_logits.shape)} and teacher {tuple(teacher_logits.shape)} logits differ")
     k = min(k, student_logits.shape[-1])
-    s_logp_full = torch.log_softmax(upcast(student_logits), dim=-1)  # (..., V)
-    t_logp_full = torch.log_softmax(upcast(teacher_logits), dim=-1)  # (..., V)
-    ids = s_logp_full.topk(k, dim=-1).indices  # (..., k)
-    s_logp = s_logp_full.gather(-1, ids)  # (..., k)
-    t_logp = t_logp_full.gather(-1, ids)  # (..., k)
-    if tail:
-        s_logp = torch.cat([s_logp, tail_logp(s_logp)], dim=-1)  # (..., k + 1)
-        t_logp = torch.cat([t_logp, tail_logp(t_logp)], dim=-1)  # (..., k + 1)
+    z_s, z_t = upcast(student_logits), upcast(teacher_logits)  # (..., V)
+    ids = z_s.topk(k, dim=-1).indices  # (..., k) I
+    if not tail:
+        return torch.log_softmax(z_s.gather(-1, ids), -1), torch.log_softmax(z_t.gather(-1, ids), -1)  # (..., k)
+    s_logp = z_s.gather(-1, ids) - torch.logsumexp(z_s, dim=-1, keepdim=True)  # (..., k)
+    t_logp = z_t.gather(-1, ids) - torch.logsumexp(z_t, dim=-1, keepdim=True)  # (..., k)
+    s_logp = torch.cat([s_logp, tail_logp(z_s, ids)], dim=-1)  # (..., k + 1)
+    t_logp = torch.cat([t_logp, tail_logp(z_t, ids)], dim=-1)  # (..., k + 1)
     return s_logp, t_logp
 
 

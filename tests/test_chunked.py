@@ -60,13 +60,75 @@ def test_logits_path_equals_the_plain_formula(k, alpha):
     torch.testing.assert_close(terms, torch.stack(utility_terms(z_s.detach(), z_t, k), -1), rtol=1e-10, atol=1e-12)
 
 
+@pytest.mark.parametrize("alpha", [0.0, 0.5, 1.0])
 @pytest.mark.parametrize("k", [3, 9])  # k = V = 9 covers the empty tail
-def test_gradcheck(k):
+def test_gradcheck(k, alpha):
     h_s, w_s, h_t, w_t = inputs(P=5, H=4, V=9, seed=1)
     weights = torch.tensor([0.3, 1.0, 0.0, 2.0, 0.7], dtype=F64)
-    assert torch.autograd.gradcheck(lambda a, b: budgeted_loss_from_hidden(a, b, h_t, w_t, weights, k, 0.5, 2)[0], (h_s, w_s))
+    assert torch.autograd.gradcheck(lambda a, b: budgeted_loss_from_hidden(a, b, h_t, w_t, weights, k, alpha, 2)[0], (h_s, w_s))
     z_t = h_t @ w_t.T
-    assert torch.autograd.gradcheck(lambda z: topk_jsd_from_logits(z, z_t, k, 0.5)[0], ((h_s @ w_s.T).detach().requires_grad_(),))
+    assert torch.autograd.gradcheck(lambda z: topk_jsd_from_logits(z, z_t, k, alpha)[0], ((h_s @ w_s.T).detach().requires_grad_(),))
+
+
+def exact_support(z_s: torch.Tensor, z_t: torch.Tensor, k: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """Eq. 3's support in float64, written out independently: the student's top-k log-probs on each
+    side plus the tail log q = logsumexp(z outside the top-k) - logsumexp(z); at k = V no tail column."""
+    z_s, z_t = z_s.double(), z_t.double()
+    ids = z_s.topk(k, -1).indices  # (..., k)
+
+    def side(z):
+        lse = z.logsumexp(-1, keepdim=True)
+        top = z.gather(-1, ids) - lse
+        if k == z.shape[-1]:
+            return top
+        return torch.cat([top, z.scatter(-1, ids, float("-inf")).logsumexp(-1, keepdim=True) - lse], -1)
+
+    return side(z_s), side(z_t)
+
+
+def close_to_exact(got: torch.Tensor, want: torch.Tensor, dtype) -> None:
+    """float64: to rounding; float32: to float32 rounding of log-softmax relative to the largest entry
+    (the plain float32 autograd path has the same error, bit for bit)."""
+    big = float(want.abs().max().clamp(min=1.0))
+    tol = dict(rtol=1e-9, atol=1e-12 * big) if dtype == F64 else dict(rtol=1e-3, atol=2e-4 * big)
+    torch.testing.assert_close(got.double(), want, **tol)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, F64])
+@pytest.mark.parametrize("scale", [1.0, 40.0])  # 40: peaked logits, the top-k hold all but ~1e-30 of the mass
+@pytest.mark.parametrize("k", [12, 40])  # 40 = V: an empty tail
+@pytest.mark.parametrize("alpha", [0.0, 0.5, 1.0])
+def test_values_and_gradients_match_an_exact_float64_support(alpha, k, scale, dtype):
+    """Issue 9 item 6: at alpha = 0 the tail's gradient -T_tail / q with q clamped at the dtype's
+    tiny number made the gradient wrong by its whole magnitude (and, with peaked logits, the value
+    too). Both paths against autograd through `exact_support`, at both endpoints and 0.5."""
+    g = torch.Generator().manual_seed(5)
+    P, H, V = 16, 8, 40
+    h_s = (torch.randn(P, H, generator=g, dtype=F64) * scale / 3).to(dtype)
+    w_s = torch.randn(V, H, generator=g, dtype=F64).to(dtype)
+    h_t = (torch.randn(P, H, generator=g, dtype=F64) * scale / 3).to(dtype)
+    w_t = torch.randn(V, H, generator=g, dtype=F64).to(dtype)
+    weights = torch.linspace(0.5, 2.0, P, dtype=F64).to(dtype)
+    # reference: the same (rounded) inputs in float64
+    ref = [t.detach().double().clone().requires_grad_(i < 2) for i, t in enumerate((h_s, w_s, h_t, w_t))]
+    z_s, z_t = ref[0] @ ref[1].T, ref[2] @ ref[3].T  # (P, V)
+    d_ref = generalized_jsd(*exact_support(z_s, z_t, k), alpha)  # (P,)
+    (d_ref * weights.double()).sum().backward()
+    # the logits path
+    z = (h_s @ w_s.T).detach().requires_grad_(True)
+    d, _ = topk_jsd_from_logits(z, h_t @ w_t.T, k, alpha)
+    (d * weights).sum().backward()
+    close_to_exact(d.detach(), d_ref.detach(), dtype)
+    zr = z_s.detach().clone().requires_grad_(True)
+    (generalized_jsd(*exact_support(zr, z_t.detach(), k), alpha) * weights.double()).sum().backward()
+    close_to_exact(z.grad, zr.grad, dtype)
+    # the hidden-state path, in chunks of 5 positions
+    a, b = h_s.detach().clone().requires_grad_(True), w_s.detach().clone().requires_grad_(True)
+    loss, d_h, _ = budgeted_loss_from_hidden(a, b, h_t, w_t, weights, k, alpha, 5)
+    loss.backward()
+    close_to_exact(d_h, d_ref.detach(), dtype)
+    close_to_exact(a.grad, ref[0].grad, dtype)
+    close_to_exact(b.grad, ref[1].grad, dtype)
 
 
 def test_a_loss_scaled_after_the_call_scales_the_gradients_and_accumulates():

@@ -221,21 +221,77 @@ def test_topk_support_tail_makes_each_side_sum_to_one():
         assert s_logp.shape == (3, 5, k + 1)
         assert_close(s_logp.exp().sum(-1), torch.ones(3, 5), rtol=0, atol=1e-5)
         assert_close(t_logp.exp().sum(-1), torch.ones(3, 5), rtol=0, atol=1e-5)
-        # Without the tail the student side is a strict sub-distribution (k < V).
-        s_nt, _ = topk_support(s_logits, t_logits, k=k, tail=False)
-        assert (s_nt.exp().sum(-1) < 1 - 1e-4).all()
         # The tail bucket is log of the left-over mass, computed independently in float64.
         s_full = torch.log_softmax(s_logits.double(), -1)
         top = s_full.sort(-1, descending=True).values[..., :k]
         assert_close(s_logp[..., -1].double(), torch.log1p(-top.exp().sum(-1)), rtol=1e-4, atol=1e-5)
 
 
+def test_topk_support_without_tail_is_renormalised_over_the_top_k():
+    """Issue 9 item 7: Eq. 3 takes distributions, so without the tail each side is renormalised over
+    the student's top-k ids (as Vision-OPD's and OPSD's renorm_topk), not left as a sub-distribution."""
+    g = torch.Generator().manual_seed(17)
+    s_logits = torch.randn(3, 5, 40, generator=g, dtype=F64) * 3
+    t_logits = torch.randn(3, 5, 40, generator=g, dtype=F64) * 3
+    for k in (1, 5, 20):
+        s_nt, t_nt = topk_support(s_logits, t_logits, k=k, tail=False)
+        assert s_nt.shape == t_nt.shape == (3, 5, k)
+        assert_close(s_nt.exp().sum(-1), torch.ones(3, 5, dtype=F64), rtol=0, atol=1e-12)
+        assert_close(t_nt.exp().sum(-1), torch.ones(3, 5, dtype=F64), rtol=0, atol=1e-12)
+        # P_i = p_i / sum_{j in I} p_j, by a loop over one row
+        ids = sorted(range(40), key=lambda v: -float(s_logits[1, 2, v]))[:k]
+        t_p = _probs(torch.log_softmax(t_logits[1, 2], -1))
+        t_mass = sum(t_p[i] for i in ids)
+        assert_close(t_nt[1, 2].exp(), torch.tensor([t_p[i] / t_mass for i in ids], dtype=F64), rtol=1e-12, atol=0)
+
+
 def test_tail_logp_values():
-    logp = torch.log(torch.tensor([[0.5, 0.2], [0.9, 0.1]], dtype=F64))
-    got = tail_logp(logp)
+    logits = torch.log(torch.tensor([[0.5, 0.2, 0.3], [0.9, 0.1, 1e-300]], dtype=F64))
+    got = tail_logp(logits, torch.tensor([[0, 1], [0, 1]]))
+    assert got.shape == (2, 1)
     assert_close(got[0, 0], torch.tensor(math.log(0.3), dtype=F64))
-    # The whole mass in the support: clamped to a finite value instead of log(0) = -inf.
-    assert torch.isfinite(got[1, 0]) and got[1, 0] < -600
+    assert_close(got[1, 0], torch.tensor(math.log(1e-300), dtype=F64))  # exact far below 1 - sum's rounding
+    # Every id in the support (k = V): an empty tail, log 0 = -inf.
+    assert float(tail_logp(logits, torch.tensor([[2, 0, 1], [0, 1, 2]]))[0, 0]) == float("-inf")
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, F64])
+def test_tail_is_exact_when_the_top_k_hold_nearly_all_the_mass(dtype):
+    """log q = lse(z outside the top-k) - lse(z), not log(1 - sum of the top-k p): with peaked logits
+    1 - sum cancels to rounding noise (the old code then clamped it at the dtype's tiny number)."""
+    V, k = 30, 3
+    z = torch.zeros(2, V, dtype=dtype)
+    z[:, :k] = torch.tensor([60.0, 55.0, 50.0], dtype=dtype)
+    z[1] *= 0.5  # a second, less peaked row
+    s_logp, t_logp = topk_support(z, z.flip(-1), k=k, tail=True)
+    for r in range(2):
+        top = [float(z[r, i]) for i in range(k)]
+        m = max(top)
+        lse = m + math.log(sum(math.exp(x - m) for x in top) + (V - k) * math.exp(-m))
+        want = math.log(V - k) - lse  # the V - k logits outside the top-k are 0
+        assert abs(float(s_logp[r, -1]) - want) < 1e-6 * abs(want)
+    # The teacher gathered at the student's ids holds almost nothing there: its tail is ~1.
+    assert_close(t_logp[..., -1].exp().double(), torch.ones(2, dtype=F64), rtol=0, atol=1e-6)
+
+
+@pytest.mark.parametrize("alpha", [0.0, 0.3, 0.5, 1.0])
+def test_gradient_is_zero_not_nan_where_both_sides_are_empty(alpha):
+    """An empty tail bucket (k = V) has log P^S = log P^T = -inf; the mixture log M must not turn its
+    zero derivative into NaN (logaddexp(-inf, -inf) alone does). The support is the leaf, as where
+    the chunked loss takes dD/ds."""
+    inf = torch.full((1, 1), float("-inf"), dtype=F64)
+    s_k = torch.log_softmax(torch.tensor([[0.3, -0.4, 1.0]], dtype=F64), -1)
+    t_k = torch.log_softmax(torch.tensor([[0.0, 1.0, -1.0]], dtype=F64), -1)
+    s = torch.cat([s_k, inf], -1).requires_grad_(True)  # (1, 4) with an empty last entry
+    d = generalized_jsd(s, torch.cat([t_k, inf], -1), alpha)
+    d.sum().backward()
+    ref = s_k.clone().requires_grad_(True)
+    d_ref = generalized_jsd(ref, t_k, alpha)
+    d_ref.sum().backward()
+    assert torch.isfinite(s.grad).all(), s.grad
+    assert float(s.grad[0, -1]) == 0.0
+    assert_close(s.grad[:, :3], ref.grad, rtol=1e-12, atol=1e-14)
+    assert_close(d.detach(), d_ref.detach())
 
 
 def test_topk_support_gathers_teacher_at_student_ids():
