@@ -80,7 +80,7 @@ class TrainConfig:
     weight_decay: float = 0.01
     """AdamW weight decay of the policy."""
     grad_clip: float = 1.0
-    """Gradient-norm clip of the policy update."""
+    """Gradient-norm clip of the policy update (not in the paper; the peers' 1.0); 0 = no clipping."""
     ema_tau: float = 0.05
     """EMA rate tau of the crop teacher, applied after each valid update."""
     alpha: float = 0.5
@@ -224,6 +224,8 @@ def check_config(cfg: TrainConfig, world: int) -> None:
         problems.append("--micro-batch-tokens and --loss-chunk must be >= 0")
     if cfg.steps < 0:
         problems.append(f"--steps {cfg.steps}: must be >= 0")
+    if cfg.grad_clip < 0:
+        problems.append(f"--grad-clip {cfg.grad_clip}: must be >= 0 (0 = no clipping)")
     if cfg.teacher_view not in VIEWS:
         problems.append(f"--teacher-view {cfg.teacher_view!r}: choose one of {', '.join(sorted(VIEWS))}")
     if cfg.dtype not in DTYPES:
@@ -389,7 +391,7 @@ class Run:
             for p in self.student.parameters():  # an empty S still makes a (zero-gradient) optimizer step
                 if p.grad is None:
                     p.grad = torch.zeros_like(p)
-            grad_norm = acc.clip_grad_norm_(self.student.parameters(), cfg.grad_clip)
+            grad_norm = acc.clip_grad_norm_(self.student.parameters(), cfg.grad_clip or float("inf"))  # 0: no clip
         with timer("wait"):
             counts = [res.loss_sum, self.teacher.rows_scored - rows_before, res.teacher_tokens, res.teacher_padded_tokens]
             sums = acc.reduce(torch.tensor(counts, device=device, dtype=torch.float64), "sum").cpu()
