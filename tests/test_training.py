@@ -415,3 +415,11 @@ def test_accelerate_launch_runs_the_default(tmp_path, tiny):
     assert proc.returncode == 0, proc.stderr[-3000:]
     assert "| learned-25 |" in proc.stdout
     assert len(read_ledger(tmp_path / "acc" / "ledger.jsonl")) == 2
+
+
+def test_help_lists_ablation_switches_once(capsys):
+    with pytest.raises(SystemExit):
+        train.main(["--help"])
+    text = capsys.readouterr().out
+    assert "--no-overlap" in text and "--no-exploration" in text and "--overwrite" in text
+    assert "--no-no-" not in text and "--share-prefill, --no-share-prefill" in text
