@@ -1,9 +1,11 @@
 """Eq. 3 and the utility terms of Eq. 7-8 without (positions x vocabulary) tensors beyond one chunk.
 
 With Qwen3.5's 248,320-token vocabulary one position's fp32 logits take about 1 MB, so logits over a
-micro-batch of responses do not fit. Two functions compute the top-k JSD of Eq. 3 (student top-k
-support plus a tail bucket, as `topk_support` + `generalized_jsd`) and the detached utility terms
-d, o, c of Eq. 7-8 with an analytic gradient instead of autograd's stored intermediates:
+micro-batch of responses do not fit. Two functions compute a method's per-position divergence D on
+its top-k support (`divergence.topk_divergence`: BAS-OPD's student top-k + tail bucket with the JSD
+of Eq. 3 by default, or the seed family's teacher top-k supports and the bias-corrected reverse KL)
+and the detached utility terms d, o, c of Eq. 7-8, with an analytic gradient instead of autograd's
+stored intermediates:
 
 - `budgeted_loss_from_hidden`: from the student's and teacher's final hidden states (P, H) and the
   LM-head weights, one chunk of positions at a time: both sides' logits, the loss terms, and the
@@ -12,54 +14,90 @@ d, o, c of Eq. 7-8 with an analytic gradient instead of autograd's stored interm
   are then dropped. Backward hands the buffers to autograd as they are (a scaled copy only when the
   loss was scaled after the call), so dL/dW can become .grad without a (V, H) copy. Four LM-head
   products in all (student, teacher, dL/dh, dL/dW), the minimum; memory O(P k + V H).
-  It returns the weighted sum of Eq. 11 directly (per-token weights are the Eq. 11 weights).
-- `topk_jsd_from_logits`: the same per-position D from given logits, `chunk` positions at a time;
-  backward builds the gradient in one (N, V) buffer.
+  It returns the weighted sum of Eq. 11 directly (per-token weights are the Eq. 11 weights, times
+  Vision-OPD's importance ratio when asked, computed from the chunk's logits), and can book the
+  teacher's LM-head time separately (`timing`).
+- `topk_divergence_from_logits` (alias `topk_jsd_from_logits`): the same per-position D from given
+  logits, `chunk` positions at a time; backward builds the gradient in one (N, V) buffer.
+- `sampled_logp_from_hidden`: detached log p(y_t) of the sampled tokens from hidden states (OPD-V's
+  two teachers), chunk by chunk.
 
-The gradient of D at one position with respect to the student logits z, with p = softmax(z), I the
-student's top-k ids, the support s = [z_I - lse(z), log q] where the tail
+The gradient. At one position let z be the student's logits, p = softmax(z), lse(.) = logsumexp,
+I the support's k ids, s the student's support log-probs, g = dD/ds and G = sum of every entry of g.
 
-    log q = lse(z_{v not in I}) - lse(z),   q = sum_{v not in I} p_v,
-
-is computed exactly (the top-k masked to -inf), and g = dD/ds, G = sum of all k + 1 entries of g, is
+Student top-k + tail (support 'student_tail'; Vision-OPD, BAS-OPD): I = the student's top-k,
+s = [z_I - lse(z), log q], the tail log q = lse(z_{v not in I}) - lse(z), q = sum_{v not in I} p_v,
+computed exactly (the top-k masked to -inf). Then
 
     dD/dz_v = g_v - p_v G                       for v in I,
     dD/dz_v = g_tail p_v / q - p_v G
             = r_v (g_tail - q G)                for v not in I,  r_v = exp(z_v - lse(z_{not I})) = p_v / q.
 
-The second form has no 1 / q (q may underflow or be 0 at k = V) and r_v, q <= 1, so nothing large is
+The second form has no 1 / q (q may underflow, or be 0 at k = V) and r_v, q <= 1, so nothing large is
 added and subtracted again: the buffer is filled with r_v (g_tail - q G) and the top-k entries are
-then overwritten with g_v - p_v G. At k = V the tail is empty (log q = -inf, g_tail = 0) and every
-entry is a top-k entry.
+then overwritten with g_v - p_v G. At k = V the tail is empty (log q = -inf, g_tail = 0).
 
-Tests compare values and gradients with `topk_support` + `generalized_jsd` on full logits, and with
-autograd through an exact float64 support (the endpoints alpha = 0 and 1, k = V, peaked logits).
+Teacher top-k, full softmax, no tail (support 'teacher'; RP-OPSD): I = the teacher's top-k,
+s = z_I - lse(z), so ds_i/dz_v = [v = i] - p_v and
+
+    dD/dz_v = [v in I] g_v - p_v G              (the buffer holds -p_v G, the top-k entries g_v - p_v G).
+
+Teacher top-k renormalised (support 'teacher_renorm'; OPSD): s = z_I - lse(z_I), P = exp(s), so
+
+    dD/dz_v = [v in I] (g_v - P_v G)            (zero outside I).
+
+g comes from autograd on the (C, k + 1) support only: generalized_jsd with alpha (divergence 'jsd')
+or bias_corrected_reverse_kl ('bc_rkl'). The importance ratio is detached and only scales a row's g.
+
+Tests compare values and gradients with `topk_divergence` on full logits (every support and
+divergence), with autograd through an exact float64 support (the endpoints alpha = 0 and 1, k = V,
+peaked logits) and with gradcheck.
 """
+
+import time
 
 import torch
 
-from opd.divergence import generalized_jsd, upcast
+from opd.divergence import bias_corrected_reverse_kl, check_loss, generalized_jsd, upcast
 from opd.utility import utility_terms
+from opd.weights import importance_ratio
 
 
-def _loss_parts(z: torch.Tensor, z_t: torch.Tensor, k: int, alpha: float):
-    """One block of logits (C, V), which it overwrites (the top-k masked to -inf):
-    D (C,), g = dD/ds (C, k + 1), ids (C, k), s = the student's support (C, k + 1), shift = lse(z_{not I}) (C, 1),
-    (d, o, c) (C, 3)."""
+def _support_(z, z_t, lse, lse_t, top, support: str):
+    """The support of one block (C, V) from its top-k: ids (C, k), the student's and teacher's log-probs
+    s, t (C, k + 1) with the tail or (C, k) without, and the shift of `_logit_grad` (C, 1) or None.
+    'student_tail' masks the top-k in z and z_t (their own buffers, no copy)."""
+    if support == "student_tail":
+        ids = top.indices  # (C, k) the student's top-k
+        t_k = z_t.gather(-1, ids) - lse_t  # (C, k) the teacher at the student's ids
+        shift = _masked_lse_(z, ids)  # (C, 1) lse(z_{v not in I})
+        s = torch.cat([top.values - lse, shift - lse], dim=-1)  # (C, k + 1) Eq. 3's support
+        t = torch.cat([t_k, _masked_lse_(z_t, ids) - lse_t], dim=-1)  # (C, k + 1)
+        return ids, s, t, shift
+    t_top = z_t.topk(top.indices.shape[-1], dim=-1)  # the teacher's top-k
+    ids, s_k = t_top.indices, z.gather(-1, t_top.indices)  # (C, k)
+    if support == "teacher":
+        return ids, s_k - lse, t_top.values - lse_t, lse  # full softmax, no tail
+    return ids, torch.log_softmax(s_k, -1), torch.log_softmax(t_top.values, -1), None  # renormalised
+
+
+def _loss_parts(z: torch.Tensor, z_t: torch.Tensor, lse_t, k: int, alpha: float, support: str, divergence: str):
+    """One block of logits (C, V) and the teacher's lse(z_t) (C, 1); overwrites z and z_t. Returns D (C,),
+    g = dD/ds (C, k [+ 1]), ids (C, k), s (C, k [+ 1]), shift (C, 1) or None, and (d, o, c) (C, 3) on the
+    student's top-k whatever the support."""
     k = min(k, z.shape[-1])
     lse = torch.logsumexp(z, dim=-1, keepdim=True)  # (C, 1)
-    lse_t = torch.logsumexp(z_t, dim=-1, keepdim=True)  # (C, 1)
-    top = z.topk(k, dim=-1)  # I
+    top = z.topk(k, dim=-1)  # the student's top-k
     terms = torch.stack(utility_terms(z, z_t, k, student_topk=(top.values, top.indices)), dim=-1)  # (C, 3) Eq. 7-8
-    t_k = z_t.gather(-1, top.indices) - lse_t  # (C, k) teacher at the student's ids
-    shift = _masked_lse_(z, top.indices)  # (C, 1) lse(z_{v not in I})
-    s_sup = torch.cat([top.values - lse, shift - lse], dim=-1)  # (C, k + 1) Eq. 3's student support
-    t_sup = torch.cat([t_k, _masked_lse_(z_t, top.indices) - lse_t], dim=-1)  # (C, k + 1)
+    ids, s_sup, t_sup, shift = _support_(z, z_t, lse, lse_t, top, support)
     with torch.enable_grad():
         s_leaf = s_sup.detach().requires_grad_(True)
-        d_alpha = generalized_jsd(s_leaf, t_sup, alpha)  # (C,) Eq. 3
-        (g,) = torch.autograd.grad(d_alpha.sum(), s_leaf)  # (C, k + 1)
-    return d_alpha.detach(), g, top.indices, s_sup, shift, terms
+        if divergence == "jsd":
+            d = generalized_jsd(s_leaf, t_sup, alpha)  # (C,) Eq. 3
+        else:
+            d = bias_corrected_reverse_kl(s_leaf, t_sup)  # (C,) RP-OPSD
+        (g,) = torch.autograd.grad(d.sum(), s_leaf)  # (C, k [+ 1])
+    return d.detach(), g, ids, s_sup, shift, terms
 
 
 def _masked_lse_(z: torch.Tensor, ids: torch.Tensor) -> torch.Tensor:
@@ -70,18 +108,27 @@ def _masked_lse_(z: torch.Tensor, ids: torch.Tensor) -> torch.Tensor:
     return torch.logsumexp(z.scatter_(-1, ids, float("-inf")), dim=-1, keepdim=True)  # (C, 1)
 
 
-def _logit_grad(z: torch.Tensor, ids, s_sup, g, shift, inplace: bool = False) -> torch.Tensor:
-    """dD/dz (C, V) by the formula in the module docstring, in one (C, V) buffer (z's own when `inplace`).
+def _logit_grad(z: torch.Tensor, ids, s_sup, g, shift, support: str, inplace: bool = False) -> torch.Tensor:
+    """dD/dz (C, V) by the formulas in the module docstring, in one (C, V) buffer (z's own when `inplace`).
 
-    z may have its top-k entries masked to -inf (they are overwritten); shift = lse(z_{not I}) (C, 1).
+    z may have its top-k entries masked to -inf (they are overwritten). shift (C, 1): lse(z_{not I})
+    for 'student_tail', lse(z) for 'teacher', unused for 'teacher_renorm'.
     """
     k = ids.shape[-1]
     G = g.sum(-1, keepdim=True)  # (C, 1)
-    b = g[:, k:] - s_sup[:, k:].exp() * G  # (C, 1) g_tail - q G
-    shift = shift.clamp(min=torch.finfo(z.dtype).min)  # an empty tail: z - shift stays finite or -inf
-    dz = z.sub_(shift) if inplace else torch.sub(z, shift)  # (C, V)
-    dz.clamp_(max=0.0).exp_().mul_(b)  # v not in I: r_v (g_tail - q G); r_v <= 1 there
-    return dz.scatter_(-1, ids, g[:, :k] - s_sup[:, :k].exp() * G)  # v in I: g_v - p_v G, overwritten
+    if support == "teacher_renorm":
+        dz = z.zero_() if inplace else torch.zeros_like(z)  # (C, V) nothing outside I
+    else:
+        b = g[:, k:] - s_sup[:, k:].exp() * G if support == "student_tail" else -G  # (C, 1) g_tail - q G, or -G
+        shift = shift.clamp(min=torch.finfo(z.dtype).min)  # an empty tail: z - shift stays finite or -inf
+        dz = z.sub_(shift) if inplace else torch.sub(z, shift)  # (C, V)
+        dz.clamp_(max=0.0).exp_().mul_(b)  # v not in I: r_v (g_tail - q G), or -p_v G; r_v, p_v <= 1
+    return dz.scatter_(-1, ids, g[:, :k] - s_sup[:, :k].exp() * G)  # v in I: g_v - p_v G (P_v), overwritten
+
+
+def _sampled_logp(z: torch.Tensor, token_ids: torch.Tensor) -> torch.Tensor:
+    """log p(y_t) = z_{y_t} - lse(z) for logits (C, V) and sampled ids (C,) -> (C,)."""
+    return z.gather(-1, token_ids.unsqueeze(-1)).squeeze(-1) - torch.logsumexp(z, dim=-1)
 
 
 def _owned(x: torch.Tensor) -> torch.Tensor:
@@ -89,15 +136,49 @@ def _owned(x: torch.Tensor) -> torch.Tensor:
     return x.float() if x.dtype not in (torch.float32, torch.float64) else x.clone()
 
 
+def _teacher_logits(h_t: torch.Tensor, w_t: torch.Tensor, timing: dict | None):
+    """The teacher's logits z_t = h_t W_t^T (C, V) and lse(z_t) (C, 1); with `timing`, their seconds are
+    added to timing['teacher_s'] (the device synchronised before and after)."""
+    if timing is not None:
+        _sync(h_t.device)
+        t0 = time.perf_counter()
+    z_t = upcast(h_t @ w_t.T)  # (C, V)
+    lse_t = torch.logsumexp(z_t, dim=-1, keepdim=True)  # (C, 1)
+    if timing is not None:
+        _sync(h_t.device)
+        timing["teacher_s"] = timing.get("teacher_s", 0.0) + time.perf_counter() - t0
+    return z_t, lse_t
+
+
+def _sync(device: torch.device) -> None:
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+
+
+def _check_ratio_args(token_ids, old_logp, is_clip) -> bool:
+    """True when the importance ratio is asked for (all three given); ValueError when only some are."""
+    given = [a is not None for a in (token_ids, old_logp, is_clip)]
+    if any(given) and not all(given):
+        missing = [n for n, a in zip(("token_ids", "old_logp", "is_clip"), given) if not a]
+        raise ValueError(
+            f"the importance ratio needs token_ids, old_logp and is_clip together; missing {', '.join(missing)}"
+        )
+    return all(given)
+
+
 class _FromLogits(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, z_s, z_t, k: int, alpha: float, chunk: int):
-        parts = [_loss_parts(_owned(z_s[j : j + chunk]), _owned(z_t[j : j + chunk]), k, alpha) for j in range(0, z_s.shape[0], chunk)]
-        d_alpha, g, ids, s_sup, shift, terms = (torch.cat(p) for p in zip(*parts))
+    def forward(ctx, z_s, z_t, k: int, alpha: float, chunk: int, support: str, divergence: str):
+        parts = []
+        for j in range(0, max(z_s.shape[0], 1), chunk):  # one empty chunk when there are no positions
+            z, z_tc = _owned(z_s[j : j + chunk]), _owned(z_t[j : j + chunk])  # (C, V)
+            lse_t = torch.logsumexp(z_tc, dim=-1, keepdim=True)  # (C, 1)
+            parts.append(_loss_parts(z, z_tc, lse_t, k, alpha, support, divergence))
+        d, g, ids, s_sup, shift, terms = (None if p[0] is None else torch.cat(p) for p in zip(*parts))
         ctx.save_for_backward(z_s, ids, s_sup, g, shift)
-        ctx.chunk = chunk
+        ctx.chunk, ctx.support = chunk, support
         ctx.mark_non_differentiable(terms)
-        return d_alpha, terms
+        return d, terms
 
     @staticmethod
     def backward(ctx, grad_d, _grad_terms):
@@ -106,30 +187,46 @@ class _FromLogits(torch.autograd.Function):
         dz = torch.empty_like(z_s)  # (N, V) the gradient, filled one chunk at a time
         for j in range(0, z_s.shape[0], ctx.chunk):
             c = slice(j, j + ctx.chunk)
-            dz[c] = _logit_grad(upcast(z_s[c]), ids[c], s_sup[c], g[c], shift[c])
-        return dz, None, None, None, None
+            shift_c = None if shift is None else shift[c]
+            dz[c] = _logit_grad(upcast(z_s[c]), ids[c], s_sup[c], g[c], shift_c, ctx.support)
+        return dz, None, None, None, None, None, None
 
 
-def topk_jsd_from_logits(
-    student_logits: torch.Tensor, teacher_logits: torch.Tensor, k: int = 100, alpha: float = 0.5, chunk: int = 512
+def topk_divergence_from_logits(
+    student_logits: torch.Tensor,
+    teacher_logits: torch.Tensor,
+    k: int = 100,
+    alpha: float = 0.5,
+    chunk: int = 512,
+    *,
+    support: str = "student_tail",
+    divergence: str = "jsd",
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """Per-position D_alpha (...) with gradient to the student logits, and detached (d, o, c) (..., 3).
+    """Per-position D (...) with gradient to the student logits (..., V), and detached (d, o, c) (..., 3).
 
-    Same values as generalized_jsd(*topk_support(student_logits, teacher_logits, k), alpha). Positions
-    are processed `chunk` at a time (the forward's working copies are O(chunk V)); the backward holds
-    one (N, V) buffer (the gradient itself) instead of autograd's log-softmax copies.
+    Same values as divergence.topk_divergence(student_logits, teacher_logits, k, alpha, support=...,
+    divergence=...) (defaults: Eq. 3 on the student's top-k + tail). Positions are processed `chunk`
+    at a time (the forward's working copies are O(chunk V)); the backward holds one (N, V) buffer
+    (the gradient itself) instead of autograd's log-softmax copies.
     """
+    check_loss(support, divergence)
     shape = student_logits.shape[:-1]
     vocab = student_logits.shape[-1]
-    d_alpha, terms = _FromLogits.apply(
-        student_logits.reshape(-1, vocab), teacher_logits.detach().reshape(-1, vocab), k, alpha, chunk
+    d, terms = _FromLogits.apply(
+        student_logits.reshape(-1, vocab), teacher_logits.detach().reshape(-1, vocab), k, alpha, chunk, support,
+        divergence,
     )
-    return d_alpha.reshape(shape), terms.reshape(*shape, 3)
+    return d.reshape(shape), terms.reshape(*shape, 3)
+
+
+topk_jsd_from_logits = topk_divergence_from_logits  # the name before the seed family
 
 
 class _FromHidden(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, h_s, w_s, h_t, w_t, weights, k: int, alpha: float, chunk: int):
+    def forward(
+        ctx, h_s, w_s, h_t, w_t, weights, k, alpha, chunk, support, divergence, token_ids, old_logp, is_clip, timing
+    ):
         w = w_s.to(h_s.dtype)  # one cast per call under mixed precision (a no-op otherwise)
         w_t = w_t.to(h_t.dtype)
         grad_h = torch.empty_like(h_s)  # (P, H) dL/dh, one row per position
@@ -140,11 +237,14 @@ class _FromHidden(torch.autograd.Function):
         for j in range(0, h_s.shape[0], chunk):
             h_c = h_s[j : j + chunk]  # (C, H)
             z = upcast(h_c @ w.T)  # (C, V) student logits
-            z_t = upcast(h_t[j : j + chunk] @ w_t.T)  # (C, V) teacher logits
-            d_alpha, g, ids, s_sup, shift, terms = _loss_parts(z, z_t, k, alpha)  # overwrites z, z_t
+            z_t, lse_t = _teacher_logits(h_t[j : j + chunk], w_t, timing)  # (C, V) teacher logits, (C, 1)
+            w_c = weights[j : j + chunk].to(z.dtype)  # (C,) Eq. 11's weights
+            if is_clip is not None:  # times Vision-OPD's importance ratio, detached
+                logp_y = _sampled_logp(z, token_ids[j : j + chunk])  # (C,) log p^S(y_t)
+                w_c = w_c * importance_ratio(logp_y, old_logp[j : j + chunk].to(z.dtype), is_clip)
+            d, g, ids, s_sup, shift, terms = _loss_parts(z, z_t, lse_t, k, alpha, support, divergence)  # overwrites z
             del z_t
-            w_c = weights[j : j + chunk].to(g.dtype)
-            dz = _logit_grad(z, ids, s_sup, g * w_c.unsqueeze(-1), shift, inplace=True).to(h_s.dtype)  # (C, V)
+            dz = _logit_grad(z, ids, s_sup, g * w_c.unsqueeze(-1), shift, support, inplace=True).to(h_s.dtype)  # (C, V)
             del z
             grad_h[j : j + chunk] = dz @ w  # (C, H)
             if grad_w is None:
@@ -154,8 +254,8 @@ class _FromHidden(torch.autograd.Function):
             else:
                 grad_w.add_(dz.T @ h_c)  # bf16 products summed in fp32
             del dz
-            loss += (w_c * d_alpha).sum()
-            d_all.append(d_alpha)
+            loss += (w_c * d).sum()
+            d_all.append(d)
             terms_all.append(terms)
         ctx.save_for_backward(grad_h, grad_w.to(w_s.dtype))
         d_all, terms_all = torch.cat(d_all), torch.cat(terms_all)
@@ -168,7 +268,7 @@ class _FromHidden(torch.autograd.Function):
         if not bool(grad_loss == 1):  # the loss was scaled after the call: a scaled copy
             grad_h, grad_w = grad_h * grad_loss.to(grad_h.dtype), grad_w * grad_loss.to(grad_w.dtype)
         # else the buffers themselves: autograd can take dL/dW as .grad without a (V, H) copy
-        return grad_h, grad_w, None, None, None, None, None, None
+        return (grad_h, grad_w) + (None,) * 12
 
 
 def budgeted_loss_from_hidden(
@@ -180,16 +280,48 @@ def budgeted_loss_from_hidden(
     k: int = 100,
     alpha: float = 0.5,
     chunk: int = 512,
+    *,
+    support: str = "student_tail",
+    divergence: str = "jsd",
+    token_ids: torch.Tensor | None = None,
+    old_logp: torch.Tensor | None = None,
+    is_clip: float | None = None,
+    timing: dict | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """sum_p weights_p D_alpha(p) (Eq. 11 with its per-token weights, Eq. 3 per position), differentiable
+    """sum_p weights_p rho_p D(p) (Eq. 11 with its per-token weights; D per position as
+    `divergence.topk_divergence` with this support and divergence, Eq. 3 by default), differentiable
     to h_s and w_s; plus the detached per-position D (P,) and (d, o, c) (P, 3).
 
     h_s, h_t: (P, H) final hidden states of the student and the teacher at the same response
-    positions; w_s, w_t: (V, H) their LM-head weights; weights: (P,). At most `chunk` positions'
-    logits exist at once. Weights in another dtype than the hidden states (fp32 master weights under
-    bf16 autocast) are cast once per call; dL/dW is accumulated in fp32.
+    positions; w_s, w_t: (V, H) their LM-head weights; weights: (P,) (Eq. 11's, times e.g. OPD-V's
+    `weights.trust_region`). rho_p = `weights.importance_ratio`(log p^S(y_p), old_logp_p, is_clip),
+    detached, from the chunk's own logits, when token_ids (P,) (the sampled ids), old_logp (P,) and
+    is_clip are given; else 1. At most `chunk` positions' logits exist at once. Weights in another
+    dtype than the hidden states (fp32 master weights under bf16 autocast) are cast once per call;
+    dL/dW is accumulated in fp32. `timing` (a dict): timing['teacher_s'] gains the seconds of the
+    teacher's LM-head products and log-softmax normalisers (its top-k and gathers, O(C V) each, are
+    not counted).
     """
+    check_loss(support, divergence)
+    if not _check_ratio_args(token_ids, old_logp, is_clip):
+        token_ids = old_logp = is_clip = None
     if h_s.shape[0] == 0:
         zero = (h_s.sum() + w_s.sum()) * 0.0  # keeps the graph (and DDP's gradient hooks) intact
         return zero, h_s.new_zeros(0, dtype=torch.float32), h_s.new_zeros(0, 3, dtype=torch.float32)
-    return _FromHidden.apply(h_s, w_s, h_t.detach(), w_t.detach(), weights.detach(), k, alpha, chunk)
+    ratio_args = (token_ids, None if old_logp is None else old_logp.detach(), is_clip)
+    return _FromHidden.apply(
+        h_s, w_s, h_t.detach(), w_t.detach(), weights.detach(), k, alpha, chunk, support, divergence, *ratio_args,
+        timing,
+    )
+
+
+@torch.no_grad()
+def sampled_logp_from_hidden(
+    h: torch.Tensor, w: torch.Tensor, token_ids: torch.Tensor, chunk: int = 512
+) -> torch.Tensor:
+    """Detached log p(y_t) = z_{y_t} - logsumexp(z), z = h W^T, for hidden states h (P, H), an LM-head
+    weight w (V, H) and sampled ids token_ids (P,) -> (P,), `chunk` positions' logits at a time
+    (OPD-V's positive and negative teachers for `weights.trust_region`; the student's for a ratio)."""
+    w = w.to(h.dtype)
+    out = [_sampled_logp(upcast(h[j : j + chunk] @ w.T), token_ids[j : j + chunk]) for j in range(0, h.shape[0], chunk)]
+    return torch.cat(out) if out else h.new_zeros(0, dtype=upcast(h[:0]).dtype)

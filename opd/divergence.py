@@ -1,6 +1,9 @@
 """Distillation divergence: Eq. 3 (generalized JSD over a top-k support) and Eq. 11 (budgeted loss).
 
-Pure functions on tensors; no model is needed to call them.
+Pure functions on tensors; no model is needed to call them. Besides BAS-OPD's own loss, the supports
+and divergences of its siblings (the seed family): the teacher's top-k support, full softmax and no
+tail (RP-OPSD) or renormalised (OPSD), and the bias-corrected reverse KL (RP-OPSD). `topk_divergence`
+is the plain per-position loss of every combination on full logits (the reference for opd/chunked.py).
 
 Where this departs from / interprets the paper:
 - The support is the student's top-k ids at each position plus one tail bucket holding the remaining
@@ -98,7 +101,7 @@ def topk_support(
     with the tail or (..., k) without.
     """
     if student_logits.shape != teacher_logits.shape:
-        raise ValueError(f"student {tuple(student_logits.shape)} and teacher {tuple(teacher_logits.shape)} logits differ")
+        raise ValueError(f"student {tuple(student_logits.shape)}, teacher {tuple(teacher_logits.shape)} logits differ")
     k = min(k, student_logits.shape[-1])
     z_s, z_t = upcast(student_logits), upcast(teacher_logits)  # (..., V)
     ids = z_s.topk(k, dim=-1).indices  # (..., k) I
@@ -109,6 +112,104 @@ def topk_support(
     s_logp = torch.cat([s_logp, tail_logp(z_s, ids)], dim=-1)  # (..., k + 1)
     t_logp = torch.cat([t_logp, tail_logp(z_t, ids)], dim=-1)  # (..., k + 1)
     return s_logp, t_logp
+
+
+def teacher_topk_support(
+    student_logits: torch.Tensor, teacher_logits: torch.Tensor, k: int = 100, renormalize: bool = False
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """The teacher's top-k support of RP-OPSD and OPSD: both sides gathered at the teacher's top-k ids I_T.
+
+        renormalize=False (RP-OPSD):  log p_v = z_v - logsumexp_{all u} z_u,      v in I_T  (no tail)
+        renormalize=True  (OPSD):     log P_v = z_v - logsumexp_{u in I_T} z_u,   v in I_T
+
+    Without renormalisation the sides are sub-distributions (sum <= 1): a divergence for them is
+    `bias_corrected_reverse_kl`. Sources: wmm7777/RP-OPSD verl/workers/actor/dp_actor.py
+    (distillation_topk_source = teacher, distillation_add_tail = False) and
+    verl/trainer/ppo/core_algos.py (full-softmax log-probs, no renormalisation); siyan-zhao/OPSD
+    opsd_trainer.py (generalized_jsd_loss with top_k: the teacher's top-k logits, then log_softmax).
+    Returns (student_logp, teacher_logp), each (..., k).
+    """
+    if student_logits.shape != teacher_logits.shape:
+        raise ValueError(f"student {tuple(student_logits.shape)}, teacher {tuple(teacher_logits.shape)} logits differ")
+    k = min(k, student_logits.shape[-1])
+    z_s, z_t = upcast(student_logits), upcast(teacher_logits)  # (..., V)
+    ids = z_t.topk(k, dim=-1).indices  # (..., k) I_T
+    s_k, t_k = z_s.gather(-1, ids), z_t.gather(-1, ids)  # (..., k)
+    if renormalize:
+        return torch.log_softmax(s_k, -1), torch.log_softmax(t_k, -1)
+    return s_k - torch.logsumexp(z_s, -1, keepdim=True), t_k - torch.logsumexp(z_t, -1, keepdim=True)
+
+
+def bias_corrected_reverse_kl(student_logp: torch.Tensor, teacher_logp: torch.Tensor) -> torch.Tensor:
+    """RP-OPSD's per-position loss (MOPD's Eq. 5) on the teacher's top-k support without a tail:
+
+        D = sum_{v in I_T} [ p_s(v) log(p_s(v) / p_t(v)) - p_s(v) + p_t(v) ]
+
+    Each term is >= 0 (x log(x / y) - x + y is the Bregman divergence of x log x) and 0 iff
+    p_s(v) = p_t(v), so D needs no normalised support. On a normalised one the correction sums to
+    zero and D = KL(P^S || P^T). (..., k) -> (...). RP-OPSD runs it with alpha = 1 (the reverse
+    direction); alpha plays no part in it. Source: wmm7777/RP-OPSD verl/trainer/ppo/core_algos.py
+    (distillation_objective mopd_topk_reverse_kl: reverse_kl_term + bias_correction).
+    """
+    return kl_divergence(student_logp, teacher_logp) + (teacher_logp.exp() - student_logp.exp()).sum(-1)
+
+
+SUPPORTS = ("student_tail", "teacher", "teacher_renorm")  # BAS-OPD / Vision-OPD, RP-OPSD, OPSD
+DIVERGENCES = ("jsd", "bc_rkl")  # generalized_jsd (Eq. 3), bias_corrected_reverse_kl
+
+
+def check_loss(support: str, divergence: str) -> None:
+    """ValueError for an unknown support or divergence, and for the teacher's top-k support without
+    renormalisation under the JSD (its sides are not distributions; only 'bc_rkl' takes them)."""
+    if support not in SUPPORTS:
+        raise ValueError(f"unknown support {support!r}: use one of {', '.join(SUPPORTS)}")
+    if divergence not in DIVERGENCES:
+        raise ValueError(f"unknown divergence {divergence!r}: use one of {', '.join(DIVERGENCES)}")
+    if support == "teacher" and divergence != "bc_rkl":
+        raise ValueError(
+            "support 'teacher' (the teacher's top-k, full softmax, no tail) is not a distribution: it goes only "
+            "with divergence 'bc_rkl' (RP-OPSD); for the JSD use 'teacher_renorm' (OPSD) or 'student_tail'"
+        )
+
+
+def support_logp(
+    student_logits: torch.Tensor, teacher_logits: torch.Tensor, k: int = 100, support: str = "student_tail"
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """(student_logp, teacher_logp) on the named support: 'student_tail' = `topk_support` with its tail
+    (..., k + 1); 'teacher' / 'teacher_renorm' = `teacher_topk_support` (..., k)."""
+    if support == "student_tail":
+        return topk_support(student_logits, teacher_logits, k, tail=True)
+    return teacher_topk_support(student_logits, teacher_logits, k, renormalize=support == "teacher_renorm")
+
+
+def token_divergence(
+    student_logp: torch.Tensor, teacher_logp: torch.Tensor, divergence: str = "jsd", alpha: float = 0.5
+) -> torch.Tensor:
+    """The named per-position divergence over the last dim: 'jsd' = `generalized_jsd` with alpha,
+    'bc_rkl' = `bias_corrected_reverse_kl` (no alpha). (..., k) -> (...)."""
+    if divergence == "jsd":
+        return generalized_jsd(student_logp, teacher_logp, alpha)
+    return bias_corrected_reverse_kl(student_logp, teacher_logp)
+
+
+def topk_divergence(
+    student_logits: torch.Tensor,
+    teacher_logits: torch.Tensor,
+    k: int = 100,
+    alpha: float = 0.5,
+    *,
+    support: str = "student_tail",
+    divergence: str = "jsd",
+) -> torch.Tensor:
+    """The per-position loss of a method on full logits (..., V) -> (...), differentiable by autograd:
+    D(support_logp(...)). The defaults are BAS-OPD's Eq. 3. The plain reference for opd/chunked.py.
+
+        BAS-OPD, Vision-OPD  support='student_tail', divergence='jsd'
+        RP-OPSD              support='teacher',      divergence='bc_rkl'
+        OPSD                 support='teacher_renorm', divergence='jsd'
+    """
+    check_loss(support, divergence)
+    return token_divergence(*support_logp(student_logits, teacher_logits, k, support), divergence, alpha)
 
 
 def opd_loss(per_token: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:

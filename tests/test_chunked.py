@@ -1,13 +1,20 @@
-"""opd/chunked.py's loss functions against `topk_support` + `generalized_jsd` on full logits (values,
-gradients, gradcheck, a training step), and the length-grouped micro-batch plan (opd/distill.py)."""
+"""opd/chunked.py's loss functions against `topk_support` + `generalized_jsd` and, for every support and
+divergence of the seed family, `topk_divergence` on full logits (values, gradients, gradcheck, float32,
+the importance ratio, memory, a training step), and the length-grouped micro-batch plan (opd/distill.py)."""
 
 import pytest
 import torch
 from test_training import perturb, small_config
 
-from opd.chunked import budgeted_loss_from_hidden, topk_jsd_from_logits
+from opd.chunked import (
+    budgeted_loss_from_hidden,
+    sampled_logp_from_hidden,
+    topk_divergence_from_logits,
+    topk_jsd_from_logits,
+)
 from opd.distill import plan_micro_batches
-from opd.divergence import generalized_jsd, topk_support
+from opd.divergence import generalized_jsd, topk_divergence, topk_support
+from opd.weights import importance_ratio
 from opd.synthetic import fixed_rollouts
 from opd.utility import utility_terms
 from train import Run
@@ -65,9 +72,11 @@ def test_logits_path_equals_the_plain_formula(k, alpha):
 def test_gradcheck(k, alpha):
     h_s, w_s, h_t, w_t = inputs(P=5, H=4, V=9, seed=1)
     weights = torch.tensor([0.3, 1.0, 0.0, 2.0, 0.7], dtype=F64)
-    assert torch.autograd.gradcheck(lambda a, b: budgeted_loss_from_hidden(a, b, h_t, w_t, weights, k, alpha, 2)[0], (h_s, w_s))
+    loss = lambda a, b: budgeted_loss_from_hidden(a, b, h_t, w_t, weights, k, alpha, 2)[0]  # noqa: E731
+    assert torch.autograd.gradcheck(loss, (h_s, w_s))
     z_t = h_t @ w_t.T
-    assert torch.autograd.gradcheck(lambda z: topk_jsd_from_logits(z, z_t, k, alpha)[0], ((h_s @ w_s.T).detach().requires_grad_(),))
+    z = (h_s @ w_s.T).detach().requires_grad_()
+    assert torch.autograd.gradcheck(lambda x: topk_jsd_from_logits(x, z_t, k, alpha)[0], (z,))
 
 
 def exact_support(z_s: torch.Tensor, z_t: torch.Tensor, k: int) -> tuple[torch.Tensor, torch.Tensor]:
@@ -177,6 +186,24 @@ def test_no_positions_gives_a_zero_loss_that_still_reaches_the_weights():
     assert torch.equal(w_s.grad, torch.zeros_like(w_s))
 
 
+def test_timing_books_the_teachers_lm_head_and_changes_nothing_else():
+    h_s, w_s, h_t, w_t = inputs()
+    weights = torch.ones(h_s.shape[0], dtype=F64)
+    timing = {"teacher_s": 1.0}
+    loss, d, terms = budgeted_loss_from_hidden(h_s, w_s, h_t, w_t, weights, 5, 0.5, 4, timing=timing)
+    ref = budgeted_loss_from_hidden(h_s, w_s, h_t, w_t, weights, 5, 0.5, 4)
+    assert set(timing) == {"teacher_s"} and timing["teacher_s"] > 1.0  # added to what was there
+    torch.testing.assert_close((loss, d, terms), ref, rtol=0, atol=0)
+
+
+def test_logits_path_with_no_positions():
+    z = torch.zeros(0, 7, 40, dtype=F64, requires_grad=True)
+    d, terms = topk_divergence_from_logits(z, z.detach(), 5, 0.5)
+    assert d.shape == (0, 7) and terms.shape == (0, 7, 3)
+    d.sum().backward()
+    assert z.grad.shape == z.shape
+
+
 def test_plan_groups_by_length_under_both_limits():
     lengths = torch.tensor([5, 30, 7, 12, 29, 6, 100, 11])
     plan = plan_micro_batches(lengths, max_rows=3, max_tokens=60)
@@ -200,3 +227,179 @@ def test_training_step_is_the_same_on_both_paths(tmp_path, tiny):
     assert rows[0]["grad_norm"] == pytest.approx(rows[1]["grad_norm"], rel=1e-4)
     assert rows[0]["utility_mean"] == pytest.approx(rows[1]["utility_mean"], rel=1e-4)
     assert rows[1]["teacher_padded_tokens"] >= rows[1]["teacher_tokens"] > 0
+
+
+# ----------------------------------------------------------------------------- the seed family's supports, divergences
+
+METHODS = [  # (support, divergence): BAS-OPD/Vision-OPD, -, RP-OPSD, OPSD, -
+    ("student_tail", "jsd"),
+    ("student_tail", "bc_rkl"),
+    ("teacher", "bc_rkl"),
+    ("teacher_renorm", "jsd"),
+    ("teacher_renorm", "bc_rkl"),
+]
+
+
+@pytest.mark.parametrize("support,divergence", METHODS)
+@pytest.mark.parametrize("k,alpha", [(5, 0.5), (40, 0.0), (7, 1.0), (9, 0.3)])  # 40 = V
+def test_each_support_and_divergence_equals_the_plain_formula_on_both_paths(support, divergence, k, alpha):
+    h_s, w_s, h_t, w_t = inputs(seed=7)
+    weights = torch.linspace(0.5, 2.0, h_s.shape[0], dtype=F64)
+    method = dict(support=support, divergence=divergence)
+    loss, d, terms = budgeted_loss_from_hidden(h_s, w_s, h_t, w_t, weights, k, alpha, 4, **method)
+    loss.backward()
+    grads = h_s.grad.clone(), w_s.grad.clone()
+    h_s.grad = w_s.grad = None
+    z_s, z_t = h_s @ w_s.T, h_t @ w_t.T  # (P, V)
+    d_plain = topk_divergence(z_s, z_t, k, alpha, **method)
+    (d_plain * weights).sum().backward()
+    assert (d_plain.detach() > 1e-3).all()
+    torch.testing.assert_close(d, d_plain.detach(), rtol=1e-10, atol=1e-12)
+    torch.testing.assert_close(loss, (d_plain * weights).sum().detach(), rtol=1e-10, atol=1e-12)
+    torch.testing.assert_close(grads[0], h_s.grad, rtol=1e-8, atol=1e-10)
+    torch.testing.assert_close(grads[1], w_s.grad, rtol=1e-8, atol=1e-10)
+    # the utility terms stay on the student's top-k whatever the support
+    torch.testing.assert_close(terms, torch.stack(utility_terms(z_s.detach(), z_t, k), -1), rtol=1e-10, atol=1e-12)
+    # the logits path, chunk of 3 rows
+    z = z_s.detach().clone().requires_grad_(True)
+    d_l, terms_l = topk_divergence_from_logits(z, z_t, k, alpha, 3, **method)
+    (d_l * weights).sum().backward()
+    zr = z_s.detach().clone().requires_grad_(True)
+    (topk_divergence(zr, z_t, k, alpha, **method) * weights).sum().backward()
+    torch.testing.assert_close(d_l, d_plain.detach(), rtol=1e-10, atol=1e-12)
+    torch.testing.assert_close(z.grad, zr.grad, rtol=1e-8, atol=1e-10)
+    torch.testing.assert_close(terms_l, terms)
+
+
+@pytest.mark.parametrize("support,divergence", METHODS)
+@pytest.mark.parametrize("k", [3, 9])  # 9 = V
+def test_gradcheck_each_method(support, divergence, k):
+    h_s, w_s, h_t, w_t = inputs(P=5, H=4, V=9, seed=8)
+    weights = torch.tensor([0.3, 1.0, 0.0, 2.0, 0.7], dtype=F64)
+    method = dict(support=support, divergence=divergence)
+    loss = lambda a, b: budgeted_loss_from_hidden(a, b, h_t, w_t, weights, k, 0.4, 2, **method)[0]  # noqa: E731
+    assert torch.autograd.gradcheck(loss, (h_s, w_s))
+    z_t = h_t @ w_t.T
+    z = (h_s @ w_s.T).detach().requires_grad_()
+    assert torch.autograd.gradcheck(lambda x: topk_divergence_from_logits(x, z_t, k, 0.4, 2, **method)[0], (z,))
+
+
+@pytest.mark.parametrize("support,divergence", METHODS)
+@pytest.mark.parametrize("scale", [1.0, 40.0])
+def test_float32_and_peaked_logits_match_float64_for_each_method(support, divergence, scale):
+    g = torch.Generator().manual_seed(9)
+    P, H, V, k = 16, 8, 40, 12
+    h_s = (torch.randn(P, H, generator=g, dtype=F64) * scale / 3).float()
+    w_s = torch.randn(V, H, generator=g, dtype=F64).float()
+    h_t = (torch.randn(P, H, generator=g, dtype=F64) * scale / 3).float()
+    w_t = torch.randn(V, H, generator=g, dtype=F64).float()
+    method = dict(support=support, divergence=divergence)
+    ref = [t.double().requires_grad_(i < 2) for i, t in enumerate((h_s, w_s, h_t, w_t))]
+    d_ref = topk_divergence(ref[0] @ ref[1].T, ref[2] @ ref[3].T, k, 0.5, **method)
+    d_ref.sum().backward()
+    a, b = h_s.clone().requires_grad_(True), w_s.clone().requires_grad_(True)
+    loss, d, _ = budgeted_loss_from_hidden(a, b, h_t, w_t, torch.ones(P), k, 0.5, 5, **method)
+    loss.backward()
+    close_to_exact(d, d_ref.detach(), torch.float32)
+    close_to_exact(a.grad, ref[0].grad, torch.float32)
+    close_to_exact(b.grad, ref[1].grad, torch.float32)
+
+
+@pytest.mark.parametrize("support,divergence", [("student_tail", "jsd"), ("teacher", "bc_rkl")])
+def test_importance_ratio_scales_each_positions_weight(support, divergence):
+    """Vision-OPD's is_clip: each position's weight times min(exp(log p^S(y_t) - old_logp), c), detached,
+    from the chunk's own logits; D itself is returned unweighted."""
+    h_s, w_s, h_t, w_t = inputs(P=9, seed=10)
+    g = torch.Generator().manual_seed(10)
+    y = torch.randint(0, 40, (9,), generator=g)
+    weights = torch.linspace(0.5, 2.0, 9, dtype=F64)
+    z_s, z_t = h_s @ w_s.T, h_t @ w_t.T
+    logp_y = torch.log_softmax(z_s, -1).gather(-1, y[:, None]).squeeze(-1)  # (P,) log p^S(y_t)
+    old = logp_y.detach() + torch.tensor([0.0, -2.0, 1.5, 0.3, -0.2, 0.0, -5.0, 0.7, 30.0], dtype=F64)
+    method = dict(support=support, divergence=divergence)
+    ratio_args = dict(token_ids=y, old_logp=old, is_clip=2.0)
+    loss, d, _ = budgeted_loss_from_hidden(h_s, w_s, h_t, w_t, weights, 6, 0.5, 4, **method, **ratio_args)
+    loss.backward()
+    grads = h_s.grad.clone(), w_s.grad.clone()
+    h_s.grad = w_s.grad = None
+    rho = importance_ratio(logp_y, old, 2.0)
+    assert (rho == 2.0).any() and (rho < 1.0).any() and (rho == 1.0).any()
+    d_plain = topk_divergence(z_s, z_t, 6, 0.5, **method)
+    (weights * rho * d_plain).sum().backward()
+    torch.testing.assert_close(loss, (weights * rho * d_plain).sum().detach(), rtol=1e-10, atol=1e-12)
+    torch.testing.assert_close(d, d_plain.detach(), rtol=1e-10, atol=1e-12)
+    torch.testing.assert_close(grads[0], h_s.grad, rtol=1e-8, atol=1e-10)
+    torch.testing.assert_close(grads[1], w_s.grad, rtol=1e-8, atol=1e-10)
+
+
+def test_bad_methods_and_partial_ratio_arguments_are_refused():
+    h_s, w_s, h_t, w_t = inputs()
+    weights = torch.ones(h_s.shape[0], dtype=F64)
+    z = (h_s @ w_s.T).detach()
+    for method, message in (
+        (dict(support="teacher_top"), "unknown support"),
+        (dict(divergence="kl"), "unknown divergence"),
+        (dict(support="teacher", divergence="jsd"), "not a distribution"),
+        (dict(support="teacher"), "not a distribution"),
+    ):
+        with pytest.raises(ValueError, match=message):
+            budgeted_loss_from_hidden(h_s, w_s, h_t, w_t, weights, 5, **method)
+        with pytest.raises(ValueError, match=message):
+            topk_divergence_from_logits(z, z, 5, **method)
+    y = torch.zeros(h_s.shape[0], dtype=torch.long)
+    with pytest.raises(ValueError, match="missing old_logp, is_clip"):
+        budgeted_loss_from_hidden(h_s, w_s, h_t, w_t, weights, 5, token_ids=y)
+    with pytest.raises(ValueError, match="missing token_ids"):
+        budgeted_loss_from_hidden(h_s, w_s, h_t, w_t, weights, 5, old_logp=y.double(), is_clip=2.0)
+
+
+def test_topk_jsd_from_logits_is_the_default_method():
+    assert topk_jsd_from_logits is topk_divergence_from_logits
+    h_s, w_s, h_t, w_t = inputs()
+    z_s, z_t = (h_s @ w_s.T).detach(), h_t @ w_t.T
+    want = generalized_jsd(*topk_support(z_s, z_t, 5), 0.5)
+    torch.testing.assert_close(topk_jsd_from_logits(z_s, z_t, 5, 0.5)[0], want)
+
+
+@pytest.mark.parametrize("chunk", [1, 3, 100])
+def test_sampled_logp_from_hidden(chunk):
+    h, w, _, _ = inputs(P=7, seed=11)
+    y = torch.randint(0, 40, (7,), generator=torch.Generator().manual_seed(11))
+    got = sampled_logp_from_hidden(h, w, y, chunk)
+    assert got.shape == (7,) and not got.requires_grad
+    want = torch.log_softmax(h @ w.T, -1).gather(-1, y[:, None]).squeeze(-1)
+    torch.testing.assert_close(got, want.detach(), rtol=1e-12, atol=1e-12)
+    # bf16 hidden states with fp32 weights, as under autocast: logits in float32
+    got16 = sampled_logp_from_hidden(h.detach().bfloat16(), w.detach().float(), y, chunk)
+    assert got16.dtype == torch.float32
+    torch.testing.assert_close(got16.double(), want.detach(), rtol=0, atol=0.1)
+    assert sampled_logp_from_hidden(h[:0], w, y[:0], chunk).shape == (0,)
+
+
+@pytest.mark.parametrize("support,divergence", METHODS)
+def test_no_tensor_larger_than_one_chunk_of_logits(support, divergence):
+    """Memory: every op of the hidden-state path (forward and backward, with the importance ratio) and of
+    sampled_logp_from_hidden makes tensors of at most chunk x V elements, never (P, V) logits."""
+    from torch.utils._python_dispatch import TorchDispatchMode
+
+    class Largest(TorchDispatchMode):
+        numel = 0
+
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+            out = func(*args, **(kwargs or {}))
+            for t in out if isinstance(out, (tuple, list)) else (out,):
+                if isinstance(t, torch.Tensor):
+                    Largest.numel = max(Largest.numel, t.numel())
+            return out
+
+    P, H, V, chunk = 64, 4, 50, 8  # P V = 3200; chunk V = 400; V H = 200
+    h_s, w_s, h_t, w_t = inputs(P=P, H=H, V=V, seed=12)
+    y = torch.randint(0, V, (P,), generator=torch.Generator().manual_seed(12))
+    with Largest():
+        loss, _, _ = budgeted_loss_from_hidden(
+            h_s, w_s, h_t, w_t, torch.ones(P, dtype=F64), 5, 0.5, chunk,
+            support=support, divergence=divergence, token_ids=y, old_logp=torch.zeros(P, dtype=F64), is_clip=2.0,
+        )
+        loss.backward()
+        sampled_logp_from_hidden(h_t, w_t, y, chunk)
+    assert 0 < Largest.numel <= chunk * V

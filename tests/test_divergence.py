@@ -11,11 +11,15 @@ import torch
 from torch.testing import assert_close
 
 from opd.divergence import (
+    bias_corrected_reverse_kl,
     budgeted_loss,
+    check_loss,
     generalized_jsd,
     kl_divergence,
     opd_loss,
     tail_logp,
+    teacher_topk_support,
+    topk_divergence,
     topk_support,
 )
 
@@ -480,3 +484,114 @@ def test_budgeted_loss_micro_batches_with_global_denominator_sum_to_whole_batch(
     # Without the global denominator, micro-batch losses do not add up to Eq. 11.
     local = sum(budgeted_loss(per_token[p], selected[p], mask[p]) for p in parts)
     assert abs(float(local) - float(whole)) > 1e-3
+
+
+# ----------------------------------------------------------------------------- the seed family: supports, divergences
+
+
+def ref_bc_rkl(s: list[float], t: list[float]) -> float:
+    """RP-OPSD's loss by a loop: sum_v p_s log(p_s / p_t) - p_s + p_t (0 log 0 = 0)."""
+    return sum((sv * (math.log(sv) - math.log(tv)) if sv > 0 else 0.0) - sv + tv for sv, tv in zip(s, t))
+
+
+def test_teacher_topk_support_gathers_both_sides_at_the_teachers_ids():
+    # V = 6, k = 2. The teacher's top-2 ids are {0, 5} (in that order); the student's own are {4, 1}.
+    s_logits = torch.tensor([[0.0, 2.0, -1.0, 0.5, 3.0, -2.0]], dtype=F64)
+    t_logits = torch.tensor([[4.0, -1.0, 0.0, 1.0, -0.5, 3.5]], dtype=F64)
+    s_full, t_full = torch.log_softmax(s_logits, -1)[0], torch.log_softmax(t_logits, -1)[0]
+    s_logp, t_logp = teacher_topk_support(s_logits, t_logits, k=2)
+    assert s_logp.shape == t_logp.shape == (1, 2)
+    assert_close(s_logp[0], s_full[[0, 5]])  # full-softmax log-probs, no tail, not renormalised
+    assert_close(t_logp[0], t_full[[0, 5]])
+    assert float(s_logp.exp().sum()) < 0.25 and float(t_logp.exp().sum()) < 1.0
+    s_r, t_r = teacher_topk_support(s_logits, t_logits, k=2, renormalize=True)
+    assert_close(s_r[0].exp(), s_full[[0, 5]].exp() / s_full[[0, 5]].exp().sum())
+    assert_close(t_r[0].exp(), t_full[[0, 5]].exp() / t_full[[0, 5]].exp().sum())
+    with pytest.raises(ValueError):
+        teacher_topk_support(torch.zeros(2, 5), torch.zeros(2, 6), k=2)
+
+
+def test_teacher_topk_support_at_k_equal_v_is_the_full_distribution():
+    g = torch.Generator().manual_seed(30)
+    s_logits, t_logits = torch.randn(2, 3, 7, generator=g, dtype=F64), torch.randn(2, 3, 7, generator=g, dtype=F64)
+    for renormalize in (False, True):
+        s_logp, t_logp = teacher_topk_support(s_logits, t_logits, k=100, renormalize=renormalize)
+        assert s_logp.dtype == F64 and s_logp.shape == (2, 3, 7)
+        assert_close(s_logp.exp().sum(-1), torch.ones(2, 3, dtype=F64))
+        # the same entries as the full log-softmax, in the teacher's order
+        order = t_logits.argsort(-1, descending=True)
+        assert_close(s_logp, torch.log_softmax(s_logits, -1).gather(-1, order))
+
+
+def test_bias_corrected_reverse_kl_matches_a_loop_on_the_teachers_support():
+    g = torch.Generator().manual_seed(31)
+    s_logits = torch.randn(3, 4, 30, generator=g, dtype=F64) * 2
+    t_logits = torch.randn(3, 4, 30, generator=g, dtype=F64) * 2
+    s_logp, t_logp = teacher_topk_support(s_logits, t_logits, k=6)
+    got = bias_corrected_reverse_kl(s_logp, t_logp)
+    assert got.shape == (3, 4)
+    assert_close(got, ref_rows(ref_bc_rkl, s_logp, t_logp), rtol=1e-12, atol=1e-14)
+    assert (got > 1e-3).all()
+    # non-negative term by term, zero when the sides agree on the support
+    assert_close(bias_corrected_reverse_kl(t_logp, t_logp.clone()), torch.zeros(3, 4, dtype=F64), rtol=0, atol=1e-15)
+    # on normalised supports the correction sums to zero: the reverse KL
+    s_r, t_r = teacher_topk_support(s_logits, t_logits, k=6, renormalize=True)
+    assert_close(bias_corrected_reverse_kl(s_r, t_r), kl_divergence(s_r, t_r), rtol=1e-12, atol=1e-14)
+    # k = V: KL(p^S || p^T) over the vocabulary, i.e. Eq. 3 at alpha = 1
+    s_v, t_v = teacher_topk_support(s_logits, t_logits, k=30)
+    kl_st = ref_rows(lambda sp, tp: ref_kl(sp, tp), torch.log_softmax(s_logits, -1), torch.log_softmax(t_logits, -1))
+    assert_close(bias_corrected_reverse_kl(s_v, t_v), kl_st, rtol=1e-10, atol=1e-12)
+
+
+def test_bias_corrected_reverse_kl_is_not_the_plain_reverse_kl_on_a_sub_distribution():
+    """Without the correction the truncated reverse KL can be negative; with it every term is >= 0."""
+    s_logp = torch.log(torch.tensor([[0.05, 0.05]], dtype=F64))  # the student puts little mass on I_T
+    t_logp = torch.log(torch.tensor([[0.6, 0.3]], dtype=F64))
+    assert float(kl_divergence(s_logp, t_logp)) < 0
+    want = sum(s * math.log(s / t) - s + t for s, t in ((0.05, 0.6), (0.05, 0.3)))
+    assert float(bias_corrected_reverse_kl(s_logp, t_logp)) == pytest.approx(want, rel=1e-12) and want > 0
+
+
+def test_gradcheck_bias_corrected_reverse_kl_through_the_teacher_support():
+    g = torch.Generator().manual_seed(32)
+    x = torch.randn(2, 3, 9, generator=g, dtype=F64, requires_grad=True)
+    t = torch.randn(2, 3, 9, generator=g, dtype=F64)
+    for renormalize in (False, True):
+        loss = lambda z: bias_corrected_reverse_kl(*teacher_topk_support(z, t, 4, renormalize))  # noqa: E731
+        assert torch.autograd.gradcheck(loss, (x,))
+
+
+def test_topk_divergence_is_each_methods_loss():
+    g = torch.Generator().manual_seed(33)
+    s_logits, t_logits = torch.randn(5, 25, generator=g, dtype=F64) * 2, torch.randn(5, 25, generator=g, dtype=F64) * 2
+    k = 6
+    # BAS-OPD / Vision-OPD (the defaults): Eq. 3 on the student's top-k + tail
+    want = generalized_jsd(*topk_support(s_logits, t_logits, k), 0.5)
+    assert_close(topk_divergence(s_logits, t_logits, k, 0.5), want)
+    # OPSD (TRL's generalized_jsd_loss with top_k): the teacher's top-k logits, log_softmax of each side, JSD
+    ids = t_logits.topk(k, -1).indices
+    s_r, t_r = torch.log_softmax(s_logits.gather(-1, ids), -1), torch.log_softmax(t_logits.gather(-1, ids), -1)
+    got = topk_divergence(s_logits, t_logits, k, 0.3, support="teacher_renorm", divergence="jsd")
+    assert_close(got, ref_rows(ref_gjsd, s_r, t_r, 0.3), rtol=1e-12, atol=1e-14)
+    # RP-OPSD: the teacher's top-k, full softmax, bias-corrected reverse KL
+    s_f, t_f = torch.log_softmax(s_logits, -1).gather(-1, ids), torch.log_softmax(t_logits, -1).gather(-1, ids)
+    got = topk_divergence(s_logits, t_logits, k, support="teacher", divergence="bc_rkl")
+    assert_close(got, ref_rows(ref_bc_rkl, s_f, t_f), rtol=1e-12, atol=1e-14)
+
+
+@pytest.mark.parametrize(
+    "support,divergence,message",
+    [
+        ("teacher_top", "jsd", "unknown support"),
+        ("student_tail", "rkl", "unknown divergence"),
+        ("teacher", "jsd", "not a distribution"),
+    ],
+)
+def test_bad_support_and_divergence_combinations_are_refused(support, divergence, message):
+    z = torch.zeros(2, 8)
+    with pytest.raises(ValueError, match=message):
+        check_loss(support, divergence)
+    with pytest.raises(ValueError, match=message):
+        topk_divergence(z, z, 3, support=support, divergence=divergence)
+    for ok in (("student_tail", "jsd"), ("student_tail", "bc_rkl"), ("teacher", "bc_rkl"), ("teacher_renorm", "jsd")):
+        check_loss(*ok)
