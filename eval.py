@@ -6,9 +6,10 @@
 
 Greedy decoding (temperature 0, seed 42) with plain Hugging Face `generate`, the model and processor
 loaded as in training, the non-thinking prompt unless --enable-thinking. Predictions are appended to
-OUT/<benchmark>/predictions.jsonl as they come, so a stopped run resumes where it stopped; the scores
-go to OUT/results.json and OUT/results.md (Table 1 order, unweighted average). docs/EVAL.md lists the
-files each benchmark needs and where scoring departs from the paper.
+OUT/<benchmark>/predictions.jsonl as they come, so a stopped run resumes where it stopped (with the
+same model: its files' digest, not its path, is the resume key); the scores go to OUT/results.json and
+OUT/results.md (Table 1 order, unweighted average). docs/EVAL.md lists the files each benchmark needs
+and where scoring departs from the paper. Errors the user can fix are one line and exit code 2.
 """
 
 import sys
@@ -16,8 +17,8 @@ import time
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
-from opd.eval.benchmarks import LOADERS, BenchmarkDataError, load_benchmark
-from opd.cli import build_parser
+from opd.cli import UserError, build_parser, run_cli
+from opd.eval.benchmarks import LOADERS, BenchmarkDataError, expected_files, has_files, load_benchmark
 
 ALL_BENCHMARKS = ",".join(LOADERS)  # Table 1 order
 
@@ -66,11 +67,19 @@ class EvalConfig:
     """Seconds to wait for one judge reply."""
     label: str | None = None
     """Row label of this run in the tables (default: the output folder's name)."""
+    overwrite: bool = False
+    """Answer the named benchmarks again from scratch: their stored predictions in --out are deleted
+    (once the model has loaded). Without it, a folder holding another model's predictions is refused."""
     progress: bool = True
     """Show a progress bar per benchmark."""
 
 
 PRESETS: dict[str, dict] = {"default": {}}
+
+
+def _flag_error(message: str):
+    """argparse's error handler: a UserError (one line, exit 2) instead of usage + message."""
+    raise UserError(f"{message} (python eval.py --help lists the flags)")
 
 
 def parse_args(argv: list[str] | None) -> tuple[EvalConfig, list[str] | None]:
@@ -80,6 +89,7 @@ def parse_args(argv: list[str] | None) -> tuple[EvalConfig, list[str] | None]:
     parser = build_parser(EvalConfig, PRESETS, __doc__.split("\n")[0])
     parser.add_argument("--compare", nargs="+", metavar="RUN",
                         help="Print these runs (folders or results.json files) side by side with deltas, then exit.")
+    parser.error = _flag_error
     args = vars(parser.parse_args(argv))
     compare = args.pop("compare")
     preset = args.pop("preset")
@@ -113,32 +123,51 @@ def check_config(cfg: EvalConfig) -> list[str]:
             problems.append(f"--{flag.replace('_', '-')} {getattr(cfg, flag)}: must be >= 0")
     if cfg.judge_url and not cfg.judge_model:
         problems.append("--judge-url needs --judge-model (the model name the endpoint serves)")
+    if cfg.judge_url and not cfg.judge_url.strip().startswith(("http://", "https://")):
+        problems.append(f"--judge-url {cfg.judge_url!r}: expected an http:// or https:// URL")
     if problems:
-        raise SystemExit("eval.py: " + "; ".join(problems))
-    missing = [n for n in names if not (Path(cfg.data_dir) / n).is_dir()]
-    if missing:
-        raise SystemExit(f"eval.py: no data folder for {', '.join(missing)} under {cfg.data_dir} "
-                         f"(expected {cfg.data_dir}/<benchmark>/; docs/EVAL.md lists the files each needs)")
+        raise UserError("; ".join(problems))
+    check_data(names, cfg.data_dir)
     return list(dict.fromkeys(names))
 
 
+def check_data(names: list[str], data_dir: str) -> None:
+    """Refuses up front when benchmarks have no files: all missing ones with the files each expects,
+    and the present ones with the --benchmarks that runs them."""
+    if not Path(data_dir).is_dir():
+        raise UserError(f"--data-dir {data_dir}: no such folder (it holds one sub-folder per benchmark)")
+    missing = [n for n in dict.fromkeys(names) if not has_files(n, data_dir)]
+    if not missing:
+        return
+    present = [n for n in dict.fromkeys(names) if n not in missing]
+    lines = [f"{len(missing)} of {len(set(names))} benchmarks have no files under {data_dir} "
+             "(docs/EVAL.md lists the layouts):"]
+    lines += [f"  {n}: expected {Path(data_dir) / n}/ with {expected_files(n)}" for n in missing]
+    lines.append(f"present: {', '.join(present)}; to run only those: --benchmarks {','.join(present)}"
+                 if present else "none of them is present.")
+    raise UserError("\n".join(lines))
+
+
 def resolve_model(path: str) -> str:
-    """A checkpoint folder or hub id; a train.py run/checkpoint folder becomes its policy/."""
+    """What to load for --model: the built-in tiny model for 'tiny'; a train.py run or checkpoint folder's
+    policy/; else `opd.model.resolve_model_source` (a checkpoint folder, made absolute, or a hub id)."""
+    from opd.model import resolve_model_source
+
     if path == "tiny":
         from opd.tiny import tiny_defaults
 
         return str(tiny_defaults()[0])
-    folder = Path(path)
-    if not folder.is_dir():
-        return path  # a hub id
-    if (folder / "config.json").is_file():
-        return str(folder.resolve())
-    from opd.checkpoint import find_checkpoint
+    folder = Path(path).expanduser()
+    if folder.is_dir() and not (folder / "config.json").is_file():
+        from opd.checkpoint import find_checkpoint
 
-    try:
-        return str((find_checkpoint(folder) / "policy").resolve())
-    except FileNotFoundError as exc:
-        raise SystemExit(f"eval.py: --model {path}: no config.json there and {exc}") from exc
+        try:
+            folder = find_checkpoint(folder) / "policy"
+        except FileNotFoundError as exc:
+            raise UserError(f"--model {path}: no config.json there and {exc}") from exc
+        path = str(folder)
+    source = resolve_model_source(path)
+    return str(Path(source).resolve()) if Path(source).is_dir() else source
 
 
 def runtime(cfg: EvalConfig) -> tuple[str, str]:
@@ -154,14 +183,17 @@ def main(argv: list[str] | None = None) -> dict:
     if compare:
         from opd.eval.report import compare_runs
 
-        text = compare_runs(compare)
+        try:
+            text = compare_runs(compare)
+        except (FileNotFoundError, ValueError) as exc:  # a missing or foreign results file, named
+            raise UserError(f"--compare: {exc}") from exc
         print(text, end="")
         return {"compare": text}
     names = check_config(cfg)
 
     from transformers import set_seed
 
-    from opd.eval.evaluate import predict, score_view, write_jsonl_atomic
+    from opd.eval.evaluate import DigestCache, model_identity, predict, score_view, write_jsonl_atomic
     from opd.eval.metrics import zoom_gap
     from opd.eval.report import markdown_table, write_results
 
@@ -170,6 +202,8 @@ def main(argv: list[str] | None = None) -> dict:
     device, dtype = runtime(cfg)
     model_path = resolve_model(cfg.model)
     max_new = cfg.max_new_tokens or (1024 if cfg.enable_thinking else 64)
+    digests = DigestCache(out / "model_digests.json")
+    identity = model_identity(model_path, digests)  # the resume key: the model's files, not its path
     cache: dict = {}
 
     def get_model():
@@ -177,7 +211,15 @@ def main(argv: list[str] | None = None) -> dict:
             from opd.model import load_model, load_processor
 
             cache["pair"] = (load_model(model_path, dtype, device), load_processor(model_path))
+            if identity["model"].startswith("hf:"):  # a hub model downloaded just now: its commit is known
+                identity.update(model_identity(model_path, digests))
+            digests.save()
         return cache["pair"]
+
+    def view_settings(view: str):
+        """What one view's predictions depend on, read when called (a hub model's commit may arrive later)."""
+        return lambda: {**identity, "view": view, "enable_thinking": cfg.enable_thinking, "max_new_tokens": max_new,
+                        "dtype": dtype}
 
     judge = None
     if cfg.judge_url:
@@ -190,7 +232,7 @@ def main(argv: list[str] | None = None) -> dict:
         try:
             items = load_benchmark(name, cfg.data_dir)
         except (BenchmarkDataError, ImportError) as exc:  # a bad file (named with row and field); no pyarrow
-            raise SystemExit(f"eval.py: benchmark '{name}': {exc}") from exc
+            raise UserError(f"benchmark '{name}': {exc}") from exc
         try:
             views = ["full"] + (["crop"] if cfg.view == "crop" and any(i.crop is not None for i in items) else [])
             if cfg.view == "crop" and len(views) == 1:
@@ -200,14 +242,12 @@ def main(argv: list[str] | None = None) -> dict:
                 subset = [item for item in items if view == "full" or item.crop is not None]
                 subset = subset[: cfg.limit] if cfg.limit else subset
                 key = name if view == "full" else f"{name}@crop"
-                settings = {"model": model_path, "view": view, "enable_thinking": cfg.enable_thinking,
-                            "max_new_tokens": max_new, "dtype": dtype}
-                stored = predict(key, subset, out / key, settings, get_model, cfg.batch_size, cfg.progress,
-                                 cfg.max_prompt_len or None)
+                stored = predict(key, subset, out / key, view_settings(view), get_model, cfg.batch_size, cfg.progress,
+                                 cfg.max_prompt_len or None, cfg.overwrite)
                 results[key], by_view[view] = score_view(name, subset, stored, judge)
                 write_jsonl_atomic(out / key / "scored.jsonl", by_view[view])
         except BenchmarkDataError as exc:  # a missing/corrupt file or image, named with its row and field
-            raise SystemExit(f"eval.py: benchmark '{name}': {exc}") from exc
+            raise UserError(f"benchmark '{name}': {exc}") from exc
         if "crop" in by_view:
             gap = results[f"{name}@crop"]["zoom_gap"] = zoom_gap(by_view["full"], by_view["crop"])
             notes.append(f"{name} zoom gap (crop - full, {gap['n']} items): {gap['gap']:+.2f} points "
@@ -217,7 +257,9 @@ def main(argv: list[str] | None = None) -> dict:
     if no_crop:
         notes.append(f"--view crop: no crop images in {', '.join(no_crop)}; full view only there.")
     label = cfg.label or out.resolve().name
-    meta = {**asdict(cfg), "label": label, "model_path": model_path, "device": device, "dtype": dtype,
+    digests.save()
+    meta = {**asdict(cfg), "label": label, "model_path": model_path, "model_identity": identity["model"],
+            "model_revision": identity["model_revision"], "device": device, "dtype": dtype,
             "max_new_tokens": max_new, "scoring": f"judge {cfg.judge_model} at {cfg.judge_url}" if judge else
             "free-form answers by normalised exact match", "finished": time.strftime("%Y-%m-%d %H:%M:%S")}
     if judge is not None:
@@ -230,4 +272,4 @@ def main(argv: list[str] | None = None) -> dict:
 
 
 if __name__ == "__main__":
-    main(sys.argv[1:])
+    run_cli(main, sys.argv[1:], "eval.py")

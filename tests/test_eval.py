@@ -10,6 +10,8 @@ import http.server
 import io
 import json
 import shutil
+import subprocess
+import sys
 import threading
 from pathlib import Path
 from types import SimpleNamespace
@@ -19,6 +21,7 @@ from transformers import GenerationConfig
 
 import eval as eval_py
 from bench_fixtures import ZOOMBENCH_ANSWERS, write_all_fixtures, write_vstar_fixture, write_zoombench_fixture
+from opd.cli import UserError
 from opd.eval import evaluate, inference
 from opd.eval.judge import Judge, JudgeError, cache_key, endpoint, parse_verdict
 from opd.eval.report import write_results
@@ -192,7 +195,7 @@ def test_interrupted_run_resumes_to_the_same_predictions(full_run, data, tmp_pat
     run_quiet(argv)  # nothing left: nothing generated, same file
     assert asked == [] and predictions(out / "hrbench4k") == rows
 
-    with pytest.raises(SystemExit, match="max_new_tokens"):  # other settings never mix into the file
+    with pytest.raises(UserError, match="max_new_tokens"):  # other settings never mix into the file
         run_quiet(argv + ["--max-new-tokens", "7"])
 
 
@@ -362,29 +365,153 @@ def test_compare_prints_runs_side_by_side_with_deltas(full_run, tmp_path, capsys
 
 
 def test_unknown_benchmark_lists_the_known_ones(tmp_path):
-    with pytest.raises(SystemExit) as exc:
+    with pytest.raises(UserError) as exc:
         eval_py.main(["--model", "tiny", "--benchmarks", "vstar,imagenet", "--data-dir", str(tmp_path)])
     assert "'imagenet'" in str(exc.value) and "known: " + ", ".join(NAMES) in str(exc.value)
 
 
 def test_missing_or_malformed_data_names_benchmark_file_and_field(tiny, tmp_path):
     write_vstar_fixture(tmp_path)
-    with pytest.raises(SystemExit, match=r"no data folder for mmvp under"):
+    with pytest.raises(UserError, match=r"1 of 2 benchmarks have no files .*\n  mmvp: expected .*Questions.csv"):
         eval_py.main(args(tiny[0], tmp_path, tmp_path / "out", "--benchmarks", "vstar,mmvp"))
     path = tmp_path / "vstar" / "test_questions.jsonl"
     rows = [json.loads(line) for line in path.read_text().splitlines()]
     del rows[1]["label"]
     path.write_text("".join(json.dumps(r) + "\n" for r in rows))
-    with pytest.raises(SystemExit) as exc:
+    with pytest.raises(UserError) as exc:
         eval_py.main(args(tiny[0], tmp_path, tmp_path / "out", "--benchmarks", "vstar"))
     assert "benchmark 'vstar'" in str(exc.value) and "test_questions.jsonl line 2" in str(exc.value)
     assert "'label'" in str(exc.value)
     write_zoombench_fixture(tmp_path)
     image = tmp_path / "zoombench" / "images" / "zb1.jpg"
     image.write_bytes(image.read_bytes()[:50])  # the header reads, the pixels do not: found while answering
-    with pytest.raises(SystemExit) as exc:
+    with pytest.raises(UserError) as exc:
         eval_py.main(args(tiny[0], tmp_path, tmp_path / "out", "--benchmarks", "zoombench"))
     assert "benchmark 'zoombench'" in str(exc.value) and "zb1.jpg" in str(exc.value)
     assert "cannot decode image" in str(exc.value)
-    with pytest.raises(SystemExit, match="--model is required"):
+    with pytest.raises(UserError, match="--model is required"):
         eval_py.main(["--data-dir", str(tmp_path)])
+
+
+def test_all_missing_benchmarks_named_up_front_with_the_command_for_the_present_ones(tmp_path):
+    write_vstar_fixture(tmp_path)
+    write_zoombench_fixture(tmp_path)
+    (tmp_path / "mmvp").mkdir()  # a folder without its files counts as missing too
+    with pytest.raises(UserError) as exc:
+        eval_py.main(["--model", "tiny", "--data-dir", str(tmp_path)])  # the default: all seven
+    lines = str(exc.value).splitlines()
+    assert lines[0].startswith(f"5 of 7 benchmarks have no files under {tmp_path}")
+    missing = [line.split(":")[0].strip() for line in lines[1:-1]]
+    assert missing == ["hrbench4k", "mmvp", "cvbench", "mmstar", "pope"]
+    assert "mmvp: expected " + str(tmp_path / "mmvp") + "/ with Questions.csv" in lines[2]
+    assert lines[-1] == "present: vstar, zoombench; to run only those: --benchmarks vstar,zoombench"
+
+
+# ----------------------------------------------------------------------------- the model's identity
+
+
+def test_a_new_checkpoint_at_the_same_path_is_not_reported_with_the_old_replies(data, tmp_path):
+    """Retrain into the same run folder, evaluate into the old --out: refused, or answered anew with --overwrite."""
+    from opd.tiny import build_tiny_model
+
+    first, second = build_tiny_model(tmp_path / "a", seed=1), build_tiny_model(tmp_path / "b", seed=2)
+    ckpt = tmp_path / "run" / "policy"
+    shutil.copytree(first, ckpt)
+    out = tmp_path / "eval"
+    argv = args(ckpt, data.dir, out, "--benchmarks", "hrbench4k")
+    run_quiet(argv)
+    old = predictions(out / "hrbench4k")
+    shutil.rmtree(ckpt)
+    shutil.copytree(second, ckpt)  # the new weights, same path, same file names and sizes
+    with pytest.raises(UserError, match=r"other settings .*model: 'sha256:.*--overwrite to delete them"):
+        run_quiet(argv)
+    assert predictions(out / "hrbench4k") == old  # untouched
+
+    run_quiet(args(second, data.dir, tmp_path / "fresh", "--benchmarks", "hrbench4k"))
+    new, _ = run_quiet(argv + ["--overwrite"])
+    assert predictions(out / "hrbench4k") == predictions(tmp_path / "fresh" / "hrbench4k")
+    assert [r["reply"] for r in old] != [r["reply"] for r in predictions(out / "hrbench4k")]
+    assert new["results"]["hrbench4k"] == results(tmp_path / "fresh")["hrbench4k"]
+    settings = json.loads((out / "hrbench4k" / "settings.json").read_text())
+    assert settings["model_path"] == str(ckpt.resolve()) and settings["model"].startswith("sha256:")
+
+    shutil.rmtree(tmp_path / "run")
+    shutil.copytree(second, tmp_path / "moved")  # the same weights elsewhere: the same model, resumed
+    again, _ = run_quiet(args(tmp_path / "moved", data.dir, out, "--benchmarks", "hrbench4k"))
+    assert again["results"] == new["results"]
+
+
+def test_a_failed_start_writes_nothing(tiny, data, tmp_path):
+    out = tmp_path / "out"
+    with pytest.raises(UserError, match="no such model folder: " + str(tmp_path / "typo")):
+        run_quiet(args(tmp_path / "typo", data.dir, out, "--benchmarks", "vstar"))
+    broken = tmp_path / "broken"
+    shutil.copytree(tiny[0], broken)
+    (broken / "model.safetensors").write_bytes(b"\0" * 64)  # weights that do not load
+    with pytest.raises(Exception):
+        run_quiet(args(broken, data.dir, out, "--benchmarks", "vstar"))
+    assert not out.exists()  # no settings.json, no digest cache: the folder is not poisoned
+
+
+def test_model_digests_are_cached_and_follow_the_content(tiny, tmp_path, monkeypatch):
+    folder = tmp_path / "ckpt"
+    shutil.copytree(tiny[0], folder)
+    digests = evaluate.DigestCache(tmp_path / "out" / "model_digests.json")
+    key = evaluate.model_identity(str(folder), digests)["model"]
+    assert not (tmp_path / "out").exists()  # nothing written before save()
+    digests.save()
+    hashed: list[str] = []
+    real = evaluate.file_sha256
+    monkeypatch.setattr(evaluate, "file_sha256", lambda p: hashed.append(Path(p).name) or real(p))
+    cached = evaluate.DigestCache(tmp_path / "out" / "model_digests.json")
+    assert evaluate.model_identity(str(folder), cached)["model"] == key and hashed == []  # no file re-read
+    weights = folder / "model.safetensors"
+    data = bytearray(weights.read_bytes())
+    data[-1] ^= 1  # one bit of the weights, same size
+    weights.write_bytes(bytes(data))
+    assert evaluate.model_identity(str(folder), cached)["model"] != key and hashed == ["model.safetensors"]
+
+
+def test_a_hub_snapshot_is_identified_by_repo_and_commit(tmp_path):
+    snap = tmp_path / "hub" / "models--Qwen--Qwen3.5-4B" / "snapshots" / "0123abcd"
+    snap.mkdir(parents=True)
+    ident = evaluate.model_identity(str(snap), evaluate.DigestCache(tmp_path / "d.json"))
+    assert ident == {"model": "hf:Qwen/Qwen3.5-4B", "model_revision": "0123abcd", "model_path": str(snap)}
+    old = {**ident, "model_revision": None}  # first run: downloaded by from_pretrained, commit unknown then
+    assert evaluate.settings_diff(old, ident) == []
+    assert evaluate.settings_diff({**ident, "model_revision": "ffff"}, ident) == [
+        "model_revision: 'ffff' there, '0123abcd' now"]
+
+
+# ----------------------------------------------------------------------------- the command line
+
+
+def run_eval_py(*argv) -> subprocess.CompletedProcess:
+    root = Path(eval_py.__file__).parent
+    return subprocess.run([sys.executable, str(root / "eval.py"), *map(str, argv)], cwd=root,
+                          capture_output=True, text=True, timeout=300)
+
+
+@pytest.mark.slow
+def test_user_errors_are_one_line_with_exit_code_2(tiny, tmp_path):
+    write_vstar_fixture(tmp_path)
+    path = tmp_path / "vstar" / "test_questions.jsonl"
+    path.write_text(path.read_text() + "{not json\n")
+    cases = {
+        "bad data line": args(tiny[0], tmp_path, tmp_path / "out", "--benchmarks", "vstar"),
+        "compare": ["--compare", tmp_path / "nowhere"],
+        "flag": ["--batch-size", "many"],
+        "model": args(tmp_path / "typo", tmp_path, tmp_path / "out", "--benchmarks", "vstar"),
+    }
+    expected = {"bad data line": "test_questions.jsonl line", "compare": "nowhere", "flag": "--batch-size",
+                "model": "no such model folder"}
+    for case, argv in cases.items():
+        proc = run_eval_py(*argv)
+        assert proc.returncode == 2, (case, proc.stderr)
+        lines = [line for line in proc.stderr.splitlines() if line.strip()]
+        assert len(lines) == 1 and lines[0].startswith("eval.py: error: "), (case, proc.stderr)
+        assert expected[case] in lines[0], (case, lines[0])
+    assert not (tmp_path / "out").exists()
+    missing = run_eval_py("--model", "tiny", "--data-dir", tmp_path)  # all seven; six missing: a line each
+    assert missing.returncode == 2 and "Traceback" not in missing.stderr
+    assert missing.stderr.count("\n") == 8 and "--benchmarks vstar" in missing.stderr

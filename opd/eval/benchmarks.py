@@ -563,6 +563,18 @@ def _mmvp_image_dir(folder: Path) -> Path:
     raise BenchmarkDataError(f"{folder / 'Questions.csv'}: no image folder 'MMVP Images/' beside it")
 
 
+def has_files(name: str, data_dir) -> bool:
+    """Whether ``data_dir/<name>/`` holds files of one of the benchmark's layouts (names only; nothing is read)."""
+    root = Path(data_dir) / name
+    return root.is_dir() and any(_find(root, patterns) for patterns, *_ in _layouts(name))
+
+
+def expected_files(name: str) -> str:
+    """The files a benchmark's folder needs, short form: the first pattern of each layout."""
+    firsts = [patterns[0] for patterns, *_ in _layouts(name)]
+    return " or ".join(firsts[:-1]) + " (or a Vision-OPD *.json)"
+
+
 def _load(name: str, root: Path, check_images: bool) -> list[BenchItem]:
     if not root.is_dir():
         raise BenchmarkDataError(f"{root}: benchmark folder not found (opd/eval/benchmarks.py lists the files expected)")

@@ -7,26 +7,45 @@ For each benchmark (and view) ``OUT/<key>/`` holds, with ``key`` the benchmark n
   pred, correct, ...), appended and flushed as the replies come. A restarted run skips the items
   whose ``index`` is already there; a torn last line (a run killed mid-write) is dropped and the
   item answered again.
-* ``settings.json``: what the predictions depend on (model, view, thinking, max new tokens, dtype). A
-  resume with different settings is refused instead of mixing two runs in one file.
+* ``settings.json``: what the predictions depend on: the model's identity (`model_identity`: a
+  sha256 over its files, or a hub id and commit; the path is kept only as a note), view, thinking,
+  max new tokens, dtype. A resume with different settings is refused instead of mixing two runs in
+  one file. It is written only once the model has loaded, just before the first reply is stored, so
+  a start that fails leaves the folder untouched.
 * ``scored.jsonl``: the final records of the last scoring: every reply re-graded with the current
   parsers and, for free-form answers, the judge's verdict when a judge is used.
+
+``OUT/model_digests.json`` remembers each hashed file's sha256 by (path, size, mtime, ctime), so a
+resumed or rescored run does not re-read an unchanged 8 GB checkpoint.
 
 Scoring reads the stored replies, so rescoring (another parser, a judge) never regenerates.
 """
 
 from __future__ import annotations
 
+import hashlib
 import json
 import os
+import shutil
+import sys
 import tempfile
 from collections.abc import Callable, Iterable, Iterator
 from pathlib import Path
 
+from opd.cli import UserError
 from opd.eval import inference
 from opd.eval.answers import grade, strip_thinking
 from opd.eval.benchmarks import BenchItem
 from opd.eval.metrics import score
+
+MODEL_FILES = (".safetensors", ".bin", ".json", ".jinja", ".txt", ".model", ".tiktoken")  # what replies depend on
+HASH_BLOCK = 16 << 20  # bytes read per hashlib update
+NOTES = ("model_path",)  # settings recorded but not compared
+SOFT = ("model_revision",)  # compared only when known on both sides
+
+
+class StoredFileError(UserError, ValueError):
+    """A stored JSONL file (predictions, judge cache) has a bad line before its last one."""
 
 
 def read_jsonl(path, repair: bool = False) -> list[dict]:
@@ -54,7 +73,7 @@ def read_jsonl(path, repair: bool = False) -> list[dict]:
             except ValueError as exc:
                 if last:
                     break
-                raise ValueError(f"{path} line {n}: bad JSON row ({exc}); fix or delete the line") from exc
+                raise StoredFileError(f"{path} line {n}: bad JSON row ({exc}); fix or delete the line") from exc
             if not complete:  # valid JSON but the newline never got written: treat as torn
                 break
             rows.append(row)
@@ -92,21 +111,137 @@ def write_jsonl_atomic(path, rows: Iterable[dict]) -> None:
         raise
 
 
-def check_settings(folder: Path, settings: dict) -> None:
-    """Records the settings of a prediction folder, or refuses to resume one made with others."""
+class DigestCache:
+    """sha256 digests of files, remembered in a JSON file by (path, size, mtime_ns, ctime_ns).
+
+    A file is re-read only when one of those changed. Nothing is written until `save()`.
+    """
+
+    def __init__(self, path):
+        self.path = Path(path)
+        try:
+            self.entries: dict[str, dict] = json.loads(self.path.read_text(encoding="utf-8"))
+        except (OSError, ValueError):
+            self.entries = {}
+        self.dirty = False
+
+    @staticmethod
+    def _stamp(path: Path) -> list[int]:
+        st = path.stat()
+        return [st.st_size, st.st_mtime_ns, st.st_ctime_ns]
+
+    def known(self, path: Path) -> bool:
+        """Whether `path`'s digest is cached and the file unchanged since."""
+        return self.entries.get(str(path.resolve()), {}).get("stamp") == self._stamp(path)
+
+    def file(self, path: Path) -> str:
+        """The sha256 of a file's content, read in HASH_BLOCK blocks unless cached and unchanged."""
+        if not self.known(path):
+            self.entries[str(path.resolve())] = {"stamp": self._stamp(path), "sha256": file_sha256(path)}
+            self.dirty = True
+        return self.entries[str(path.resolve())]["sha256"]
+
+    def folder(self, folder: Path) -> str:
+        """One sha256 over the names, sizes and content digests of a checkpoint folder's files
+        (weights, configs, tokenizer and chat template: the MODEL_FILES suffixes, hidden files left out)."""
+        files = sorted(p for p in Path(folder).iterdir()
+                       if p.is_file() and not p.name.startswith(".") and p.name.endswith(MODEL_FILES))
+        todo = sum(p.stat().st_size for p in files if not self.known(p))
+        if todo > 1 << 30:
+            print(f"hashing {todo / 2**30:.1f} GiB of {folder} (once per output folder) ...", file=sys.stderr,
+                  flush=True)
+        listing = [[p.name, p.stat().st_size, self.file(p)] for p in files]
+        return hashlib.sha256(json.dumps(listing).encode("utf-8")).hexdigest()
+
+    def save(self) -> None:
+        if not self.dirty:
+            return
+        self.path.parent.mkdir(parents=True, exist_ok=True)
+        fd, tmp = tempfile.mkstemp(prefix=f".{self.path.name}.", suffix=".tmp", dir=self.path.parent)
+        with os.fdopen(fd, "w", encoding="utf-8") as fh:
+            json.dump(self.entries, fh, indent=1, sort_keys=True)
+        os.replace(tmp, self.path)
+        self.dirty = False
+
+
+def file_sha256(path: Path) -> str:
+    digest = hashlib.sha256()
+    with open(path, "rb") as fh:
+        while block := fh.read(HASH_BLOCK):
+            digest.update(block)
+    return digest.hexdigest()
+
+
+def hub_snapshot(folder: Path) -> tuple[str, str] | None:
+    """(repo id, commit) of a snapshot folder in the Hugging Face cache (.../models--org--name/snapshots/<commit>)."""
+    folder = Path(folder).absolute()
+    repo = folder.parent.parent.name
+    if folder.parent.name != "snapshots" or not repo.startswith("models--"):
+        return None
+    return repo[len("models--"):].replace("--", "/"), folder.name
+
+
+def model_identity(source: str, digests: DigestCache) -> dict:
+    """What predictions depend on about the model, for settings.json.
+
+    ``model``: "sha256:<digest of the folder's files>" for a local folder, "hf:<repo id>" for a hub
+    model; ``model_revision``: the hub commit (from the cache; None while not downloaded);
+    ``model_path``: where it was loaded from (a note, not compared).
+    """
+    folder = Path(source)
+    if folder.is_dir():
+        hub = hub_snapshot(folder)
+        if hub is not None:
+            return {"model": f"hf:{hub[0]}", "model_revision": hub[1], "model_path": source}
+        return {"model": "sha256:" + digests.folder(folder), "model_revision": None, "model_path": source}
+    from opd.model import cached_snapshot
+
+    snapshot = cached_snapshot(source)
+    if snapshot is not None:
+        return {**model_identity(snapshot, digests), "model_path": source}
+    return {"model": f"hf:{source}", "model_revision": None, "model_path": source}
+
+
+def _show(key: str, value) -> str:
+    text = repr(value)
+    return text[:20] + "...'" if key == "model" and str(value).startswith("sha256:") else text
+
+
+def settings_diff(old: dict, new: dict) -> list[str]:
+    """'field: X there, Y now' for each compared setting that differs."""
+    diff = []
+    for k in sorted(old.keys() | new.keys()):
+        if k in NOTES or (k in SOFT and (old.get(k) is None or new.get(k) is None)) or old.get(k) == new.get(k):
+            continue
+        diff.append(f"{k}: {_show(k, old.get(k))} there, {_show(k, new.get(k))} now")
+    return diff
+
+
+def check_settings(folder: Path, settings: dict) -> bool:
+    """Refuses to continue a prediction folder made with other settings; True if it has settings.json."""
     path = Path(folder) / "settings.json"
-    if path.is_file():
-        old = json.loads(path.read_text(encoding="utf-8"))
-        diff = [f"{k}: {old.get(k)!r} there, {settings.get(k)!r} now" for k in sorted(settings.keys() | old.keys())
-                if old.get(k) != settings.get(k)]
-        if diff:
-            raise SystemExit(
-                f"eval.py: {folder} holds predictions made with other settings ({'; '.join(diff)}). "
-                "Use another --out, or delete that folder to start it again."
-            )
+    if not path.is_file():
+        return False
+    old = json.loads(path.read_text(encoding="utf-8"))
+    diff = settings_diff(old, settings)
+    if diff:
+        where = f" (made from {old['model_path']})" if old.get("model_path") else ""
+        raise UserError(
+            f"{folder} holds predictions made with other settings{where}: {'; '.join(diff)}. "
+            f"Use another --out, or --overwrite to delete them and answer {Path(folder).name} again."
+        )
+    return True
+
+
+def start_folder(folder: Path, settings: dict, overwrite: bool) -> None:
+    """Makes ``folder`` ready for new replies: emptied first with ``overwrite``, settings.json written."""
+    folder = Path(folder)
+    if overwrite and folder.is_dir():
+        shutil.rmtree(folder)
+    if check_settings(folder, settings):
         return
-    path.parent.mkdir(parents=True, exist_ok=True)
-    path.write_text(json.dumps(settings, indent=2, sort_keys=True) + "\n", encoding="utf-8")
+    folder.mkdir(parents=True, exist_ok=True)
+    (folder / "settings.json").write_text(json.dumps(settings, indent=2, sort_keys=True) + "\n", encoding="utf-8")
 
 
 def load_predictions(folder: Path) -> dict[str, dict]:
@@ -122,35 +257,44 @@ def predict(
     key: str,
     items: list[BenchItem],
     folder: Path,
-    settings: dict,
+    settings: Callable[[], dict],
     get_model: Callable[[], tuple],
     batch_size: int,
     progress: bool = True,
     max_prompt_len: int | None = None,
+    overwrite: bool = False,
 ) -> dict[str, dict]:
     """Answers the items of ``folder`` not yet answered and returns index -> record for all stored.
 
     ``get_model()`` is called only when something is left to answer (rescoring loads no model).
+    ``settings()`` is checked against the folder's settings.json before anything loads, and called
+    again after ``get_model()`` (a hub model's revision is known once it is downloaded) to write
+    settings.json just before the first reply: a start that fails writes nothing. ``overwrite``
+    answers every item again, deleting the folder's stored replies once the model has loaded.
     """
     from tqdm.auto import tqdm
 
     folder = Path(folder)
-    check_settings(folder, settings)
-    stored = load_predictions(folder)
+    stored = {}
+    if not overwrite:
+        check_settings(folder, settings())
+        stored = load_predictions(folder)
     pending = [item for item in items if item.index not in stored]
     if not pending:
         return stored
     model, processor = get_model()
+    final = settings()
+    start_folder(folder, final, overwrite)
     bar = tqdm(total=len(items), initial=len(items) - len(pending), desc=key, unit="item", disable=not progress)
     replies: Iterator = inference.answer_items(
-        model, processor, pending, batch_size=batch_size, max_new_tokens=settings["max_new_tokens"],
-        enable_thinking=settings["enable_thinking"], view=settings["view"], max_prompt_len=max_prompt_len,
+        model, processor, pending, batch_size=batch_size, max_new_tokens=final["max_new_tokens"],
+        enable_thinking=final["enable_thinking"], view=final["view"], max_prompt_len=max_prompt_len,
     )  # fmt: skip
     path = folder / "predictions.jsonl"
     try:
         with open(path, "a", encoding="utf-8") as fh:
             for item, reply in replies:
-                record = {**grade(item, reply), "view": settings["view"]}
+                record = {**grade(item, reply), "view": final["view"]}
                 fh.write(json.dumps(record, ensure_ascii=False, default=str) + "\n")
                 fh.flush()
                 stored[item.index] = record

@@ -20,6 +20,7 @@ import urllib.error
 import urllib.request
 from pathlib import Path
 
+from opd.cli import UserError
 from opd.eval.evaluate import append_jsonl, read_jsonl
 
 SYSTEM_PROMPT = "You grade answers to visual questions. Reply with one word: correct or incorrect."
@@ -60,8 +61,9 @@ def cache_key(question: str, gold: str, reply: str, model: str) -> str:
     return hashlib.sha256(payload.encode("utf-8")).hexdigest()
 
 
-class JudgeError(RuntimeError):
-    """The judge endpoint failed or answered something that is not a chat completion."""
+class JudgeError(UserError, RuntimeError):
+    """The judge endpoint failed or answered something that is not a chat completion (reported in one
+    line with the URL and status: a wrong --judge-url/--judge-model, or a server to restart)."""
 
 
 class Judge:
@@ -116,7 +118,7 @@ class Judge:
                 with urllib.request.urlopen(request, timeout=self.timeout) as response:
                     payload = json.loads(response.read().decode("utf-8"))
             except urllib.error.HTTPError as exc:
-                detail = exc.read().decode("utf-8", "replace")[:300]
+                detail = " ".join(exc.read().decode("utf-8", "replace").split())[:300]  # one line
                 last = f"HTTP {exc.code}: {detail}"
                 if exc.code < 500 and exc.code != 429:  # a client error does not get better on retry
                     break
