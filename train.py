@@ -40,7 +40,8 @@ from opd.seeding import mix_seed
 from opd.selectors import POLICIES, Selector, query_budget
 from opd.teacher import EMATeacher
 from opd.tiny import tiny_defaults
-from opd.views import VIEWS, student_view, teacher_view
+from opd.methods import METHODS, get_method
+from opd.views import VIEWS, get_view
 
 
 @dataclass
@@ -57,6 +58,9 @@ class TrainConfig:
     """Continue from a run folder (its latest checkpoint) or a checkpoint folder, with the run's own settings."""
     overwrite: bool = False
     """Start over in an --out folder that holds a run, deleting its ledger, summary and checkpoints."""
+    method: str = "bas-opd"
+    """Method of the family (opd/methods.py): bas-opd, vision-opd, rp-opsd, opd-v or opsd; sets its views,
+    support, divergence, token weight and its paper's settings (under the flags given)."""
     policy: str = "learned"
     """Selection policy: full, random, entropy or learned."""
     rho: float = 0.25
@@ -73,8 +77,8 @@ class TrainConfig:
     """Most new tokens per rollout."""
     enable_thinking: bool = False
     """Qwen3.5's thinking generation prompt instead of the non-thinking one."""
-    teacher_view: str = "crop"
-    """The teacher's privileged view (opd/views.py)."""
+    teacher_view: str | None = None
+    """The teacher's privileged view (opd/views.py); none = the method's (crop for bas-opd)."""
     lr: float = 2e-6
     """AdamW learning rate of the policy."""
     weight_decay: float = 0.01
@@ -84,7 +88,9 @@ class TrainConfig:
     ema_tau: float = 0.05
     """EMA rate tau of the crop teacher, applied after each valid update."""
     alpha: float = 0.5
-    """Generalized JSD mixture weight (0.5: symmetric JSD)."""
+    """Generalized JSD mixture weight (0.5: symmetric JSD); unused by rp-opsd's reverse KL."""
+    is_clip: float = 0.0
+    """Importance-ratio clip c (Vision-OPD's is_clip 2): each token's loss times min(pi/pi_old, c); 0 = off."""
     topk: int = 100
     """Top-k support of the distillation loss and the utility terms."""
     micro_batch: int = 4
@@ -151,9 +157,11 @@ class TrainConfig:
         )  # fmt: skip
 
     def distill(self) -> DistillConfig:
+        method = get_method(self.method)
         return DistillConfig(
             self.topk, self.alpha, self.micro_batch, self.micro_batch_tokens, self.loss_chunk,
-            not self.no_overlap, not self.no_confidence,
+            not self.no_overlap, not self.no_confidence, method.support, method.divergence,
+            method.token_weight, self.is_clip,
         )  # fmt: skip
 
 
@@ -226,8 +234,12 @@ def check_config(cfg: TrainConfig, world: int) -> None:
         problems.append(f"--steps {cfg.steps}: must be >= 0")
     if cfg.grad_clip < 0:
         problems.append(f"--grad-clip {cfg.grad_clip}: must be >= 0 (0 = no clipping)")
-    if cfg.teacher_view not in VIEWS:
+    if cfg.method not in METHODS:
+        problems.append(f"--method {cfg.method!r}: choose one of {', '.join(METHODS)}")
+    if cfg.teacher_view is not None and cfg.teacher_view not in VIEWS:
         problems.append(f"--teacher-view {cfg.teacher_view!r}: choose one of {', '.join(sorted(VIEWS))}")
+    if cfg.is_clip < 0:
+        problems.append(f"--is-clip {cfg.is_clip}: must be >= 0 (0 = off)")
     if cfg.dtype not in DTYPES:
         problems.append(f"--dtype {cfg.dtype!r}: choose one of {', '.join(DTYPES)}")
     if cfg.preset != "tiny" and cfg.data is None:
@@ -248,6 +260,8 @@ class Run:
         self.acc = accelerator or Accelerator(cpu=cpu)
         self.autocast = autocast(self.acc.device, cfg.mixed_precision)
         self.cfg = cfg
+        self.method = get_method(cfg.method)
+        self.teacher_views = ((cfg.teacher_view or self.method.teacher_view),) + self.method.teacher_views[1:]
         self.out = Path(cfg.out)
         self.launch = launch_info(self.acc.num_processes)
         self._claim_out_folder()
@@ -283,7 +297,7 @@ class Run:
         optimizer = torch.optim.AdamW(student.parameters(), lr=cfg.lr, weight_decay=cfg.weight_decay)
         self.student, self.optimizer = self.acc.prepare(student, optimizer)
         self.selector = Selector(cfg.policy, 0.0 if cfg.no_exploration else cfg.explore, cfg.predictor())
-        self.view = teacher_view(cfg.teacher_view)
+        self.student_view = get_view(self.method.student_view)
         self.warned_no_eligible = False
         if state is not None:
             self.optimizer.load_state_dict(state["optimizer"])
@@ -312,24 +326,43 @@ class Run:
         n, per_step = len(self.records), self.cfg.prompts_per_step
         if n < per_step:
             raise UserError(f"{data_path}: {n} records cannot fill one step of --prompts-per-step {per_step}")
-        if not any(r.eligible for r in self.records):
+        if not any(self.eligible(r) for r in self.records):
             raise UserError(
-                f"{data_path}: no record has a crop ('teacher_images' or 'bbox'), so no rollout could ever be "
-                "sent to the teacher: every step would train with zero distillation"
+                f"{data_path}: no record has a crop ('teacher_images' or 'bbox'), which the {self.cfg.method} teacher "
+                f"views {', '.join(self.teacher_views)} need: every step would train with zero distillation"
             )
+
+    def eligible(self, record: Record) -> bool:
+        """Whether the record's rows can be candidates (the set C): every view of the method can be built."""
+        return all(VIEWS[v].eligible(record) for v in (self.method.student_view, *self.teacher_views))
+
+    @property
+    def run_name(self) -> str:
+        """The table label: policy-percent, e.g. learned-25, prefixed by the method unless it is bas-opd."""
+        name = f"{self.cfg.policy}-{round(100 * self.cfg.rho)}"
+        return name if self.cfg.method == "bas-opd" else f"{self.cfg.method} {name}"
 
     @property
     def policy(self):
         return self.acc.unwrap_model(self.student)
 
+    def prompt_ids(self, step: int) -> list[int]:
+        """This rank's record ids of step `step`."""
+        ids = step_prompt_indices(len(self.records), self.cfg.prompts_per_step, step, self.cfg.seed)
+        return shard(ids, self.acc.process_index, self.acc.num_processes)
+
     def prompts(self, step: int) -> list[Record]:
         """This rank's records of step `step`."""
-        ids = step_prompt_indices(len(self.records), self.cfg.prompts_per_step, step, self.cfg.seed)
-        return [self.records[i] for i in shard(ids, self.acc.process_index, self.acc.num_processes)]
+        return [self.records[i] for i in self.prompt_ids(step)]
 
-    def encode(self, view, record: Record):
-        images, problem = view(record)
+    def encode(self, view, record: Record, seed: int = 0):
+        """One prompt of `view` (a View or its name); `seed` draws the view's randomness (the mask)."""
+        images, problem = get_view(view)(record, seed) if isinstance(view, str) else view(record, seed)
         return encode_prompt(self.processor, images, problem, self.cfg.enable_thinking, self.cfg.max_prompt_len)
+
+    def student_prompts(self, records: list[Record]) -> list:
+        """The student's prompts (Eq. 1) of a step's records, in the method's student view."""
+        return [self.encode(self.student_view, r) for r in records]
 
     def step(self, step: int, rollouts: Rollouts | None = None) -> dict:
         """One iteration of Algorithm 1; `rollouts` may stand in for sampling (tests). Returns the ledger row."""
@@ -337,8 +370,9 @@ class Run:
         t_step = time.perf_counter()
         timer = PhaseTimer(device)
         with timer("prompt"):
-            records = self.prompts(step)
-            student_prompts = [self.encode(student_view, r) for r in records]
+            record_ids = self.prompt_ids(step)
+            records = [self.records[i] for i in record_ids]
+            student_prompts = self.student_prompts(records)
 
         # Line 3: y_i ~ p_theta(. | x_i, q_i) for every prompt of this rank; C = rows with a crop.
         with timer("generation"):
@@ -350,7 +384,7 @@ class Run:
                         cfg.rollout_batch, cfg.share_prefill,
                     )  # fmt: skip
         rows = rollouts.prompt_index.tolist()
-        eligible_local = torch.tensor([records[j].eligible for j in rows]) & rollouts.valid
+        eligible_local = torch.tensor([self.eligible(records[j]) for j in rows], dtype=torch.bool) & rollouts.valid
         area = torch.tensor([records[j].area_ratio for j in rows])
 
         # Line 4: detached features (Eq. 5), all-gathered so every rank sees the global candidates.
@@ -372,18 +406,20 @@ class Run:
         local = selected[(selected >= offset) & (selected < offset + len(rollouts))] - offset
 
         # Lines 11-13: teacher only on S; Eq. 11 backpropagated; AdamW; EMA after a valid update.
-        teacher_prompts: dict[int, object] = {}
+        teacher_prompts: dict[tuple[str, int], object] = {}
 
-        def teacher_prompt(j: int):
-            if j not in teacher_prompts:
-                teacher_prompts[j] = self.encode(self.view, records[j])
-            return teacher_prompts[j]
+        def teacher_prompt(view: str, j: int):
+            """Local prompt j in a teacher view, encoded once per step; its mask seed is (seed, step, record id)."""
+            if (view, j) not in teacher_prompts:
+                seed = mix_seed(cfg.seed, step, record_ids[j])
+                teacher_prompts[view, j] = self.encode(view, records[j], seed)
+            return teacher_prompts[view, j]
 
         rows_before = self.teacher.rows_scored
         t0 = time.perf_counter()
         res = distill(
             acc, self.student, self.teacher, rollouts, student_prompts, teacher_prompt, local, cfg.distill(),
-            self.ids["pad"], self.autocast,
+            self.ids["pad"], self.autocast, self.teacher_views,
         )  # fmt: skip
         timer.seconds["teacher_forward"] += res.teacher_s
         timer.seconds["student"] += time.perf_counter() - t0 - res.teacher_s
@@ -392,9 +428,13 @@ class Run:
                 if p.grad is None:
                     p.grad = torch.zeros_like(p)
             grad_norm = acc.clip_grad_norm_(self.student.parameters(), cfg.grad_clip or float("inf"))  # 0: no clip
-        with timer("wait"):
-            counts = [res.loss_sum, self.teacher.rows_scored - rows_before, res.teacher_tokens, res.teacher_padded_tokens]
+        with timer("wait"):  # per teacher view: forward rows, real and padded tokens (summed), seconds (slowest rank)
+            costs = [[c.rows, c.tokens, c.padded_tokens] for c in res.teachers.values()]
+            counts = [res.loss_sum, self.teacher.rows_scored - rows_before, *(x for c in costs for x in c)]
             sums = acc.reduce(torch.tensor(counts, device=device, dtype=torch.float64), "sum").cpu()
+            view_s = [c.seconds for c in res.teachers.values()]
+            view_s = acc.gather(torch.tensor([view_s], device=device, dtype=torch.float64)).cpu().max(0).values
+        per_view = sums[2:].view(len(self.teacher_views), 3).long()  # (views, 3)
         loss = float(sums[0]) / max(1, res.global_tokens)
         valid = bool(torch.isfinite(torch.as_tensor(loss)) and torch.isfinite(torch.as_tensor(grad_norm)))
         if valid:
@@ -424,8 +464,8 @@ class Run:
             "teacher_rows": int(sums[1]),
             "scored_tokens": int(lengths[selected].sum()),
             "candidate_tokens": int(lengths[eligible].sum()),
-            "teacher_tokens": int(sums[2]),
-            "teacher_padded_tokens": int(sums[3]),
+            "teacher_tokens": int(per_view[:, 1].sum()),
+            "teacher_padded_tokens": int(per_view[:, 2].sum()),
             "loss": loss,
             "grad_norm": float(grad_norm),
             "skipped": not valid,
@@ -433,6 +473,8 @@ class Run:
             **{f"{p}_s": float(v) for p, v in zip(PHASES, phases)},
             **{k.split("/")[-1]: v for k, v in sel_metrics.items()},
         }
+        for view, (rows_v, tokens_v, _), sec in zip(self.teacher_views, per_view.tolist(), view_s.tolist()):
+            row |= {f"teacher_rows_{view}": rows_v, f"teacher_tokens_{view}": tokens_v, f"teacher_forward_s_{view}": sec}
         row["world_size"] = acc.num_processes
         row["step_s"] = time.perf_counter() - t_step
         return row
@@ -479,7 +521,7 @@ class Run:
             print(f"train.py: {self.acc.num_processes} process(es), steps {self.start}..{self.steps - 1}; "
                   f"writing {self.out}/ledger.jsonl, summary.md and checkpoints", flush=True)
         # loss: Eq. 11 this step; queried: teacher calls |S| / budget K (Eq. 4); utility: mean u_i over S (Eq. 9)
-        bar = tqdm(total=self.steps, initial=self.start, desc=f"{self.cfg.policy}-{round(100 * self.cfg.rho)}", disable=not main)
+        bar = tqdm(total=self.steps, initial=self.start, desc=self.run_name, disable=not main)
         for step in range(self.start, self.steps):
             row = self.step(step)
             self.log(row)
@@ -497,7 +539,7 @@ class Run:
             summary = summarize(self.ledger.rows)
             summary["world_size"] = self.acc.num_processes
             summary["launches"] = [r["launch"] for r in self.ledger.rows if "launch" in r]
-            name = f"{self.cfg.policy}-{round(100 * self.cfg.rho)}"
+            name = self.run_name
             table = format_summary(summary, name)
             write_atomic(self.out / "summary.json", json.dumps(summary, indent=2) + "\n")
             write_atomic(self.out / "summary.md", table + "\n")
@@ -567,7 +609,9 @@ def main(argv: list[str] | None = None) -> dict:
         cfg = resumed_config(given)
     else:
         preset = given.pop("preset", TrainConfig.preset)
-        cfg = dataclasses.replace(TrainConfig(preset=preset, **PRESETS[preset]), **given)
+        method = given.get("method", TrainConfig.method)
+        settings = METHODS[method].settings if method in METHODS else {}  # an unknown one is refused by name later
+        cfg = TrainConfig(preset=preset, **{**PRESETS[preset], **settings, **given})
     hf_logging.disable_progress_bar()  # weight loading/saving bars would break the training bar
     return Run(cfg).train()
 

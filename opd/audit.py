@@ -39,7 +39,6 @@ from opd.features import rollout_features
 from opd.rollout import Rollouts, generate_rollouts
 from opd.seeding import mix_seed
 from opd.selectors import entropy_scores, query_budget, top_subset
-from opd.views import student_view
 
 # ----------------------------------------------------------------------------- statistics
 
@@ -222,30 +221,35 @@ def sample_batch(run, records: list[Record], seed: int) -> HeldBatch:
     cfg = run.cfg
     with _preserved(run):
         torch.manual_seed(seed)
-        prompts = [run.encode(student_view, r) for r in records]
+        prompts = run.student_prompts(records)
         with run.autocast():
             ro = generate_rollouts(run.policy, prompts, cfg.rollouts_per_prompt, cfg.max_response_len, cfg.rollout_batch)
     rows = ro.prompt_index.tolist()
-    eligible = torch.tensor([records[j].eligible for j in rows]) & ro.valid
+    eligible = torch.tensor([run.eligible(records[j]) for j in rows], dtype=torch.bool) & ro.valid
     area = torch.tensor([records[j].area_ratio for j in rows])
     phi = rollout_features(ro.logp, ro.entropy, ro.response_mask, ro.prompt_len, area)
     return HeldBatch(records, ro, prompts, phi, eligible, run.selector.predict(phi))
 
 
 def _micro_batches(run, batch: HeldBatch, rows: torch.Tensor):
-    """(sel, student inputs, teacher inputs, mask, width) per length-grouped micro-batch of `rows`, as
-    `opd.distill` forms them (the teacher on the run's privileged view, the student on the full image)."""
+    """(sel, student inputs, teacher inputs per teacher view, mask, width, response, old log-probs) per
+    length-grouped micro-batch of `rows`, as `opd.distill` forms them (the teachers on the run's
+    privileged views, the student on its own view; a view's randomness seeded by the record's place)."""
     cfg, device, ro = run.cfg.distill(), run.acc.device, batch.rollouts
-    teacher_prompts: dict[int, object] = {}
+    teacher_prompts: dict[tuple[str, int], object] = {}
     for group in plan_micro_batches(ro.lengths[rows], cfg.micro_batch):
         sel = rows[group]
         pids = ro.prompt_index[sel].tolist()
-        for j in pids:
-            if j not in teacher_prompts:
-                teacher_prompts[j] = run.encode(run.view, batch.records[j])
-        t_inputs, mask, width = micro_batch_inputs([teacher_prompts[j] for j in pids], ro, sel, run.ids["pad"], device)
+        t_inputs = []
+        for view in run.teacher_views:
+            for j in pids:
+                if (view, j) not in teacher_prompts:
+                    teacher_prompts[view, j] = run.encode(view, batch.records[j], j)
+            inputs, mask, width = micro_batch_inputs([teacher_prompts[view, j] for j in pids], ro, sel, run.ids["pad"], device)
+            t_inputs.append(inputs)
         s_inputs, _, _ = micro_batch_inputs([batch.student_prompts[j] for j in pids], ro, sel, run.ids["pad"], device)
-        yield sel, s_inputs, t_inputs, mask, width
+        response, old_logp = ro.response_ids[sel, :width].to(device), ro.logp[sel, :width].to(device)
+        yield sel, s_inputs, t_inputs, mask, width, response, old_logp
 
 
 @torch.no_grad()
@@ -255,10 +259,11 @@ def score_utility(run, batch: HeldBatch) -> torch.Tensor:
     utility = torch.full((len(batch.rollouts),), float("nan"))
     rows = batch.eligible.nonzero().squeeze(-1)
     with _preserved(run):
-        for sel, s_inputs, t_inputs, mask, width in _micro_batches(run, batch, rows):
+        for sel, s_inputs, t_inputs, mask, width, response, old_logp in _micro_batches(run, batch, rows):
             weights = budgeted_weights(torch.ones(len(sel), device=device), mask)
             with run.autocast():
-                _, _, u, _ = micro_batch_loss(run.policy, run.teacher, s_inputs, t_inputs, mask, width, weights, cfg)
+                _, _, u, _ = micro_batch_loss(run.policy, run.teacher, s_inputs, t_inputs, mask, width, weights, cfg,
+                                              response, old_logp)  # fmt: skip
             utility[sel] = u.float().cpu()
     batch.utility = utility
     return utility
@@ -348,10 +353,11 @@ def opd_gradient(run, batch: HeldBatch, rows: torch.Tensor) -> torch.Tensor:
     if tokens == 0:
         return torch.cat([t.flatten() for t in total])
     with _preserved(run):
-        for sel, s_inputs, t_inputs, mask, width in _micro_batches(run, batch, rows):
+        for sel, s_inputs, t_inputs, mask, width, response, old_logp in _micro_batches(run, batch, rows):
             weights = budgeted_weights(torch.ones(len(sel), device=device), mask, tokens)  # Eq. 11 over `rows`
             with run.autocast():
-                loss, _, _, _ = micro_batch_loss(run.policy, run.teacher, s_inputs, t_inputs, mask, width, weights, cfg)
+                loss, _, _, _ = micro_batch_loss(run.policy, run.teacher, s_inputs, t_inputs, mask, width, weights, cfg,
+                                                 response, old_logp)  # fmt: skip
             grads = torch.autograd.grad(loss, params, allow_unused=True)
             for t, g in zip(total, grads):
                 if g is not None:

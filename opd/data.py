@@ -6,8 +6,10 @@ Two record forms are read, one JSON object per line:
 - bbox form:       {"image": "full.jpg", "bbox": [x1, y1, x2, y2], "problem": "<image>Q", "answer": "B"}
   (the crop is cut from the full image; `images` + `bbox` is accepted too)
 
-Image paths are relative to the JSONL file's folder unless absolute. A row with a crop (either form)
-belongs to the crop-eligible set C; a row with neither is trained on without a teacher.
+Image paths are relative to the JSONL file's folder unless absolute. An optional `solution` string
+is OPSD's privileged text (`opd.views`). A row with a crop (either form) belongs to the crop-eligible
+set C of the crop-teacher methods; a row with neither is trained on without a teacher there (methods
+whose teacher needs no crop, RP-OPSD and OPSD, take every row).
 
 The crop-to-full area ratio a_i (the last feature of Eq. 5) comes from the bbox when there is one,
 else from the crop file's and the full image's sizes, assuming the crop was cut from the full image at
@@ -57,6 +59,13 @@ class Record:
     """(width, height) of the crop file, when there is one."""
     image_key: str = "images"
     """The record's own field of the full image ('images' or 'image'), for error messages."""
+    solution: str | None = None
+    """An optional worked solution (field `solution`), OPSD's privileged text when present."""
+
+    @property
+    def reference(self) -> str:
+        """The privileged text of OPSD's teacher: the solution when the record has one, else the answer."""
+        return self.solution if self.solution else self.answer
 
     @property
     def eligible(self) -> bool:
@@ -140,8 +149,10 @@ def parse_record(row: object, where: str, root: Path) -> Record:
     image_key = "images" if "images" in row else "image" if "image" in row else None
     if image_key is None:
         raise DataError(f"{where}: field 'images': missing (need 'images' or 'image')")
-    for key in ("problem", "answer"):
+    for key in ("problem", "answer", "solution"):
         if key not in row:
+            if key == "solution":
+                continue
             raise DataError(f"{where}: field '{key}': missing")
         if not isinstance(row[key], (str, int, float)) or isinstance(row[key], bool):
             raise DataError(f"{where}: field '{key}': expected a string, got {row[key]!r}")
@@ -152,7 +163,8 @@ def parse_record(row: object, where: str, root: Path) -> Record:
         crop = _one_path(row, "teacher_images", where, root)
         crop_size = image_size(crop, where, "teacher_images")
     bbox = _bbox(row["bbox"], size, where) if row.get("bbox") is not None else None
-    return Record(where, image, str(row["problem"]), str(row["answer"]), crop, bbox, size, crop_size or (0, 0), image_key)
+    solution = str(row["solution"]) if "solution" in row else None
+    return Record(where, image, str(row["problem"]), str(row["answer"]), crop, bbox, size, crop_size or (0, 0), image_key, solution)
 
 
 def load_records(path: str | Path) -> list[Record]:

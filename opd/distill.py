@@ -17,6 +17,16 @@ Gradients are synchronised on each rank's last backward only. A rank holding no 
 others do runs one zero-weighted forward/backward on one of its rows so that the gradient all-reduce
 still happens on every rank; when S is empty everywhere, no rank runs a forward.
 
+The family (`opd.methods`): the teacher runs once per selected row and teacher view (OPD-V: the
+crop and the masked crop); the support and divergence are the method's (`DistillConfig.support`,
+`.divergence`), and a per-token weight w_t (OPD-V's trust region from the two teachers' sampled-token
+log-probs; Vision-OPD's importance ratio with `is_clip`) multiplies Eq. 11's weights, whose
+denominator still counts every selected valid token.
+
+Cost accounting: each teacher view's forward, and the teacher-side LM-head work of the loss (its
+logits, log-softmax and gathers inside the chunked loss; the sampled-token log-probs of OPD-V), are
+teacher time, per view (`TeacherCost`).
+
 Where this departs from the paper: the student forward runs on selected rows only. Rows with z_i = 0
 contribute nothing to Eq. 11 or its gradient, so their forward would be discarded work.
 """
@@ -28,11 +38,12 @@ from dataclasses import dataclass, field
 import torch
 
 from opd.chat import EncodedPrompt, collate
-from opd.chunked import budgeted_loss_from_hidden, topk_jsd_from_logits
+from opd.chunked import budgeted_loss_from_hidden, sampled_logp_from_hidden, topk_jsd_from_logits
 from opd.divergence import budgeted_weights
 from opd.rollout import Rollouts
 from opd.teacher import EMATeacher, lm_head_weight, response_hidden, response_logits
 from opd.utility import sample_utility
+from opd.weights import importance_ratio, trust_region
 
 
 @dataclass
@@ -47,6 +58,24 @@ class DistillConfig:
     """Positions per LM-head chunk of the loss; 0 = the plain path on whole micro-batch logits."""
     use_overlap: bool = True
     use_confidence: bool = True
+    support: str = "student_tail"
+    """The divergence's support (opd.methods.SUPPORTS)."""
+    divergence: str = "jsd"
+    """'jsd' (Eq. 3 with alpha) or 'bc_rkl'."""
+    token_weight: str = "none"
+    """'none' or 'trust_region' (needs a second, negative teacher view)."""
+    is_clip: float = 0.0
+    """Importance-ratio clip c; 0 = no ratio."""
+
+
+@dataclass
+class TeacherCost:
+    """What one teacher view cost on this rank: forward rows, real and padded input tokens, seconds."""
+
+    rows: int = 0
+    tokens: int = 0
+    padded_tokens: int = 0
+    seconds: float = 0.0
 
 
 @dataclass
@@ -59,12 +88,13 @@ class DistillResult:
     """Eq. 11's denominator over all ranks."""
     utility: torch.Tensor = field(default_factory=lambda: torch.zeros(0))
     """(N_local,) u_i for selected rows, NaN for unselected rows (they get no label)."""
-    teacher_tokens: int = 0
-    """prompt + valid response tokens of the rows the teacher scored."""
-    teacher_padded_tokens: int = 0
-    """tokens of the teacher's input batches, padding included."""
-    teacher_s: float = 0.0
+    teachers: dict[str, TeacherCost] = field(default_factory=dict)
+    """Per teacher view: rows, prompt + valid response tokens, input tokens with padding, seconds."""
     student_s: float = 0.0
+
+    @property
+    def teacher_s(self) -> float:
+        return sum(c.seconds for c in self.teachers.values())
 
 
 def plan_micro_batches(lengths: torch.Tensor, max_rows: int, max_tokens: int = 0) -> list[torch.Tensor]:
@@ -99,38 +129,68 @@ def micro_batch_inputs(
     return {k: v.to(device) for k, v in inputs.items()}, mask.to(device), width
 
 
-def micro_batch_loss(student, teacher: EMATeacher, s_inputs, t_inputs, mask, width: int, weights, cfg: DistillConfig):
-    """This micro-batch's share of Eq. 11 (differentiable), its per-token D_alpha (Eq. 3, detached, (n, T)),
-    the utility labels u_i (Eq. 9, (n,)), and the seconds of the teacher forward.
+def micro_batch_loss(student, teacher: EMATeacher, s_inputs, t_inputs: list, mask, width: int, weights, cfg: DistillConfig,
+                     response=None, old_logp=None):
+    """This micro-batch's share of Eq. 11 (differentiable), its per-token D (detached, (n, T)), the utility
+    labels u_i (Eq. 9, (n,)), and the teacher seconds per teacher view (list, in t_inputs' order).
 
-    weights (n, T): Eq. 11's per-token weights (times the DDP world size).
+    t_inputs: the positive teacher's inputs, then the negative teacher's (OPD-V); weights (n, T): Eq. 11's
+    per-token weights (times the DDP world size); response, old_logp (n, T): the sampled tokens and their
+    log-probs at sampling (for the trust region and the importance ratio).
     """
-    _sync(mask.device)
-    t0 = time.perf_counter()
+    device = mask.device
+    seconds = [0.0] * len(t_inputs)
+    is_clip = dict(token_ids=response[mask], old_logp=old_logp[mask], is_clip=cfg.is_clip) if cfg.is_clip else {}
+
+    def teacher_forward(j: int, fn):
+        _sync(device)
+        t0 = time.perf_counter()
+        out = fn()
+        _sync(device)
+        seconds[j] += time.perf_counter() - t0
+        return out
+
     if cfg.loss_chunk == 0:  # whole micro-batch logits
-        t_logits = teacher.logits(t_inputs, width)  # (n, T, V) Eq. 2
-        _sync(mask.device)
-        teacher_s = time.perf_counter() - t0
+        t_logits = teacher_forward(0, lambda: teacher.logits(t_inputs[0], width))  # (n, T, V) Eq. 2
+        if cfg.token_weight == "trust_region":  # OPD-V: w_t = ReLU(log pi_T+(y_t) - log pi_T-(y_t))
+            n_logits = teacher_forward(1, lambda: teacher.logits(t_inputs[1], width))  # (n, T, V)
+            pos, neg = (torch.log_softmax(x.float(), -1).gather(-1, response.unsqueeze(-1)).squeeze(-1) for x in (t_logits, n_logits))
+            weights = weights * trust_region(pos, neg)  # (n, T)
+            del n_logits
         s_logits = response_logits(student, s_inputs, width)  # (n, T, V) Eq. 1
-        per_token, terms = topk_jsd_from_logits(s_logits, t_logits, cfg.k, cfg.alpha)  # (n, T) Eq. 3, (n, T, 3)
+        per_token, terms = topk_jsd_from_logits(
+            s_logits, t_logits, cfg.k, cfg.alpha, support=cfg.support, divergence=cfg.divergence
+        )  # (n, T) Eq. 3 (or the method's D), (n, T, 3)
+        if cfg.is_clip:
+            logp = torch.log_softmax(s_logits.float(), -1).gather(-1, response.unsqueeze(-1)).squeeze(-1)  # (n, T)
+            weights = weights * importance_ratio(logp, old_logp, cfg.is_clip)
         loss = torch.where(weights > 0, per_token * weights, torch.zeros_like(per_token)).sum()  # Eq. 11
         per_token = per_token.detach()
     else:  # final hidden states, LM head chunk by chunk
-        h_t = teacher.hidden(t_inputs, width)[mask]  # (P, H) Eq. 2, valid positions only
-        _sync(mask.device)
-        teacher_s = time.perf_counter() - t0
+        w_t = lm_head_weight(teacher.model)
+        h_t = teacher_forward(0, lambda: teacher.hidden(t_inputs[0], width)[mask])  # (P, H) Eq. 2, valid positions
+        w_flat = weights[mask]  # (P,)
+        if cfg.token_weight == "trust_region":
+            y = response[mask]  # (P,)
+            pos = teacher_forward(0, lambda: sampled_logp_from_hidden(h_t, w_t, y, cfg.loss_chunk))  # (P,)
+            neg = teacher_forward(1, lambda: sampled_logp_from_hidden(
+                teacher.hidden(t_inputs[1], width)[mask], w_t, y, cfg.loss_chunk))  # (P,)
+            w_flat = w_flat * trust_region(pos, neg)
         h_s = response_hidden(student, s_inputs, width)[mask]  # (P, H) Eq. 1
-        w_s, w_t = lm_head_weight(getattr(student, "module", student)), lm_head_weight(teacher.model)  # DDP: .module
+        w_s = lm_head_weight(getattr(student, "module", student))  # DDP: .module
+        timing: dict[str, float] = {}
         loss, d_alpha, flat_terms = budgeted_loss_from_hidden(
-            h_s, w_s, h_t, w_t, weights[mask], cfg.k, cfg.alpha, cfg.loss_chunk
-        )  # Eq. 11 of Eq. 3
-        per_token = torch.zeros(mask.shape, dtype=d_alpha.dtype, device=mask.device).masked_scatter(mask, d_alpha)
-        terms = torch.zeros((*mask.shape, 3), dtype=flat_terms.dtype, device=mask.device)
+            h_s, w_s, h_t, w_t, w_flat, cfg.k, cfg.alpha, cfg.loss_chunk, support=cfg.support,
+            divergence=cfg.divergence, timing=timing, **is_clip,
+        )  # Eq. 11 of Eq. 3 (or the method's D)
+        seconds[0] += timing.get("teacher_s", 0.0)  # the teacher's LM head inside the fused loss
+        per_token = torch.zeros(mask.shape, dtype=d_alpha.dtype, device=device).masked_scatter(mask, d_alpha)
+        terms = torch.zeros((*mask.shape, 3), dtype=flat_terms.dtype, device=device)
         terms[mask] = flat_terms
     d, o, c = terms.unbind(-1)  # (n, T) each, Eq. 7-8
     o = o if cfg.use_overlap else torch.ones_like(o)
     c = c if cfg.use_confidence else torch.ones_like(c)
-    return loss, per_token, sample_utility(d, o, c, mask), teacher_s
+    return loss, per_token, sample_utility(d, o, c, mask), seconds
 
 
 def distill(
@@ -144,15 +204,17 @@ def distill(
     cfg: DistillConfig,
     pad_id: int,
     autocast=nullcontext,
+    teacher_views: tuple[str, ...] = ("crop",),
 ) -> DistillResult:
     """Backpropagates this rank's share of Eq. 11 and returns its sums and utility labels.
 
-    selected: local row ids of S on this rank. teacher_prompt(j) -> EncodedPrompt of local prompt j's
-    privileged view; it is called only for prompts with a selected row. autocast() -> the mixed
-    precision context of the forwards.
+    selected: local row ids of S on this rank. teacher_prompt(view, j) -> EncodedPrompt of local prompt
+    j in a teacher view; it is called only for prompts with a selected row. teacher_views: the
+    positive teacher's view first, then OPD-V's negative one. autocast() -> the mixed precision
+    context of the forwards.
     """
     device = accelerator.device
-    res = DistillResult(utility=torch.full((len(rollouts),), float("nan")))
+    res = DistillResult(utility=torch.full((len(rollouts),), float("nan")), teachers={v: TeacherCost() for v in teacher_views})
     res.tokens = int(rollouts.lengths[selected].sum()) if selected.numel() else 0
     res.global_tokens = int(accelerator.reduce(torch.tensor(res.tokens, device=device), "sum").item())
     if res.global_tokens == 0:  # S is empty everywhere: no teacher call, zero distillation term
@@ -167,7 +229,7 @@ def distill(
         accelerator.backward(dummy)
         return res
     prompt_of = rollouts.prompt_index[selected].tolist()
-    t_len = torch.tensor([len(teacher_prompt(j)) for j in prompt_of]) + rollouts.lengths[selected]
+    t_len = torch.tensor([len(teacher_prompt(teacher_views[0], j)) for j in prompt_of]) + rollouts.lengths[selected]
     plan = plan_micro_batches(t_len, cfg.micro_batch, cfg.micro_batch_tokens)
     for j, group in enumerate(plan):
         rows = selected[group]
@@ -176,18 +238,28 @@ def distill(
         with sync:
             _sync(device)
             t0 = time.perf_counter()
-            t_inputs, mask, width = micro_batch_inputs([teacher_prompt(p) for p in prompt_ids], rollouts, rows, pad_id, device)
+            t_inputs = []
+            for view in teacher_views:
+                inputs, mask, width = micro_batch_inputs([teacher_prompt(view, p) for p in prompt_ids], rollouts, rows, pad_id, device)
+                t_inputs.append(inputs)
+                cost = res.teachers[view]
+                cost.rows += len(rows)
+                cost.tokens += int(mask.sum()) + sum(len(teacher_prompt(view, p)) for p in prompt_ids)
+                cost.padded_tokens += inputs["input_ids"].numel()
             s_inputs, _, _ = micro_batch_inputs([student_prompts[p] for p in prompt_ids], rollouts, rows, pad_id, device)
             weights = budgeted_weights(torch.ones(len(rows), device=device), mask, res.global_tokens) * scale  # Eq. 11
+            response = rollouts.response_ids[rows, :width].to(device)  # (n, T)
+            old_logp = rollouts.logp[rows, :width].to(device)  # (n, T)
             with autocast():
-                loss, per_token, u, teacher_s = micro_batch_loss(student, teacher, s_inputs, t_inputs, mask, width, weights, cfg)
+                loss, per_token, u, seconds = micro_batch_loss(
+                    student, teacher, s_inputs, t_inputs, mask, width, weights, cfg, response, old_logp
+                )  # fmt: skip
             accelerator.backward(loss)
-            res.loss_sum += float((per_token * mask).sum())
+            res.loss_sum += float(loss.detach()) * res.global_tokens / scale  # sum of w_t D over S's tokens
             res.utility[rows] = u.float().cpu()
-            res.teacher_tokens += int(t_len[group].sum())
-            res.teacher_padded_tokens += t_inputs["input_ids"].numel()
             del per_token, loss
             _sync(device)
-            res.teacher_s += teacher_s
-            res.student_s += time.perf_counter() - t0 - teacher_s
+            for view, sec in zip(teacher_views, seconds):
+                res.teachers[view].seconds += sec
+            res.student_s += time.perf_counter() - t0 - sum(seconds)
     return res

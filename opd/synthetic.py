@@ -8,7 +8,6 @@ import torch
 
 from opd.rollout import Rollouts, response_mask
 from opd.seeding import seeded_generator
-from opd.views import student_view
 
 
 def fixed_rollouts(
@@ -18,7 +17,7 @@ def fixed_rollouts(
     uniform in [min_len, max_len] (EOS last), random log-probs and entropies. Rows whose global index is
     below `high_entropy_below` get 10 nats more entropy (so the entropy policy selects only them)."""
     records = run.prompts(step)
-    prompts = [run.encode(student_view, r) for r in records]
+    prompts = run.student_prompts(records)
     n = run.cfg.rollouts_per_prompt
     first = run.acc.process_index * len(records) * n
     chars = torch.tensor(run.processor.tokenizer.convert_tokens_to_ids(list("abcdefghij")))

@@ -21,7 +21,7 @@ from opd.model import load_model, load_processor, special_ids
 from opd.synthetic import fixed_rollouts
 from opd.rollout import generate_rollouts, response_mask
 from opd.teacher import response_logits
-from opd.views import VIEWS, student_view
+from opd.views import student_view
 from train import Run, TrainConfig
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -176,8 +176,7 @@ def test_two_steps_of_each_policy(tmp_path, tiny, monkeypatch, policy, rho):
 
 def test_teacher_on_the_students_own_view_gives_zero_loss(tmp_path, tiny, monkeypatch):
     """A new privileged view is one entry in VIEWS; with the student's view the teacher equals the student."""
-    monkeypatch.setitem(VIEWS, "same", student_view)
-    run = Run(small_config(tmp_path, policy="full", rho=1.0, teacher_view="same"))
+    run = Run(small_config(tmp_path, policy="full", rho=1.0, teacher_view="full"))  # the student's own view
     row = run.step(0, fixed_rollouts(run, 0))
     assert row["selected"] > 0
     assert abs(row["loss"]) < 1e-6 and abs(row["utility_mean"]) < 1e-6
@@ -268,7 +267,7 @@ def test_resume_continues_to_the_same_result(tmp_path, tiny):
     b = read_ledger(tmp_path / "split" / "run" / "ledger.jsonl")
     assert [r["step"] for r in b] == [0, 1, 2, 3]
     for ra, rb in zip(a, b):
-        for key in ra.keys() - TIMING - {"launch"}:
+        for key in ra.keys() - TIMING - {"launch"} - {k for k in ra if k.startswith("teacher_forward_s_")}:
             assert ra[key] == pytest.approx(rb[key], rel=1e-6, nan_ok=True), key
     assert ["launch" in r for r in b] == [True, False, True, False]  # each launch's first row says what ran
     assert whole.selector.model.updates == resumed.selector.model.updates > 0

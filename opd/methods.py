@@ -1,0 +1,90 @@
+"""The family of on-policy self-distillation methods that share Algorithm 1's loop, as data.
+
+Each method names the student's view, the teacher's view(s), the support of the per-token
+divergence, the divergence, and the per-token weight; `train.py` reads the table and never branches
+on a method's name. BAS-OPD's budgeted selection (Eq. 4, Algorithm 1 lines 4-9) sits on top of any
+of them: `--policy` / `--rho` decide which rows the method's teacher(s) score, before any teacher
+computation, and K = floor(rho |C|) counts rows (a row scored by two teachers is one call of the
+budget and two teacher forwards in the ledger). `settings` are the method's paper settings, applied
+over `--preset` and under the flags given.
+
+| method | paper | student view | teacher view(s) | support | divergence | token weight |
+| --- | --- | --- | --- | --- | --- | --- |
+| bas-opd | BAS-OPD (this paper) | full | crop | student top-k + tail | JSD_alpha | 1 |
+| vision-opd | Vision-OPD | full | crop | student top-k + tail | JSD_alpha | 1 |
+| rp-opsd | RP-OPSD | half resolution | full (original resolution) | teacher top-k, no tail | bias-corrected reverse KL | 1 |
+| opd-v | OPD-V | full | crop (+), masked crop (-) | student top-k + tail | JSD_alpha | ReLU(log pi_T+ - log pi_T-) |
+| opsd | OPSD | full | full + reference answer text | teacher top-k, renormalised | JSD_alpha | 1 |
+"""
+
+from dataclasses import dataclass, field
+
+from opd.divergence import check_loss
+from opd.views import VIEWS
+
+TOKEN_WEIGHTS = ("none", "trust_region")
+
+
+@dataclass(frozen=True)
+class Method:
+    name: str
+    paper: str
+    """Where the method comes from (paper and public code)."""
+    student_view: str = "full"
+    """The view the student samples and is trained on (opd.views)."""
+    teacher_view: str = "crop"
+    """The (positive) teacher's privileged view: its distributions are the target of the divergence."""
+    negative_view: str | None = None
+    """A second teacher view whose sampled-token log-probs only weight tokens (OPD-V's masked teacher)."""
+    support: str = "student_tail"
+    """The divergence's support (opd.divergence.SUPPORTS): the student's top-k + tail bucket (Eq. 3), or the teacher's top-k
+    without tail ('teacher') or renormalised over it ('teacher_renorm')."""
+    divergence: str = "jsd"
+    """'jsd': the generalized JSD of Eq. 3 with --alpha; 'bc_rkl': the bias-corrected reverse KL."""
+    token_weight: str = "none"
+    """'none', or 'trust_region': w_t = ReLU(log pi_T+(y_t) - log pi_T-(y_t)) from the two teachers."""
+    settings: dict = field(default_factory=dict)
+    """TrainConfig fields the method's paper sets (e.g. full querying), applied over the preset."""
+
+    @property
+    def teacher_views(self) -> tuple[str, ...]:
+        """Every view a teacher forward runs on, the positive teacher's first."""
+        return (self.teacher_view,) + ((self.negative_view,) if self.negative_view else ())
+
+    def check(self) -> None:
+        """Refuses an inconsistent table entry (a programming error, not a user error)."""
+        for view in (self.student_view, *self.teacher_views):
+            assert view in VIEWS, f"{self.name}: unknown view {view!r}"
+        check_loss(self.support, self.divergence)  # known names; an unnormalised support only with bc_rkl
+        assert self.token_weight in TOKEN_WEIGHTS
+        assert (self.token_weight == "trust_region") == (self.negative_view is not None), self.name
+
+
+FULL_QUERY = dict(policy="full", rho=1.0)
+
+METHODS: dict[str, Method] = {
+    m.name: m
+    for m in (
+        Method("bas-opd", "BAS-OPD (arXiv 2609.25891): Vision-OPD with a budgeted teacher"),
+        Method("vision-opd", "Vision-OPD (arXiv 2605.18740; VisionOPD/Vision-OPD)", settings=FULL_QUERY),
+        Method(
+            "rp-opsd", "RP-OPSD (arXiv 2607.24447; wmm7777/RP-OPSD, config/best.yaml)",
+            student_view="half_resolution", teacher_view="full", support="teacher", divergence="bc_rkl",
+            settings=dict(FULL_QUERY, alpha=1.0),
+        ),  # fmt: skip
+        Method(
+            "opd-v", "OPD-V (arXiv 2608.05131; aniri15/OPD-V, random-mask negative, trust-region)",
+            negative_view="masked", token_weight="trust_region", settings=FULL_QUERY,
+        ),  # fmt: skip
+        Method(
+            "opsd", "OPSD (arXiv 2601.18734; siyan-zhao/OPSD, fixed teacher, top-k loss)",
+            teacher_view="reference_answer", support="teacher_renorm", settings=dict(FULL_QUERY, ema_tau=0.0),
+        ),  # fmt: skip
+    )
+}
+
+
+def get_method(name: str) -> Method:
+    if name not in METHODS:
+        raise ValueError(f"unknown method {name!r}; known: {', '.join(METHODS)}")
+    return METHODS[name]
