@@ -544,8 +544,9 @@ class Run:
             write_atomic(self.out / "summary.json", json.dumps(summary, indent=2) + "\n")
             write_atomic(self.out / "summary.md", table + "\n")
             print("\n" + table, flush=True)
-            print(f"\ntrain.py: wrote {self.out}/ledger.jsonl, summary.md, summary.json and "
-                  f"{(self.out / 'latest').read_text().strip()}/ (evaluate it with: eval.py --model {self.out})", flush=True)
+            latest = self.out / "latest"
+            ckpt = f" and {latest.read_text().strip()}/ (evaluate it with: eval.py --model {self.out})" if latest.is_file() else ""
+            print(f"\ntrain.py: wrote {self.out}/ledger.jsonl, summary.md, summary.json{ckpt}", flush=True)
             if self.writer is not None:
                 self.writer.close()
         self.acc.wait_for_everyone()

@@ -118,8 +118,18 @@ def summarize(rows: list[dict]) -> dict:
         "step_s": total("step_s"),
         "teacher_tokens": total("teacher_tokens"),
         "teacher_padded_tokens": total("teacher_padded_tokens"),
+        "teachers": {
+            view: {"rows": total(f"teacher_rows_{view}"), "tokens": total(f"teacher_tokens_{view}"),
+                   "forward_s": total(f"teacher_forward_s_{view}")}
+            for view in teacher_views(rows)
+        },  # fmt: skip
         "phases_s": {p: total(f"{p}_s") for p in PHASES},
     }
+
+
+def teacher_views(rows: list[dict]) -> list[str]:
+    """The teacher views the ledger's rows record (`teacher_rows_<view>`), in order of appearance."""
+    return list(dict.fromkeys(k.removeprefix("teacher_rows_") for r in rows for k in r if k.startswith("teacher_rows_")))
 
 
 def format_summary(summary: dict, name: str = "this run") -> str:
@@ -147,5 +157,15 @@ def format_summary(summary: dict, name: str = "this run") -> str:
             f"({100 * (1 - s['teacher_tokens'] / s['teacher_padded_tokens']):.1f}% padding)."
             if s["teacher_padded_tokens"]
             else "Teacher input tokens: none.",
+            *_teacher_lines(s.get("teachers", {})),
         ]
     )
+
+
+def _teacher_lines(teachers: dict) -> list[str]:
+    """Per teacher view (OPD-V has two teachers per scored row): forward rows, input tokens, forward time."""
+    if not teachers:
+        return []
+    return ["", "| Teacher view | Forward rows | Input tokens | Forward sum |", "| --- | ---: | ---: | ---: |"] + [
+        f"| {v} | {t['rows']:,} | {t['tokens']:,} | {t['forward_s']:,.2f} s |" for v, t in teachers.items()
+    ]

@@ -174,6 +174,54 @@ def test_two_steps_of_each_policy(tmp_path, tiny, monkeypatch, policy, rho):
         assert run.selector.model.trained  # the labels of two steps reached replay_start = 4
 
 
+@pytest.mark.parametrize("method", ["vision-opd", "rp-opsd", "opd-v", "opsd"])
+def test_two_steps_of_each_method(tmp_path, tiny, method):
+    """Each method of the family trains on the tiny model; its teacher(s) see exactly the selected rows,
+    one forward per row and teacher view, and the ledger counts them per view."""
+    settings = train.METHODS[method].settings
+    run = Run(small_config(tmp_path, **{**settings, "method": method, "policy": "random", "rho": 0.5, "ema_tau": 0.05}))
+    assert run.teacher_views == train.METHODS[method].teacher_views
+    seen = []
+    run.teacher.model.register_forward_pre_hook(lambda m, a, kw: seen.append(kw["input_ids"].shape[0]), with_kwargs=True)
+    before = params_of(run.policy)
+    for step in range(2):
+        seen.clear()
+        row = run.step(step)
+        run.log(row)
+        views = run.teacher_views
+        assert not row["skipped"] and row["selected"] == row["budget"] > 0
+        assert sum(seen) == row["teacher_rows"] == row["selected"] * len(views)
+        assert all(row[f"teacher_rows_{v}"] == row["selected"] for v in views)
+        assert row["teacher_tokens"] == sum(row[f"teacher_tokens_{v}"] for v in views)
+        assert math.isfinite(row["loss"]) and row["loss"] >= 0 and row["grad_norm"] > 0
+    after = params_of(run.policy)
+    assert any(not torch.equal(before[k], after[k]) for k in after)
+    summary = run.finish()
+    assert list(summary["teachers"]) == list(views)
+    assert summary["teachers"][views[0]]["rows"] == summary["calls"]
+
+
+def test_rp_opsd_student_sees_half_the_resolution(tmp_path, tiny):
+    run = Run(small_config(tmp_path, method="rp-opsd", policy="full", rho=1.0))
+    record = run.records[0]
+    (image,), _ = run.student_view(record)
+    (full,), _ = train.get_view("full")(record)
+    assert image.size == (full.width // 2, full.height // 2)
+
+
+def test_importance_ratio_scales_each_token_up_to_the_clip(tmp_path, tiny):
+    """With old log-probs far below the current ones every ratio is clipped at c: the loss is exactly c times
+    the unweighted one (Vision-OPD's is_clip), on both loss paths."""
+    for chunk in (512, 0):
+        losses = []
+        for is_clip in (0.0, 2.0):
+            run = Run(small_config(tmp_path / f"{chunk}-{is_clip}", policy="full", rho=1.0, is_clip=is_clip, loss_chunk=chunk))
+            ro = fixed_rollouts(run, 0)
+            ro.logp = torch.where(ro.response_mask, torch.full_like(ro.logp, -100.0), ro.logp)
+            losses.append(run.step(0, ro)["loss"])
+        assert losses[1] == pytest.approx(2.0 * losses[0], rel=1e-5)
+
+
 def test_teacher_on_the_students_own_view_gives_zero_loss(tmp_path, tiny, monkeypatch):
     """A new privileged view is one entry in VIEWS; with the student's view the teacher equals the student."""
     run = Run(small_config(tmp_path, policy="full", rho=1.0, teacher_view="full"))  # the student's own view
