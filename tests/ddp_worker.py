@@ -25,12 +25,15 @@ def main() -> None:
     p.add_argument("--policy", default="random")
     p.add_argument("--rho", type=float, default=0.25)
     p.add_argument("--skew", action="store_true")
+    p.add_argument("--method", default="bas-opd")
     a = p.parse_args()
     cfg = TrainConfig(
-        out=a.out, policy=a.policy, rho=a.rho, prompts_per_step=4, rollouts_per_prompt=4, steps=2,
+        out=a.out, method=a.method, policy=a.policy, rho=a.rho, prompts_per_step=4, rollouts_per_prompt=4, steps=2,
         lr=1e-3, micro_batch=3, replay_start=4, replay_batch=16, max_prompt_len=512, max_response_len=10,
     )  # fmt: skip
     run = Run(cfg)
+    selected, select = [], run.selector.select
+    run.selector.select = lambda *args, **kw: selected.append(select(*args, **kw)) or selected[-1]
     rows, teacher_rows = [], []
     for step in range(2):
         before = run.teacher.rows_scored
@@ -41,7 +44,8 @@ def main() -> None:
     if run.acc.is_main_process:
         params = {k: v.detach().clone() for k, v in run.policy.state_dict().items()}
         teacher = {k: v.detach().clone() for k, v in run.teacher.model.state_dict().items()}
-        torch.save({"params": params, "teacher": teacher, "rows": rows, "teacher_rows": counts}, Path(a.out) / "result.pt")
+        torch.save({"params": params, "teacher": teacher, "rows": rows, "teacher_rows": counts, "selected": selected},
+                   Path(a.out) / "result.pt")  # fmt: skip
     run.acc.wait_for_everyone()
 
 

@@ -434,19 +434,24 @@ def _run_worker(out: Path, nproc: int, *args: str) -> dict:
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("policy,skew", [("random", False), ("entropy", True)])
-def test_two_process_ddp_matches_one_process(tmp_path, tiny, policy, skew):
-    args = ["--policy", policy] + (["--skew"] if skew else [])
+@pytest.mark.parametrize("policy,skew,method", [("random", False, "bas-opd"), ("entropy", True, "bas-opd"),
+                                                ("learned", False, "rp-opsd")])  # fmt: skip
+def test_two_process_ddp_matches_one_process(tmp_path, tiny, policy, skew, method):
+    args = ["--policy", policy, "--method", method] + (["--skew"] if skew else [])
     one = _run_worker(tmp_path / "one", 1, *args)
     two = _run_worker(tmp_path / "two", 2, *args)
     for r1, r2 in zip(one["rows"], two["rows"]):
         for key in ("candidates", "budget", "selected", "scored_tokens", "teacher_rows"):
             assert r1[key] == r2[key], key
         assert r1["loss"] == pytest.approx(r2["loss"], rel=1e-4)
-    for k, v in one["params"].items():
-        torch.testing.assert_close(two["params"][k], v, rtol=0, atol=1e-4)
-    for k, v in one["teacher"].items():
-        torch.testing.assert_close(two["teacher"][k], v, rtol=0, atol=1e-4)
+    assert [s.tolist() for s in one["selected"]] == [s.tolist() for s in two["selected"]]
+    for name in ("params", "teacher"):
+        diff = torch.cat([(two[name][k].float() - v.float()).abs().flatten() for k, v in one[name].items()])
+        if method == "bas-opd":
+            assert diff.max() <= 1e-4, (name, diff.max())
+        else:  # Adam moves a weight by up to lr (1e-3) per step whatever the size of its gradient, so a weight
+            # whose gradient is ~0 (here a few of the vision patch embedding's) can differ by summation order
+            assert diff.max() <= 2e-3 and (diff > 1e-4).float().mean() < 1e-4, (name, diff.max(), (diff > 1e-4).sum())
     per_rank = two["teacher_rows"]  # (2 ranks, 2 steps)
     assert per_rank.sum(0).tolist() == [r["selected"] for r in two["rows"]]
     if skew:  # every selected row lies on rank 0; rank 1 held none and still finished both steps
