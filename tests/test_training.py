@@ -475,3 +475,20 @@ def test_help_lists_ablation_switches_once(capsys):
     text = capsys.readouterr().out
     assert "--no-overlap" in text and "--no-exploration" in text and "--overwrite" in text
     assert "--no-no-" not in text and "--share-prefill, --no-share-prefill" in text
+
+
+def test_the_teachers_lm_head_inside_the_fused_loss_is_teacher_time(tmp_path, tiny, monkeypatch):
+    """Table 8's teacher-forward time includes the teacher's LM-head work done inside the chunked loss."""
+    fused = opd.distill.budgeted_loss_from_hidden
+
+    def slow_teacher_head(*args, timing=None, **kwargs):
+        out = fused(*args, timing=timing, **kwargs)
+        if timing is not None:
+            timing["teacher_s"] = timing.get("teacher_s", 0.0) + 7.0  # as if the teacher's logits took 7 s
+        return out
+
+    monkeypatch.setattr(opd.distill, "budgeted_loss_from_hidden", slow_teacher_head)
+    run = Run(small_config(tmp_path, policy="full", rho=1.0, micro_batch=64))
+    row = run.step(0, fixed_rollouts(run, 0))
+    assert row["teacher_forward_s"] >= 7.0 and row["teacher_forward_s_crop"] >= 7.0
+    assert row["student_s"] < 7.0
