@@ -1,4 +1,4 @@
-"""BAS-OPD training: Algorithm 1 of the paper as one loop on accelerate (DDP).
+"""BAS-OPD training: Algorithm 1 of the paper as one loop on accelerate (DDP, or FSDP2 with --fsdp).
 
     accelerate launch train.py --policy learned --rho 0.25            # built-in tiny model, CPU, ~1 min
     accelerate launch train.py --preset paper-4b --data train.jsonl   # Qwen3.5-4B, the paper's settings
@@ -26,7 +26,7 @@ from accelerate import Accelerator, PartialState
 from tqdm.auto import tqdm
 from transformers.utils import logging as hf_logging
 
-from opd.checkpoint import find_checkpoint, load_config, load_state, save_checkpoint
+from opd.checkpoint import find_checkpoint, load_config, load_sharded, load_state, save_checkpoint, save_sharded
 from opd.chat import encode_prompt
 from opd.cli import UserError, given_flags, run_cli
 from opd.data import Record, load_records, shard, step_prompt_indices
@@ -38,6 +38,7 @@ from opd.predictor import PredictorConfig
 from opd.rollout import Rollouts, generate_rollouts
 from opd.seeding import mix_seed
 from opd.selectors import POLICIES, Selector, query_budget
+from opd.sharding import GENERATION, full_tensor, generation, load_sharded_model
 from opd.teacher import EMATeacher
 from opd.tiny import tiny_defaults
 from opd.methods import METHODS, get_method
@@ -143,6 +144,12 @@ class TrainConfig:
     """Autocast of the forwards: no, bf16 or fp16 (weights stay in --dtype)."""
     grad_checkpointing: bool = False
     """Recompute activations in backward (long responses on a real model)."""
+    fsdp: bool = False
+    """Shard the policy, its gradients and AdamW state, and the EMA teacher over the processes (FSDP2,
+    torch's fully_shard) instead of replicating them (DDP); checkpoints are then sharded."""
+    fsdp_generation: str = "gathered"
+    """With --fsdp: 'gathered' all-gathers the policy once per generate() call; 'layerwise' gathers it layer
+    by layer at every generated token (less memory, far more communication)."""
     save_every: int = 0
     """Checkpoint every N steps (0: only at the end)."""
     keep_checkpoints: int = 1
@@ -184,6 +191,7 @@ PRESETS: dict[str, dict] = {
 RESUMABLE = (
     "resume", "out", "steps", "save_every", "keep_checkpoints",
     "micro_batch", "micro_batch_tokens", "loss_chunk", "rollout_batch", "share_prefill", "grad_checkpointing",
+    "fsdp_generation",
 )  # fmt: skip
 """The fields a resumed run may change: its length, its checkpointing, and memory/speed settings that
 leave the method's results unchanged. Every other field is the run's own, read from its checkpoint."""
@@ -238,6 +246,8 @@ def check_config(cfg: TrainConfig, world: int) -> None:
         problems.append(f"--method {cfg.method!r}: choose one of {', '.join(METHODS)}")
     if cfg.teacher_view is not None and cfg.teacher_view not in VIEWS:
         problems.append(f"--teacher-view {cfg.teacher_view!r}: choose one of {', '.join(sorted(VIEWS))}")
+    if cfg.fsdp_generation not in GENERATION:
+        problems.append(f"--fsdp-generation {cfg.fsdp_generation!r}: choose one of {', '.join(GENERATION)}")
     if cfg.is_clip < 0:
         problems.append(f"--is-clip {cfg.is_clip}: must be >= 0 (0 = off)")
     if cfg.dtype not in DTYPES:
@@ -281,26 +291,39 @@ class Run:
             ckpt = checkpoint_of(cfg.resume)
             refuse_changed_settings(cfg, load_config(ckpt), ckpt)
             state = load_state(ckpt)
-            model_path, teacher_path, self.start = str(ckpt / "policy"), str(ckpt / "teacher"), int(state["step"])
+            self.start = int(state["step"])
+            if not cfg.fsdp:  # sharded checkpoints hold the weights in ckpt/sharded, loaded after sharding
+                model_path, teacher_path = str(ckpt / "policy"), str(ckpt / "teacher")
             if self.steps < self.start:
                 raise UserError(f"--steps {self.steps}: the checkpoint {ckpt} is already at step {self.start}")
         self.processor = load_processor(model_path)
-        student = load_model(model_path, cfg.dtype, self.acc.device).train()  # from_pretrained returns eval mode
-        if cfg.grad_checkpointing:
-            # non-reentrant: the reentrant variant marks DDP parameters ready twice
-            student.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
-        self.ids = special_ids(student)
-        if teacher_path:
-            self.teacher = EMATeacher(load_model(teacher_path, cfg.dtype, self.acc.device), copy_weights=False)
+        if cfg.fsdp:  # opd/sharding.py: every rank holds 1/world of the policy, its optimizer state and the teacher
+            shard = dict(dtype=cfg.dtype, device=self.acc.device, mixed_precision=cfg.mixed_precision)
+            student = load_sharded_model(model_path, grad_checkpointing=cfg.grad_checkpointing, **shard)
+            self.teacher = EMATeacher(load_sharded_model(model_path, **shard), copy_weights=False)
+            self.teacher.copy_from(student)  # Algorithm 1, line 1, shard by shard
+            self.student = student
+            self.optimizer = torch.optim.AdamW(student.parameters(), lr=cfg.lr, weight_decay=cfg.weight_decay)
+            if state is not None:
+                load_sharded(ckpt, self.student, self.teacher.model, self.optimizer)
         else:
-            self.teacher = EMATeacher(student)
-        optimizer = torch.optim.AdamW(student.parameters(), lr=cfg.lr, weight_decay=cfg.weight_decay)
-        self.student, self.optimizer = self.acc.prepare(student, optimizer)
+            student = load_model(model_path, cfg.dtype, self.acc.device).train()  # from_pretrained returns eval mode
+            if cfg.grad_checkpointing:
+                # non-reentrant: the reentrant variant marks DDP parameters ready twice
+                student.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+            if teacher_path:
+                self.teacher = EMATeacher(load_model(teacher_path, cfg.dtype, self.acc.device), copy_weights=False)
+            else:
+                self.teacher = EMATeacher(student)
+            optimizer = torch.optim.AdamW(student.parameters(), lr=cfg.lr, weight_decay=cfg.weight_decay)
+            self.student, self.optimizer = self.acc.prepare(student, optimizer)
+        self.ids = special_ids(self.policy)
         self.selector = Selector(cfg.policy, 0.0 if cfg.no_exploration else cfg.explore, cfg.predictor())
         self.student_view = get_view(self.method.student_view)
         self.warned_no_eligible = False
         if state is not None:
-            self.optimizer.load_state_dict(state["optimizer"])
+            if not cfg.fsdp:
+                self.optimizer.load_state_dict(state["optimizer"])
             self.selector.load_state_dict(state["selector"])
             self.warned_no_eligible = state.get("warned_no_eligible", False)
         self.ledger = Ledger(self.out / "ledger.jsonl", self.start if cfg.resume else None) if self.acc.is_main_process else None
@@ -378,7 +401,7 @@ class Run:
         with timer("generation"):
             if rollouts is None:
                 torch.manual_seed(mix_seed(cfg.seed, step, acc.process_index))
-                with self.autocast():
+                with self.autocast(), generation(self.policy, cfg.fsdp_generation):  # a sharded policy: gathered
                     rollouts = generate_rollouts(
                         self.policy, student_prompts, cfg.rollouts_per_prompt, cfg.max_response_len,
                         cfg.rollout_batch, cfg.share_prefill,
@@ -428,6 +451,7 @@ class Run:
                 if p.grad is None:
                     p.grad = torch.zeros_like(p)
             grad_norm = acc.clip_grad_norm_(self.student.parameters(), cfg.grad_clip or float("inf"))  # 0: no clip
+            grad_norm = full_tensor(grad_norm)  # sharded gradients: the global norm
         with timer("wait"):  # per teacher view: forward rows, real and padded tokens (summed), seconds (slowest rank)
             costs = [[c.rows, c.tokens, c.padded_tokens] for c in res.teachers.values()]
             counts = [res.loss_sum, self.teacher.rows_scored - rows_before, *(x for c in costs for x in c)]
@@ -480,13 +504,16 @@ class Run:
         return row
 
     def save(self, next_step: int) -> None:
-        if self.acc.is_main_process:
-            state = {
-                "optimizer": self.optimizer.state_dict(),
-                "selector": self.selector.state_dict(),
-                "config": dataclasses.asdict(self.cfg),
-                "warned_no_eligible": self.warned_no_eligible,
-            }
+        state = {
+            "selector": self.selector.state_dict(),
+            "config": dataclasses.asdict(self.cfg),
+            "warned_no_eligible": self.warned_no_eligible,
+        }
+        if self.cfg.fsdp:  # every rank writes its shards; the last checkpoint is also exported for eval.py
+            save_sharded(self.out, next_step, self.student, self.teacher.model, self.optimizer, state,
+                         self.cfg.keep_checkpoints, self.processor if next_step == self.steps else None)
+        elif self.acc.is_main_process:
+            state["optimizer"] = self.optimizer.state_dict()
             save_checkpoint(self.out, next_step, self.policy, self.processor, self.teacher.model, state, self.cfg.keep_checkpoints)
         self.acc.wait_for_everyone()
 

@@ -6,6 +6,13 @@ normalizer, replay, optimizer - RNG states and the config) and train_config.json
 readable without loading the optimizer state, for `train.py --resume`). It is written into a temporary folder and
 renamed into place; DIR/latest then names it (also replaced atomically). Older checkpoints beyond
 `keep` are removed only after the new one is complete.
+
+Sharded runs (`--fsdp`, `save_sharded`): checkpoint-NNNNNN/sharded/ is one torch.distributed.checkpoint
+(DCP) of the policy, the EMA teacher and the AdamW state, each rank writing its own shards (in parallel;
+on several machines the output folder must be one shared file system); state.pt and train_config.json
+are as above, without the optimizer. The run's last checkpoint is also exported: policy/ and teacher/
+in `save_pretrained` form (the full weights gathered to rank 0's CPU memory), so `eval.py --model` reads
+it like any other. `load_sharded` restores the shards into freshly sharded models and optimizer.
 """
 
 import json
@@ -15,8 +22,12 @@ from pathlib import Path
 
 import numpy as np
 import torch
+import torch.distributed as dist
+import torch.distributed.checkpoint as dcp
+from torch.distributed.checkpoint.state_dict import get_model_state_dict, get_state_dict, set_model_state_dict, set_state_dict
 
 from opd.ledger import write_atomic
+from opd.sharding import full_state_dict
 
 
 def rng_state() -> dict:
@@ -44,6 +55,12 @@ def save_checkpoint(out_dir: str | Path, step: int, policy, processor, teacher, 
     processor.save_pretrained(tmp / "policy")
     teacher.save_pretrained(tmp / "teacher")
     torch.save({**state, "step": step, "rng": rng_state()}, tmp / "state.pt")
+    return _publish(out_dir, tmp, final, state, keep)
+
+
+def _publish(out_dir: Path, tmp: Path, final: Path, state: dict, keep: int) -> Path:
+    """Writes train_config.json, renames the complete temporary folder into place, points DIR/latest at it
+    and removes checkpoints beyond `keep`."""
     if "config" in state:
         (tmp / "train_config.json").write_text(json.dumps(state["config"], indent=2) + "\n")
     shutil.rmtree(final, ignore_errors=True)
@@ -53,6 +70,58 @@ def save_checkpoint(out_dir: str | Path, step: int, policy, processor, teacher, 
     for p in old[: max(0, len(old) - (keep - 1))]:
         shutil.rmtree(p, ignore_errors=True)
     return final
+
+
+def _sharded_state(policy, teacher, optimizer) -> dict:
+    """The DCP state of a sharded run: {policy, teacher, optimizer}, each rank's shards (DTensors)."""
+    model_sd, optim_sd = get_state_dict(policy, optimizer)
+    return {"policy": model_sd, "teacher": get_model_state_dict(teacher), "optimizer": optim_sd}
+
+
+def export_pretrained(model, folder: Path, processor=None) -> None:
+    """`save_pretrained` of a sharded model: the full weights gathered to rank 0's CPU memory (a collective,
+    run by every rank) and written there by rank 0, with the processor when given."""
+    full = full_state_dict(model)
+    if dist.get_rank() == 0:
+        model.save_pretrained(folder, state_dict=full)
+        if processor is not None:
+            processor.save_pretrained(folder)
+
+
+def save_sharded(out_dir: str | Path, step: int, policy, teacher, optimizer, state: dict, keep: int = 1,
+                 processor=None) -> Path:
+    """Every rank: checkpoint-{step} with sharded/ (DCP: policy, teacher, AdamW), state.pt and
+    train_config.json written by rank 0; with `processor` also the policy/ and teacher/ export. Renamed into
+    place by rank 0 once every rank has written; returns the final folder."""
+    out_dir = Path(out_dir)
+    final = out_dir / f"checkpoint-{step:06d}"
+    tmp = out_dir / f".checkpoint-{step:06d}.tmp"
+    main = dist.get_rank() == 0
+    if main:
+        shutil.rmtree(tmp, ignore_errors=True)
+        tmp.mkdir(parents=True)
+    dist.barrier()
+    dcp.save(_sharded_state(policy, teacher, optimizer), checkpoint_id=tmp / "sharded")
+    if processor is not None:
+        export_pretrained(policy, tmp / "policy", processor)
+        export_pretrained(teacher, tmp / "teacher")
+    if main:
+        torch.save({**state, "step": step, "rng": rng_state()}, tmp / "state.pt")
+        _publish(out_dir, tmp, final, state, keep)
+    dist.barrier()
+    return final
+
+
+def load_sharded(ckpt: str | Path, policy, teacher, optimizer) -> None:
+    """Restores a `save_sharded` checkpoint into a sharded policy, teacher and optimizer (every rank reads
+    its own shards; the world size may differ from the one that wrote it)."""
+    path = Path(ckpt) / "sharded"
+    if not (path / ".metadata").is_file():
+        raise FileNotFoundError(f"{ckpt} has no sharded checkpoint ({path}/.metadata): was it written with --fsdp?")
+    sd = _sharded_state(policy, teacher, optimizer)
+    dcp.load(sd, checkpoint_id=path)
+    set_state_dict(policy, optimizer, model_state_dict=sd["policy"], optim_state_dict=sd["optimizer"])
+    set_model_state_dict(teacher, sd["teacher"])
 
 
 def find_checkpoint(path: str | Path) -> Path:

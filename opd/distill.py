@@ -17,6 +17,14 @@ Gradients are synchronised on each rank's last backward only. A rank holding no 
 others do runs one zero-weighted forward/backward on one of its rows so that the gradient all-reduce
 still happens on every rank; when S is empty everywhere, no rank runs a forward.
 
+Sharded (FSDP2, `opd.sharding`): every forward and backward of the student and the teacher gathers
+parameters collectively, so the ranks run in lockstep: every rank runs as many micro-batches as the
+rank with the most (one all-gather of the counts), padding with zero-weighted micro-batches on one of
+its own rows (teacher forwards on the student's prompt, not counted as teacher calls), and gradients
+are reduce-scattered after every backward (FSDP keeps no unsharded gradient between micro-batches). The
+LM-head weights are read after their model's forward, when FSDP has gathered them (the root group); the
+teacher is resharded once the step's micro-batches are done.
+
 The family (`opd.methods`): the teacher runs once per selected row and teacher view (OPD-V: the
 crop and the masked crop); the support and divergence are the method's (`DistillConfig.support`,
 `.divergence`), and a per-token weight w_t (OPD-V's trust region from the two teachers' sampled-token
@@ -41,6 +49,7 @@ from opd.chat import EncodedPrompt, collate
 from opd.chunked import budgeted_loss_from_hidden, sampled_logp_from_hidden, topk_jsd_from_logits
 from opd.divergence import budgeted_weights
 from opd.rollout import Rollouts
+from opd.sharding import is_sharded, reshard
 from opd.teacher import EMATeacher, lm_head_weight, response_hidden, response_logits
 from opd.utility import sample_utility
 from opd.weights import importance_ratio, trust_region
@@ -167,8 +176,8 @@ def micro_batch_loss(student, teacher: EMATeacher, s_inputs, t_inputs: list, mas
         loss = torch.where(weights > 0, per_token * weights, torch.zeros_like(per_token)).sum()  # Eq. 11
         per_token = per_token.detach()
     else:  # final hidden states, LM head chunk by chunk
-        w_t = lm_head_weight(teacher.model)
         h_t = teacher_forward(0, lambda: teacher.hidden(t_inputs[0], width)[mask])  # (P, H) Eq. 2, valid positions
+        w_t = lm_head_weight(teacher.model)  # after the forward: gathered there when sharded
         w_flat = weights[mask]  # (P,)
         if cfg.token_weight == "trust_region":
             y = response[mask]  # (P,)
@@ -219,7 +228,15 @@ def distill(
     res.global_tokens = int(accelerator.reduce(torch.tensor(res.tokens, device=device), "sum").item())
     if res.global_tokens == 0:  # S is empty everywhere: no teacher call, zero distillation term
         return res
-    scale = accelerator.num_processes  # DDP averages gradients over ranks
+    scale = accelerator.num_processes  # DDP and FSDP average gradients over ranks
+    if is_sharded(student):
+        try:
+            return _distill_lockstep(
+                accelerator, student, teacher, rollouts, student_prompts, teacher_prompt, selected, cfg, pad_id,
+                autocast, teacher_views, res, scale,
+            )  # fmt: skip
+        finally:
+            reshard(teacher.model)
     if not selected.numel():  # keep this rank in the gradient all-reduce with a zero-weighted forward
         inputs, _, width = micro_batch_inputs(
             [student_prompts[int(rollouts.prompt_index[0])]], rollouts, torch.tensor([0]), pad_id, device
@@ -228,38 +245,83 @@ def distill(
             dummy = student(**inputs, logits_to_keep=1, use_cache=False).logits.float().sum() * 0.0
         accelerator.backward(dummy)
         return res
-    prompt_of = rollouts.prompt_index[selected].tolist()
-    t_len = torch.tensor([len(teacher_prompt(teacher_views[0], j)) for j in prompt_of]) + rollouts.lengths[selected]
-    plan = plan_micro_batches(t_len, cfg.micro_batch, cfg.micro_batch_tokens)
+    plan = _plan(rollouts, teacher_prompt, selected, cfg, teacher_views[0])
     for j, group in enumerate(plan):
-        rows = selected[group]
         sync = nullcontext() if j == len(plan) - 1 else accelerator.no_sync(student)
-        prompt_ids = rollouts.prompt_index[rows].tolist()
         with sync:
-            _sync(device)
-            t0 = time.perf_counter()
-            t_inputs = []
-            for view in teacher_views:
-                inputs, mask, width = micro_batch_inputs([teacher_prompt(view, p) for p in prompt_ids], rollouts, rows, pad_id, device)
-                t_inputs.append(inputs)
-                cost = res.teachers[view]
-                cost.rows += len(rows)
-                cost.tokens += int(mask.sum()) + sum(len(teacher_prompt(view, p)) for p in prompt_ids)
-                cost.padded_tokens += inputs["input_ids"].numel()
-            s_inputs, _, _ = micro_batch_inputs([student_prompts[p] for p in prompt_ids], rollouts, rows, pad_id, device)
-            weights = budgeted_weights(torch.ones(len(rows), device=device), mask, res.global_tokens) * scale  # Eq. 11
-            response = rollouts.response_ids[rows, :width].to(device)  # (n, T)
-            old_logp = rollouts.logp[rows, :width].to(device)  # (n, T)
-            with autocast():
-                loss, per_token, u, seconds = micro_batch_loss(
-                    student, teacher, s_inputs, t_inputs, mask, width, weights, cfg, response, old_logp
-                )  # fmt: skip
-            accelerator.backward(loss)
-            res.loss_sum += float(loss.detach()) * res.global_tokens / scale  # sum of w_t D over S's tokens
-            res.utility[rows] = u.float().cpu()
-            del per_token, loss
-            _sync(device)
-            for view, sec in zip(teacher_views, seconds):
-                res.teachers[view].seconds += sec
-            res.student_s += time.perf_counter() - t0 - sum(seconds)
+            _run_micro_batch(
+                accelerator, student, teacher, rollouts, student_prompts, teacher_prompt, selected[group], cfg, pad_id,
+                autocast, teacher_views, res, scale,
+            )  # fmt: skip
+    return res
+
+
+def _plan(rollouts: Rollouts, teacher_prompt, selected: torch.Tensor, cfg: DistillConfig, view: str) -> list[torch.Tensor]:
+    """This rank's micro-batches of S (positions into `selected`), grouped by teacher length."""
+    if not selected.numel():
+        return []
+    prompt_of = rollouts.prompt_index[selected].tolist()
+    t_len = torch.tensor([len(teacher_prompt(view, j)) for j in prompt_of]) + rollouts.lengths[selected]
+    return plan_micro_batches(t_len, cfg.micro_batch, cfg.micro_batch_tokens)
+
+
+def _run_micro_batch(
+    accelerator, student, teacher: EMATeacher, rollouts: Rollouts, student_prompts, teacher_prompt, rows: torch.Tensor,
+    cfg: DistillConfig, pad_id: int, autocast, teacher_views: tuple[str, ...], res: DistillResult, scale: int,
+    padding: bool = False,
+) -> None:
+    """One micro-batch of `rows` (local ids): teacher forward(s), student forward, Eq. 11's share backpropagated;
+    its sums, labels and costs go into `res`. padding=True (sharded lockstep): the same forwards and backward
+    with zero weights, on the student's prompts for every view; nothing is counted or labelled."""
+    device = accelerator.device
+    prompt_ids = rollouts.prompt_index[rows].tolist()
+    _sync(device)
+    t0 = time.perf_counter()
+    t_inputs = []
+    for view in teacher_views:
+        prompts = [student_prompts[p] if padding else teacher_prompt(view, p) for p in prompt_ids]
+        inputs, mask, width = micro_batch_inputs(prompts, rollouts, rows, pad_id, device)
+        t_inputs.append(inputs)
+        if not padding:
+            cost = res.teachers[view]
+            cost.rows += len(rows)
+            cost.tokens += int(mask.sum()) + sum(len(p) for p in prompts)
+            cost.padded_tokens += inputs["input_ids"].numel()
+    s_inputs, _, _ = micro_batch_inputs([student_prompts[p] for p in prompt_ids], rollouts, rows, pad_id, device)
+    weights = budgeted_weights(torch.ones(len(rows), device=device), mask, res.global_tokens) * scale  # Eq. 11
+    if padding:
+        weights = torch.zeros_like(weights)
+    response = rollouts.response_ids[rows, :width].to(device)  # (n, T)
+    old_logp = rollouts.logp[rows, :width].to(device)  # (n, T)
+    with autocast(), teacher.uncounted() if padding else nullcontext():
+        loss, per_token, u, seconds = micro_batch_loss(
+            student, teacher, s_inputs, t_inputs, mask, width, weights, cfg, response, old_logp
+        )  # fmt: skip
+    accelerator.backward(loss)
+    del per_token
+    _sync(device)
+    if padding:
+        return
+    res.loss_sum += float(loss.detach()) * res.global_tokens / scale  # sum of w_t D over S's tokens
+    res.utility[rows] = u.float().cpu()
+    for view, sec in zip(teacher_views, seconds):
+        res.teachers[view].seconds += sec
+    res.student_s += time.perf_counter() - t0 - sum(seconds)
+
+
+def _distill_lockstep(
+    accelerator, student, teacher, rollouts, student_prompts, teacher_prompt, selected, cfg, pad_id, autocast,
+    teacher_views, res: DistillResult, scale: int,
+) -> DistillResult:
+    """`distill` for a sharded student: as many micro-batches on every rank as on the busiest one, the
+    missing ones zero-weighted padding on this rank's first row (see the module docstring)."""
+    device = accelerator.device
+    plan = _plan(rollouts, teacher_prompt, selected, cfg, teacher_views[0])
+    steps = int(accelerator.gather(torch.tensor([len(plan)], device=device)).max())  # every rank: the same count
+    for j in range(steps):
+        rows = selected[plan[j]] if j < len(plan) else torch.tensor([0])
+        _run_micro_batch(
+            accelerator, student, teacher, rollouts, student_prompts, teacher_prompt, rows, cfg, pad_id, autocast,
+            teacher_views, res, scale, padding=j >= len(plan),
+        )  # fmt: skip
     return res

@@ -4,11 +4,18 @@ A separate, frozen copy of the policy initialised from the same weights, updated
 theta-bar <- (1 - tau) theta-bar + tau theta after a valid student update. It scores the student's own
 response tokens after its privileged prompt, only for selected rows, detached. `rows_scored` and
 `batches` count every row and batch it has been asked about, so the budget can be audited.
+
+Under `--fsdp` the teacher is sharded exactly like the policy (`opd.sharding.shard_model`), and both
+line 1 and line 13 run on each rank's own float32 shards, with no communication; forwards that only
+keep the ranks in step (`opd.distill`'s zero-weighted micro-batches) are not counted (`uncounted`).
 """
 
+import contextlib
 import copy
 
 import torch
+
+from opd.sharding import local_pairs
 
 
 def response_logits(model, inputs: dict[str, torch.Tensor], n_response: int, **kwargs) -> torch.Tensor:
@@ -40,17 +47,38 @@ def lm_head_weight(model) -> torch.Tensor:
 
 class EMATeacher:
     def __init__(self, student: torch.nn.Module, copy_weights: bool = True):
-        """Algorithm 1, line 1: theta-bar <- theta (copy_weights=False adopts a loaded teacher as is)."""
+        """Algorithm 1, line 1: theta-bar <- theta (copy_weights=False adopts a loaded teacher as is; a
+        sharded model cannot be deep-copied: give a separately built one and call `copy_from`)."""
         model = copy.deepcopy(student) if copy_weights else student
         self.model = model.eval().requires_grad_(False)
         self.rows_scored = 0
         self.batches: list[int] = []
+        self._counting = True
 
     def _record(self, inputs: dict[str, torch.Tensor]) -> None:
         """Counts the rows of every teacher batch (the budget audit)."""
+        if not self._counting:
+            return
         n = inputs["input_ids"].shape[0]
         self.rows_scored += n
         self.batches.append(n)
+
+    @contextlib.contextmanager
+    def uncounted(self):
+        """Forwards inside are not counted: they score nothing (a sharded rank's zero-weighted micro-batch)."""
+        self._counting = False
+        try:
+            yield
+        finally:
+            self._counting = True
+
+    @torch.no_grad()
+    def copy_from(self, student: torch.nn.Module) -> None:
+        """Algorithm 1, line 1 for a teacher built separately: theta-bar <- theta, shard by shard."""
+        for t, s in local_pairs(self.model, student):
+            t.copy_(s)
+        for t, s in zip(self.model.buffers(), student.buffers(), strict=True):
+            t.copy_(s)
 
     @torch.no_grad()
     def logits(self, inputs: dict[str, torch.Tensor], n_response: int) -> torch.Tensor:
@@ -66,8 +94,9 @@ class EMATeacher:
 
     @torch.no_grad()
     def update(self, student: torch.nn.Module, tau: float) -> None:
-        """Algorithm 1, line 13: theta-bar <- (1 - tau) theta-bar + tau theta (parameters; buffers copied)."""
-        for t, s in zip(self.model.parameters(), student.parameters(), strict=True):
+        """Algorithm 1, line 13: theta-bar <- (1 - tau) theta-bar + tau theta (parameters; buffers copied).
+        Sharded models: on each rank's local shards (the two are sharded alike)."""
+        for t, s in local_pairs(self.model, student):
             t.lerp_(s.detach().to(t.dtype), tau)
         for t, s in zip(self.model.buffers(), student.buffers(), strict=True):
             t.copy_(s)

@@ -1,0 +1,130 @@
+"""Worker for the FSDP2 tests (tests/test_fsdp.py): one process without --fsdp (the unsharded reference)
+or `torchrun --nproc_per_node 2 ... --fsdp` (gloo on the CPU).
+
+--scenario steps: for each of --methods, two training steps on fixed rollouts (`opd.synthetic`, the same
+global batch whatever the number of ranks, as tests/ddp_worker.py); with --skew only rank 0's rows have
+high entropy, so the entropy policy selects nothing on rank 1. Writes OUT/<method>.pt: the full policy
+and teacher weights, the ledger rows and the teacher rows per rank and step.
+
+--scenario resume (with --fsdp): a 3-step run (checkpoint every 2 steps) and the same run stopped after
+2 steps and resumed, both with real generation; then the final checkpoint's export (policy/, teacher/)
+is loaded with from_pretrained on rank 0 and its logits compared with the in-memory sharded policy.
+Writes OUT/resume.pt.
+
+--scenario generate (with --fsdp): each rank samples its prompts' rollouts with the sharded policy in
+both `opd.sharding.GENERATION` modes and with an unsharded copy of the same weights, from the same seed.
+Writes OUT/generate.pt: per rank, whether the samples are identical and the largest log-prob difference.
+"""
+
+import argparse
+import sys
+from pathlib import Path
+
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+from opd.chat import collate  # noqa: E402
+from opd.model import load_model  # noqa: E402
+from opd.rollout import generate_rollouts  # noqa: E402
+from opd.sharding import GENERATION, full_state_dict, generation  # noqa: E402
+from opd.synthetic import fixed_rollouts  # noqa: E402
+from train import METHODS, Run, TrainConfig  # noqa: E402
+
+BASE = dict(
+    prompts_per_step=4, rollouts_per_prompt=4, steps=2, lr=1e-3, micro_batch=3, replay_start=4, replay_batch=16,
+    max_prompt_len=512, max_response_len=10,
+)  # fmt: skip
+
+
+def steps(a) -> None:
+    for method in a.methods.split(","):
+        settings = {k: v for k, v in METHODS[method].settings.items() if k not in ("policy", "rho")}
+        cfg = TrainConfig(**{**BASE, **settings}, method=method, out=f"{a.out}/{method}", policy=a.policy,
+                          rho=a.rho, fsdp=a.fsdp, micro_batch_tokens=a.micro_batch_tokens)  # fmt: skip
+        run = Run(cfg)
+        rows, teacher_rows = [], []
+        for step in range(2):
+            before = run.teacher.rows_scored
+            high = cfg.prompts_per_step * cfg.rollouts_per_prompt // 2 if a.skew else None  # rank 0's rows
+            rows.append(run.step(step, fixed_rollouts(run, step, high_entropy_below=high)))
+            teacher_rows.append(run.teacher.rows_scored - before)
+        counts = run.acc.gather(torch.tensor(teacher_rows)).view(run.acc.num_processes, -1)
+        policy, teacher = full_state_dict(run.policy), full_state_dict(run.teacher.model)
+        if run.acc.is_main_process:
+            result = {"params": policy, "teacher": teacher, "rows": rows, "teacher_rows": counts}
+            torch.save(result, Path(a.out) / f"{method}.pt")
+        run.acc.wait_for_everyone()
+
+
+def resume(a) -> None:
+    kw = {**BASE, "policy": "learned", "rho": 0.5, "replay_start": 8, "replay_batch": 8, "max_response_len": 6, "save_every": 2,
+          "fsdp": True}
+    kw.pop("steps")
+    whole = Run(TrainConfig(**kw, steps=3, out=f"{a.out}/whole"))
+    whole.train()
+    Run(TrainConfig(**kw, steps=2, out=f"{a.out}/split")).train()
+    resumed = Run(TrainConfig(**kw, steps=3, out=f"{a.out}/split", resume=f"{a.out}/split"))
+    start = resumed.start
+    resumed.train()
+    result = {"start": start}
+    for name, run in (("whole", whole), ("resumed", resumed)):
+        result[name] = {"params": full_state_dict(run.policy), "teacher": full_state_dict(run.teacher.model)}
+    # The export against the in-memory model: the same inputs through both, on rank 0's copy of the export.
+    records = resumed.prompts(0)
+    batch = collate(resumed.student_prompts(records), resumed.ids["pad"])
+    with torch.no_grad():
+        in_memory = resumed.policy(**batch, use_cache=False).logits
+    ckpt = Path(a.out) / "split" / (Path(a.out) / "split" / "latest").read_text().strip()
+    if resumed.acc.is_main_process:
+        exported = load_model(str(ckpt / "policy"))
+        with torch.no_grad():
+            result["export_logits"] = exported(**batch, use_cache=False).logits
+        result["in_memory_logits"] = in_memory
+        result["export_teacher"] = {k: v.clone() for k, v in load_model(str(ckpt / "teacher")).state_dict().items()}
+        result["checkpoint"] = sorted(p.name for p in ckpt.iterdir())
+        torch.save(result, Path(a.out) / "resume.pt")
+    resumed.acc.wait_for_everyone()
+
+
+def generate(a) -> None:
+    from opd.tiny import tiny_defaults
+
+    run = Run(TrainConfig(**{**BASE, "max_response_len": 12}, out=f"{a.out}/generate", fsdp=True))
+    prompts = run.student_prompts(run.prompts(0))
+    seed = 1000 + run.acc.process_index
+    outs = {}
+    for mode in GENERATION:
+        torch.manual_seed(seed)
+        with generation(run.policy, mode):
+            outs[mode] = generate_rollouts(run.policy, prompts, 3, 12)
+    plain = load_model(str(tiny_defaults()[0]))  # the same weights, unsharded, on this rank alone
+    torch.manual_seed(seed)
+    reference = generate_rollouts(plain, prompts, 3, 12)
+    same = [torch.equal(outs[m].response_ids, reference.response_ids) for m in GENERATION]
+    logp = [float((outs[m].logp - reference.logp).abs().max()) for m in GENERATION]
+    resharded = all(not isinstance(p, torch.Tensor) or type(p).__name__ == "DTensor" for p in run.policy.parameters())
+    report = torch.tensor([[*same, *logp, resharded]], dtype=torch.float64)
+    gathered = run.acc.gather(report)
+    if run.acc.is_main_process:
+        torch.save({"modes": GENERATION, "per_rank": gathered}, Path(a.out) / "generate.pt")
+    run.acc.wait_for_everyone()
+
+
+def main() -> None:
+    p = argparse.ArgumentParser()
+    p.add_argument("--out", required=True)
+    p.add_argument("--scenario", default="steps", choices=("steps", "resume", "generate"))
+    p.add_argument("--methods", default="bas-opd")
+    p.add_argument("--policy", default="random")
+    p.add_argument("--rho", type=float, default=0.25)
+    p.add_argument("--skew", action="store_true")
+    p.add_argument("--fsdp", action="store_true")
+    p.add_argument("--micro-batch-tokens", type=int, default=0)
+    a = p.parse_args()
+    torch.set_num_threads(1)
+    {"steps": steps, "resume": resume, "generate": generate}[a.scenario](a)
+
+
+if __name__ == "__main__":
+    main()
