@@ -1,0 +1,86 @@
+"""The toy world's privileged signals for the seed family (experiments/family.py).
+
+The family's methods differ in what their teacher sees, so each needs a base model for which that
+signal is privileged (its teacher view answers better than the student's):
+
+- crop (BAS-OPD, Vision-OPD, OPD-V): the toy experiment's base, trained on crops only. OPD-V's
+  negative teacher sees the crop with a black rectangle of a third of its area (`opd.views.masked`).
+- resolution (RP-OPSD): a base whose processor keeps an image's own size between `resolution` and
+  `max_resolution` (`SFTConfig.max_resolution`), trained on full canvases at their native 64 x 64
+  pixels (4 visual tokens). The student's half-resolution view is 32 x 32 pixels, one visual token.
+- text (OPSD): a base that has learned to read a hint. A base trained on crops never saw one, so the
+  hint base is trained on two kinds of samples (`HINT`): the crop with the plain question, and the full
+  image with the question followed by the reference answer in OPSD's teacher template
+  (`opd.views.reference_prompt`), the exact text the teacher sees in training. The student's prompt
+  (the full image and the plain question) is never in the hint base's training data, and it never
+  holds the answer: the answer reaches the student only through the teacher's distributions.
+
+`view_accuracy` answers a set of records greedily in any view of `opd.views`, as training builds it
+(the teacher's privileged accuracy); the students are scored by eval.py on the benchmark.
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+
+from opd.chat import collate, encode_prompt
+from opd.eval.answers import parse_choice
+from opd.views import get_view, reference_prompt
+
+
+@dataclass(frozen=True)
+class HintTask:
+    """Supervised targets of the hint base (an `opd.toy.sft` task): the letter and <|im_end|>; a sample
+    drawn as 'crop' is shown as the crop with the plain question, one drawn as 'full' as the full image
+    with the answer in OPSD's teacher template."""
+
+    name: str = "hint"
+
+    def batch(self, processor, model, samples, views: list[str], rng):
+        ids = processor.tokenizer.convert_tokens_to_ids
+        prompts = [
+            encode_prompt(processor, [s.crop()], s.problem) if v == "crop"
+            else encode_prompt(processor, [s.image], reference_prompt(s.problem, s.answer))
+            for s, v in zip(samples, views)
+        ]  # fmt: skip
+        target = torch.tensor([[ids(s.answer), ids("<|im_end|>")] for s in samples])  # (n, 2)
+        return collate(prompts, model.generation_config.pad_token_id, target), target
+
+
+HINT = HintTask()
+
+
+def write_eval_records(world_dir: Path, world, out: Path) -> Path:
+    """The benchmark's items as training-format records (image + bbox), so any view of opd.views can be
+    built for them; the images are the benchmark's own files. Returns the JSONL path."""
+    from opd.toy.world import sample
+
+    rows = []
+    for i in range(world.n_eval):
+        s = sample(world, "eval", i)
+        rows.append({"image": str((world_dir / "bench" / "zoombench" / "images" / f"{i:05d}.png").resolve()),
+                     "bbox": list(s.bbox), "problem": s.problem, "answer": s.answer})  # fmt: skip
+    out.parent.mkdir(parents=True, exist_ok=True)
+    out.write_text("".join(json.dumps(r) + "\n" for r in rows))
+    return out
+
+
+@torch.no_grad()
+def view_accuracy(model, processor, records, view: str, batch: int = 100) -> float:
+    """Greedy accuracy (%) on `records` asked in `view` (opd.views; the masked view seeded by the record's
+    index), answers parsed as eval.py parses them."""
+    from opd.eval.inference import generate_replies
+    from opd.toy.world import OPTIONS
+
+    model.eval()
+    correct = 0
+    for start in range(0, len(records), batch):
+        group = records[start : start + batch]
+        prompts = [encode_prompt(processor, *get_view(view)(r, start + j)) for j, r in enumerate(group)]
+        replies = generate_replies(model, processor, prompts, max_new_tokens=4)
+        correct += sum(parse_choice(reply, OPTIONS) == r.answer for reply, r in zip(replies, group))
+    return 100.0 * correct / len(records)
