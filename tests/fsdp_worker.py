@@ -4,7 +4,7 @@ or `torchrun --nproc_per_node 2 ... --fsdp` (gloo on the CPU).
 --scenario steps: for each of --methods, two training steps on fixed rollouts (`opd.synthetic`, the same
 global batch whatever the number of ranks, as tests/ddp_worker.py); with --skew only rank 0's rows have
 high entropy, so the entropy policy selects nothing on rank 1. Writes OUT/<method>.pt: the full policy
-and teacher weights, the ledger rows and the teacher rows per rank and step.
+and teacher weights, the ledger rows, the selections and the teacher rows per rank and step.
 
 --scenario resume (with --fsdp): a 3-step run (checkpoint every 2 steps) and the same run stopped after
 2 steps and resumed, both with real generation; then the final checkpoint's export (policy/, teacher/)
@@ -43,6 +43,8 @@ def steps(a) -> None:
         cfg = TrainConfig(**{**BASE, **settings}, method=method, out=f"{a.out}/{method}", policy=a.policy,
                           rho=a.rho, fsdp=a.fsdp, micro_batch_tokens=a.micro_batch_tokens)  # fmt: skip
         run = Run(cfg)
+        selected, select = [], run.selector.select
+        run.selector.select = lambda *args, **kw: selected.append(select(*args, **kw)) or selected[-1]
         rows, teacher_rows = [], []
         for step in range(2):
             before = run.teacher.rows_scored
@@ -52,7 +54,7 @@ def steps(a) -> None:
         counts = run.acc.gather(torch.tensor(teacher_rows)).view(run.acc.num_processes, -1)
         policy, teacher = full_state_dict(run.policy), full_state_dict(run.teacher.model)
         if run.acc.is_main_process:
-            result = {"params": policy, "teacher": teacher, "rows": rows, "teacher_rows": counts}
+            result = {"params": policy, "teacher": teacher, "rows": rows, "teacher_rows": counts, "selected": selected}
             torch.save(result, Path(a.out) / f"{method}.pt")
         run.acc.wait_for_everyone()
 
