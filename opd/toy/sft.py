@@ -18,6 +18,11 @@ plateau, blue vs the rest) and 150 steps: the crop view is learned (100%) while 
 probabilities stay moderate (about 0.8); longer training makes the base over-confident on the full
 view, and then the OPD divergence mostly flattens it instead of correcting it (measured). The folder is written through `save_pretrained` (model and processor),
 so `train.py --model` and `eval.py --model` load it like any checkpoint; a finished folder is reused.
+
+`task` (optional) swaps the supervised targets for another task on the same world: an object with a
+`name` and `batch(processor, model, samples, views, rng)` returning (inputs, targets) with -100 on
+positions without a target (`opd.toy.explain.EXPLAIN`: explanations of 5-60 tokens). Without it the
+targets are the letter and <|im_end|>, exactly as before.
 """
 
 from __future__ import annotations
@@ -66,15 +71,20 @@ class SFTConfig:
     """AdamW weight decay."""
     crop_share: float = 1.0
     """Probability that a training sample is shown as its crop (else the full image)."""
+    max_resolution: int = 0
+    """0: the processor resizes every image to the world's resolution; else it keeps an image's own size
+    between resolution and max_resolution pixels a side (the family's resolution base, opd.toy.family)."""
     seed: int = 0
     """Initialisation seed of the model (the data come from the world seed)."""
 
 
-def toy_processor(resolution: int, patch: int = 8, merge: int = 4):
-    """`opd.tiny.tiny_processor` resizing every image to exactly resolution x resolution pixels."""
-    processor = tiny_processor(max_pixels=resolution * resolution)
+def toy_processor(resolution: int, patch: int = 8, merge: int = 4, max_resolution: int = 0):
+    """`opd.tiny.tiny_processor` resizing every image to exactly resolution x resolution pixels, or, with
+    `max_resolution`, to a multiple of patch x merge pixels between resolution^2 and max_resolution^2 pixels."""
+    largest = max(resolution, max_resolution)
+    processor = tiny_processor(max_pixels=largest * largest)
     processor.image_processor.patch_size, processor.image_processor.merge_size = patch, merge
-    processor.image_processor.size = {"shortest_edge": resolution * resolution, "longest_edge": resolution * resolution}
+    processor.image_processor.size = {"shortest_edge": resolution * resolution, "longest_edge": largest * largest}
     return processor
 
 
@@ -113,16 +123,21 @@ def answer_batch(processor, model, samples, views: list[str]):
     return collate(prompts, pad, target), target
 
 
-def train_base(out_dir: str | Path, world: WorldConfig, cfg: SFTConfig, log=print) -> Path:
-    """Trains the base model on the world's sft split and writes it to `out_dir`; reused when complete."""
+def train_base(out_dir: str | Path, world: WorldConfig, cfg: SFTConfig, log=print, task=None) -> Path:
+    """Trains the base model on the world's sft split and writes it to `out_dir`; reused when complete.
+
+    `task`: another task's targets (see the module docstring); None = the letter answers."""
     out = Path(out_dir)
-    want = {"version": SFT_VERSION, "sft": asdict(cfg), "world": asdict(world)}
+    sft = {k: v for k, v in asdict(cfg).items() if k != "max_resolution" or v}  # 0: as bases made before it
+    want = {"version": SFT_VERSION, "sft": sft, "world": asdict(world)}
+    if task is not None:
+        want["task"] = task.name
     if (out / "sft.json").exists():
         have = json.loads((out / "sft.json").read_text())
-        if {k: have.get(k) for k in want} != want:
+        if {k: have.get(k) for k in want} != want or have.get("task") != want.get("task"):
             raise SystemExit(f"{out} holds a base model trained with other settings; use another output folder")
         return out
-    processor = toy_processor(world.resolution, cfg.patch, cfg.merge)
+    processor = toy_processor(world.resolution, cfg.patch, cfg.merge, cfg.max_resolution)
     model = build_model(processor, cfg)
     optimizer = torch.optim.AdamW(model.parameters(), lr=cfg.lr, weight_decay=cfg.weight_decay)
     rng = np.random.default_rng([world.seed, cfg.seed, 7])
@@ -133,9 +148,12 @@ def train_base(out_dir: str | Path, world: WorldConfig, cfg: SFTConfig, log=prin
             group["lr"] = _lr_at(step, cfg)
         samples = [sample(world, "sft", step * cfg.batch + j) for j in range(cfg.batch)]
         views = ["crop" if rng.random() < cfg.crop_share else "full" for _ in samples]
-        inputs, target = answer_batch(processor, model, samples, views)
-        logits = response_logits(model, inputs, target.shape[1])  # (n, 2, V)
-        loss = torch.nn.functional.cross_entropy(logits.float().flatten(0, 1), target.flatten())
+        if task is None:
+            inputs, target = answer_batch(processor, model, samples, views)
+        else:
+            inputs, target = task.batch(processor, model, samples, views, rng)
+        logits = response_logits(model, inputs, target.shape[1])  # (n, T, V)
+        loss = torch.nn.functional.cross_entropy(logits.float().flatten(0, 1), target.flatten())  # ignores -100
         optimizer.zero_grad(set_to_none=True)
         loss.backward()
         torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)

@@ -1,0 +1,116 @@
+"""The second toy task: the same world and question, answered by a short explanation and then the answer.
+
+The first toy task (`opd.toy.world`, docs/TOY.md) answers with one letter, so every response is two
+tokens and the 8 rollouts of a prompt are near-duplicates. This task keeps the world, its images,
+crops, questions, training JSONL and held-out benchmark exactly as they are (`export_world`), and
+changes only what the model says: a response is one of `STYLES`, from a terse answer to a few clauses
+naming the colour and the shape, always ending in an explicit answer that eval.py's parser reads
+("Answer: C", "the answer is C"). With the tiny model's character-level tokenizer a response is 5 to
+60 tokens (`response_lengths`), so rollouts of one prompt differ in length and in content (the style
+drawn, and the colour named when the full image leaves the student unsure).
+
+Only the crop-trained base model (`opd.toy.sft.train_base(..., task=EXPLAIN)`) differs from the first
+task: its supervised targets are `response_text(sample, style)` with the style drawn per sample from
+`STYLE_WEIGHTS`, the loss over every response token. What a response's tokens carry is then uneven:
+the colour word (and the answer letter) depend on the image, the style words do not, so the crop
+teacher and the full-image student disagree on a few tokens of a long response and on a larger share
+of a short one. The crop cannot show where the target sits in the canvas, so no style names a
+position (the crop teacher could not know it).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import numpy as np
+import torch
+
+from opd.toy.world import OPTIONS, Sample
+
+STYLES = {
+    "terse": "({letter}).",
+    "answer": "Answer: {letter}",
+    "word": "{Colour}. Answer: {letter}",
+    "sentence": "The {shape} is {colour}. Answer: {letter}",
+    "because": "It looks {colour}, so the answer is {letter}.",
+    "clauses": "I see a small {colour} {shape} in the clutter. Answer: {letter}",
+}
+"""Response templates, shortest to longest; every one ends in an answer eval.py's parser reads."""
+
+STYLE_WEIGHTS = {"terse": 1.0, "answer": 1.0, "word": 1.0, "sentence": 1.0, "because": 1.0, "clauses": 1.0}
+"""Relative frequency of each style in the base model's supervised data (uniform)."""
+
+
+def response_text(sample: Sample, style: str, colour: str | None = None) -> str:
+    """The response of `style` for `sample` (without <|im_end|>); `colour` overrides the true colour
+    (the answer letter follows the colour named, as in the supervised data)."""
+    colour = colour or sample.colour
+    letter = next(k for k, v in OPTIONS.items() if v == colour)
+    return STYLES[style].format(letter=letter, colour=colour, Colour=colour.capitalize(), shape=sample.shape)
+
+
+def response_lengths() -> dict[str, tuple[int, int]]:
+    """(shortest, longest) length in tokens of each style over every colour and shape, <|im_end|>
+    included (the tiny tokenizer has one token per character)."""
+    from opd.toy.world import SHAPES
+
+    out = {}
+    for style, template in STYLES.items():
+        n = [len(template.format(letter="A", colour=c, Colour=c, shape=s)) + 1 for c in OPTIONS.values() for s in SHAPES]
+        out[style] = (min(n), max(n))
+    return out
+
+
+def draw_styles(rng: np.random.Generator, n: int) -> list[str]:
+    """n styles drawn independently with probabilities proportional to `STYLE_WEIGHTS`."""
+    names = list(STYLE_WEIGHTS)
+    p = np.array([STYLE_WEIGHTS[s] for s in names], dtype=float)
+    return [names[int(j)] for j in rng.choice(len(names), size=n, p=p / p.sum())]
+
+
+def style_of(text: str) -> str | None:
+    """The style a generated response follows (by its opening words), None when it follows none."""
+    t = text.strip()
+    if t.startswith("("):
+        return "terse"
+    if t.startswith("Answer"):
+        return "answer"
+    if t.startswith("The "):
+        return "sentence"
+    if t.startswith("It "):
+        return "because"
+    if t.startswith("I "):
+        return "clauses"
+    if any(t.startswith(c.capitalize() + ".") for c in OPTIONS.values()):
+        return "word"
+    return None
+
+
+@dataclass(frozen=True)
+class ExplainTask:
+    """The supervised targets of `opd.toy.sft.train_base` for this task (`task=EXPLAIN`)."""
+
+    name: str = "explain"
+
+    def batch(self, processor, model, samples: list[Sample], views: list[str], rng: np.random.Generator):
+        """(model inputs, targets (n, T) with -100 after each response's <|im_end|>) for teacher forcing
+        `response_text` in a style drawn from `rng`."""
+        from opd.chat import collate, encode_prompt
+
+        tok = processor.tokenizer
+        end = tok.convert_tokens_to_ids("<|im_end|>")
+        prompts = [encode_prompt(processor, [s.crop() if v == "crop" else s.image], s.problem) for s, v in zip(samples, views)]
+        texts = [response_text(s, style) for s, style in zip(samples, draw_styles(rng, len(samples)))]
+        ids = [tok(t, add_special_tokens=False)["input_ids"] + [end] for t in texts]
+        width = max(len(x) for x in ids)
+        pad = model.generation_config.pad_token_id
+        response = torch.full((len(ids), width), pad, dtype=torch.long)
+        mask = torch.zeros((len(ids), width), dtype=torch.long)
+        for i, x in enumerate(ids):
+            response[i, : len(x)] = torch.tensor(x)
+            mask[i, : len(x)] = 1
+        target = response.masked_fill(mask == 0, -100)
+        return collate(prompts, pad, response, mask), target
+
+
+EXPLAIN = ExplainTask()
