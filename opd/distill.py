@@ -22,8 +22,8 @@ parameters collectively, so the ranks run in lockstep: every rank runs as many m
 rank with the most (one all-gather of the counts), padding with zero-weighted micro-batches on one of
 its own rows (teacher forwards on the student's prompt, not counted as teacher calls), and gradients
 are reduce-scattered after every backward (FSDP keeps no unsharded gradient between micro-batches). The
-LM-head weights are read after their model's forward, when FSDP has gathered them (the root group); the
-teacher is resharded once the step's micro-batches are done.
+LM-head weights are read after their model's forward, when FSDP has gathered them (the root group), and
+the teacher is resharded after each micro-batch's loss, before the student's backward.
 
 The family (`opd.methods`): the teacher runs once per selected row and teacher view (OPD-V: the
 crop and the masked crop); the support and divergence are the method's (`DistillConfig.support`,
@@ -297,6 +297,7 @@ def _run_micro_batch(
         loss, per_token, u, seconds = micro_batch_loss(
             student, teacher, s_inputs, t_inputs, mask, width, weights, cfg, response, old_logp
         )  # fmt: skip
+    reshard(teacher.model)  # sharded: the teacher's gathered root (LM head) is freed before the student's backward
     accelerator.backward(loss)
     del per_token
     _sync(device)

@@ -13,8 +13,8 @@ What the rest of the loop relies on, all torch's own FSDP2 behaviour:
   weight included) are the gathered, plain tensors until its backward (student) or `reshard` (teacher):
   `opd.chunked` multiplies the student's and teacher's final hidden states by the gathered LM-head
   weight chunk by chunk, and the student's dL/dW, handed to autograd, is reduce-scattered by FSDP with
-  the root's other gradients. The full (V, H) weight is gathered once per micro-batch (student) or step
-  (teacher); full-vocabulary logits are never formed.
+  the root's other gradients. The full (V, H) weight is gathered once per micro-batch for each of the two
+  (the teacher's is freed before the student's backward); full-vocabulary logits are never formed.
 - Every forward and backward gathers and reduce-scatters collectively, so every rank must run the same
   number of them: `opd.distill` pads a rank's micro-batches with zero-weighted ones (`lockstep`), and
   generation either gathers the whole model first (`generation`, the default) or lets HF

@@ -41,7 +41,8 @@ def steps(a) -> None:
     for method in a.methods.split(","):
         settings = {k: v for k, v in METHODS[method].settings.items() if k not in ("policy", "rho")}
         cfg = TrainConfig(**{**BASE, **settings}, method=method, out=f"{a.out}/{method}", policy=a.policy,
-                          rho=a.rho, fsdp=a.fsdp, micro_batch_tokens=a.micro_batch_tokens)  # fmt: skip
+                          rho=a.rho, fsdp=a.fsdp, micro_batch_tokens=a.micro_batch_tokens,
+                          grad_checkpointing=a.grad_checkpointing)  # fmt: skip
         run = Run(cfg)
         selected, select = [], run.selector.select
         run.selector.select = lambda *args, **kw: selected.append(select(*args, **kw)) or selected[-1]
@@ -123,6 +124,7 @@ def main() -> None:
     p.add_argument("--skew", action="store_true")
     p.add_argument("--fsdp", action="store_true")
     p.add_argument("--micro-batch-tokens", type=int, default=0)
+    p.add_argument("--grad-checkpointing", action="store_true")
     a = p.parse_args()
     torch.set_num_threads(1)
     {"steps": steps, "resume": resume, "generate": generate}[a.scenario](a)

@@ -4,6 +4,7 @@ Each test launches tests/fsdp_worker.py (one process for the reference, torchrun
 sharded run); the worker gathers the full weights, so values are compared here.
 """
 
+import json
 import os
 import subprocess
 import sys
@@ -71,8 +72,9 @@ def test_fsdp_two_ranks_equal_one_unsharded_rank_when_one_rank_has_no_selected_r
 @pytest.mark.slow
 def test_fsdp_each_method_equals_one_unsharded_rank(tmp_path, tiny):
     """Every method of the family (views, supports, divergences, OPD-V's two teachers) sharded on 2 ranks,
-    with micro-batches split by tokens so the ranks hold different numbers of them."""
-    args = ["--methods", ",".join(METHODS), "--micro-batch-tokens", "300"]
+    with micro-batches split by tokens so the ranks hold different numbers of them, and activation
+    checkpointing (recomputation inside FSDP's backward) on both sides."""
+    args = ["--methods", ",".join(METHODS), "--micro-batch-tokens", "300", "--grad-checkpointing"]
     one, two = _worker(tmp_path / "one", 1, *args), _worker(tmp_path / "two", 2, *args, "--fsdp")
     for method in METHODS:
         a, b = (torch.load(d / f"{method}.pt", weights_only=False) for d in (one, two))
@@ -136,3 +138,57 @@ def test_fsdp_cli_run_keeps_the_ddp_ledger(tmp_path, tiny):
 def test_an_unknown_generation_mode_is_refused_by_name(tmp_path):
     with pytest.raises(UserError, match="--fsdp-generation 'eager': choose one of gathered, layerwise"):
         train.main(["--fsdp", "--fsdp-generation", "eager", "--out", str(tmp_path)])
+
+
+@pytest.mark.slow
+def test_gpu_check_runs_on_the_cpu_and_fsdp_matches_ddp(tmp_path):
+    """bench/gpu_check.py's code on the tiny model (tied embeddings, as Qwen3.5-4B's): both strategies run
+    and FSDP2 over a one-process group matches DDP on the fixed step."""
+    out = tmp_path / "gpu_check.json"
+    proc = _launch(tmp_path, 1, ROOT / "bench" / "gpu_check.py", "--device", "cpu", "--model", "tiny", "--steps", "2",
+                   "--out", str(out))  # fmt: skip
+    assert "| DDP |" in proc.stdout and "| FSDP2 |" in proc.stdout
+    assert "FSDP2 on one device matches DDP: **yes**" in proc.stdout
+    saved = json.loads(out.read_text())
+    assert saved["match"]["same_selection_and_counts"] and saved["match"]["max_param_diff"] <= 1e-6
+    for r in saved["results"]:
+        assert len(r["rows"]) == 2 and all(row["generated_tokens"] > 0 and row["teacher_flops"] > 0 for row in r["rows"])
+
+
+def test_memory_table_counts_and_terms(tmp_path):
+    """The parameter counts of the meta-device model equal a real model's (the tiny config); each row's
+    peak is its terms; the README's 9B launch on 4 x 80 GB fits and DDP never fits 9B."""
+    from bench import memory_table as mt
+    from opd.tiny import tiny_config, tiny_processor
+
+    config = tiny_config(tiny_processor().tokenizer)
+    shape = mt.model_shape(config)
+    from transformers import Qwen3_5ForConditionalGeneration
+
+    real = Qwen3_5ForConditionalGeneration(config)
+    layers = [*real.model.language_model.layers, *real.model.visual.blocks]
+    assert shape.params == sum(p.numel() for p in real.parameters())
+    assert shape.root == shape.params - sum(p.numel() for u in layers for p in u.parameters())
+    assert shape.block == max(sum(p.numel() for p in u.parameters()) for u in layers)
+    report = mt.main(["--micro-batch", "1", "--rollout-batch", "16", "--out", str(tmp_path / "m.json")])
+    rows = {(r["model"], r["strategy"], r["gpus"]): r for r in report["rows"]}
+    assert len(rows) == 12
+    for (name, strategy, gpus), r in rows.items():
+        P = report["shapes"][name].params
+        shards = gpus if strategy == "fsdp2" else 1
+        assert r["policy"] == r["gradients"] == r["teacher"] == 4 * P / shards and r["adamw"] == 8 * P / shards
+        persistent = r["policy"] + r["gradients"] + r["adamw"] + r["teacher"] + r["ddp_buckets"]
+        assert r["peak"] == pytest.approx(persistent + max(r["training_transient"], r["generation"]))
+    assert rows["9b", "fsdp2", 4]["peak"] <= 80e9
+    assert all(rows["9b", "ddp", n]["peak"] > 80e9 for n in (1, 4, 8))
+
+
+def test_fsdp_generation_benchmark_quick(tmp_path, capsys):
+    from bench import fsdp_generation
+
+    out = tmp_path / "gen.json"
+    report = fsdp_generation.main(["--quick", "--out", str(out)])
+    assert "| tiny | gathered |" in report["markdown"] and "| tiny | layerwise |" in report["markdown"]
+    saved = json.loads(out.read_text())
+    assert [r["mode"] for r in saved["results"]] == ["gathered", "layerwise"]
+    assert all(len(r["per_rank"]) == 2 for r in saved["results"])
