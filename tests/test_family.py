@@ -1,0 +1,75 @@
+"""The seed-family comparison (experiments/family.py): its smoke run, its ledger checks and resuming."""
+
+import importlib.util
+import json
+import sys
+from pathlib import Path
+
+import pytest
+
+from opd.data import load_records
+from opd.ledger import read_ledger
+from opd.toy.family import HINT, write_eval_records
+from opd.toy.world import WorldConfig, export_world, sample
+from opd.views import reference_prompt
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+def family_module():
+    spec = importlib.util.spec_from_file_location("family_experiment", ROOT / "experiments" / "family.py")
+    module = importlib.util.module_from_spec(spec)
+    sys.modules[spec.name] = module
+    spec.loader.exec_module(module)
+    return module
+
+
+def test_ledger_check_counts_every_teacher_view():
+    family = family_module()
+    row = {"step": 0, "candidates": 8, "budget": 2, "selected": 2, "teacher_rows": 4, "scored_tokens": 5, "candidate_tokens": 20}
+    assert family.check_ledger([row], 0.25, "random", views=2) == []
+    problems = family.check_ledger([row], 0.25, "random", views=1)
+    assert problems == ["step 0: 4 teacher rows for |S| = 2 x 1 views"]
+    assert family.check_ledger([{**row, "selected": 3}], 0.25, "random", views=2)  # over the budget
+
+
+def test_hint_base_sees_the_teachers_text_and_never_the_students_prompt(tmp_path, tiny):
+    """The hint base's hinted samples use OPSD's teacher prompt exactly; its plain samples are crops."""
+    from opd.toy.sft import build_model, toy_processor, SFTConfig
+
+    world = WorldConfig(n_opd=4, n_audit=2, n_eval=3)
+    processor = toy_processor(world.resolution)
+    model = build_model(processor, SFTConfig())
+    samples = [sample(world, "sft", i) for i in range(2)]
+    inputs, target = HINT.batch(processor, model, samples, ["full", "crop"], None)
+    text = processor.tokenizer.decode(inputs["input_ids"][0])
+    assert reference_prompt(samples[0].problem, samples[0].answer).removeprefix("<image>") in text
+    assert "Reference answer" not in processor.tokenizer.decode(inputs["input_ids"][1])
+    ids = processor.tokenizer.convert_tokens_to_ids
+    assert target.tolist() == [[ids(s.answer), ids("<|im_end|>")] for s in samples]
+    export_world(tmp_path / "world", world)
+    records = load_records(write_eval_records(tmp_path / "world", world, tmp_path / "eval.jsonl"))
+    assert [r.answer for r in records] == [sample(world, "eval", i).answer for i in range(3)]
+    assert [r.bbox for r in records] == [tuple(sample(world, "eval", i).bbox) for i in range(3)]
+
+
+@pytest.mark.slow
+def test_smoke_comparison_writes_the_report_and_resumes(tmp_path, tiny):
+    family = family_module()
+    out = tmp_path / "family"
+    text = family.main(["--smoke", "--out", str(out)])
+    for heading in ("## The bases: privileged-minus-plain gap", "## Accuracy after training and teacher cost", "## Plots"):
+        assert heading in text
+    for name in ("Vision-OPD / BAS-OPD", "OPD-V", "RP-OPSD", "OPSD"):
+        assert f"| {name} | Full" in text and f"| {name} | Learned-25" in text
+    assert "Ledger arithmetic checked on 24 rows: all hold." in text
+    assert (out / "family_accuracy.png").is_file() and (out / "family_cost.png").is_file()
+    gaps = json.loads((out / "base_gaps.json").read_text())
+    assert set(gaps) == {"crop", "resolution", "text"} and set(gaps["crop"]) == {"full", "crop", "masked"}
+    opdv = read_ledger(out / "runs" / "opd-v" / "full-100" / "seed0" / "ledger.jsonl")
+    assert all(r["teacher_rows"] == 2 * r["selected"] == 2 * r["teacher_rows_masked"] for r in opdv)
+    done = out / "runs" / "rp-opsd" / "learned-25" / "seed0" / "done.json"
+    stamp = done.stat().st_mtime_ns
+    family.main(["--smoke", "--out", str(out)])  # resumed: every run is reused
+    assert done.stat().st_mtime_ns == stamp
+    assert json.loads((out / "timing.json").read_text())["invocations"] == 2
