@@ -188,7 +188,7 @@ def estimate(m: Shape, s: Settings, strategy: str, gpus: int, generation: str = 
 
 
 def table(shapes: dict[str, Shape], s: Settings, gpu_gb: float, gpus=(1, 4, 8)) -> tuple[str, list[dict]]:
-    head = ["model", "strategy", "GPUs", "policy + grads + AdamW", "EMA teacher", "weights for compute",
+    head = ["model", "strategy", "GPUs", "parameters", "gradients", "AdamW", "EMA teacher", "weights for compute",
             "activations + loss", "generation", "peak per GPU", f"fits {gpu_gb:g} GB"]  # fmt: skip
     rows, records = [], []
     for name, m in shapes.items():
@@ -196,16 +196,16 @@ def table(shapes: dict[str, Shape], s: Settings, gpu_gb: float, gpus=(1, 4, 8)) 
             for n in gpus:
                 e = estimate(m, s, strategy, n)
                 records.append({"model": name, "strategy": strategy, "gpus": n, **e})
-                states = e["policy"] + e["gradients"] + e["adamw"] + e["ddp_buckets"]
+                grads = f"{e['gradients'] / GB:.1f}" + (f" + {e['ddp_buckets'] / GB:.1f}" if e["ddp_buckets"] else "")
                 rows.append([
-                    f"Qwen3.5-{name.upper()}", "DDP" if strategy == "ddp" else "FSDP2", n, f"{states / GB:.1f}",
-                    f"{e['teacher'] / GB:.1f}", f"{e['compute_weights'] / GB:.1f}",
+                    f"Qwen3.5-{name.upper()}", "DDP" if strategy == "ddp" else "FSDP2", n, f"{e['policy'] / GB:.1f}",
+                    grads, f"{e['adamw'] / GB:.1f}", f"{e['teacher'] / GB:.1f}", f"{e['compute_weights'] / GB:.1f}",
                     f"{(e['activations'] + e['loss']) / GB:.1f}", f"{e['generation'] / GB:.1f} ({e['generation_rows']} rows)",
                     f"**{e['peak'] / GB:.1f}**", "yes" if e["peak"] <= gpu_gb * GB else "no",
                 ])  # fmt: skip
     from bench._util import markdown_table
 
-    return markdown_table(head, rows, "lllrrrrrrl"), records
+    return markdown_table(head, rows, "lllrrrrrrrrl"), records
 
 
 def main(argv=None) -> dict:
@@ -227,7 +227,7 @@ def main(argv=None) -> dict:
     per_row = "; ".join(f"{n.upper()} {cache_per_row(m, s) / GB:.2f} GB" for n, m in shapes.items())
     text = (f"{counts}. Generation cache per rollout at {s.prompt_len + s.response_len:,} tokens: {per_row}. "
             f"Micro-batch {s.micro_batch}, image tokens {s.image_tokens:,}, --rollout-batch {s.rollout_batch}; "
-            "GB = 10^9 bytes.\n\n" + markdown)  # fmt: skip
+            "GB = 10^9 bytes; DDP's gradients + its buckets.\n\n" + markdown)  # fmt: skip
     print(text)
     if a.out:
         payload = {"settings": asdict(s), "shapes": {n: asdict(m) for n, m in shapes.items()}, "rows": records,

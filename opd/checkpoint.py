@@ -12,7 +12,10 @@ Sharded runs (`--fsdp`, `save_sharded`): checkpoint-NNNNNN/sharded/ is one torch
 on several machines the output folder must be one shared file system); state.pt and train_config.json
 are as above, without the optimizer. The run's last checkpoint is also exported: policy/ and teacher/
 in `save_pretrained` form (the full weights gathered to rank 0's CPU memory), so `eval.py --model` reads
-it like any other. `load_sharded` restores the shards into freshly sharded models and optimizer.
+it like any other. `load_sharded` restores the shards into freshly sharded models and optimizer: a
+resumed sharded run first builds them from the run's own `--model` (which must still be there), then
+overwrites every weight and moment from sharded/. DCP reshards on load, so another number of processes
+can resume it; the same number continues to the same result (rollouts are seeded per rank).
 """
 
 import json

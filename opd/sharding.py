@@ -3,8 +3,8 @@
 `shard_model` gives every repeated block of the model (Qwen3.5: each text decoder layer and each vision
 block, the model's own `_no_split_modules`) its own FSDP group and puts the rest (embeddings, LM head,
 final norm, vision patch embedding and merger) in the root group, on a 1-D device mesh over every
-process: NCCL on GPUs, gloo on CPUs, the same code. Parameters stay float32 (the master weights; the
-optimizer and the EMA update run on the float32 shards); under `--mixed-precision bf16` the gathered
+process: NCCL on GPUs, gloo on CPUs, the same code. Parameters keep `--dtype` (float32: the master
+weights; the optimizer and the EMA update run on the shards); under `--mixed-precision bf16` the gathered
 copies are bfloat16 (compute) and gradients are reduce-scattered in float32.
 
 What the rest of the loop relies on, all torch's own FSDP2 behaviour:
@@ -26,7 +26,6 @@ Checkpoints of sharded models are in `opd.checkpoint` (torch.distributed.checkpo
 """
 
 import contextlib
-import os
 import warnings
 
 import torch
@@ -167,7 +166,3 @@ def full_state_dict(model: nn.Module) -> dict[str, torch.Tensor]:
 def full_tensor(x):
     """A DTensor's full value (a collective on every rank); anything else as is."""
     return x.full_tensor() if isinstance(x, DTensor) else x
-
-
-def world_size() -> int:
-    return dist.get_world_size() if dist.is_initialized() else int(os.environ.get("WORLD_SIZE", "1"))
