@@ -32,6 +32,7 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
+from opd.cli import UserError
 from opd.data import Record, step_prompt_indices
 from opd.distill import micro_batch_inputs, micro_batch_loss, plan_micro_batches
 from opd.divergence import budgeted_weights
@@ -216,8 +217,17 @@ def _preserved(run):
         del run.teacher.batches[batches:]
 
 
+def check_auditable(run) -> None:
+    """The audits run one process's forwards outside the training loop; a policy sharded over several
+    processes (--fsdp) would wait for the other ranks' gathers, so it is refused."""
+    if getattr(run.cfg, "fsdp", False) and run.acc.num_processes > 1:
+        raise UserError("the Figure 3/4 audits run on one process: audit a --fsdp run launched with one process, "
+                        "or its exported checkpoint")
+
+
 def sample_batch(run, records: list[Record], seed: int) -> HeldBatch:
     """Rollouts of `records` by the run's current student (as in Algorithm 1, line 3), features and u^."""
+    check_auditable(run)
     cfg = run.cfg
     with _preserved(run):
         torch.manual_seed(seed)
