@@ -23,6 +23,7 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import shutil
 import sys
 from dataclasses import dataclass
 from pathlib import Path
@@ -143,6 +144,54 @@ def base_gaps(root: Path, cfg: FamilyConfig) -> dict:
         say(f"base {signal}: " + ", ".join(f"{v} {a:.1f}%" for v, a in gaps[signal].items()))
     path.write_text(json.dumps(gaps, indent=1) + "\n")
     return gaps
+
+
+def trust_region_profile(root: Path, cfg: FamilyConfig, prompts: int = 16) -> dict:
+    """OPD-V's token weight on the crop base's own rollouts of `prompts` training prompts (step 0, seed 0):
+    share of positive weights and mean weight at the answer letter, for correct and wrong letters, and at
+    <|im_end|>. Cached in OUT/trust_region.json."""
+    path = root / "trust_region.json"
+    if path.exists():
+        return json.loads(path.read_text())
+    import torch
+
+    from opd.chunked import sampled_logp_from_hidden
+    from opd.distill import micro_batch_inputs
+    from opd.rollout import generate_rollouts
+    from opd.seeding import mix_seed
+    from opd.teacher import lm_head_weight
+    from opd.weights import trust_region
+    from train import Run, TrainConfig
+
+    run = Run(TrainConfig(model=str(root / "base-crop"), data=str(root / "world" / "train.jsonl"),
+                          out=str(root / "trust_region_run"), overwrite=True, method="opd-v", policy="full", rho=1.0,
+                          prompts_per_step=min(prompts, cfg.n_opd), max_response_len=cfg.max_response_len))  # fmt: skip
+    ids = run.prompt_ids(0)
+    records = [run.records[i] for i in ids]
+    torch.manual_seed(0)
+    ro = generate_rollouts(run.policy, run.student_prompts(records), cfg.rollouts_per_prompt, cfg.max_response_len)
+    logp = {}
+    for view in run.teacher_views:  # the positive (crop) and negative (masked) teacher, as training builds them
+        prompts_v = [run.encode(view, records[j], mix_seed(run.cfg.seed, 0, ids[j])) for j in ro.prompt_index.tolist()]
+        inputs, mask, width = micro_batch_inputs(prompts_v, ro, torch.arange(len(ro)), run.ids["pad"], "cpu")
+        h = run.teacher.hidden(inputs, width)[mask]
+        logp[view] = sampled_logp_from_hidden(h, lm_head_weight(run.teacher.model), ro.response_ids[:, :width][mask])
+    w = trust_region(logp["crop"], logp["masked"])  # (P,)
+    letter = torch.zeros_like(mask)
+    letter[:, 0] = True
+    letter = letter[mask]  # the answer letter is each response's first token
+    tokenizer = run.processor.tokenizer
+    answers = torch.tensor([tokenizer.convert_tokens_to_ids(records[j].answer) for j in ro.prompt_index.tolist()])
+    correct = ro.response_ids[:, 0] == answers  # (N,)
+    profile = {}
+    for name, sel in (("correct letters", correct), ("wrong letters", ~correct)):
+        x = w[letter][sel]
+        profile[name] = {"n": int(sel.sum()), "positive": float((x > 0).float().mean()), "mean": float(x.mean())}
+    x = w[~letter]
+    profile["end of message"] = {"n": int(x.numel()), "positive": float((x > 0).float().mean()), "mean": float(x.mean())}
+    path.write_text(json.dumps(profile, indent=1) + "\n")
+    shutil.rmtree(root / "trust_region_run", ignore_errors=True)
+    return profile
 
 
 # ----------------------------------------------------------------------------- runs
@@ -338,6 +387,11 @@ def report(root: Path, cfg: FamilyConfig, timing: dict, command: str) -> str:
                 f"{np.mean([sum(t['rows'] for t in x['teachers'].values()) for x in led]):,.0f} | "
                 f"{np.mean([x['scored_tokens'] for x in led]):,.0f} | {_ms(ratio)}% | "
                 f"{_ms([x['teacher_forward_s'] for x in led])} | {_ms([x['step_s'] for x in led])} |")
+    profile = json.loads((root / "trust_region.json").read_text())
+    lines += ["", "## OPD-V's token weight on the crop base", "",
+              "w_t = ReLU(log pi_T+(y_t) - log pi_T-(y_t)) on the crop base's own rollouts (step 0): the share of "
+              "tokens with w_t > 0 and the mean w_t.", "", "| Tokens | n | w > 0 | mean w |", "| --- | ---: | ---: | ---: |"]
+    lines += [f"| {k} | {v['n']} | {100 * v['positive']:.1f}% | {v['mean']:.3f} |" for k, v in profile.items()]
     lines += ["", f"Ledger arithmetic checked on {n_rows:,} rows: " + ("all hold." if not problems else
               f"{len(problems)} problems: " + "; ".join(problems[:10])), "", "## Plots", ""]
     lines += [f"![{f}]({f})" for f in files]
@@ -367,6 +421,7 @@ def main(argv: list[str] | None = None) -> str:
             say(f"base '{signal}' ({sft.steps} supervised steps) -> {root / f'base-{signal}'}")
             train_base(root / f"base-{signal}", world_config(cfg), sft, log=lambda msg: say(msg), task=task)
         base_gaps(root, cfg)
+        trust_region_profile(root, cfg)
     with timing.phase("runs_s"):
         specs = run_specs(cfg)
         todo = [s for s in specs if not (run_folder(root, s) / "done.json").exists()]
