@@ -30,7 +30,10 @@ from opd.checkpoint import find_checkpoint, load_config, load_sharded, load_stat
 from opd.chat import encode_prompt
 from opd.cli import UserError, given_flags, run_cli
 from opd.data import Record, load_records, shard, step_prompt_indices
-from opd.distill import DistillConfig, distill
+from opd.dapd import DAPD
+from opd.distill import DistillConfig, Distillation, StepBatch
+from opd.opod import OPOD
+from opd.teachers import TeacherSet, build_routed, load_routes, load_teacher
 from opd.features import rollout_features
 from opd.ledger import PHASES, Ledger, PhaseTimer, format_summary, summarize, write_atomic
 from opd.model import DTYPES, autocast, load_model, load_processor, special_ids
@@ -39,9 +42,12 @@ from opd.rollout import Rollouts, generate_rollouts
 from opd.seeding import mix_seed
 from opd.selectors import POLICIES, Selector, query_budget
 from opd.sharding import GENERATION, full_tensor, generation, load_sharded_model
-from opd.teacher import EMATeacher
+from opd.teacher import EMATeacher, lm_head_weight
 from opd.tiny import tiny_defaults
 from opd.methods import METHODS, get_method
+
+OBJECTIVES = {"distill": Distillation, "dapd": DAPD, "opod": OPOD}
+"""The objective of each method (opd.methods.Method.objective): called once per step through one seam."""
 from opd.views import VIEWS, get_view
 
 
@@ -80,6 +86,12 @@ class TrainConfig:
     """Qwen3.5's thinking generation prompt instead of the non-thinking one."""
     teacher_view: str | None = None
     """The teacher's privileged view (opd/views.py); none = the method's (crop for bas-opd)."""
+    teacher_model: str | None = None
+    """A fixed teacher checkpoint (folder or hub id, the policy's tokenizer) in place of the EMA self-teacher;
+    frozen, run only on the selected rows (opd/teachers.py)."""
+    teachers: str | None = None
+    """A routing table (JSON, opd/teachers.py): a record field's values mapped to teacher checkpoints, each loaded
+    once, frozen and run only on the selected rows routed to it."""
     lr: float = 2e-6
     """AdamW learning rate of the policy."""
     weight_decay: float = 0.01
@@ -88,6 +100,36 @@ class TrainConfig:
     """Gradient-norm clip of the policy update (not in the paper; the peers' 1.0); 0 = no clipping."""
     ema_tau: float = 0.05
     """EMA rate tau of the crop teacher, applied after each valid update."""
+    ema_every: int = 1
+    """Apply the teacher update every N steps (1: the EMA of every step; DAPD's snapshot: 100, with --ema-tau 1)."""
+    dapd_temperature: float = 1.1
+    """DAPD: temperature of both sides of the clamped forward KL (DAPD's 1.1)."""
+    dapd_clip: float = 0.05
+    """DAPD: upper clamp of each vocabulary entry's KL contribution (DAPD's 0.05)."""
+    opod_beta_init: float = 1.0
+    """OPOD: initial strength beta_m of every teacher's gated term (not in the paper; a guess)."""
+    opod_beta_min: float = 0.1
+    """OPOD: lower bound of beta_m (the paper's 0.1)."""
+    opod_beta_max: float = 2.0
+    """OPOD: upper bound of beta_m (not in the paper; a guess)."""
+    opod_eta: float = 0.1
+    """OPOD: controller rate eta of beta_m <- clip(beta_m + eta (mean c_m - eps_m)) (not in the paper; a guess)."""
+    opod_warmup: int = 10
+    """OPOD: steps (with tokens of a teacher) whose mean gate sets that teacher's target eps_m (the paper's 10)."""
+    opod_eps_floor: float = 0.02
+    """OPOD: floor of the controller target eps_m (the paper's 0.02)."""
+    opod_reward_a: float = 0.2
+    """OPOD: weight of A (teacher confidence on a correct response) in r = r_task + 0.2 A + 0.1 B (the paper's)."""
+    opod_reward_b: float = 0.1
+    """OPOD: weight of B (how much the response raises the teacher's log-prob of the answer); 0 skips its forwards."""
+    opod_reward_clip: float = 2.0
+    """OPOD: C, the clip of A to [-C, 0] and of B to [-C, C] (the paper's 2)."""
+    opod_pg_weight: float = 1.0
+    """OPOD: weight of the group-relative policy-gradient term (the paper adds it unweighted)."""
+    opod_adv_eps: float = 1e-4
+    """OPOD: eps of the group advantage (r - mean) / (std + eps) (not in the paper; TRL's GRPO value)."""
+    opod_kl: float = 0.0
+    """OPOD: weight of KL(pi_theta || pi_ref), pi_ref the initial policy (the paper's weight is unknown; 0 = off)."""
     alpha: float = 0.5
     """Generalized JSD mixture weight (0.5: symmetric JSD); unused by rp-opsd's reverse KL."""
     is_clip: float = 0.0
@@ -256,6 +298,29 @@ def check_config(cfg: TrainConfig, world: int) -> None:
         problems.append(f"--data is required with --preset {cfg.preset} (a Vision-OPD-style training JSONL)")
     if cfg.resume and cfg.overwrite:
         problems.append("--resume continues a run and --overwrite deletes it: choose one")
+    if cfg.ema_every < 1:
+        problems.append(f"--ema-every {cfg.ema_every}: must be at least 1")
+    if cfg.teacher_model and cfg.teachers:
+        problems.append("--teacher-model gives one teacher and --teachers routes to several: choose one")
+    if cfg.method in METHODS:
+        method = METHODS[cfg.method]
+        external = cfg.teacher_model or cfg.teachers
+        if method.external_teachers == "refused" and external:
+            problems.append(f"--method {cfg.method} anchors on the policy's own weights (base and snapshot): "
+                            "--teacher-model and --teachers do not apply")
+        if method.external_teachers == "required" and not external:
+            problems.append(f"--method {cfg.method} routes each response to a separate teacher checkpoint: give "
+                            "--teachers route.json or --teacher-model PATH")
+        if cfg.fsdp and method.objective != "distill":
+            problems.append(f"--fsdp with --method {cfg.method}: its objective's extra forwards are not sharded here; "
+                            "train it with DDP (without --fsdp)")
+    if cfg.dapd_temperature <= 0 or cfg.dapd_clip <= 0:
+        problems.append("--dapd-temperature and --dapd-clip must be positive")
+    if not 0 < cfg.opod_beta_min <= cfg.opod_beta_init <= cfg.opod_beta_max:
+        problems.append(f"--opod-beta-min {cfg.opod_beta_min}, --opod-beta-init {cfg.opod_beta_init}, --opod-beta-max "
+                        f"{cfg.opod_beta_max}: need 0 < min <= init <= max")
+    if cfg.opod_warmup < 1 or cfg.opod_reward_clip <= 0 or cfg.opod_adv_eps <= 0 or cfg.opod_kl < 0:
+        problems.append("--opod-warmup must be >= 1, --opod-reward-clip and --opod-adv-eps > 0, --opod-kl >= 0")
     if problems:
         raise UserError("; ".join(problems))
 
@@ -285,6 +350,7 @@ class Run:
         self.records: list[Record] = load_records(data_path)
         self._check_records(data_path)
         self.steps = cfg.steps or len(self.records) // cfg.prompts_per_step
+        self.initial_model = model_path  # the run's starting weights (DAPD's base anchor, OPOD's reference)
         state, teacher_path = None, None
         self.start = 0
         if cfg.resume:
@@ -293,41 +359,63 @@ class Run:
             state = load_state(ckpt)
             self.start = int(state["step"])
             if not cfg.fsdp:  # sharded checkpoints hold the weights in ckpt/sharded, loaded after sharding
-                model_path, teacher_path = str(ckpt / "policy"), str(ckpt / "teacher")
+                model_path = str(ckpt / "policy")
+                teacher_path = str(ckpt / "teacher") if (ckpt / "teacher").is_dir() else None  # frozen teachers: not saved
             if self.steps < self.start:
                 raise UserError(f"--steps {self.steps}: the checkpoint {ckpt} is already at step {self.start}")
         self.processor = load_processor(model_path)
+        external = bool(cfg.teacher_model or cfg.teachers)
         if cfg.fsdp:  # opd/sharding.py: every rank holds 1/world of the policy, its optimizer state and the teacher
             shard = dict(dtype=cfg.dtype, device=self.acc.device, mixed_precision=cfg.mixed_precision)
             student = load_sharded_model(model_path, grad_checkpointing=cfg.grad_checkpointing, **shard)
-            self.teacher = EMATeacher(load_sharded_model(model_path, **shard), copy_weights=False)
-            self.teacher.copy_from(student)  # Algorithm 1, line 1, shard by shard
+            self.load_frozen = lambda path: load_sharded_model(path, **shard).eval()
+            if not external:
+                self.teacher = EMATeacher(load_sharded_model(model_path, **shard), copy_weights=False)
+                self.teacher.copy_from(student)  # Algorithm 1, line 1, shard by shard
             self.student = student
             self.optimizer = torch.optim.AdamW(student.parameters(), lr=cfg.lr, weight_decay=cfg.weight_decay)
-            if state is not None:
-                load_sharded(ckpt, self.student, self.teacher.model, self.optimizer)
         else:
             student = load_model(model_path, cfg.dtype, self.acc.device).train()  # from_pretrained returns eval mode
+            self.load_frozen = lambda path: load_model(path, cfg.dtype, self.acc.device)
             if cfg.grad_checkpointing:
                 # non-reentrant: the reentrant variant marks DDP parameters ready twice
                 student.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
-            if teacher_path:
+            if external:
+                pass
+            elif teacher_path:
                 self.teacher = EMATeacher(load_model(teacher_path, cfg.dtype, self.acc.device), copy_weights=False)
             else:
                 self.teacher = EMATeacher(student)
             optimizer = torch.optim.AdamW(student.parameters(), lr=cfg.lr, weight_decay=cfg.weight_decay)
             self.student, self.optimizer = self.acc.prepare(student, optimizer)
+        self.teachers = self._external_teachers() if external else TeacherSet({"teacher": self.teacher})
+        self.teacher = next(iter(self.teachers.teachers.values()))  # the first (the only one, but with routes)
+        if cfg.fsdp and state is not None:
+            load_sharded(ckpt, self.student, self.teacher.model if self.teacher.trainable else None, self.optimizer)
         self.ids = special_ids(self.policy)
         self.selector = Selector(cfg.policy, 0.0 if cfg.no_exploration else cfg.explore, cfg.predictor())
         self.student_view = get_view(self.method.student_view)
         self.warned_no_eligible = False
+        self.objective = OBJECTIVES[self.method.objective](self)  # may add teachers of its own (DAPD's anchors)
+        if self.teachers.routes is not None:
+            self.teachers.routes.check_records(self.records)
         if state is not None:
             if not cfg.fsdp:
                 self.optimizer.load_state_dict(state["optimizer"])
             self.selector.load_state_dict(state["selector"])
+            self.objective.load_state_dict(state.get("objective", {}))
             self.warned_no_eligible = state.get("warned_no_eligible", False)
         self.ledger = Ledger(self.out / "ledger.jsonl", self.start if cfg.resume else None) if self.acc.is_main_process else None
         self.writer = tensorboard_writer(self.out / "tb") if self.acc.is_main_process else None
+
+    def _external_teachers(self) -> TeacherSet:
+        """--teacher-model (one frozen teacher) or --teachers (one per route, each checkpoint loaded once)."""
+        cfg, vocab = self.cfg, lm_head_weight(self.policy).shape[0]
+        if cfg.teacher_model:
+            teacher = load_teacher(cfg.teacher_model, f"--teacher-model {cfg.teacher_model}", self.processor, vocab,
+                                   self.load_frozen, load_processor)  # fmt: skip
+            return TeacherSet({"teacher": teacher})
+        return build_routed(load_routes(cfg.teachers), self.processor, vocab, self.load_frozen, load_processor)
 
     def _claim_out_folder(self) -> None:
         """A new run refuses an --out folder that holds a run, unless --overwrite, which empties it first."""
@@ -356,8 +444,11 @@ class Run:
             )
 
     def eligible(self, record: Record) -> bool:
-        """Whether the record's rows can be candidates (the set C): every view of the method can be built."""
-        return all(VIEWS[v].eligible(record) for v in (self.method.student_view, *self.teacher_views))
+        """Whether the record's rows can be candidates (the set C): every view of the method can be built (and,
+        with routed teachers, the record has a teacher)."""
+        views = all(VIEWS[v].eligible(record) for v in (self.method.student_view, *self.teacher_views))
+        teachers = getattr(self, "teachers", None)
+        return views and (teachers is None or teachers.route(record) is not None)
 
     @property
     def run_name(self) -> str:
@@ -378,14 +469,33 @@ class Run:
         """This rank's records of step `step`."""
         return [self.records[i] for i in self.prompt_ids(step)]
 
-    def encode(self, view, record: Record, seed: int = 0):
-        """One prompt of `view` (a View or its name); `seed` draws the view's randomness (the mask)."""
+    def encode(self, view, record: Record, seed: int = 0, processor=None):
+        """One prompt of `view` (a View or its name); `seed` draws the view's randomness (the mask); `processor`:
+        an external teacher's (default: the policy's)."""
         images, problem = get_view(view)(record, seed) if isinstance(view, str) else view(record, seed)
-        return encode_prompt(self.processor, images, problem, self.cfg.enable_thinking, self.cfg.max_prompt_len)
+        return encode_prompt(processor or self.processor, images, problem, self.cfg.enable_thinking, self.cfg.max_prompt_len)
 
     def student_prompts(self, records: list[Record]) -> list:
         """The student's prompts (Eq. 1) of a step's records, in the method's student view."""
         return [self.encode(self.student_view, r) for r in records]
+
+    def step_batch(self, step: int, record_ids: list[int], rollouts: Rollouts, student_prompts: list,
+                   selected: torch.Tensor) -> StepBatch:
+        """What the objective gets for one step on this rank (opd.distill.StepBatch): its records, rollouts and
+        prompts, the local rows of S, the teachers' prompts (encoded once per step, each with its teacher's
+        processor; a view's randomness seeded by (seed, step, record id)) and each row's teacher."""
+        records = [self.records[i] for i in record_ids]
+        cache: dict[tuple, object] = {}
+
+        def teacher_prompt(name: str, view: str, j: int):
+            processor = self.teachers.teachers[name].processor if name in self.teachers.teachers else None
+            key = (id(processor), view, j)
+            if key not in cache:
+                cache[key] = self.encode(view, records[j], mix_seed(self.cfg.seed, step, record_ids[j]), processor)
+            return cache[key]
+
+        route = [self.teachers.route(records[j]) for j in rollouts.prompt_index.tolist()]
+        return StepBatch(step, records, list(record_ids), rollouts, student_prompts, selected, teacher_prompt, route)
 
     def step(self, step: int, rollouts: Rollouts | None = None) -> dict:
         """One iteration of Algorithm 1; `rollouts` may stand in for sampling (tests). Returns the ledger row."""
@@ -428,22 +538,12 @@ class Run:
         offset = acc.process_index * len(rollouts)
         local = selected[(selected >= offset) & (selected < offset + len(rollouts))] - offset
 
-        # Lines 11-13: teacher only on S; Eq. 11 backpropagated; AdamW; EMA after a valid update.
-        teacher_prompts: dict[tuple[str, int], object] = {}
-
-        def teacher_prompt(view: str, j: int):
-            """Local prompt j in a teacher view, encoded once per step; its mask seed is (seed, step, record id)."""
-            if (view, j) not in teacher_prompts:
-                seed = mix_seed(cfg.seed, step, record_ids[j])
-                teacher_prompts[view, j] = self.encode(view, records[j], seed)
-            return teacher_prompts[view, j]
-
-        rows_before = self.teacher.rows_scored
+        # Lines 11-13: teacher only on S; the method's objective backpropagated; AdamW; teacher update after a valid one.
+        batch = self.step_batch(step, record_ids, rollouts, student_prompts, local)
+        teachers = list(dict.fromkeys(self.teachers.teachers.values()))
+        rows_before = sum(t.rows_scored for t in teachers)
         t0 = time.perf_counter()
-        res = distill(
-            acc, self.student, self.teacher, rollouts, student_prompts, teacher_prompt, local, cfg.distill(),
-            self.ids["pad"], self.autocast, self.teacher_views,
-        )  # fmt: skip
+        res = self.objective(batch)
         timer.seconds["teacher_forward"] += res.teacher_s
         timer.seconds["student"] += time.perf_counter() - t0 - res.teacher_s
         with timer("optimizer"):
@@ -452,20 +552,22 @@ class Run:
                     p.grad = torch.zeros_like(p)
             grad_norm = acc.clip_grad_norm_(self.student.parameters(), cfg.grad_clip or float("inf"))  # 0: no clip
             grad_norm = full_tensor(grad_norm)  # sharded gradients: the global norm
-        with timer("wait"):  # per teacher view: forward rows, real and padded tokens (summed), seconds (slowest rank)
+        labels = list(res.teachers)  # the objective's labels, the same on every rank
+        with timer("wait"):  # per teacher label: forward rows, real and padded tokens (summed), seconds (slowest rank)
             costs = [[c.rows, c.tokens, c.padded_tokens] for c in res.teachers.values()]
-            counts = [res.loss_sum, self.teacher.rows_scored - rows_before, *(x for c in costs for x in c)]
+            rows_scored = sum(t.rows_scored for t in teachers) - rows_before
+            counts = [res.share, rows_scored, *(x for c in costs for x in c)]
             sums = acc.reduce(torch.tensor(counts, device=device, dtype=torch.float64), "sum").cpu()
             view_s = [c.seconds for c in res.teachers.values()]
             view_s = acc.gather(torch.tensor([view_s], device=device, dtype=torch.float64)).cpu().max(0).values
-        per_view = sums[2:].view(len(self.teacher_views), 3).long()  # (views, 3)
-        loss = float(sums[0]) / max(1, res.global_tokens)
+        per_view = sums[2:].view(len(labels), 3).long()  # (labels, 3)
+        loss = float(sums[0])
         valid = bool(torch.isfinite(torch.as_tensor(loss)) and torch.isfinite(torch.as_tensor(grad_norm)))
         if valid:
             with timer("optimizer"):
                 self.optimizer.step()
             with timer("ema"):
-                self.teacher.update(self.policy, cfg.ema_tau)
+                self.objective.after_update(step)
         else:
             warnings.warn(f"step {step}: non-finite loss or gradient ({loss}, {float(grad_norm)}); update and EMA skipped")
         self.optimizer.zero_grad(set_to_none=True)
@@ -497,8 +599,9 @@ class Run:
             **{f"{p}_s": float(v) for p, v in zip(PHASES, phases)},
             **{k.split("/")[-1]: v for k, v in sel_metrics.items()},
         }
-        for view, (rows_v, tokens_v, _), sec in zip(self.teacher_views, per_view.tolist(), view_s.tolist()):
-            row |= {f"teacher_rows_{view}": rows_v, f"teacher_tokens_{view}": tokens_v, f"teacher_forward_s_{view}": sec}
+        for lab, (rows_v, tokens_v, _), sec in zip(labels, per_view.tolist(), view_s.tolist()):
+            row |= {f"teacher_rows_{lab}": rows_v, f"teacher_tokens_{lab}": tokens_v, f"teacher_forward_s_{lab}": sec}
+        row |= res.metrics
         row["world_size"] = acc.num_processes
         row["step_s"] = time.perf_counter() - t_step
         return row
@@ -508,13 +611,15 @@ class Run:
             "selector": self.selector.state_dict(),
             "config": dataclasses.asdict(self.cfg),
             "warned_no_eligible": self.warned_no_eligible,
+            "objective": self.objective.state_dict(),
         }
+        teacher = self.teacher.model if self.teacher.trainable else None  # a frozen teacher is reloaded from its path
         if self.cfg.fsdp:  # every rank writes its shards; the last checkpoint is also exported for eval.py
-            save_sharded(self.out, next_step, self.student, self.teacher.model, self.optimizer, state,
+            save_sharded(self.out, next_step, self.student, teacher, self.optimizer, state,
                          self.cfg.keep_checkpoints, self.processor if next_step == self.steps else None)
         elif self.acc.is_main_process:
             state["optimizer"] = self.optimizer.state_dict()
-            save_checkpoint(self.out, next_step, self.policy, self.processor, self.teacher.model, state, self.cfg.keep_checkpoints)
+            save_checkpoint(self.out, next_step, self.policy, self.processor, teacher, state, self.cfg.keep_checkpoints)
         self.acc.wait_for_everyone()
 
     def log(self, row: dict) -> None:

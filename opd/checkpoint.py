@@ -1,8 +1,10 @@
 """Checkpoints: everything a run needs to continue to the same result, written atomically.
 
 DIR/checkpoint-NNNNNN/ holds policy/ (HF `save_pretrained` with its processor, loadable by eval.py),
-teacher/ (the EMA teacher, same format), state.pt (step, policy optimizer, selector - network,
-normalizer, replay, optimizer - RNG states and the config) and train_config.json (the run's settings,
+teacher/ (the EMA teacher or DAPD's snapshot, same format; a frozen external teacher is not saved: a
+resumed run reloads it from its `--teacher-model` / `--teachers` path), state.pt (step, policy optimizer,
+selector - network, normalizer, replay, optimizer - the objective's state (OPOD's controller), RNG states and
+the config) and train_config.json (the run's settings,
 readable without loading the optimizer state, for `train.py --resume`). It is written into a temporary folder and
 renamed into place; DIR/latest then names it (also replaced atomically). Older checkpoints beyond
 `keep` are removed only after the new one is complete.
@@ -56,7 +58,8 @@ def save_checkpoint(out_dir: str | Path, step: int, policy, processor, teacher, 
     shutil.rmtree(tmp, ignore_errors=True)
     policy.save_pretrained(tmp / "policy")
     processor.save_pretrained(tmp / "policy")
-    teacher.save_pretrained(tmp / "teacher")
+    if teacher is not None:  # None: a frozen external teacher, reloaded from its own checkpoint on resume
+        teacher.save_pretrained(tmp / "teacher")
     torch.save({**state, "step": step, "rng": rng_state()}, tmp / "state.pt")
     return _publish(out_dir, tmp, final, state, keep)
 
@@ -78,7 +81,10 @@ def _publish(out_dir: Path, tmp: Path, final: Path, state: dict, keep: int) -> P
 def _sharded_state(policy, teacher, optimizer) -> dict:
     """The DCP state of a sharded run: {policy, teacher, optimizer}, each rank's shards (DTensors)."""
     model_sd, optim_sd = get_state_dict(policy, optimizer)
-    return {"policy": model_sd, "teacher": get_model_state_dict(teacher), "optimizer": optim_sd}
+    state = {"policy": model_sd, "optimizer": optim_sd}
+    if teacher is not None:  # None: a frozen external teacher (not saved)
+        state["teacher"] = get_model_state_dict(teacher)
+    return state
 
 
 def export_pretrained(model, folder: Path, processor=None) -> None:
@@ -107,7 +113,8 @@ def save_sharded(out_dir: str | Path, step: int, policy, teacher, optimizer, sta
     dcp.save(_sharded_state(policy, teacher, optimizer), checkpoint_id=tmp / "sharded")
     if processor is not None:
         export_pretrained(policy, tmp / "policy", processor)
-        export_pretrained(teacher, tmp / "teacher")
+        if teacher is not None:
+            export_pretrained(teacher, tmp / "teacher")
     if main:
         torch.save({**state, "step": step, "rng": rng_state()}, tmp / "state.pt")
         _publish(out_dir, tmp, final, state, keep)
@@ -124,7 +131,8 @@ def load_sharded(ckpt: str | Path, policy, teacher, optimizer) -> None:
     sd = _sharded_state(policy, teacher, optimizer)
     dcp.load(sd, checkpoint_id=path)
     set_state_dict(policy, optimizer, model_state_dict=sd["policy"], optim_state_dict=sd["optimizer"])
-    set_model_state_dict(teacher, sd["teacher"])
+    if teacher is not None:
+        set_model_state_dict(teacher, sd["teacher"])
 
 
 def find_checkpoint(path: str | Path) -> Path:

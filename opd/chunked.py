@@ -21,6 +21,11 @@ stored intermediates:
   logits, `chunk` positions at a time; backward builds the gradient in one (N, V) buffer.
 - `sampled_logp_from_hidden`: detached log p(y_t) of the sampled tokens from hidden states (OPD-V's
   two teachers), chunk by chunk.
+- `clamped_kl_from_hidden`: DAPD's full-vocabulary clamped forward KL(anchor || student) at a temperature
+  (`divergence.clamped_forward_kl`), one or several anchors against one student forward, with its own
+  analytic chunk-local gradient (in its docstring).
+- `weighted_logp_from_hidden`: sum_p a_p log p(y_p) with gradient (OPOD's policy-gradient term), chunk by chunk.
+- `budgeted_loss_from_hidden(..., gate_ids=...)`: each weight times OPOD's gate from the chunk's logits.
 
 The gradient. At one position let z be the student's logits, p = softmax(z), lse(.) = logsumexp,
 I the support's k ids, s the student's support log-probs, g = dD/ds and G = sum of every entry of g.
@@ -60,7 +65,7 @@ import torch
 
 from opd.divergence import bias_corrected_reverse_kl, check_loss, generalized_jsd, upcast
 from opd.utility import utility_terms
-from opd.weights import importance_ratio
+from opd.weights import importance_ratio, teacher_gate
 
 
 def _support_(z, z_t, lse, lse_t, top, support: str):
@@ -225,7 +230,8 @@ topk_jsd_from_logits = topk_divergence_from_logits  # the name before the seed f
 class _FromHidden(torch.autograd.Function):
     @staticmethod
     def forward(
-        ctx, h_s, w_s, h_t, w_t, weights, k, alpha, chunk, support, divergence, token_ids, old_logp, is_clip, timing
+        ctx, h_s, w_s, h_t, w_t, weights, k, alpha, chunk, support, divergence, token_ids, old_logp, is_clip, timing,
+        gate_ids, extras,
     ):
         w = w_s.to(h_s.dtype)  # one cast per call under mixed precision (a no-op otherwise)
         w_t = w_t.to(h_t.dtype)
@@ -242,6 +248,13 @@ class _FromHidden(torch.autograd.Function):
             if is_clip is not None:  # times Vision-OPD's importance ratio, detached
                 logp_y = _sampled_logp(z, token_ids[j : j + chunk])  # (C,) log p^S(y_t)
                 w_c = w_c * importance_ratio(logp_y, old_logp[j : j + chunk].to(z.dtype), is_clip)
+            if gate_ids is not None:  # times OPOD's gate ReLU(log pi_T(y_t) - log pi_theta(y_t)), detached
+                y = gate_ids[j : j + chunk].unsqueeze(-1)  # (C, 1)
+                t_y = (z_t.gather(-1, y) - lse_t).squeeze(-1)  # (C,) log pi_T(y_t)
+                s_y = _sampled_logp(z, y.squeeze(-1))  # (C,) log pi_theta(y_t)
+                w_c = w_c * teacher_gate(t_y, s_y)
+                extras.setdefault("teacher_logp", []).append(t_y)
+                extras.setdefault("student_logp", []).append(s_y)
             d, g, ids, s_sup, shift, terms = _loss_parts(z, z_t, lse_t, k, alpha, support, divergence)  # overwrites z
             del z_t
             dz = _logit_grad(z, ids, s_sup, g * w_c.unsqueeze(-1), shift, support, inplace=True).to(h_s.dtype)  # (C, V)
@@ -268,7 +281,7 @@ class _FromHidden(torch.autograd.Function):
         if not bool(grad_loss == 1):  # the loss was scaled after the call: a scaled copy
             grad_h, grad_w = grad_h * grad_loss.to(grad_h.dtype), grad_w * grad_loss.to(grad_w.dtype)
         # else the buffers themselves: autograd can take dL/dW as .grad without a (V, H) copy
-        return (grad_h, grad_w) + (None,) * 12
+        return (grad_h, grad_w) + (None,) * 14
 
 
 def budgeted_loss_from_hidden(
@@ -287,6 +300,8 @@ def budgeted_loss_from_hidden(
     old_logp: torch.Tensor | None = None,
     is_clip: float | None = None,
     timing: dict | None = None,
+    gate_ids: torch.Tensor | None = None,
+    extras: dict | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """sum_p weights_p rho_p D(p) (Eq. 11 with its per-token weights; D per position as
     `divergence.topk_divergence` with this support and divergence, Eq. 3 by default), differentiable
@@ -300,19 +315,27 @@ def budgeted_loss_from_hidden(
     dtype than the hidden states (fp32 master weights under bf16 autocast) are cast once per call;
     dL/dW is accumulated in fp32. `timing` (a dict): timing['teacher_s'] gains the seconds of the
     teacher's LM-head products and log-softmax normalisers (its top-k and gathers, O(C V) each, are
-    not counted).
+    not counted). `gate_ids` (P,), the sampled ids: each weight is also multiplied by OPOD's gate
+    `weights.teacher_gate`(log pi_T(y_p), log pi_theta(y_p)) from the chunk's logits; `extras` (a dict)
+    then receives 'teacher_logp' and 'student_logp', the two sampled-token log-probs (P,), detached.
     """
     check_loss(support, divergence)
     if not _check_ratio_args(token_ids, old_logp, is_clip):
         token_ids = old_logp = is_clip = None
+    gate = {} if gate_ids is not None else None
     if h_s.shape[0] == 0:
         zero = (h_s.sum() + w_s.sum()) * 0.0  # keeps the graph (and DDP's gradient hooks) intact
+        if extras is not None and gate is not None:
+            extras.update(teacher_logp=h_s.new_zeros(0, dtype=torch.float32), student_logp=h_s.new_zeros(0, dtype=torch.float32))
         return zero, h_s.new_zeros(0, dtype=torch.float32), h_s.new_zeros(0, 3, dtype=torch.float32)
     ratio_args = (token_ids, None if old_logp is None else old_logp.detach(), is_clip)
-    return _FromHidden.apply(
+    out = _FromHidden.apply(
         h_s, w_s, h_t.detach(), w_t.detach(), weights.detach(), k, alpha, chunk, support, divergence, *ratio_args,
-        timing,
+        timing, gate_ids, gate,
     )
+    if extras is not None and gate is not None:
+        extras.update({key: torch.cat(v) for key, v in gate.items()})
+    return out
 
 
 @torch.no_grad()
@@ -325,3 +348,175 @@ def sampled_logp_from_hidden(
     w = w.to(h.dtype)
     out = [_sampled_logp(upcast(h[j : j + chunk] @ w.T), token_ids[j : j + chunk]) for j in range(0, h.shape[0], chunk)]
     return torch.cat(out) if out else h.new_zeros(0, dtype=upcast(h[:0]).dtype)
+
+
+def _accumulate(grad_w, dz: torch.Tensor, h_c: torch.Tensor, acc_dtype):
+    """dL/dW (V, H) += dz^T h_c: the first chunk's product (no zero-filled buffer), later ones in place."""
+    if grad_w is None:
+        return (dz.T @ h_c).to(acc_dtype)
+    if grad_w.dtype == dz.dtype:
+        return grad_w.addmm_(dz.T, h_c)
+    return grad_w.add_(dz.T @ h_c)
+
+
+def _clamped_kl_parts(z: torch.Tensor, z_a: torch.Tensor, temperature: float, clip: float):
+    """One chunk of DAPD's clamped forward KL from logits (C, V), both overwritten: D (C,) and dD/dz (C, V)
+    in z's buffer, by the formula in `clamped_kl_from_hidden`."""
+    a = torch.log_softmax(z_a.div_(temperature), dim=-1)  # (C, V) the anchor's log-probs at tau
+    del z_a
+    s = z.div_(temperature)
+    s = s.sub_(torch.logsumexp(s, dim=-1, keepdim=True))  # (C, V) the student's log-probs at tau, in z
+    p_a = a.exp()  # (C, V)
+    c = torch.where(p_a > 0, a.sub_(s), torch.zeros_like(s)).mul_(p_a)  # (C, V) contributions
+    del a
+    below = c <= clip  # (C, V) where the clamp passes the gradient (torch's clamp: x <= max)
+    d = c.clamp_(max=clip).sum(-1)  # (C,)
+    del c
+    g = p_a.mul_(below).neg_()  # (C, V) dD/ds_v = -p_a,v [c_v <= clip]
+    G = g.sum(-1, keepdim=True)  # (C, 1)
+    dz = s.exp_().mul_(-G).add_(g).div_(temperature)  # (C, V) (g - p G) / tau, in z's buffer
+    return d, dz
+
+
+class _ClampedKLFromHidden(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, h_s, w_s, anchors, temperature, clip, chunk, utility_k, timing, out):
+        w = w_s.to(h_s.dtype)
+        anchors = [(h_a, w_a.to(h_a.dtype), weights) for h_a, w_a, weights in anchors]
+        grad_h = torch.empty_like(h_s)  # (P, H)
+        acc_dtype = torch.float32 if w_s.dtype != torch.float64 else w_s.dtype
+        grad_w = None
+        loss = torch.zeros((), dtype=torch.float64, device=h_s.device)
+        d_all, terms_all = [[] for _ in anchors], []
+        for j in range(0, h_s.shape[0], chunk):
+            h_c = h_s[j : j + chunk]  # (C, H)
+            z_s = upcast(h_c @ w.T)  # (C, V) student logits
+            dz_sum = None
+            for a, (h_a, w_a, weights) in enumerate(anchors):
+                z_a, _ = _teacher_logits(h_a[j : j + chunk], w_a, timing)  # (C, V) this anchor's logits
+                if utility_k and a == 0:  # Eq. 7-8 at temperature 1 on the student's top-k (the selector's labels)
+                    terms_all.append(torch.stack(utility_terms(z_s, z_a, utility_k), dim=-1))  # (C, 3)
+                w_c = weights[j : j + chunk].to(z_s.dtype)  # (C,)
+                z = z_s.clone() if a < len(anchors) - 1 else z_s  # the last anchor may overwrite the student's
+                d, dz = _clamped_kl_parts(z, z_a, temperature, clip)
+                del z_a
+                dz = dz.mul_(w_c.unsqueeze(-1))  # (C, V)
+                dz_sum = dz if dz_sum is None else dz_sum.add_(dz)
+                del dz, z
+                loss += (w_c * d).sum()
+                d_all[a].append(d)
+            dz_sum = dz_sum.to(h_s.dtype)
+            grad_h[j : j + chunk] = dz_sum @ w  # (C, H): one pair of LM-head products for every anchor
+            grad_w = _accumulate(grad_w, dz_sum, h_c, acc_dtype)  # (V, H)
+            del dz_sum, z_s
+        ctx.save_for_backward(grad_h, grad_w.to(w_s.dtype))
+        d_all = torch.stack([torch.cat(d) for d in d_all])  # (anchors, P)
+        if utility_k:
+            out.append(torch.cat(terms_all))
+        ctx.mark_non_differentiable(d_all)
+        return loss, d_all
+
+    @staticmethod
+    def backward(ctx, grad_loss, _grad_d):
+        grad_h, grad_w = ctx.saved_tensors
+        if not bool(grad_loss == 1):
+            grad_h, grad_w = grad_h * grad_loss.to(grad_h.dtype), grad_w * grad_loss.to(grad_w.dtype)
+        return (grad_h, grad_w) + (None,) * 7
+
+
+def clamped_kl_from_hidden(
+    h_s: torch.Tensor,
+    w_s: torch.Tensor,
+    h_a,
+    w_a,
+    weights,
+    temperature: float = 1.1,
+    clip: float = 0.05,
+    chunk: int = 512,
+    *,
+    utility_k: int = 0,
+    timing: dict | None = None,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
+    """DAPD's weighted sum sum_p weights_p D_p of `divergence.clamped_forward_kl`(anchor, student) from
+    final hidden states, `chunk` positions' full-vocabulary logits at a time, differentiable to h_s and w_s
+    (the anchor is detached); plus the detached per-position D (P,), and, with `utility_k`, the utility
+    terms (d, o, c) of Eq. 7-8 (P, 3) between the student and the (first) anchor at temperature 1, else None.
+
+    h_s, h_a: (P, H) the student's and the anchor's final hidden states at the same completion positions;
+    w_s, w_a: (V, H) their LM-head weights; weights (P,). Several anchors against one student forward (DAPD
+    pairs that share the student's context): h_a, w_a and weights as equal-length lists; the loss is the
+    sum over anchors and D is (anchors, P). The gradient is analytic and chunk-local: with
+    s = log_softmax(z / tau), p = exp(s), a the anchor's log-probs at tau and c_v = exp(a_v)(a_v - s_v),
+
+        dD/ds_v = g_v = -exp(a_v) [c_v <= clip],    dD/dz_u = (g_u - p_u sum_v g_v) / tau,
+
+    summed over anchors and accumulated into dL/dh (P, H) and dL/dW (V, H) during the forward, as
+    `budgeted_loss_from_hidden` does (two LM-head products for the gradient whatever the number of
+    anchors; memory O(chunk V + V H)). `timing['teacher_s']` gains the anchors' LM-head seconds.
+    """
+    if temperature <= 0 or clip <= 0:
+        raise ValueError(f"temperature and clip must be positive, got {temperature} and {clip}")
+    several = isinstance(h_a, (list, tuple))
+    anchors = list(zip(h_a, w_a, weights)) if several else [(h_a, w_a, weights)]
+    if h_s.shape[0] == 0:
+        zero = (h_s.sum() + w_s.sum()) * 0.0
+        d = h_s.new_zeros((len(anchors), 0) if several else (0,), dtype=torch.float32)
+        return zero, d, (h_s.new_zeros(0, 3, dtype=torch.float32) if utility_k else None)
+    terms: list = []
+    anchors = tuple((h.detach(), w.detach(), x.detach()) for h, w, x in anchors)
+    loss, d = _ClampedKLFromHidden.apply(
+        h_s, w_s, anchors, temperature, clip, chunk, min(utility_k, w_s.shape[0]), timing, terms
+    )  # fmt: skip
+    return loss, (d if several else d[0]), (terms[0] if terms else None)
+
+
+class _WeightedLogp(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, h, w, token_ids, coef, chunk):
+        w_c = w.to(h.dtype)
+        grad_h = torch.empty_like(h)  # (P, H)
+        acc_dtype = torch.float32 if w.dtype != torch.float64 else w.dtype
+        grad_w = None
+        loss = torch.zeros((), dtype=torch.float64, device=h.device)
+        logp_all = []
+        for j in range(0, h.shape[0], chunk):
+            h_c = h[j : j + chunk]  # (C, H)
+            z = upcast(h_c @ w_c.T)  # (C, V)
+            y = token_ids[j : j + chunk]  # (C,)
+            a = coef[j : j + chunk].to(z.dtype)  # (C,)
+            logp = _sampled_logp(z, y)  # (C,) log p(y_t)
+            dz = torch.softmax(z, dim=-1).mul_(-a.unsqueeze(-1))  # (C, V) -a p_v
+            dz.scatter_add_(-1, y.unsqueeze(-1), a.unsqueeze(-1))  # + a at y: a (onehot(y) - p)
+            dz = dz.to(h.dtype)
+            del z
+            grad_h[j : j + chunk] = dz @ w_c
+            grad_w = _accumulate(grad_w, dz, h_c, acc_dtype)
+            del dz
+            loss += (a * logp).sum()
+            logp_all.append(logp)
+        ctx.save_for_backward(grad_h, grad_w.to(w.dtype))
+        logp_all = torch.cat(logp_all)
+        ctx.mark_non_differentiable(logp_all)
+        return loss, logp_all
+
+    @staticmethod
+    def backward(ctx, grad_loss, _grad_logp):
+        grad_h, grad_w = ctx.saved_tensors
+        if not bool(grad_loss == 1):
+            grad_h, grad_w = grad_h * grad_loss.to(grad_h.dtype), grad_w * grad_loss.to(grad_w.dtype)
+        return grad_h, grad_w, None, None, None
+
+
+def weighted_logp_from_hidden(
+    h: torch.Tensor, w: torch.Tensor, token_ids: torch.Tensor, coef: torch.Tensor, chunk: int = 512
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """sum_p coef_p log p(y_p), z = h W^T, differentiable to h (P, H) and w (V, H), with the sampled ids
+    token_ids (P,) and detached coefficients coef (P,) (a policy-gradient term: coef = -A_i / N); plus the
+    detached log p(y_p) (P,). `chunk` positions' logits at a time, analytic gradient:
+
+        d/dz_v [ a log p(y) ] = a ([v = y] - p_v)
+
+    accumulated into dL/dh and dL/dW chunk by chunk (no (P, V) tensor)."""
+    if h.shape[0] == 0:
+        return (h.sum() + w.sum()) * 0.0, h.new_zeros(0, dtype=torch.float32)
+    return _WeightedLogp.apply(h, w, token_ids, coef.detach(), chunk)

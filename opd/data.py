@@ -7,7 +7,8 @@ Two record forms are read, one JSON object per line:
   (the crop is cut from the full image; `images` + `bbox` is accepted too)
 
 Image paths are relative to the JSONL file's folder unless absolute. An optional `solution` string
-is OPSD's privileged text (`opd.views`). A row with a crop (either form) belongs to the crop-eligible
+is OPSD's privileged text (`opd.views`). Any other scalar field (e.g. `task`, `modality`) is kept as
+text in `Record.extra`, where a teacher routing table (`--teachers`) reads it. A row with a crop (either form) belongs to the crop-eligible
 set C of the crop-teacher methods; a row with neither is trained on without a teacher there (methods
 whose teacher needs no crop, RP-OPSD and OPSD, take every row).
 
@@ -61,6 +62,13 @@ class Record:
     """The record's own field of the full image ('images' or 'image'), for error messages."""
     solution: str | None = None
     """An optional worked solution (field `solution`), OPSD's privileged text when present."""
+    extra: tuple[tuple[str, str], ...] = ()
+    """Every other scalar field of the row as (name, text), in file order: e.g. `task` or `modality`, which a
+    routing table (`--teachers`, `opd.teachers`) maps to a teacher."""
+
+    def field(self, name: str) -> str | None:
+        """The text of one of the record's other fields (`extra`), or None when the row has no such field."""
+        return dict(self.extra).get(name)
 
     @property
     def reference(self) -> str:
@@ -164,7 +172,17 @@ def parse_record(row: object, where: str, root: Path) -> Record:
         crop_size = image_size(crop, where, "teacher_images")
     bbox = _bbox(row["bbox"], size, where) if row.get("bbox") is not None else None
     solution = str(row["solution"]) if "solution" in row else None
-    return Record(where, image, str(row["problem"]), str(row["answer"]), crop, bbox, size, crop_size or (0, 0), image_key, solution)
+    extra = tuple(
+        (k, v if isinstance(v, str) else json.dumps(v))
+        for k, v in row.items()
+        if k not in KNOWN_FIELDS and isinstance(v, (str, int, float, bool))
+    )
+    return Record(where, image, str(row["problem"]), str(row["answer"]), crop, bbox, size, crop_size or (0, 0), image_key,
+                  solution, extra)  # fmt: skip
+
+
+KNOWN_FIELDS = ("images", "image", "teacher_images", "bbox", "problem", "answer", "solution")
+"""The fields `parse_record` reads itself; any other scalar field is kept in `Record.extra` (routing)."""
 
 
 def load_records(path: str | Path) -> list[Record]:

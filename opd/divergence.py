@@ -212,6 +212,32 @@ def topk_divergence(
     return token_divergence(*support_logp(student_logits, teacher_logits, k, support), divergence, alpha)
 
 
+def clamped_forward_kl(
+    anchor_logits: torch.Tensor, student_logits: torch.Tensor, temperature: float = 1.1, clip: float = 0.05
+) -> torch.Tensor:
+    """DAPD's per-position term: a full-vocabulary forward KL(anchor || student) at a temperature, each
+    vocabulary entry's contribution clamped from above:
+
+        a = log_softmax(z_anchor / tau),  s = log_softmax(z_student / tau)
+        D = sum_v min( exp(a_v) (a_v - s_v), clip )
+
+    tau = `temperature` (1.1), clip = 0.05. A contribution may be negative (where the student gives an
+    entry more probability than the anchor); only large positive ones are capped. The anchor side is
+    detached (DAPD computes it without gradient). (..., V), (..., V) -> (...). Source: uanu2002/DAPD
+    dapd/trainer.py (`forward_kl`: F.kl_div(student_logp, anchor_logp, log_target=True).clamp(max=clip),
+    summed over the vocabulary). The chunked form from hidden states is
+    `opd.chunked.clamped_kl_from_hidden`.
+    """
+    if temperature <= 0 or clip <= 0:
+        raise ValueError(f"temperature and clip must be positive, got {temperature} and {clip}")
+    a = torch.log_softmax(upcast(anchor_logits.detach()) / temperature, dim=-1)  # (..., V)
+    s = torch.log_softmax(upcast(student_logits) / temperature, dim=-1)  # (..., V)
+    p_a = a.exp()
+    # Mask the log-ratio where the anchor has no mass (0 log 0 = 0 and no NaN gradient), as kl_divergence.
+    contribution = p_a * torch.where(p_a > 0, a - s, torch.zeros_like(s))  # (..., V)
+    return contribution.clamp(max=clip).sum(-1)
+
+
 def opd_loss(per_token: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
     """Eq. 3 of the paper, the standard OPD objective as a batch estimate:
 

@@ -6,6 +6,11 @@ candidate_tokens sum_{i in C} T_i, teacher_forward_s and step_s (the slowest ran
 max(0, |S| - K). Lines are appended and flushed as steps finish; a resumed run first cuts the file
 back to its checkpoint's step, so no step is counted twice.
 
+Per teacher: each row also has `teacher_rows_<label>`, `teacher_tokens_<label>` and
+`teacher_forward_s_<label>` per teacher label: the view with the run's one teacher (`crop`), or
+`<teacher>:<view>` with several (routed teachers, DAPD's anchors: `base:inference_rollout`); the
+summary adds them up per label (`teachers`) and per teacher (`teacher_models`).
+
 Interpretation: the paper's "Tokens vs. Full" divides by a separate full-querying run's scored tokens.
 A single run's summary divides by the tokens of all its candidates instead (the tokens a full-query
 pass over the same rollouts would have scored).
@@ -124,7 +129,23 @@ def summarize(rows: list[dict]) -> dict:
             for view in teacher_views(rows)
         },  # fmt: skip
         "phases_s": {p: total(f"{p}_s") for p in PHASES},
-    }
+    } | {"teacher_models": per_teacher(teacher_views(rows), total)}
+
+
+def teacher_of(label: str) -> str:
+    """The teacher of a ledger label: 'name' of 'name:view'; 'teacher' for a plain view (the run's one teacher)."""
+    return label.split(":", 1)[0] if ":" in label else "teacher"
+
+
+def per_teacher(labels: list[str], total) -> dict:
+    """Forward rows, input tokens and forward seconds summed per teacher (routes, DAPD's anchors) over its views."""
+    out: dict[str, dict] = {}
+    for lab in labels:
+        t = out.setdefault(teacher_of(lab), {"rows": 0, "tokens": 0, "forward_s": 0.0})
+        t["rows"] += total(f"teacher_rows_{lab}")
+        t["tokens"] += total(f"teacher_tokens_{lab}")
+        t["forward_s"] += total(f"teacher_forward_s_{lab}")
+    return out
 
 
 def teacher_views(rows: list[dict]) -> list[str]:
@@ -158,14 +179,25 @@ def format_summary(summary: dict, name: str = "this run") -> str:
             if s["teacher_padded_tokens"]
             else "Teacher input tokens: none.",
             *_teacher_lines(s.get("teachers", {})),
+            *_model_lines(s.get("teacher_models", {})),
         ]
     )
 
 
 def _teacher_lines(teachers: dict) -> list[str]:
-    """Per teacher view (OPD-V has two teachers per scored row): forward rows, input tokens, forward time."""
+    """Per teacher view (OPD-V has two teachers per scored row; with several teachers, per teacher:view): forward
+    rows, input tokens, forward time."""
     if not teachers:
         return []
     return ["", "| Teacher view | Forward rows | Input tokens | Forward sum |", "| --- | ---: | ---: | ---: |"] + [
         f"| {v} | {t['rows']:,} | {t['tokens']:,} | {t['forward_s']:,.2f} s |" for v, t in teachers.items()
+    ]
+
+
+def _model_lines(models: dict) -> list[str]:
+    """Per teacher when the run has several (routed teachers, DAPD's anchors): calls summed over its views."""
+    if len(models) < 2:
+        return []
+    return ["", "| Teacher | Forward rows | Input tokens | Forward sum |", "| --- | ---: | ---: | ---: |"] + [
+        f"| {m} | {t['rows']:,} | {t['tokens']:,} | {t['forward_s']:,.2f} s |" for m, t in models.items()
     ]

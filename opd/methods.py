@@ -15,6 +15,13 @@ over `--preset` and under the flags given.
 | rp-opsd | RP-OPSD | half resolution | full (original resolution) | teacher top-k, no tail | bias-corrected reverse KL | 1 |
 | opd-v | OPD-V | full | crop (+), masked crop (-) | student top-k + tail | JSD_alpha | ReLU(log pi_T+ - log pi_T-) |
 | opsd | OPSD | full | full + reference answer text | teacher top-k, renormalised | JSD_alpha | 1 |
+| dapd | DAPD | full (+ reference or own rollout as context) | anchors base / snapshot, six pairs | full vocabulary | clamped forward KL at tau 1.1 | pair weights (sum 2) |
+| opod | OPOD | full | routed external teachers, full | student top-k + tail | JSD_alpha + group-relative PG | beta_m ReLU(log pi_T - log pi_theta) |
+
+A method that needs more than a loss and a view names its `objective`: 'distill' (`opd.distill.Distillation`,
+every method above but the last two), 'dapd' (`opd.dapd.DAPD`: six KL pairs against two anchors) or 'opod'
+(`opd.opod.OPOD`: the gated distillation, the per-teacher controller and the verified-reward policy
+gradient). `train.py` looks the objective up by that name in one table.
 """
 
 from dataclasses import dataclass, field
@@ -22,7 +29,8 @@ from dataclasses import dataclass, field
 from opd.divergence import check_loss
 from opd.views import VIEWS
 
-TOKEN_WEIGHTS = ("none", "trust_region")
+TOKEN_WEIGHTS = ("none", "trust_region", "gate")
+OBJECTIVES = ("distill", "dapd", "opod")
 
 
 @dataclass(frozen=True)
@@ -42,7 +50,13 @@ class Method:
     divergence: str = "jsd"
     """'jsd': the generalized JSD of Eq. 3 with --alpha; 'bc_rkl': the bias-corrected reverse KL."""
     token_weight: str = "none"
-    """'none', or 'trust_region': w_t = ReLU(log pi_T+(y_t) - log pi_T-(y_t)) from the two teachers."""
+    """'none', 'trust_region': w_t = ReLU(log pi_T+(y_t) - log pi_T-(y_t)) from the two teachers, or 'gate':
+    OPOD's c_t = ReLU(log pi_T(y_t) - log pi_theta(y_t)) (`opd.weights`)."""
+    objective: str = "distill"
+    """Which objective runs the method (OBJECTIVES): 'distill' (a loss and a view), 'dapd' or 'opod'."""
+    external_teachers: str = "allowed"
+    """'allowed' (--teacher-model / --teachers replace the EMA self-teacher), 'required' (OPOD: its teachers
+    are separate checkpoints) or 'refused' (DAPD: its anchors are the policy's own weights)."""
     settings: dict = field(default_factory=dict)
     """TrainConfig fields the method's paper sets (e.g. full querying), applied over the preset."""
 
@@ -55,7 +69,9 @@ class Method:
         """Refuses an inconsistent table entry (a programming error, not a user error)."""
         for view in (self.student_view, *self.teacher_views):
             assert view in VIEWS, f"{self.name}: unknown view {view!r}"
-        check_loss(self.support, self.divergence)  # known names; an unnormalised support only with bc_rkl
+        assert self.objective in OBJECTIVES and self.external_teachers in ("allowed", "required", "refused")
+        if self.objective != "dapd":  # DAPD's loss is its own (opd.dapd)
+            check_loss(self.support, self.divergence)  # known names; an unnormalised support only with bc_rkl
         assert self.token_weight in TOKEN_WEIGHTS
         assert (self.token_weight == "trust_region") == (self.negative_view is not None), self.name
 
@@ -79,6 +95,16 @@ METHODS: dict[str, Method] = {
         Method(
             "opsd", "OPSD (arXiv 2601.18734; siyan-zhao/OPSD, fixed teacher, top-k loss)",
             teacher_view="reference_answer", support="teacher_renorm", settings=dict(FULL_QUERY, ema_tau=0.0),
+        ),  # fmt: skip
+        Method(
+            "dapd", "DAPD (arXiv 2608.01735; uanu2002/DAPD, dapd/objective.py, dapd/trainer.py)",
+            teacher_view="reference_answer", support="full", divergence="clamped_kl", objective="dapd",
+            external_teachers="refused", settings=dict(FULL_QUERY, ema_tau=1.0, ema_every=100),
+        ),  # fmt: skip
+        Method(
+            "opod", "OPOD (arXiv 2607.20918; no public code, formulas transcribed: medium confidence)",
+            teacher_view="full", token_weight="gate", objective="opod", external_teachers="required",
+            settings=FULL_QUERY,
         ),  # fmt: skip
     )
 }

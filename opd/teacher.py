@@ -5,6 +5,9 @@ theta-bar <- (1 - tau) theta-bar + tau theta after a valid student update. It sc
 response tokens after its privileged prompt, only for selected rows, detached. `rows_scored` and
 `batches` count every row and batch it has been asked about, so the budget can be audited.
 
+`Teacher` is the frozen base (an external checkpoint, DAPD's `base` anchor): the same scoring and
+counting, no update.
+
 Under `--fsdp` the teacher is sharded exactly like the policy (`opd.sharding.shard_model`), and both
 line 1 and line 13 run on each rank's own float32 shards, with no communication; forwards that only
 keep the ranks in step (`opd.distill`'s zero-weighted micro-batches) are not counted (`uncounted`).
@@ -45,15 +48,22 @@ def lm_head_weight(model) -> torch.Tensor:
     return model.get_output_embeddings().weight
 
 
-class EMATeacher:
-    def __init__(self, student: torch.nn.Module, copy_weights: bool = True):
-        """Algorithm 1, line 1: theta-bar <- theta (copy_weights=False adopts a loaded teacher as is; a
-        sharded model cannot be deep-copied: give a separately built one and call `copy_from`)."""
-        model = copy.deepcopy(student) if copy_weights else student
+class Teacher:
+    """A frozen teacher: a model that scores the student's responses after its own prompt, detached, and
+    counts every row and batch it is asked about (the budget audit). `update` leaves it as it is.
+
+    An external teacher (`--teacher-model`, `--teachers`, `opd.teachers`) is one; so is DAPD's `base`
+    anchor. `processor` encodes its prompts (None: the policy's)."""
+
+    def __init__(self, model: torch.nn.Module, processor=None):
         self.model = model.eval().requires_grad_(False)
+        self.processor = processor
         self.rows_scored = 0
         self.batches: list[int] = []
         self._counting = True
+
+    trainable = False
+    """Whether `update` changes the weights (then a checkpoint must hold them)."""
 
     def _record(self, inputs: dict[str, torch.Tensor]) -> None:
         """Counts the rows of every teacher batch (the budget audit)."""
@@ -72,13 +82,8 @@ class EMATeacher:
         finally:
             self._counting = True
 
-    @torch.no_grad()
-    def copy_from(self, student: torch.nn.Module) -> None:
-        """Algorithm 1, line 1 for a teacher built separately: theta-bar <- theta, shard by shard."""
-        for t, s in local_pairs(self.model, student):
-            t.copy_(s)
-        for t, s in zip(self.model.buffers(), student.buffers(), strict=True):
-            t.copy_(s)
+    def update(self, student: torch.nn.Module, tau: float) -> None:
+        """A frozen teacher does not follow the student."""
 
     @torch.no_grad()
     def logits(self, inputs: dict[str, torch.Tensor], n_response: int) -> torch.Tensor:
@@ -92,11 +97,32 @@ class EMATeacher:
         self._record(inputs)
         return response_hidden(self.model, inputs, n_response).detach()
 
+
+class EMATeacher(Teacher):
+    trainable = True
+
+    def __init__(self, student: torch.nn.Module, copy_weights: bool = True):
+        """Algorithm 1, line 1: theta-bar <- theta (copy_weights=False adopts a loaded teacher as is; a
+        sharded model cannot be deep-copied: give a separately built one and call `copy_from`)."""
+        super().__init__(copy.deepcopy(student) if copy_weights else student)
+
+    @torch.no_grad()
+    def copy_from(self, student: torch.nn.Module) -> None:
+        """Algorithm 1, line 1 for a teacher built separately: theta-bar <- theta, shard by shard."""
+        for t, s in local_pairs(self.model, student):
+            t.copy_(s)
+        for t, s in zip(self.model.buffers(), student.buffers(), strict=True):
+            t.copy_(s)
+
     @torch.no_grad()
     def update(self, student: torch.nn.Module, tau: float) -> None:
         """Algorithm 1, line 13: theta-bar <- (1 - tau) theta-bar + tau theta (parameters; buffers copied).
-        Sharded models: on each rank's local shards (the two are sharded alike)."""
+        Sharded models: on each rank's local shards (the two are sharded alike). tau = 1 copies the
+        student (DAPD's snapshot refresh)."""
         for t, s in local_pairs(self.model, student):
-            t.lerp_(s.detach().to(t.dtype), tau)
+            if tau == 1.0:
+                t.copy_(s.detach())
+            else:
+                t.lerp_(s.detach().to(t.dtype), tau)
         for t, s in zip(self.model.buffers(), student.buffers(), strict=True):
             t.copy_(s)

@@ -38,3 +38,15 @@ def importance_ratio(logp: torch.Tensor, old_logp: torch.Tensor, clip: float = 2
     """
     log_ratio = torch.clamp((logp - old_logp).detach(), min=-20.0, max=20.0)
     return torch.exp(log_ratio).clamp(max=clip)
+
+
+def teacher_gate(teacher_logp: torch.Tensor, student_logp: torch.Tensor) -> torch.Tensor:
+    """OPOD's token gate, one weight per sampled token:
+
+        c_t = ReLU( log pi_T(y_t) - log pi_theta(y_t) ),   detached
+
+    pi_T the teacher the response is routed to, pi_theta the student. Guidance only where the teacher
+    gives the sampled token more probability than the student. (...) -> (...). Source: OPOD (arXiv
+    2607.20918), as transcribed in ../shared/notes/seed-family.md (no public code; medium confidence).
+    """
+    return torch.relu(teacher_logp - student_logp).detach()

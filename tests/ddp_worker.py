@@ -4,7 +4,8 @@ Run directly (one process) or under `torchrun --nproc_per_node 2` (gloo on the C
 its shard of one global batch of fixed responses, so the 1- and 2-process runs train on the same
 global batch. With --skew, only rows of rank 0 have high entropy: the entropy policy then selects
 nothing on rank 1, which must still complete the step.
-Writes OUT/result.pt: the policy's parameters, the selections, and the ledger rows.
+Writes OUT/result.pt: the policy's parameters, the selections, and the ledger rows. --method applies the
+method's paper settings but its policy and rho; --teacher-model gives an external teacher (OPOD's).
 """
 
 import argparse
@@ -16,7 +17,7 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from opd.synthetic import fixed_rollouts  # noqa: E402
-from train import Run, TrainConfig  # noqa: E402
+from train import METHODS, Run, TrainConfig  # noqa: E402
 
 
 def main() -> None:
@@ -26,20 +27,29 @@ def main() -> None:
     p.add_argument("--rho", type=float, default=0.25)
     p.add_argument("--skew", action="store_true")
     p.add_argument("--method", default="bas-opd")
+    p.add_argument("--teacher-model", default=None)
     a = p.parse_args()
+    settings = {k: v for k, v in METHODS[a.method].settings.items() if k not in ("policy", "rho")}
     cfg = TrainConfig(
-        out=a.out, method=a.method, policy=a.policy, rho=a.rho, prompts_per_step=4, rollouts_per_prompt=4, steps=2,
-        lr=1e-3, micro_batch=3, replay_start=4, replay_batch=16, max_prompt_len=512, max_response_len=10,
+        **settings, out=a.out, method=a.method, policy=a.policy, rho=a.rho, prompts_per_step=4, rollouts_per_prompt=4,
+        steps=2, lr=1e-3, micro_batch=3, replay_start=4, replay_batch=16, max_prompt_len=512, max_response_len=10,
+        teacher_model=a.teacher_model,
     )  # fmt: skip
     run = Run(cfg)
+    if a.method == "dapd":  # the policy moved off its anchors (as after training), so that every pair's KL and gradient
+        with torch.no_grad():  # is far above float rounding at step 0 (equal on every rank: one seed)
+            gen = torch.Generator().manual_seed(7)
+            for p_ in run.policy.parameters():
+                p_.add_(torch.randn(p_.shape, generator=gen) * 0.05)
     selected, select = [], run.selector.select
     run.selector.select = lambda *args, **kw: selected.append(select(*args, **kw)) or selected[-1]
     rows, teacher_rows = [], []
+    teachers = list(dict.fromkeys(run.teachers.teachers.values()))  # every teacher (DAPD: both anchors)
     for step in range(2):
-        before = run.teacher.rows_scored
+        before = sum(t.rows_scored for t in teachers)
         high = run.cfg.prompts_per_step * run.cfg.rollouts_per_prompt // 2 if a.skew else None  # rank 0's rows
         rows.append(run.step(step, fixed_rollouts(run, step, high_entropy_below=high)))
-        teacher_rows.append(run.teacher.rows_scored - before)
+        teacher_rows.append(sum(t.rows_scored for t in teachers) - before)
     counts = run.acc.gather(torch.tensor(teacher_rows)).view(run.acc.num_processes, -1)
     if run.acc.is_main_process:
         params = {k: v.detach().clone() for k, v in run.policy.state_dict().items()}

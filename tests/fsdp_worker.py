@@ -4,7 +4,8 @@ or `torchrun --nproc_per_node 2 ... --fsdp` (gloo on the CPU).
 --scenario steps: for each of --methods, two training steps on fixed rollouts (`opd.synthetic`, the same
 global batch whatever the number of ranks, as tests/ddp_worker.py); with --skew only rank 0's rows have
 high entropy, so the entropy policy selects nothing on rank 1. Writes OUT/<method>.pt: the full policy
-and teacher weights, the ledger rows, the selections and the teacher rows per rank and step.
+and teacher weights, the ledger rows, the selections and the teacher rows per rank and step (and per teacher
+with --teacher-model / --teachers: external teachers, sharded like the policy; --data: another training JSONL).
 
 --scenario resume (with --fsdp): a 3-step run (checkpoint every 2 steps) and the same run stopped after
 2 steps and resumed, both with real generation; then the final checkpoint's export (policy/, teacher/)
@@ -42,7 +43,8 @@ def steps(a) -> None:
         settings = {k: v for k, v in METHODS[method].settings.items() if k not in ("policy", "rho")}
         cfg = TrainConfig(**{**BASE, **settings}, method=method, out=f"{a.out}/{method}", policy=a.policy,
                           rho=a.rho, fsdp=a.fsdp, micro_batch_tokens=a.micro_batch_tokens,
-                          grad_checkpointing=a.grad_checkpointing)  # fmt: skip
+                          grad_checkpointing=a.grad_checkpointing, teacher_model=a.teacher_model, teachers=a.teachers,
+                          data=a.data)  # fmt: skip
         run = Run(cfg)
         selected, select = [], run.selector.select
         run.selector.select = lambda *args, **kw: selected.append(select(*args, **kw)) or selected[-1]
@@ -54,8 +56,11 @@ def steps(a) -> None:
             teacher_rows.append(run.teacher.rows_scored - before)
         counts = run.acc.gather(torch.tensor(teacher_rows)).view(run.acc.num_processes, -1)
         policy, teacher = full_state_dict(run.policy), full_state_dict(run.teacher.model)
+        per_teacher = {n: t.rows_scored for n, t in run.teachers.teachers.items()}
+        per_teacher = run.acc.gather(torch.tensor([list(per_teacher.values())])).view(run.acc.num_processes, -1)
         if run.acc.is_main_process:
-            result = {"params": policy, "teacher": teacher, "rows": rows, "teacher_rows": counts, "selected": selected}
+            result = {"params": policy, "teacher": teacher, "rows": rows, "teacher_rows": counts, "selected": selected,
+                      "per_teacher": per_teacher, "teacher_names": run.teachers.names}
             torch.save(result, Path(a.out) / f"{method}.pt")
         run.acc.wait_for_everyone()
 
@@ -125,6 +130,9 @@ def main() -> None:
     p.add_argument("--fsdp", action="store_true")
     p.add_argument("--micro-batch-tokens", type=int, default=0)
     p.add_argument("--grad-checkpointing", action="store_true")
+    p.add_argument("--teacher-model", default=None)
+    p.add_argument("--teachers", default=None)
+    p.add_argument("--data", default=None)
     a = p.parse_args()
     torch.set_num_threads(1)
     {"steps": steps, "resume": resume, "generate": generate}[a.scenario](a)

@@ -8,13 +8,15 @@ from test_training import perturb, small_config
 
 from opd.chunked import (
     budgeted_loss_from_hidden,
+    clamped_kl_from_hidden,
     sampled_logp_from_hidden,
     topk_divergence_from_logits,
     topk_jsd_from_logits,
+    weighted_logp_from_hidden,
 )
 from opd.distill import plan_micro_batches
-from opd.divergence import generalized_jsd, topk_divergence, topk_support
-from opd.weights import importance_ratio
+from opd.divergence import clamped_forward_kl, generalized_jsd, topk_divergence, topk_support
+from opd.weights import importance_ratio, teacher_gate
 from opd.synthetic import fixed_rollouts
 from opd.utility import utility_terms
 from train import Run
@@ -402,4 +404,132 @@ def test_no_tensor_larger_than_one_chunk_of_logits(support, divergence):
         )
         loss.backward()
         sampled_logp_from_hidden(h_t, w_t, y, chunk)
+    assert 0 < Largest.numel <= chunk * V
+
+
+# ----------------------------------------------------------------------------- DAPD's clamped KL, OPOD's gate and PG term
+
+
+@pytest.mark.parametrize("chunk", [1, 4, 64])
+@pytest.mark.parametrize("temperature,clip", [(1.1, 0.05), (1.0, 1000.0), (0.8, 0.002)])
+def test_clamped_kl_from_hidden_equals_the_plain_function(chunk, temperature, clip):
+    """Values and gradients (to h and W) equal autograd through `divergence.clamped_forward_kl` on full logits,
+    in float64; the utility terms are Eq. 7-8 between the student and the anchor."""
+    h_s, w_s, h_a, w_a = inputs(P=11, seed=20)
+    weights = torch.linspace(0.2, 1.5, 11, dtype=F64)
+    loss, d, terms = clamped_kl_from_hidden(h_s, w_s, h_a, w_a, weights, temperature, clip, chunk, utility_k=5)
+    loss.backward()
+    got = h_s.grad.clone(), w_s.grad.clone()
+    h_s.grad = w_s.grad = None
+    plain = clamped_forward_kl(h_a @ w_a.T, h_s @ w_s.T, temperature, clip)  # (P,)
+    (weights * plain).sum().backward()
+    torch.testing.assert_close(loss, (weights * plain).sum().detach(), rtol=1e-12, atol=1e-14)
+    torch.testing.assert_close(d, plain.detach(), rtol=1e-12, atol=1e-14)
+    torch.testing.assert_close(got[0], h_s.grad, rtol=1e-10, atol=1e-12)
+    torch.testing.assert_close(got[1], w_s.grad, rtol=1e-10, atol=1e-12)
+    want = torch.stack(utility_terms((h_s @ w_s.T).detach(), h_a @ w_a.T, 5), -1)
+    torch.testing.assert_close(terms, want, rtol=1e-12, atol=1e-12)
+
+
+def test_clamped_kl_from_hidden_several_anchors_is_the_sum_and_gradchecks():
+    """Pairs that share the student's context: one call with two anchors equals the two terms' sum (values,
+    per-anchor D, gradients); gradcheck in float64 through the analytic backward."""
+    h_s, w_s, h_a, w_a = inputs(P=6, H=4, V=15, seed=21)
+    _, _, h_b, w_b = inputs(P=6, H=4, V=15, seed=22)
+    wa, wb = torch.rand(6, dtype=F64), torch.rand(6, dtype=F64)
+    loss, d, terms = clamped_kl_from_hidden(h_s, w_s, [h_a, h_b], [w_a, w_b], [wa, wb], 1.1, 0.05, 4)
+    assert d.shape == (2, 6) and terms is None
+    z = h_s @ w_s.T
+    parts = [clamped_forward_kl(h @ w.T, z, 1.1, 0.05) for h, w in ((h_a, w_a), (h_b, w_b))]
+    torch.testing.assert_close(d, torch.stack(parts).detach(), rtol=1e-12, atol=1e-14)
+    torch.testing.assert_close(loss, ((wa * parts[0]).sum() + (wb * parts[1]).sum()).detach(), rtol=1e-12, atol=1e-14)
+    fn = lambda h, w: clamped_kl_from_hidden(h, w, [h_a, h_b], [w_a, w_b], [wa, wb], 1.1, 0.05, 4)[0]  # noqa: E731
+    assert torch.autograd.gradcheck(fn, (h_s, w_s))
+    fn = lambda h, w: clamped_kl_from_hidden(h, w, h_a, w_a, wa, 1.3, 10.0, 2)[0]  # noqa: E731
+    assert torch.autograd.gradcheck(fn, (h_s, w_s))
+
+
+def test_clamped_kl_float32_matches_float64_and_no_positions():
+    h_s, w_s, h_a, w_a = inputs(P=9, seed=23)
+    w = torch.ones(9, dtype=F64)
+    loss64, d64, _ = clamped_kl_from_hidden(h_s, w_s, h_a, w_a, w, 1.1, 0.05, 4)
+    loss64.backward()
+    a, b = h_s.detach().float().requires_grad_(True), w_s.detach().float().requires_grad_(True)
+    loss32, d32, _ = clamped_kl_from_hidden(a, b, h_a.float(), w_a.float(), w.float(), 1.1, 0.05, 4)
+    loss32.backward()
+    torch.testing.assert_close(d32.double(), d64.detach(), rtol=1e-4, atol=1e-6)
+    torch.testing.assert_close(a.grad.double(), h_s.grad, rtol=1e-4, atol=1e-6)
+    zero, d0, t0 = clamped_kl_from_hidden(h_s[:0], w_s, h_a[:0], w_a, w[:0], utility_k=5)
+    assert float(zero) == 0.0 and d0.shape == (0,) and t0.shape == (0, 3)
+
+
+@pytest.mark.parametrize("chunk", [1, 3, 100])
+def test_weighted_logp_from_hidden_equals_autograd_and_gradchecks(chunk):
+    """OPOD's policy-gradient term sum_p a_p log p(y_p): value, log-probs and gradients against autograd on full
+    logits, and gradcheck."""
+    h, w, _, _ = inputs(P=7, seed=24)
+    g = torch.Generator().manual_seed(24)
+    y = torch.randint(0, 40, (7,), generator=g)
+    coef = torch.randn(7, generator=g, dtype=F64)
+    loss, logp = weighted_logp_from_hidden(h, w, y, coef, chunk)
+    loss.backward()
+    got = h.grad.clone(), w.grad.clone()
+    h.grad = w.grad = None
+    ref = torch.log_softmax(h @ w.T, -1).gather(-1, y[:, None]).squeeze(-1)
+    (coef * ref).sum().backward()
+    torch.testing.assert_close(logp, ref.detach(), rtol=1e-12, atol=1e-12)
+    torch.testing.assert_close(loss, (coef * ref).sum().detach(), rtol=1e-12, atol=1e-12)
+    torch.testing.assert_close(got[0], h.grad, rtol=1e-10, atol=1e-12)
+    torch.testing.assert_close(got[1], w.grad, rtol=1e-10, atol=1e-12)
+    assert torch.autograd.gradcheck(lambda a, b: weighted_logp_from_hidden(a, b, y, coef, chunk)[0], (h, w))
+
+
+@pytest.mark.parametrize("chunk", [2, 64])
+def test_gate_weights_each_position_by_teacher_minus_student(chunk):
+    """OPOD's gate inside the fused loss: each weight times ReLU(log pi_T(y) - log pi_theta(y)) from the chunk's own
+    logits (detached), the two sampled-token log-probs returned; on the plain path's formula."""
+    h_s, w_s, h_t, w_t = inputs(P=9, seed=25)
+    y = torch.randint(0, 40, (9,), generator=torch.Generator().manual_seed(25))
+    weights = torch.linspace(0.5, 2.0, 9, dtype=F64)
+    extras: dict = {}
+    loss, d, _ = budgeted_loss_from_hidden(h_s, w_s, h_t, w_t, weights, 6, 0.5, chunk, gate_ids=y, extras=extras)
+    loss.backward()
+    grads = h_s.grad.clone(), w_s.grad.clone()
+    h_s.grad = w_s.grad = None
+    z_s, z_t = h_s @ w_s.T, h_t @ w_t.T
+    s_y = torch.log_softmax(z_s, -1).gather(-1, y[:, None]).squeeze(-1)
+    t_y = torch.log_softmax(z_t, -1).gather(-1, y[:, None]).squeeze(-1)
+    gate = teacher_gate(t_y, s_y)
+    assert (gate == 0).any() and (gate > 0).any()
+    plain = topk_divergence(z_s, z_t, 6, 0.5)
+    (weights * gate * plain).sum().backward()
+    torch.testing.assert_close(loss, (weights * gate * plain).sum().detach(), rtol=1e-10, atol=1e-12)
+    torch.testing.assert_close(extras["teacher_logp"], t_y, rtol=1e-12, atol=1e-12)
+    torch.testing.assert_close(extras["student_logp"], s_y.detach(), rtol=1e-12, atol=1e-12)
+    torch.testing.assert_close(grads[0], h_s.grad, rtol=1e-8, atol=1e-10)
+    torch.testing.assert_close(grads[1], w_s.grad, rtol=1e-8, atol=1e-10)
+
+
+def test_clamped_kl_and_pg_term_make_no_tensor_larger_than_one_chunk_of_logits():
+    from torch.utils._python_dispatch import TorchDispatchMode
+
+    class Largest(TorchDispatchMode):
+        numel = 0
+
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+            out = func(*args, **(kwargs or {}))
+            for t in out if isinstance(out, (tuple, list)) else (out,):
+                if isinstance(t, torch.Tensor):
+                    Largest.numel = max(Largest.numel, t.numel())
+            return out
+
+    P, H, V, chunk = 64, 4, 50, 8
+    h_s, w_s, h_t, w_t = inputs(P=P, H=H, V=V, seed=26)
+    y = torch.randint(0, V, (P,), generator=torch.Generator().manual_seed(26))
+    with Largest():
+        loss, _, _ = clamped_kl_from_hidden(h_s, w_s, [h_t, h_t], [w_t, w_t], [torch.ones(P, dtype=F64)] * 2, 1.1, 0.05,
+                                            chunk, utility_k=5)  # fmt: skip
+        loss.backward()
+        loss, _ = weighted_logp_from_hidden(h_s, w_s, y, torch.ones(P, dtype=F64), chunk)
+        loss.backward()
     assert 0 < Largest.numel <= chunk * V

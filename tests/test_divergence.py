@@ -6,6 +6,7 @@ Every equation is compared with an independent computation: explicit Python loop
 
 import math
 
+import numpy as np
 import pytest
 import torch
 from torch.testing import assert_close
@@ -14,6 +15,7 @@ from opd.divergence import (
     bias_corrected_reverse_kl,
     budgeted_loss,
     check_loss,
+    clamped_forward_kl,
     generalized_jsd,
     kl_divergence,
     opd_loss,
@@ -595,3 +597,52 @@ def test_bad_support_and_divergence_combinations_are_refused(support, divergence
         topk_divergence(z, z, 3, support=support, divergence=divergence)
     for ok in (("student_tail", "jsd"), ("student_tail", "bc_rkl"), ("teacher", "bc_rkl"), ("teacher_renorm", "jsd")):
         check_loss(*ok)
+
+
+# ----------------------------------------------------------------------------- DAPD's clamped forward KL
+
+
+def _np_clamped_kl(anchor: np.ndarray, student: np.ndarray, temperature: float, clip: float) -> np.ndarray:
+    """sum_v min(exp(a_v) (a_v - s_v), clip), a and s the log-softmax at the temperature (numpy, float64)."""
+
+    def log_softmax(x):
+        x = x / temperature
+        m = x.max(-1, keepdims=True)
+        return x - m - np.log(np.exp(x - m).sum(-1, keepdims=True))
+
+    a, s = log_softmax(anchor), log_softmax(student)
+    return np.minimum(np.exp(a) * (a - s), clip).sum(-1)
+
+
+@pytest.mark.parametrize("temperature,clip", [(1.1, 0.05), (1.0, 1000.0), (0.7, 0.01)])
+def test_clamped_forward_kl_matches_numpy(temperature, clip):
+    g = torch.Generator().manual_seed(3)
+    anchor = torch.randn(3, 5, 40, generator=g, dtype=torch.float64) * 3
+    student = torch.randn(3, 5, 40, generator=g, dtype=torch.float64) * 3
+    got = clamped_forward_kl(anchor, student, temperature, clip)
+    want = _np_clamped_kl(anchor.numpy(), student.numpy(), temperature, clip)
+    assert got.shape == (3, 5)
+    np.testing.assert_allclose(got.numpy(), want, rtol=1e-12, atol=1e-14)
+    if clip >= 1000:  # no entry reaches the clamp: the plain forward KL at the temperature
+        a, s = (torch.log_softmax(x / temperature, -1) for x in (anchor, student))
+        torch.testing.assert_close(got, kl_divergence(a, s), rtol=1e-10, atol=1e-12)
+
+
+def test_clamped_forward_kl_caps_each_entry_and_is_zero_for_equal_sides():
+    anchor = torch.tensor([[8.0, 0.0, 0.0, 0.0]], dtype=torch.float64)
+    student = torch.tensor([[0.0, 8.0, 0.0, 0.0]], dtype=torch.float64)
+    loose = clamped_forward_kl(anchor, student, 1.0, 100.0)
+    capped = clamped_forward_kl(anchor, student, 1.0, 0.05)
+    assert float(loose) > 5 and float(capped) <= 0.05 * 4  # one large entry, capped at 0.05
+    x = torch.randn(2, 9, dtype=torch.float64)
+    assert torch.allclose(clamped_forward_kl(x, x.clone()), torch.zeros(2, dtype=torch.float64), atol=1e-15)
+    with pytest.raises(ValueError, match="positive"):
+        clamped_forward_kl(x, x, temperature=0.0)
+
+
+def test_gradcheck_clamped_forward_kl_wrt_student_logits():
+    g = torch.Generator().manual_seed(4)
+    anchor = torch.randn(4, 12, generator=g, dtype=torch.float64) * 2
+    student = (torch.randn(4, 12, generator=g, dtype=torch.float64) * 2).requires_grad_(True)
+    assert torch.autograd.gradcheck(lambda s: clamped_forward_kl(anchor, s, 1.1, 0.05), (student,))
+    assert torch.autograd.gradcheck(lambda s: clamped_forward_kl(anchor, s, 1.1, 10.0), (student,))

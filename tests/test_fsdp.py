@@ -83,6 +83,27 @@ def test_fsdp_each_method_equals_one_unsharded_rank(tmp_path, tiny):
 
 
 @pytest.mark.slow
+def test_fsdp_routed_external_teachers_equal_one_unsharded_rank(tmp_path, tiny):
+    """--teachers on 2 sharded ranks: each external teacher is sharded like the policy and runs as many micro-batches
+    on every rank as on the busiest one (rank 1, which holds no selected row, pads every teacher's with
+    zero-weighted ones, not counted); the run equals the unsharded one, teacher by teacher."""
+    from test_teachers import route_file, routed_data
+
+    from opd.tiny import build_tiny_model
+
+    t1, t2 = build_tiny_model(tmp_path / "t1", seed=1), build_tiny_model(tmp_path / "t2", seed=2)
+    routes = route_file(tmp_path, {"colour": str(t1), "count": str(t2)})
+    args = ["--policy", "entropy", "--skew", "--teachers", str(routes), "--data", str(routed_data(tiny[1]))]
+    one = torch.load(_worker(tmp_path / "one", 1, *args) / "bas-opd.pt", weights_only=False)
+    two = torch.load(_worker(tmp_path / "two", 2, *args, "--fsdp") / "bas-opd.pt", weights_only=False)
+    _assert_same_run(one, two, "routed")
+    assert one["teacher_names"] == two["teacher_names"] == ["colour", "count"]
+    per = two["per_teacher"]  # (2 ranks, 2 teachers): rows each teacher scored on each rank
+    assert per[1].tolist() == [0, 0] and per[0].sum() > 0
+    assert per.sum(0).tolist() == one["per_teacher"].sum(0).tolist()
+
+
+@pytest.mark.slow
 def test_fsdp_resume_equals_uninterrupted_and_the_export_loads(tmp_path, tiny):
     """A sharded checkpoint (DCP) resumes to the uninterrupted run's weights; the last checkpoint's
     save_pretrained export loads with from_pretrained and gives the in-memory model's logits."""

@@ -435,9 +435,16 @@ def _run_worker(out: Path, nproc: int, *args: str) -> dict:
 
 @pytest.mark.slow
 @pytest.mark.parametrize("policy,skew,method", [("random", False, "bas-opd"), ("entropy", True, "bas-opd"),
-                                                ("learned", False, "rp-opsd")])  # fmt: skip
+                                                ("learned", False, "rp-opsd"), ("random", False, "dapd"),
+                                                ("entropy", True, "opod")])  # fmt: skip
 def test_two_process_ddp_matches_one_process(tmp_path, tiny, policy, skew, method):
+    """DAPD (four student backwards per micro-batch, one synchronised) and OPOD (the distillation pass unsynchronised,
+    the policy-gradient pass synchronised; with --skew rank 1 has no selected row) too."""
     args = ["--policy", policy, "--method", method] + (["--skew"] if skew else [])
+    if method == "opod":
+        from opd.tiny import build_tiny_model
+
+        args += ["--teacher-model", str(build_tiny_model(tmp_path / "teacher", seed=1))]
     one = _run_worker(tmp_path / "one", 1, *args)
     two = _run_worker(tmp_path / "two", 2, *args)
     for r1, r2 in zip(one["rows"], two["rows"]):
@@ -453,7 +460,7 @@ def test_two_process_ddp_matches_one_process(tmp_path, tiny, policy, skew, metho
             # whose gradient is ~0 (here a few of the vision patch embedding's) can differ by summation order
             assert diff.max() <= 2e-3 and (diff > 1e-4).float().mean() < 1e-4, (name, diff.max(), (diff > 1e-4).sum())
     per_rank = two["teacher_rows"]  # (2 ranks, 2 steps)
-    assert per_rank.sum(0).tolist() == [r["selected"] for r in two["rows"]]
+    assert per_rank.sum(0).tolist() == [r["teacher_rows"] for r in two["rows"]]
     if skew:  # every selected row lies on rank 0; rank 1 held none and still finished both steps
         assert per_rank[1].tolist() == [0, 0] and per_rank[0].sum() > 0
 

@@ -84,7 +84,7 @@ def test_eligibility_follows_what_a_view_needs(records):
 
 
 def test_method_table():
-    assert list(METHODS) == ["bas-opd", "vision-opd", "rp-opsd", "opd-v", "opsd"]
+    assert list(METHODS) == ["bas-opd", "vision-opd", "rp-opsd", "opd-v", "opsd", "dapd", "opod"]
     for m in METHODS.values():
         m.check()
     assert get_method("opd-v").teacher_views == ("crop", "masked")
@@ -92,3 +92,7 @@ def test_method_table():
     assert (rp.student_view, rp.teacher_views, rp.support, rp.divergence) == ("half_resolution", ("full",), "teacher", "bc_rkl")
     assert get_method("opsd").settings["ema_tau"] == 0.0 and get_method("vision-opd").settings == {"policy": "full", "rho": 1.0}
     assert get_method("bas-opd").settings == {}
+    dapd, opod = get_method("dapd"), get_method("opod")
+    assert (dapd.objective, dapd.external_teachers, dapd.teacher_views) == ("dapd", "refused", ("reference_answer",))
+    assert dapd.settings == {"policy": "full", "rho": 1.0, "ema_tau": 1.0, "ema_every": 100}
+    assert (opod.objective, opod.external_teachers, opod.token_weight) == ("opod", "required", "gate")

@@ -1,13 +1,15 @@
 """Tests of opd/weights.py: OPD-V's trust region and Vision-OPD's truncated importance ratio, each
-against an explicit float64 loop (math.exp / max / min), and detached."""
+against an explicit float64 loop (math.exp / max / min), and detached; OPOD's gate, controller, group
+advantages and reward terms (opd/opod.py) against numpy and hand computations."""
 
 import math
 
+import numpy as np
 import pytest
 import torch
 from torch.testing import assert_close
 
-from opd.weights import importance_ratio, trust_region
+from opd.weights import importance_ratio, teacher_gate, trust_region
 
 F64 = torch.float64
 
@@ -62,3 +64,83 @@ def test_importance_ratio_log_ratio_is_clamped_at_minus_20():
     ratio of exp(-20), not 0."""
     rho = importance_ratio(torch.tensor([-60.0], dtype=F64), torch.tensor([-1.0], dtype=F64), clip=2.0)
     assert float(rho) == pytest.approx(math.exp(-20.0), rel=1e-12)
+
+
+# ----------------------------------------------------------------------------- OPOD (opd/weights.py, opd/opod.py)
+
+
+def test_teacher_gate_is_the_positive_part_of_teacher_minus_student_and_detached():
+    g = torch.Generator().manual_seed(1)
+    t = torch.log_softmax(torch.randn(5, 6, 30, generator=g, dtype=F64), -1)[..., 0]
+    s = torch.log_softmax(torch.randn(5, 6, 30, generator=g, dtype=F64), -1)[..., 0].requires_grad_(True)
+    c = teacher_gate(t, s)
+    np.testing.assert_array_equal(c.numpy(), np.maximum(t.numpy() - s.detach().numpy(), 0.0))
+    assert not c.requires_grad and (c == 0).any() and (c > 0).any()
+
+
+def test_controller_step_and_warm_up_against_numpy():
+    from opd.opod import GateController, controller_step
+
+    rng = np.random.default_rng(0)
+    for _ in range(50):
+        beta, c, eps, eta = rng.uniform(0, 3), rng.uniform(0, 1), rng.uniform(0, 0.5), rng.uniform(0, 2)
+        assert controller_step(beta, c, eps, eta, 0.1, 2.0) == pytest.approx(float(np.clip(beta + eta * (c - eps), 0.1, 2.0)))
+    ctl = GateController(["img", "txt"], beta_init=1.0, beta_min=0.1, beta_max=2.0, eta=0.5, warmup=3, eps_floor=0.02)
+    means = [0.3, 0.1, 0.2]  # the warm-up: beta unchanged, eps = their mean
+    for m in means:
+        ctl.observe("img", m)
+        assert ctl.beta["img"] == 1.0
+    assert ctl.eps["img"] == pytest.approx(np.mean(means))
+    ctl.observe("img", None)  # a step without tokens of this teacher: not observed
+    ctl.observe("img", 0.6)
+    assert ctl.beta["img"] == pytest.approx(1.0 + 0.5 * (0.6 - 0.2))
+    for m in (0.001, 0.0, 0.002):  # a warm-up mean below the floor: eps = 0.02
+        ctl.observe("txt", m)
+    assert ctl.eps["txt"] == 0.02 and ctl.beta["txt"] == 1.0
+    for _ in range(20):
+        ctl.observe("txt", 0.0)
+    assert ctl.beta["txt"] == pytest.approx(1.0 - 20 * 0.5 * 0.02)
+    for _ in range(100):
+        ctl.observe("img", 5.0)
+    assert ctl.beta["img"] == 2.0  # clipped at beta_max
+    restored = GateController(["img", "txt"])
+    restored.load_state_dict(ctl.state_dict())
+    assert restored.state_dict() == ctl.state_dict()
+
+
+def test_group_advantages_against_a_hand_computation():
+    from opd.opod import group_advantages
+
+    rewards = torch.tensor([1.0, 0.0, 0.5, 2.0, 2.0, 7.0, 1.0, 3.0])
+    groups = torch.tensor([0, 0, 0, 1, 1, 2, 3, 3])
+    adv = group_advantages(rewards, groups, eps=1e-4)
+    # group 0: mean 0.5, sample std sqrt(((0.5)^2 + (0.5)^2 + 0) / 2) = 0.5
+    want = [0.5 / 0.5001, -0.5 / 0.5001, 0.0,
+            0.0, 0.0,  # group 1: equal rewards, std 0
+            0.0,  # group 2: one row, no baseline
+            -1.0 / (math.sqrt(2.0) + 1e-4), 1.0 / (math.sqrt(2.0) + 1e-4)]  # group 3: mean 2, std sqrt(2)
+    assert adv.tolist() == pytest.approx(want, abs=1e-12)
+
+
+def test_verification_reward_terms_against_numpy():
+    from opd.opod import answer_confidence, verification_gain, verified_reward
+
+    correct = torch.tensor([True, False, True, True])
+    mean_t = torch.tensor([-0.5, -0.1, -3.0, 0.2], dtype=F64)
+    a = answer_confidence(correct, mean_t, clip=2.0)
+    np.testing.assert_allclose(a.numpy(), np.array([1, 0, 1, 1]) * np.clip(mean_t.numpy(), -2, 0))
+    w, wo = torch.tensor([-1.0, -5.0, 0.0], dtype=F64), torch.tensor([-2.0, -1.0, -4.0], dtype=F64)
+    b = verification_gain(w, wo, clip=2.0)
+    np.testing.assert_allclose(b.numpy(), np.clip(w.numpy() - wo.numpy(), -2, 2))
+    r = verified_reward(torch.tensor([1.0, 0.0, 1.0], dtype=F64), a[:3], b)
+    np.testing.assert_allclose(r.numpy(), np.array([1.0, 0.0, 1.0]) + 0.2 * a[:3].numpy() + 0.1 * b.numpy())
+
+
+def test_task_reward_reads_the_answer_with_the_projects_parser():
+    from opd.opod import task_reward
+
+    problem = "<image>What colour is the small square?\n(A) red\n(B) green\n(C) blue\n(D) yellow\nAnswer with the letter."
+    assert task_reward("B", problem, "B") == 1.0 and task_reward("The answer is (B).", problem, "B") == 1.0
+    assert task_reward("C", problem, "B") == 0.0 and task_reward("A or B", problem, "B") == 0.0
+    assert task_reward("Yes.", "<image>Is there a dog?", "yes") == 1.0
+    assert task_reward("three", "<image>How many?", "3") == 1.0 and task_reward("4", "<image>How many?", "3") == 0.0

@@ -1,0 +1,272 @@
+"""DAPD: dual-anchored policy distillation (arXiv 2608.01735; uanu2002/DAPD), on Algorithm 1's loop.
+
+OPSD's teacher sees a reference the student never sees at inference; the student can learn to act as if
+it did (the "privilege illusion"). DAPD pairs contexts of matched information instead: six forward KL terms
+KL(anchor || student), each on one completion, with the anchor and the student each given a context, and
+the anchor one of two frozen copies of the policy: `base` (the initial weights) or `snapshot` (the trained
+weights, refreshed every N steps). Source: dapd/objective.py (the pairs and weights), dapd/trainer.py (the
+views, the clamped KL, the snapshot), dapd/data.py (the prompts).
+
+| pair | completion | anchor's context | student's context | anchor | weight |
+| --- | --- | --- | --- | --- | --- |
+| entangled_rollout (plain OPSD) | rollout | reference | none | snapshot | 2/15 |
+| inference_reference | reference | none | reference | base | 2/15 |
+| privileged_rollout | rollout | reference | rollout | base | 2/15 |
+| entangled_reference | reference | rollout | none | snapshot | 2/5 |
+| inference_rollout | rollout | none | rollout | base | 2/5 |
+| privileged_reference | reference | rollout | reference | base | 4/5 |
+
+Weights sum to 2. Each term is `divergence.clamped_forward_kl` at temperature 1.1 with each vocabulary
+entry's contribution clamped at 0.05 (`--dapd-temperature`, `--dapd-clip`), a token mean over the pair's
+completion tokens, computed chunk by chunk from hidden states (`chunked.clamped_kl_from_hidden`; pairs that
+share the student's context share its forward). The loss is sum_p w_p L_p.
+
+Contexts, in this project (`context_text`): the student's own view (the full image) with
+- none: the plain question (the student's prompt);
+- reference: the question and the record's reference (its `solution`, else its `answer`) in OPSD's
+  template `views.REFERENCE_TEMPLATE` (the `reference_answer` view);
+- rollout: the same template with the row's own rollout (decoded, special tokens dropped) in the
+  reference's slot (DAPD's "self-conditioned bridge").
+Completions: rollout = the row's sampled response (its valid tokens, EOS included); reference = the
+reference's tokens followed by EOS, cut at --max-response-len (DAPD: the chat template's assistant turn).
+
+The budget: a DAPD example is one (prompt, reference, rollout); K = floor(rho |C|) rollouts are selected
+before any anchor forward, and every selected rollout enters all six pairs (five of them need it; the
+rollout-free `inference_reference` pair is computed once per selected rollout too, so a prompt's reference
+pair weighs as many times as it has selected rollouts: DAPD itself samples one rollout per prompt). An
+unselected rollout enters no pair and no anchor forward. Anchor forwards per selected rollout: six (four
+of the base, two of the snapshot), each counted in the ledger under `<anchor>:<pair>`; `teacher_rows` =
+6 |S|. The selector's utility label u_i (Eq. 9) comes from pair 1, the OPSD pair (the snapshot with the
+reference against the student without), at temperature 1 on the student's top-k.
+
+The anchors: `snapshot` is the run's teacher (`opd.teacher.EMATeacher`, saved in every checkpoint) updated
+with tau = 1 every `--ema-every` steps (DAPD's method settings: `--ema-tau 1 --ema-every 100`; DAPD
+refreshes when its global step, counted after the update, is a multiple of 100, as here: after step index
+s when (s + 1) % 100 == 0), so it equals `base` until the first refresh; `base` is loaded from the run's
+initial `--model` (frozen; reloaded on resume). Full fine-tuning: DAPD trains a LoRA and reads its base by
+disabling the adapter; here the base is a separate frozen copy (one more model in memory).
+
+Departures from DAPD's code (each also in the README): contexts carry the student's image; the rollout
+context of a rollout completion is the reference template with the rollout in its slot (DAPD's code
+appends the rollout after the student's own prompt and rollout instead, a repeat); sampling is Vision-OPD's
+(temperature 1, no truncation) with the run's rollouts per prompt (DAPD: one rollout at temperature 1.1,
+top-p 0.95, top-k 20); each pair's token mean is over the global (all ranks) tokens of S.
+"""
+
+from __future__ import annotations
+
+import time
+from contextlib import nullcontext
+from dataclasses import dataclass
+
+import torch
+
+from opd.chunked import clamped_kl_from_hidden
+from opd.distill import DistillResult, StepBatch, TeacherCost, completion_inputs, dummy_backward, plan_micro_batches
+from opd.teacher import EMATeacher, Teacher, lm_head_weight, response_hidden
+from opd.teachers import TeacherSet
+from opd.utility import sample_utility
+from opd.views import View, get_view, reference_prompt
+
+
+@dataclass(frozen=True)
+class Pair:
+    """One KL(anchor || student) term: the completion both score, each side's context, the anchor, the weight."""
+
+    name: str
+    completion: str
+    """'rollout' (the row's sampled response) or 'reference' (the record's reference text)."""
+    anchor_context: str
+    """'none', 'reference' or 'rollout' (see the module docstring)."""
+    student_context: str
+    anchor: str
+    """'base' (the initial weights) or 'snapshot' (refreshed every --ema-every steps)."""
+    weight: float
+
+
+PAIRS = (
+    Pair("entangled_rollout", "rollout", "reference", "none", "snapshot", 2 / 15),
+    Pair("inference_reference", "reference", "none", "reference", "base", 2 / 15),
+    Pair("privileged_rollout", "rollout", "reference", "rollout", "base", 2 / 15),
+    Pair("entangled_reference", "reference", "rollout", "none", "snapshot", 2 / 5),
+    Pair("inference_rollout", "rollout", "none", "rollout", "base", 2 / 5),
+    Pair("privileged_reference", "reference", "rollout", "reference", "base", 4 / 5),
+)
+"""DAPD's six pairs in its order (dapd/objective.py); weights sum to 2."""
+
+ANCHORS = ("snapshot", "base")
+COMPLETIONS = ("rollout", "reference")
+CONTEXTS = ("none", "reference", "rollout")
+
+
+def student_groups(pairs=PAIRS) -> dict[tuple[str, str], list[Pair]]:
+    """The pairs by the student's (completion, context), in first-appearance order: one student forward each."""
+    groups: dict[tuple[str, str], list[Pair]] = {}
+    for p in pairs:
+        groups.setdefault((p.completion, p.student_context), []).append(p)
+    return groups
+
+
+def context_text(problem: str, context: str, reference: str, rollout_text: str) -> str:
+    """The question text of a context: 'none' the plain question; 'reference' the question with the
+    reference in `views.REFERENCE_TEMPLATE`; 'rollout' the same template with the rollout's text."""
+    if context == "none":
+        return problem
+    if context == "reference":
+        return reference_prompt(problem, reference)
+    if context == "rollout":
+        return reference_prompt(problem, rollout_text)
+    raise ValueError(f"unknown context {context!r}; known: {', '.join(CONTEXTS)}")
+
+
+def reference_completion(tokenizer, reference: str, eos_id: int, max_len: int) -> torch.Tensor:
+    """The 'reference' completion: the reference's token ids followed by EOS, at most max_len ids."""
+    ids = tokenizer(reference, add_special_tokens=False)["input_ids"] + [eos_id]
+    return torch.tensor(ids[:max_len], dtype=torch.long)
+
+
+class DAPD:
+    """The DAPD objective (see the module docstring): the six pairs on S, the snapshot refresh after a valid
+    update every `ema_every` steps."""
+
+    def __init__(self, run):
+        self.run = run
+        base = Teacher(run.load_frozen(run.initial_model))  # the initial weights, frozen (reloaded on resume)
+        if not isinstance(run.teacher, EMATeacher):
+            raise TypeError("DAPD's snapshot is the run's EMA teacher")
+        run.teachers = TeacherSet({"snapshot": run.teacher, "base": base})
+        self.anchors = {"snapshot": run.teacher, "base": base}
+
+    @property
+    def labels(self) -> list[str]:
+        return [f"{p.anchor}:{p.name}" for p in PAIRS]
+
+    def __call__(self, batch: StepBatch) -> DistillResult:
+        run, acc, cfg = self.run, self.run.acc, self.run.cfg
+        device = acc.device
+        ro, sel = batch.rollouts, batch.selected
+        tok = run.processor.tokenizer
+        eos = run.ids["eos"][0]
+        res = DistillResult(utility=torch.full((len(ro),), float("nan")), teachers={lab: TeacherCost() for lab in self.labels})
+        refs = {j: reference_completion(tok, batch.records[j].reference, eos, cfg.max_response_len)
+                for j in set(ro.prompt_index[sel].tolist())}  # fmt: skip
+        n_roll = int(ro.lengths[sel].sum()) if sel.numel() else 0
+        n_ref = sum(len(refs[int(ro.prompt_index[i])]) for i in sel.tolist())
+        totals = acc.reduce(torch.tensor([n_roll, n_ref], device=device, dtype=torch.float64), "sum").cpu()
+        res.tokens, res.global_tokens = n_roll, int(totals[0])
+        sums = torch.zeros(len(PAIRS), dtype=torch.float64)  # this rank's sum of D per pair
+        res.loss_share = 0.0
+        if res.global_tokens == 0:  # S is empty everywhere: no anchor forward, zero loss
+            res.metrics = {f"kl_{p.name}": 0.0 for p in PAIRS}
+            return res
+        denominators = {"rollout": float(totals[0]), "reference": max(1.0, float(totals[1]))}
+        scale = acc.num_processes
+        lengths = torch.tensor([len(batch.student_prompts[int(ro.prompt_index[i])]) for i in sel.tolist()], dtype=torch.long)
+        lengths = lengths + ro.lengths[sel] + torch.tensor([len(refs[int(ro.prompt_index[i])]) for i in sel.tolist()],
+                                                          dtype=torch.long)  # fmt: skip
+        plan = [sel[g] for g in plan_micro_batches(lengths, cfg.micro_batch, cfg.micro_batch_tokens)] if sel.numel() else []
+        if not plan:
+            dummy_backward(acc, run.student, ro, batch.student_prompts, run.ids["pad"], run.autocast)
+        for j, rows in enumerate(plan):
+            last = j == len(plan) - 1
+            self._micro_batch(batch, rows, refs, denominators, scale, res, sums, last)
+        reduced = acc.reduce(sums.to(device), "sum").cpu()  # every rank, also with nothing to do
+        res.metrics = {f"kl_{p.name}": float(reduced[k]) / denominators[p.completion] for k, p in enumerate(PAIRS)}
+        res.loss_share = float(sum(p.weight * sums[k] / denominators[p.completion] for k, p in enumerate(PAIRS)))
+        res.loss_sum = res.loss_share * res.global_tokens
+        return res
+
+    def _inputs(self, batch: StepBatch, rows: torch.Tensor, refs: dict, completion: str, context: str):
+        """(inputs, mask, width) of `rows` in one (completion, context) and their prompt lengths."""
+        run, ro = self.run, batch.rollouts
+        prompts = []
+        for i in rows.tolist():
+            j = int(ro.prompt_index[i])
+            if context == "none":
+                prompts.append(batch.student_prompts[j])
+            elif context == "reference":
+                prompts.append(batch.teacher_prompt("snapshot", "reference_answer", j))
+            else:
+                record = batch.records[j]
+                text = run.processor.tokenizer.decode(ro.response_ids[i, : int(ro.lengths[i])], skip_special_tokens=True)
+                images, _ = get_view(run.method.student_view)(record)
+                view = View(lambda r, seed, images=images, text=text: (images, context_text(r.problem, "rollout", "", text)))
+                prompts.append(run.encode(view, record))
+        if completion == "rollout":
+            completions = [ro.response_ids[i, : int(ro.lengths[i])] for i in rows.tolist()]
+        else:
+            completions = [refs[int(ro.prompt_index[i])] for i in rows.tolist()]
+        inputs, mask, _, width = completion_inputs(prompts, completions, run.ids["pad"], run.acc.device)
+        return inputs, mask, width, sum(len(p) for p in prompts)
+
+    def _micro_batch(self, batch, rows, refs, denominators, scale, res, sums, last: bool) -> None:
+        run, acc, cfg = self.run, self.run.acc, self.run.cfg
+        device = acc.device
+        t0, teacher_before = time.perf_counter(), res.teacher_s
+        cache: dict[tuple[str, str], tuple] = {}
+
+        def inputs_of(completion: str, context: str):
+            if (completion, context) not in cache:
+                cache[completion, context] = self._inputs(batch, rows, refs, completion, context)
+            return cache[completion, context]
+
+        anchor_h = {}
+        with run.autocast():
+            for p in PAIRS:  # the anchors: six detached forwards, each in its own context
+                inputs, mask, width, prompt_tokens = inputs_of(p.completion, p.anchor_context)
+                _sync(device)
+                t1 = time.perf_counter()
+                anchor_h[p.name] = self.anchors[p.anchor].hidden(inputs, width)[mask]  # (P, H)
+                _sync(device)
+                cost = res.teachers[f"{p.anchor}:{p.name}"]
+                cost.seconds += time.perf_counter() - t1
+                cost.rows += len(rows)
+                cost.tokens += int(mask.sum()) + prompt_tokens
+                cost.padded_tokens += inputs["input_ids"].numel()
+        groups = list(student_groups().items())
+        w_s = None
+        for g, ((completion, context), pairs) in enumerate(groups):  # the student: one forward and backward per context
+            inputs, mask, width, _ = inputs_of(completion, context)
+            sync = last and g == len(groups) - 1
+            with nullcontext() if sync else acc.no_sync(run.student):
+                with run.autocast():
+                    h_s = response_hidden(run.student, inputs, width)[mask]  # (P, H)
+                    w_s = lm_head_weight(getattr(run.student, "module", run.student))
+                    weight = torch.ones(h_s.shape[0], device=device) * scale / denominators[completion]
+                    timing: dict[str, float] = {}
+                    utility = cfg.topk if pairs[0] is PAIRS[0] else 0
+                    loss, d, terms = clamped_kl_from_hidden(
+                        h_s, w_s, [anchor_h[p.name] for p in pairs],
+                        [lm_head_weight(self.anchors[p.anchor].model) for p in pairs], [weight * p.weight for p in pairs],
+                        cfg.dapd_temperature, cfg.dapd_clip, cfg.loss_chunk or max(1, h_s.shape[0]), utility_k=utility,
+                        timing=timing,
+                    )  # fmt: skip
+                acc.backward(loss)
+            for k, p in enumerate(pairs):
+                sums[PAIRS.index(p)] += float(d[k].double().sum())
+                res.teachers[f"{p.anchor}:{p.name}"].seconds += timing.get("teacher_s", 0.0) / len(pairs)
+            if terms is not None:  # pair 1 (the OPSD pair): Eq. 7-9
+                flat = torch.zeros((*mask.shape, 3), dtype=terms.dtype, device=device)
+                flat[mask] = terms
+                d_, o, c = flat.unbind(-1)
+                o = o if not cfg.no_overlap else torch.ones_like(o)
+                c = c if not cfg.no_confidence else torch.ones_like(c)
+                res.utility[rows] = sample_utility(d_, o, c, mask).float().cpu()
+        res.student_s += time.perf_counter() - t0 - (res.teacher_s - teacher_before)
+
+    def after_update(self, step: int) -> None:
+        """The snapshot refresh: snapshot <- policy (tau = --ema-tau, 1 for DAPD) every --ema-every steps."""
+        cfg = self.run.cfg
+        if (step + 1) % max(1, cfg.ema_every) == 0:
+            self.anchors["snapshot"].update(self.run.policy, cfg.ema_tau)
+
+    def state_dict(self) -> dict:
+        return {}
+
+    def load_state_dict(self, state: dict) -> None:
+        pass
+
+
+def _sync(device: torch.device) -> None:
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)

@@ -1,0 +1,173 @@
+"""External teachers: a fixed checkpoint in place of the EMA self-teacher, and teachers routed by a record field.
+
+- `--teacher-model PATH`: one frozen checkpoint scores the selected rows in the method's teacher view(s)
+  instead of the crop-conditioned EMA copy of the policy (any method of the family; OPOD's single teacher).
+- `--teachers route.json`: a routing table from the value of one record field to teacher checkpoints:
+
+      {"field": "task", "teachers": {"colour": "teachers/colour", "count": "teachers/count"}, "default": "colour"}
+
+  `field` names a field of the training records (`opd.data.Record.field`: any scalar field besides the
+  image, crop, problem, answer and solution ones); `teachers` maps each value to a checkpoint folder (or
+  hub id), relative paths from the route file's folder; `default` (optional) names the route of values
+  that have none. The teacher's name in the ledger is its route (the field's value). A checkpoint named by
+  several routes is loaded once and shared.
+
+Each teacher is loaded once, frozen (`opd.teacher.Teacher`: no update, no gradient), and run only on the
+selected rows routed to it (`opd.distill` plans micro-batches per teacher). A record whose value has no
+route and no default is refused before training, in one line naming the file, line, field and value.
+
+A teacher scores the student's own token ids, so it must have the policy's tokenizer (the same vocabulary,
+special tokens and LM-head rows): anything else is refused in one line (`check_same_tokenizer`). Its prompts
+are encoded with its own processor (its image resolution and chat template), the response ids are the
+student's.
+
+Ledger labels (`label`): with one teacher (the EMA self-teacher or `--teacher-model`) a teacher forward is
+labelled by its view (`teacher_rows_crop`, as before); with several (routes, DAPD's anchors) by
+`<teacher>:<view>`, e.g. `teacher_rows_colour:full`; `opd.ledger.summarize` also adds them up per teacher.
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass, field
+from pathlib import Path
+
+from opd.cli import UserError
+
+
+@dataclass(frozen=True)
+class Routes:
+    """A routing table: records' `field` value -> route name -> teacher checkpoint."""
+
+    field: str
+    teachers: dict[str, str]
+    """route (a value of the field) -> checkpoint folder or hub id."""
+    default: str | None = None
+    """The route of a value that has none (None: such a record is refused)."""
+    source: str = "route.json"
+
+    def route(self, record) -> str | None:
+        """The route of a record: its field's value when routed, else the default (None when neither)."""
+        value = record.field(self.field)
+        if value is not None and value in self.teachers:
+            return value
+        return self.default
+
+    def check_records(self, records) -> None:
+        """Refuses, in one line, the first record without a route (no such field, or a value without one)."""
+        for r in records:
+            if self.route(r) is None:
+                value = r.field(self.field)
+                what = f"no field '{self.field}'" if value is None else f"field '{self.field}': {value!r} has no teacher"
+                raise UserError(
+                    f"{r.source}: {what} in --teachers {self.source} (routes: {', '.join(self.teachers)}; "
+                    'add "default": "<route>" to route the others)'
+                )
+
+
+def load_routes(path: str | Path) -> Routes:
+    """Reads and checks a routing table (see the module docstring); every problem is one UserError line."""
+    path = Path(path)
+    where = f"--teachers {path}"
+    if not path.is_file():
+        raise UserError(f"{where}: routing file not found")
+    try:
+        spec = json.loads(path.read_text(encoding="utf-8"))
+    except json.JSONDecodeError as e:
+        raise UserError(f"{where}: malformed JSON: {e.msg} (line {e.lineno})") from None
+    if not isinstance(spec, dict) or not isinstance(spec.get("field"), str) or not spec["field"]:
+        raise UserError(f'{where}: expected {{"field": "<record field>", "teachers": {{"<value>": "<checkpoint>", ...}}}}')
+    teachers = spec.get("teachers")
+    if not isinstance(teachers, dict) or not teachers:
+        raise UserError(f"{where}: 'teachers' must map at least one value of '{spec['field']}' to a checkpoint")
+    unknown = sorted(set(spec) - {"field", "teachers", "default"})
+    if unknown:
+        raise UserError(f"{where}: unknown keys {', '.join(unknown)} (known: field, teachers, default)")
+    resolved = {}
+    for route, ckpt in teachers.items():
+        if not isinstance(ckpt, str) or not ckpt:
+            raise UserError(f"{where}: teacher of route {route!r} must be a checkpoint path, got {ckpt!r}")
+        local = (path.parent / ckpt) if not Path(ckpt).is_absolute() else Path(ckpt)
+        resolved[str(route)] = str(local) if local.exists() or ckpt.startswith((".", "/")) else ckpt  # else a hub id
+    default = spec.get("default")
+    if default is not None and default not in resolved:
+        raise UserError(f"{where}: default route {default!r} is not one of {', '.join(resolved)}")
+    return Routes(spec["field"], resolved, default, str(path))
+
+
+def tokenizer_difference(policy_processor, teacher_processor) -> str | None:
+    """How the teacher's tokenizer differs from the policy's (vocabulary, special tokens), or None when equal."""
+    a = getattr(policy_processor, "tokenizer", policy_processor)
+    b = getattr(teacher_processor, "tokenizer", teacher_processor)
+    va, vb = a.get_vocab(), b.get_vocab()
+    if va != vb:
+        if len(va) != len(vb):
+            return f"{len(vb):,} tokens, the policy's {len(va):,}"
+        token = next(t for t in sorted(va) if vb.get(t) != va[t])
+        return f"token {token!r} has id {vb.get(token)}, the policy's {va[token]}"
+    for name in ("eos_token", "pad_token"):
+        if getattr(a, name, None) != getattr(b, name, None):
+            return f"{name} {getattr(b, name, None)!r}, the policy's {getattr(a, name, None)!r}"
+    return None
+
+
+def check_same_tokenizer(policy_processor, teacher_processor, what: str, policy_vocab: int, teacher_vocab: int) -> None:
+    """Refuses a teacher whose tokenizer or LM head differs from the policy's (one line naming `what`)."""
+    diff = tokenizer_difference(policy_processor, teacher_processor)
+    if diff is None and policy_vocab != teacher_vocab:
+        diff = f"an LM head of {teacher_vocab:,} rows, the policy's {policy_vocab:,}"
+    if diff is not None:
+        raise UserError(
+            f"{what}: its tokenizer differs from the policy's ({diff}); a teacher scores the student's own token "
+            "ids, so it needs the policy's tokenizer"
+        )
+
+
+def load_teacher(path: str, what: str, policy_processor, policy_vocab: int, load_model, load_processor):
+    """A frozen `Teacher` from a checkpoint: its processor (checked against the policy's tokenizer first, so
+    a wrong teacher is refused before its weights load), then `load_model(path)`."""
+    from opd.teacher import Teacher, lm_head_weight
+
+    processor = load_processor(path)
+    check_same_tokenizer(policy_processor, processor, what, policy_vocab, policy_vocab)
+    model = load_model(path)
+    check_same_tokenizer(policy_processor, processor, what, policy_vocab, lm_head_weight(model).shape[0])
+    return Teacher(model, processor)
+
+
+@dataclass
+class TeacherSet:
+    """The run's teachers by name, in a fixed order (every rank the same), and the route of each record."""
+
+    teachers: dict = field(default_factory=dict)
+    """name -> opd.teacher.Teacher (or EMATeacher)."""
+    routes: Routes | None = None
+    """None: every record goes to the first (and only) teacher."""
+
+    @property
+    def single(self) -> bool:
+        return len(self.teachers) == 1
+
+    @property
+    def names(self) -> list[str]:
+        return list(self.teachers)
+
+    def route(self, record) -> str | None:
+        """The name of the teacher of a record's rows (None: none, the record is not a candidate)."""
+        return self.routes.route(record) if self.routes is not None else self.names[0]
+
+    def label(self, name: str, view: str) -> str:
+        """The ledger label of one teacher's forwards in one view (see the module docstring)."""
+        return view if self.single else f"{name}:{view}"
+
+
+def build_routed(routes: Routes, policy_processor, policy_vocab: int, load_model, load_processor) -> TeacherSet:
+    """A TeacherSet with one frozen teacher per route, each checkpoint loaded once."""
+    loaded: dict[str, object] = {}
+    teachers = {}
+    for route, ckpt in routes.teachers.items():
+        if ckpt not in loaded:
+            loaded[ckpt] = load_teacher(ckpt, f"--teachers {routes.source}: route {route!r} ({ckpt})", policy_processor,
+                                        policy_vocab, load_model, load_processor)  # fmt: skip
+        teachers[route] = loaded[ckpt]
+    return TeacherSet(teachers, routes)
