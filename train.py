@@ -311,7 +311,7 @@ def check_config(cfg: TrainConfig, world: int) -> None:
         if method.external_teachers == "required" and not external:
             problems.append(f"--method {cfg.method} routes each response to a separate teacher checkpoint: give "
                             "--teachers route.json or --teacher-model PATH")
-        if cfg.fsdp and method.objective != "distill":
+        if cfg.fsdp and method.objective == "opod":
             problems.append(f"--fsdp with --method {cfg.method}: its objective's extra forwards are not sharded here; "
                             "train it with DDP (without --fsdp)")
     if cfg.dapd_temperature <= 0 or cfg.dapd_clip <= 0:

@@ -51,6 +51,11 @@ context of a rollout completion is the reference template with the rollout in it
 appends the rollout after the student's own prompt and rollout instead, a repeat); sampling is Vision-OPD's
 (temperature 1, no truncation) with the run's rollouts per prompt (DAPD: one rollout at temperature 1.1,
 top-p 0.95, top-k 20); each pair's token mean is over the global (all ranks) tokens of S.
+
+Sharded (`--fsdp`): both anchors are sharded like the policy (the snapshot refresh runs on local shards); every
+rank runs as many micro-batches as the busiest one, the missing ones zero-weighted padding on its row 0 (six
+anchor forwards and four student forwards and backwards each, not counted); the anchors' gathered roots (their
+LM heads) are freed after each micro-batch.
 """
 
 from __future__ import annotations
@@ -63,6 +68,7 @@ import torch
 
 from opd.chunked import clamped_kl_from_hidden
 from opd.distill import DistillResult, StepBatch, TeacherCost, completion_inputs, dummy_backward, plan_micro_batches
+from opd.sharding import is_sharded, reshard
 from opd.teacher import EMATeacher, Teacher, lm_head_weight, response_hidden
 from opd.teachers import TeacherSet
 from opd.utility import sample_utility
@@ -149,7 +155,7 @@ class DAPD:
         eos = run.ids["eos"][0]
         res = DistillResult(utility=torch.full((len(ro),), float("nan")), teachers={lab: TeacherCost() for lab in self.labels})
         refs = {j: reference_completion(tok, batch.records[j].reference, eos, cfg.max_response_len)
-                for j in set(ro.prompt_index[sel].tolist())}  # fmt: skip
+                for j in {*ro.prompt_index[sel].tolist(), int(ro.prompt_index[0])}}  # fmt: skip (row 0: padding)
         n_roll = int(ro.lengths[sel].sum()) if sel.numel() else 0
         n_ref = sum(len(refs[int(ro.prompt_index[i])]) for i in sel.tolist())
         totals = acc.reduce(torch.tensor([n_roll, n_ref], device=device, dtype=torch.float64), "sum").cpu()
@@ -165,11 +171,21 @@ class DAPD:
         lengths = lengths + ro.lengths[sel] + torch.tensor([len(refs[int(ro.prompt_index[i])]) for i in sel.tolist()],
                                                           dtype=torch.long)  # fmt: skip
         plan = [sel[g] for g in plan_micro_batches(lengths, cfg.micro_batch, cfg.micro_batch_tokens)] if sel.numel() else []
-        if not plan:
-            dummy_backward(acc, run.student, ro, batch.student_prompts, run.ids["pad"], run.autocast)
-        for j, rows in enumerate(plan):
-            last = j == len(plan) - 1
-            self._micro_batch(batch, rows, refs, denominators, scale, res, sums, last)
+        sharded = is_sharded(run.student)
+        if sharded:  # every rank runs as many micro-batches as the busiest one: the rest zero-weighted padding on row 0
+            steps = int(acc.gather(torch.tensor([len(plan)], device=device)).max())
+        else:
+            steps = len(plan)
+            if not plan:  # keep this rank in DDP's gradient all-reduce
+                dummy_backward(acc, run.student, ro, batch.student_prompts, run.ids["pad"], run.autocast)
+        try:
+            for j in range(steps):
+                padding = j >= len(plan)
+                rows = torch.tensor([0]) if padding else plan[j]
+                self._micro_batch(batch, rows, refs, denominators, scale, res, sums, j == len(plan) - 1, padding)
+        finally:
+            for anchor in self.anchors.values():
+                reshard(anchor.model)
         reduced = acc.reduce(sums.to(device), "sum").cpu()  # every rank, also with nothing to do
         res.metrics = {f"kl_{p.name}": float(reduced[k]) / denominators[p.completion] for k, p in enumerate(PAIRS)}
         res.loss_share = float(sum(p.weight * sums[k] / denominators[p.completion] for k, p in enumerate(PAIRS)))
@@ -199,7 +215,10 @@ class DAPD:
         inputs, mask, _, width = completion_inputs(prompts, completions, run.ids["pad"], run.acc.device)
         return inputs, mask, width, sum(len(p) for p in prompts)
 
-    def _micro_batch(self, batch, rows, refs, denominators, scale, res, sums, last: bool) -> None:
+    def _micro_batch(self, batch, rows, refs, denominators, scale, res, sums, last: bool, padding: bool = False) -> None:
+        """One micro-batch of `rows`: the six anchor forwards, then one student forward and backward per student
+        context (DDP: only the step's last backward synchronises). padding=True (sharded lockstep): the same forwards
+        and backwards with zero weights, nothing counted or labelled."""
         run, acc, cfg = self.run, self.run.acc, self.run.cfg
         device = acc.device
         t0, teacher_before = time.perf_counter(), res.teacher_s
@@ -214,10 +233,14 @@ class DAPD:
         with run.autocast():
             for p in PAIRS:  # the anchors: six detached forwards, each in its own context
                 inputs, mask, width, prompt_tokens = inputs_of(p.completion, p.anchor_context)
+                anchor = self.anchors[p.anchor]
                 _sync(device)
                 t1 = time.perf_counter()
-                anchor_h[p.name] = self.anchors[p.anchor].hidden(inputs, width)[mask]  # (P, H)
+                with anchor.uncounted() if padding else nullcontext():
+                    anchor_h[p.name] = anchor.hidden(inputs, width)[mask]  # (P, H)
                 _sync(device)
+                if padding:
+                    continue
                 cost = res.teachers[f"{p.anchor}:{p.name}"]
                 cost.seconds += time.perf_counter() - t1
                 cost.rows += len(rows)
@@ -232,7 +255,7 @@ class DAPD:
                 with run.autocast():
                     h_s = response_hidden(run.student, inputs, width)[mask]  # (P, H)
                     w_s = lm_head_weight(getattr(run.student, "module", run.student))
-                    weight = torch.ones(h_s.shape[0], device=device) * scale / denominators[completion]
+                    weight = torch.ones(h_s.shape[0], device=device) * (0.0 if padding else scale / denominators[completion])
                     timing: dict[str, float] = {}
                     utility = cfg.topk if pairs[0] is PAIRS[0] else 0
                     loss, d, terms = clamped_kl_from_hidden(
@@ -242,6 +265,8 @@ class DAPD:
                         timing=timing,
                     )  # fmt: skip
                 acc.backward(loss)
+            if padding:
+                continue
             for k, p in enumerate(pairs):
                 sums[PAIRS.index(p)] += float(d[k].double().sum())
                 res.teachers[f"{p.anchor}:{p.name}"].seconds += timing.get("teacher_s", 0.0) / len(pairs)
@@ -252,7 +277,10 @@ class DAPD:
                 o = o if not cfg.no_overlap else torch.ones_like(o)
                 c = c if not cfg.no_confidence else torch.ones_like(c)
                 res.utility[rows] = sample_utility(d_, o, c, mask).float().cpu()
-        res.student_s += time.perf_counter() - t0 - (res.teacher_s - teacher_before)
+        for anchor in self.anchors.values():  # sharded: the anchors' gathered roots (LM heads) are freed
+            reshard(anchor.model)
+        if not padding:
+            res.student_s += time.perf_counter() - t0 - (res.teacher_s - teacher_before)
 
     def after_update(self, step: int) -> None:
         """The snapshot refresh: snapshot <- policy (tau = --ema-tau, 1 for DAPD) every --ema-every steps."""

@@ -37,10 +37,9 @@ def main() -> None:
     )  # fmt: skip
     run = Run(cfg)
     if a.method == "dapd":  # the policy moved off its anchors (as after training), so that every pair's KL and gradient
-        with torch.no_grad():  # is far above float rounding at step 0 (equal on every rank: one seed)
-            gen = torch.Generator().manual_seed(7)
-            for p_ in run.policy.parameters():
-                p_.add_(torch.randn(p_.shape, generator=gen) * 0.05)
+        from fsdp_worker import perturb  # is far above float rounding at step 0 (equal on every rank: one seed)
+
+        perturb(run.policy)
     selected, select = [], run.selector.select
     run.selector.select = lambda *args, **kw: selected.append(select(*args, **kw)) or selected[-1]
     rows, teacher_rows = [], []

@@ -46,14 +46,17 @@ def steps(a) -> None:
                           grad_checkpointing=a.grad_checkpointing, teacher_model=a.teacher_model, teachers=a.teachers,
                           data=a.data)  # fmt: skip
         run = Run(cfg)
+        if method == "dapd":  # the policy moved off its anchors, so every pair's gradient is far above rounding at step 0
+            perturb(run.policy)
         selected, select = [], run.selector.select
         run.selector.select = lambda *args, **kw: selected.append(select(*args, **kw)) or selected[-1]
         rows, teacher_rows = [], []
+        teachers = list(dict.fromkeys(run.teachers.teachers.values()))  # every teacher (DAPD: both anchors)
         for step in range(2):
-            before = run.teacher.rows_scored
+            before = sum(t.rows_scored for t in teachers)
             high = cfg.prompts_per_step * cfg.rollouts_per_prompt // 2 if a.skew else None  # rank 0's rows
             rows.append(run.step(step, fixed_rollouts(run, step, high_entropy_below=high)))
-            teacher_rows.append(run.teacher.rows_scored - before)
+            teacher_rows.append(sum(t.rows_scored for t in teachers) - before)
         counts = run.acc.gather(torch.tensor(teacher_rows)).view(run.acc.num_processes, -1)
         policy, teacher = full_state_dict(run.policy), full_state_dict(run.teacher.model)
         per_teacher = {n: t.rows_scored for n, t in run.teachers.teachers.items()}
@@ -63,6 +66,19 @@ def steps(a) -> None:
                       "per_teacher": per_teacher, "teacher_names": run.teachers.names}
             torch.save(result, Path(a.out) / f"{method}.pt")
         run.acc.wait_for_everyone()
+
+
+@torch.no_grad()
+def perturb(model, scale: float = 0.05, seed: int = 7) -> None:
+    """Adds the same seeded noise to every parameter on every rank (a sharded one: its shard of the noise)."""
+    from torch.distributed.tensor import DTensor, distribute_tensor
+
+    gen = torch.Generator().manual_seed(seed)
+    for p in model.parameters():
+        noise = torch.randn(p.shape, generator=gen) * scale
+        if isinstance(p, DTensor):
+            noise = distribute_tensor(noise, p.device_mesh, p.placements)
+        p.add_(noise)
 
 
 def resume(a) -> None:

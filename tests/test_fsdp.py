@@ -83,6 +83,19 @@ def test_fsdp_each_method_equals_one_unsharded_rank(tmp_path, tiny):
 
 
 @pytest.mark.slow
+def test_fsdp_dapd_equals_one_unsharded_rank_when_one_rank_has_no_selected_row(tmp_path, tiny):
+    """DAPD sharded on 2 ranks: both anchors sharded like the policy; rank 1 holds no selected row and pads every
+    micro-batch (six anchor forwards, four student forwards and backwards) with zero-weighted ones."""
+    args = ["--methods", "dapd", "--policy", "entropy", "--skew"]
+    one = torch.load(_worker(tmp_path / "one", 1, *args) / "dapd.pt", weights_only=False)
+    two = torch.load(_worker(tmp_path / "two", 2, *args, "--fsdp") / "dapd.pt", weights_only=False)
+    _assert_same_run(one, two, "dapd")
+    assert two["teacher_names"] == ["snapshot", "base"]
+    per = two["per_teacher"]  # rows each anchor scored on each rank: 2 and 4 per selected row, none on rank 1
+    assert per[1].tolist() == [0, 0] and per[0, 1] == 2 * per[0, 0] > 0
+
+
+@pytest.mark.slow
 def test_fsdp_routed_external_teachers_equal_one_unsharded_rank(tmp_path, tiny):
     """--teachers on 2 sharded ranks: each external teacher is sharded like the policy and runs as many micro-batches
     on every rank as on the busiest one (rank 1, which holds no selected row, pads every teacher's with
