@@ -311,9 +311,6 @@ def check_config(cfg: TrainConfig, world: int) -> None:
         if method.external_teachers == "required" and not external:
             problems.append(f"--method {cfg.method} routes each response to a separate teacher checkpoint: give "
                             "--teachers route.json or --teacher-model PATH")
-        if cfg.fsdp and method.objective == "opod":
-            problems.append(f"--fsdp with --method {cfg.method}: its objective's extra forwards are not sharded here; "
-                            "train it with DDP (without --fsdp)")
     if cfg.dapd_temperature <= 0 or cfg.dapd_clip <= 0:
         problems.append("--dapd-temperature and --dapd-clip must be positive")
     if not 0 < cfg.opod_beta_min <= cfg.opod_beta_init <= cfg.opod_beta_max:

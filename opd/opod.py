@@ -50,8 +50,10 @@ forward; OPOD queries every row: its settings are --policy full --rho 1):
    known) KL(pi_theta || pi_ref), the KL by the k3 estimator on the sampled tokens against the initial policy,
    its coefficient from the sampling log-probs (on-policy).
 
-The teachers see the student's own view by default (`--teacher-view` changes it). Sharded training is not
-supported (train.py refuses --fsdp with this method).
+The teachers see the student's own view by default (`--teacher-view` changes it). Sharded (`--fsdp`): the
+teachers (and the KL's reference) are sharded like the policy; the distillation pass, B's forwards and the
+policy-gradient pass each run as many micro-batches per model on every rank as on the busiest one, the missing
+ones zero-weighted (or uncounted) forwards on the rank's row 0.
 """
 
 from __future__ import annotations
@@ -69,6 +71,7 @@ from opd.distill import (
 )  # fmt: skip
 from opd.eval.answers import exact_match, parse_choice, parse_yes_no
 from opd.eval.benchmarks import split_options
+from opd.sharding import is_sharded, reshard
 from opd.teacher import Teacher, lm_head_weight, response_hidden
 from opd.views import View, get_view, reference_prompt
 
@@ -215,43 +218,48 @@ class OPOD:
 
     def _verification(self, batch: StepBatch, res: DistillResult, replies: dict) -> torch.Tensor:
         """B of every row of S: the routed teacher's log-prob of the answer after the response (in the reference slot)
-        minus without it; two forward kinds, counted under the views 'verify' and 'answer'."""
+        minus without it; two forward kinds, counted under the views 'verify' and 'answer'. Sharded: every rank runs
+        as many forwards per teacher as the busiest one (the rest on row 0, uncounted)."""
         run = self.run
-        ro, device, tok = batch.rollouts, run.acc.device, run.processor.tokenizer
+        ro, tok = batch.rollouts, run.processor.tokenizer
         rows = batch.selected.tolist()
         view = run.teacher_views[0]
-        out = torch.zeros(len(rows), dtype=torch.float64)
-        answer_ids = {}
+        answer_ids = {j: torch.tensor(tok(batch.records[j].answer, add_special_tokens=False)["input_ids"], dtype=torch.long)
+                      for j in {int(ro.prompt_index[i]) for i in rows}}  # fmt: skip
+        jobs = {}  # teacher -> [(kind, keys, prompts, completions)]
         for name in run.teachers.names:
             teacher = run.teachers.teachers[name]
             mine = [k for k, i in enumerate(rows) if batch.route[i] == name]
-            if not mine:
-                continue
             prompts_of = sorted({int(ro.prompt_index[rows[k]]) for k in mine})
-            for j in prompts_of:
-                answer_ids[j] = torch.tensor(tok(batch.records[j].answer, add_special_tokens=False)["input_ids"], dtype=torch.long)
-            # log pi_T(a* | x): once per prompt
-            without = {}
-            for group in _chunks(prompts_of, run.cfg.micro_batch):
-                prompts = [batch.teacher_prompt(name, view, j) for j in group]
-                without.update(zip(group, self._answer_logp(teacher, name, "answer", prompts, [answer_ids[j] for j in group], res)))
-            # log pi_T(a* | x, z): once per row
-            for group in _chunks(mine, run.cfg.micro_batch):
+            jobs[name] = [("answer", group, [batch.teacher_prompt(name, view, j) for j in group], [answer_ids[j] for j in group])
+                          for group in _chunks(prompts_of, run.cfg.micro_batch)]  # log pi_T(a* | x): once per prompt
+            for group in _chunks(mine, run.cfg.micro_batch):  # log pi_T(a* | x, z): once per row
                 prompts = []
                 for k in group:
-                    i = rows[k]
-                    j = int(ro.prompt_index[i])
-                    record = batch.records[j]
+                    record = batch.records[int(ro.prompt_index[rows[k]])]
                     images, _ = get_view(view)(record)
-                    text = replies[i]
+                    text = replies[rows[k]]
                     v = View(lambda r, seed, images=images, text=text: (images, reference_prompt(r.problem, text)))
                     prompts.append(run.encode(v, record, 0, teacher.processor))
-                with_z = self._answer_logp(teacher, name, "verify", prompts,
-                                           [answer_ids[int(ro.prompt_index[rows[k]])] for k in group], res)  # fmt: skip
-                for k, lw in zip(group, with_z):
-                    out[k] = verification_gain(torch.tensor(lw), torch.tensor(without[int(ro.prompt_index[rows[k]])]),
-                                               run.cfg.opod_reward_clip)  # fmt: skip
-        del device
+                jobs[name].append(("verify", group, prompts, [answer_ids[int(ro.prompt_index[rows[k]])] for k in group]))
+        steps = {n: len(v) for n, v in jobs.items()}
+        if is_sharded(run.student):
+            counts = run.acc.gather(torch.tensor([[steps[n] for n in jobs]], device=run.acc.device)).max(0).values
+            steps = dict(zip(jobs, counts.tolist()))
+        without, with_z = {}, {}
+        pad = ("padding", [], [batch.student_prompts[int(ro.prompt_index[0])]], [ro.response_ids[0, : int(ro.lengths[0])]])
+        for name in run.teachers.names:
+            teacher = run.teachers.teachers[name]
+            for step in range(steps[name]):
+                kind, keys, prompts, completions = jobs[name][step] if step < len(jobs[name]) else pad
+                sums = self._answer_logp(teacher, name, kind, prompts, completions, res)
+                (without if kind == "answer" else with_z).update(zip(keys, sums))
+            reshard(teacher.model)
+        out = torch.zeros(len(rows), dtype=torch.float64)
+        for k, i in enumerate(rows):
+            if k in with_z:
+                out[k] = verification_gain(torch.tensor(with_z[k]), torch.tensor(without[int(ro.prompt_index[i])]),
+                                           run.cfg.opod_reward_clip)  # fmt: skip
         return out
 
     @torch.no_grad()
@@ -262,11 +270,13 @@ class OPOD:
         _sync(device)
         t0 = time.perf_counter()
         inputs, mask, ids, width = completion_inputs(prompts, completions, run.ids["pad"], device)
-        with run.autocast():
+        with run.autocast(), teacher.uncounted() if view == "padding" else nullcontext():
             h = teacher.hidden(inputs, width)[mask]  # (P, H)
             logp = sampled_logp_from_hidden(h, lm_head_weight(teacher.model), ids[mask], run.cfg.loss_chunk or max(1, h.shape[0]))
         sums = torch.zeros(mask.shape, dtype=torch.float64, device=device).masked_scatter(mask, logp.double()).sum(-1)
         _sync(device)
+        if view == "padding":  # a sharded rank's lockstep forward: nothing counted
+            return []
         cost = res.teachers[run.teachers.label(name, view)]
         cost.seconds += time.perf_counter() - t0
         cost.rows += len(prompts)
@@ -281,14 +291,19 @@ class OPOD:
         run, acc, cfg = self.run, self.run.acc, self.run.cfg
         ro, sel, device = batch.rollouts, batch.selected, acc.device
         scale, n_global = acc.num_processes, res.global_tokens
-        if not sel.numel():
+        plan = [sel[g] for g in plan_micro_batches(ro.lengths[sel], cfg.micro_batch, cfg.micro_batch_tokens)] if sel.numel() else []
+        steps = len(plan)
+        if is_sharded(run.student):  # lockstep: as many micro-batches as the busiest rank, the rest zero-weighted on row 0
+            steps = int(acc.gather(torch.tensor([len(plan)], device=device)).max())
+        elif not plan:  # keep this rank in DDP's gradient all-reduce
             dummy_backward(acc, run.student, ro, batch.student_prompts, run.ids["pad"], run.autocast)
             return 0.0, 0.0
-        adv_of = dict(zip(sel.tolist(), adv.tolist()))
-        plan = [sel[g] for g in plan_micro_batches(ro.lengths[sel], cfg.micro_batch, cfg.micro_batch_tokens)]
+        adv_of = dict(zip(sel.tolist(), adv.tolist())) | ({} if 0 in sel.tolist() else {0: 0.0})
         pg_value = kl_value = 0.0
-        for j, rows in enumerate(plan):
-            with nullcontext() if j == len(plan) - 1 else acc.no_sync(run.student):
+        for j in range(steps):
+            padding = j >= len(plan)
+            rows = torch.tensor([0]) if padding else plan[j]
+            with nullcontext() if j == len(plan) - 1 or padding else acc.no_sync(run.student):
                 pids = ro.prompt_index[rows].tolist()
                 inputs, mask, width = micro_batch_inputs([batch.student_prompts[p] for p in pids], ro, rows, run.ids["pad"], device)
                 y = ro.response_ids[rows, :width].to(device)[mask]  # (P,)
@@ -302,11 +317,16 @@ class OPOD:
                     old = ro.logp[rows, :width].to(device)[mask].to(ref.dtype)  # (P,) log pi_theta at sampling
                     k3 = torch.exp(ref - old) - (ref - old) - 1.0
                     coef = coef + cfg.opod_kl * (1.0 - torch.exp(ref - old)) / n_global  # d k3 / d log pi
+                    reshard(self.reference.model)
+                if padding:
+                    coef, k3 = torch.zeros_like(coef), None
                 with run.autocast():
                     h = response_hidden(run.student, inputs, width)[mask]  # (P, H)
                     w = lm_head_weight(getattr(run.student, "module", run.student))
                     loss, logp = weighted_logp_from_hidden(h, w, y, coef.double() * scale, cfg.loss_chunk or max(1, h.shape[0]))
                 acc.backward(loss)
+                if padding:
+                    continue
                 pg_value += float((-cfg.opod_pg_weight * a.double() * logp.double()).sum()) / n_global
                 if k3 is not None:
                     kl_value += cfg.opod_kl * float(k3.double().sum()) / n_global

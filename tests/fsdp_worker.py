@@ -44,7 +44,7 @@ def steps(a) -> None:
         cfg = TrainConfig(**{**BASE, **settings}, method=method, out=f"{a.out}/{method}", policy=a.policy,
                           rho=a.rho, fsdp=a.fsdp, micro_batch_tokens=a.micro_batch_tokens,
                           grad_checkpointing=a.grad_checkpointing, teacher_model=a.teacher_model, teachers=a.teachers,
-                          data=a.data)  # fmt: skip
+                          data=a.data, opod_kl=a.opod_kl)  # fmt: skip
         run = Run(cfg)
         if method == "dapd":  # the policy moved off its anchors, so every pair's gradient is far above rounding at step 0
             perturb(run.policy)
@@ -149,6 +149,7 @@ def main() -> None:
     p.add_argument("--teacher-model", default=None)
     p.add_argument("--teachers", default=None)
     p.add_argument("--data", default=None)
+    p.add_argument("--opod-kl", type=float, default=0.0)
     a = p.parse_args()
     torch.set_num_threads(1)
     {"steps": steps, "resume": resume, "generate": generate}[a.scenario](a)

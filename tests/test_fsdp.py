@@ -96,6 +96,25 @@ def test_fsdp_dapd_equals_one_unsharded_rank_when_one_rank_has_no_selected_row(t
 
 
 @pytest.mark.slow
+def test_fsdp_opod_equals_one_unsharded_rank_when_one_rank_has_no_selected_row(tmp_path, tiny):
+    """OPOD sharded on 2 ranks with an external teacher and the KL's reference: the gated distillation, B's forwards
+    and the policy-gradient pass run in lockstep (rank 1, without selected rows, pads each with uncounted ones)."""
+    from opd.tiny import build_tiny_model
+
+    teacher = build_tiny_model(tmp_path / "t1", seed=1)
+    args = ["--methods", "opod", "--policy", "entropy", "--skew", "--teacher-model", str(teacher), "--opod-kl", "0.1"]
+    one = torch.load(_worker(tmp_path / "one", 1, *args) / "opod.pt", weights_only=False)
+    two = torch.load(_worker(tmp_path / "two", 2, *args, "--fsdp") / "opod.pt", weights_only=False)
+    _assert_same_run(one, two, "opod")
+    for r1, r2 in zip(one["rows"], two["rows"]):
+        for key in ("teacher_rows_full", "teacher_rows_verify", "teacher_rows_answer"):
+            assert r1[key] == r2[key], key
+        for key in ("reward_mean", "pg_loss", "kl_loss", "gate_mean_teacher"):
+            assert r1[key] == pytest.approx(r2[key], rel=1e-3, abs=1e-6), key
+    assert two["per_teacher"][1].tolist() == [0] and two["per_teacher"][0, 0] > 0
+
+
+@pytest.mark.slow
 def test_fsdp_routed_external_teachers_equal_one_unsharded_rank(tmp_path, tiny):
     """--teachers on 2 sharded ranks: each external teacher is sharded like the policy and runs as many micro-batches
     on every rank as on the busiest one (rank 1, which holds no selected row, pads every teacher's with

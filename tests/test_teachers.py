@@ -154,7 +154,6 @@ def test_routing_files_and_unrouted_records_are_refused_in_one_line(tmp_path, ti
     (["--method", "opod"], "--method opod routes each response to a separate teacher checkpoint"),
     (["--method", "dapd", "--teacher-model", "x"], "--method dapd anchors on the policy's own weights"),
     (["--teacher-model", "x", "--teachers", "y.json"], "--teacher-model gives one teacher and --teachers"),
-    (["--method", "opod", "--teacher-model", "x", "--fsdp"], "--fsdp with --method opod"),
     (["--ema-every", "0"], "--ema-every 0"),
     (["--opod-beta-min", "3"], "--opod-beta-min 3.0"),
 ])  # fmt: skip
