@@ -308,6 +308,9 @@ def check_config(cfg: TrainConfig, world: int) -> None:
         if method.external_teachers == "refused" and external:
             problems.append(f"--method {cfg.method} anchors on the policy's own weights (base and snapshot): "
                             "--teacher-model and --teachers do not apply")
+        if method.objective == "dapd" and (cfg.teacher_view or cfg.is_clip):
+            problems.append(f"--method {cfg.method}: its contexts (none, reference, rollout) and clamped KL are fixed; "
+                            "--teacher-view and --is-clip do not apply")
         if method.external_teachers == "required" and not external:
             problems.append(f"--method {cfg.method} routes each response to a separate teacher checkpoint: give "
                             "--teachers route.json or --teacher-model PATH")

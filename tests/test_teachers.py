@@ -155,6 +155,7 @@ def test_routing_files_and_unrouted_records_are_refused_in_one_line(tmp_path, ti
     (["--method", "dapd", "--teacher-model", "x"], "--method dapd anchors on the policy's own weights"),
     (["--teacher-model", "x", "--teachers", "y.json"], "--teacher-model gives one teacher and --teachers"),
     (["--ema-every", "0"], "--ema-every 0"),
+    (["--method", "dapd", "--is-clip", "2"], "--teacher-view and --is-clip do not apply"),
     (["--opod-beta-min", "3"], "--opod-beta-min 3.0"),
 ])  # fmt: skip
 def test_impossible_teacher_combinations_are_refused_by_name(tmp_path, flags, message):
