@@ -44,7 +44,15 @@ VIEWS_OF = {"crop": ("full", "crop", "masked"), "resolution": ("full", "half_res
 """The views each base is asked in for its gap (the first is the student's plain view)."""
 PRIVILEGED = {"bas-opd": "crop", "opd-v": "crop", "rp-opsd": "full", "opsd": "reference_answer"}
 PLAIN = {"bas-opd": "full", "opd-v": "full", "rp-opsd": "half_resolution", "opsd": "full"}
-KINDS = (("full", 100), ("random", 25), ("learned", 25))
+KINDS = (("full", 100, ""), ("random", 25, ""), ("learned", 25, ""))
+VARIANTS = {"rp-opsd": (("full", 100, "frozen"),)}
+"""Extra runs of a method: RP-OPSD with a fixed teacher, which tells the EMA teacher's drift from the rest."""
+VARIANT_SETTINGS = {"frozen": {"ema_tau": 0.0}}
+
+
+def kinds_of(method: str) -> list[str]:
+    """The run kinds of a method: 'full-100', 'random-25', 'learned-25', then its variants ('full-100-frozen')."""
+    return ["-".join(str(x) for x in k if x != "") for k in KINDS + VARIANTS.get(method, ())]
 NAMES = {"bas-opd": "Vision-OPD / BAS-OPD", "opd-v": "OPD-V", "rp-opsd": "RP-OPSD", "opsd": "OPSD"}
 
 
@@ -199,8 +207,8 @@ def trust_region_profile(root: Path, cfg: FamilyConfig, prompts: int = 16) -> di
 
 def run_specs(cfg: FamilyConfig) -> list[dict]:
     """Every OPD run: (method, policy, pct, seed), the costliest first."""
-    specs = [{"method": m, "policy": p, "pct": pct, "seed": s, "name": f"{m}/{p}-{pct}"}
-             for s in range(cfg.seeds) for m in METHODS for p, pct in KINDS]  # fmt: skip
+    specs = [{"method": m, "policy": p, "pct": pct, "variant": v, "seed": s, "name": f"{m}/{p}-{pct}" + (f"-{v}" if v else "")}
+             for s in range(cfg.seeds) for m in METHODS for p, pct, v in KINDS + VARIANTS.get(m, ())]  # fmt: skip
     return sorted(specs, key=lambda s: (-s["pct"], s["method"] != "opd-v", s["seed"]))
 
 
@@ -217,6 +225,7 @@ def job(cfg: FamilyConfig, spec: dict, root: Path) -> dict:
         "max_prompt_len": 512, "max_response_len": cfg.max_response_len, "lr": cfg.lr, "micro_batch": 64,
         "seed": spec["seed"], "selector_seed": spec["seed"], "replay_start": cfg.replay_start,
         "replay_batch": cfg.replay_batch, "save_every": 0, "keep_checkpoints": 1,
+        **VARIANT_SETTINGS.get(spec.get("variant", ""), {}),
     }  # fmt: skip
     return {"spec": spec, "folder": str(run_folder(root, spec)), "train": train, "audit_data": str(world / "audit.jsonl"),
             "eval": {"bench": str(world / "bench"), "batch": cfg.eval_batch, "max_new_tokens": 4}}  # fmt: skip
@@ -284,12 +293,14 @@ def collect(root: Path, cfg: FamilyConfig) -> dict:
         rec["ledger_rows"] = len(rows)
         views = folder / "views.json"
         rec["views"] = json.loads(views.read_text()) if views.exists() else {}
-        runs.setdefault(spec["method"], {}).setdefault(f"{spec['policy']}-{spec['pct']}", []).append(rec)
+        runs.setdefault(spec["method"], {}).setdefault(spec["name"].split("/")[1], []).append(rec)
     return runs
 
 
 def kind_label(method: str, kind: str) -> str:
-    policy, pct = kind.split("-")
+    policy, pct, *variant = kind.split("-")
+    if variant:
+        return "Full, fixed teacher (--ema-tau 0)"
     if policy == "full":
         return "Full (Vision-OPD)" if method == "bas-opd" else "Full (as published)"
     return f"{policy.capitalize()}-{pct}" + (" (BAS-OPD)" if method == "bas-opd" and policy == "learned" else "")
@@ -301,21 +312,20 @@ def plots(root: Path, runs: dict, gaps: dict) -> list[str]:
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    kinds = [f"{p}-{pct}" for p, pct in KINDS]
     methods = [m for m in METHODS if m in runs]
     if not methods:
         return []
     fig, axes = plt.subplots(1, len(methods), figsize=(3.2 * len(methods), 3.6), sharey=True, squeeze=False)
     for ax, m in zip(axes[0], methods):
-        g = gaps[BASE_OF[m]]
+        g, kinds = gaps[BASE_OF[m]], kinds_of(m)
         acc = [np.array([r["full"] for r in runs[m].get(k, [])]) for k in kinds]
-        ax.bar(range(len(kinds)), [a.mean() if a.size else 0 for a in acc],
-               yerr=[a.std(ddof=1) if a.size > 1 else 0 for a in acc], capsize=3, color=["tab:blue", "tab:gray", "tab:orange"])
+        ax.bar(range(len(kinds)), [a.mean() if a.size else 0 for a in acc], yerr=[a.std(ddof=1) if a.size > 1 else 0 for a in acc],
+               capsize=3, color=["tab:blue", "tab:gray", "tab:orange", "tab:purple"][: len(kinds)])
         ax.axhline(g["full"], ls=":", color="k", lw=1, label="base, student's eval view")
         ax.axhline(g[PRIVILEGED[m]], ls="--", color="tab:red", lw=1, label="base, teacher's view")
         if PLAIN[m] != "full":
             ax.axhline(g[PLAIN[m]], ls="-.", color="tab:green", lw=1, label="base, student's training view")
-        ax.set_xticks(range(len(kinds)), ["Full", "Random-25", "Learned-25"], fontsize=8)
+        ax.set_xticks(range(len(kinds)), ["Full", "Random-25", "Learned-25", "Full,\nfixed teacher"][: len(kinds)], fontsize=8)
         ax.set_title(NAMES[m], fontsize=9)
         ax.legend(fontsize=6, loc="lower right")
     axes[0][0].set_ylabel("accuracy on the full canvas (%)")
@@ -326,7 +336,7 @@ def plots(root: Path, runs: dict, gaps: dict) -> list[str]:
 
     fig, ax = plt.subplots(figsize=(5.4, 3.8))
     for m in methods:
-        for k, marker in zip(kinds, ("o", "s", "^")):
+        for k, marker in zip(kinds_of(m), ("o", "s", "^", "D")):
             rs = runs[m].get(k, [])
             if rs:
                 x = np.mean([r["ledger"]["teacher_forward_s"] for r in rs])
@@ -373,8 +383,8 @@ def report(root: Path, cfg: FamilyConfig, timing: dict, command: str) -> str:
               "| --- | --- | ---: | ---: | --- | ---: | ---: | ---: | ---: | ---: | ---: |"]  # fmt: skip
     for m in METHODS:
         full_tok = {r["seed"]: r["ledger"]["scored_tokens"] for r in runs.get(m, {}).get("full-100", [])}
-        for p, pct in KINDS:
-            rs = runs.get(m, {}).get(f"{p}-{pct}", [])
+        for kind in kinds_of(m):
+            rs = runs.get(m, {}).get(kind, [])
             if not rs:
                 continue
             led = [r["ledger"] for r in rs]
@@ -382,7 +392,7 @@ def report(root: Path, cfg: FamilyConfig, timing: dict, command: str) -> str:
             crop = _ms([r.get("crop") for r in rs]) if BASE_OF[m] == "crop" else "-"
             other = ", ".join(f"{v} {_ms([r['views'].get(v) for r in rs])}" for v in TRAINED_VIEWS.get(m, ())) or "-"
             lines.append(
-                f"| {NAMES[m]} | {kind_label(m, f'{p}-{pct}')} | {_ms([r['full'] for r in rs])} | {crop} | {other} | "
+                f"| {NAMES[m]} | {kind_label(m, kind)} | {_ms([r['full'] for r in rs])} | {crop} | {other} | "
                 f"{np.mean([x['calls'] for x in led]):,.0f} | "
                 f"{np.mean([sum(t['rows'] for t in x['teachers'].values()) for x in led]):,.0f} | "
                 f"{np.mean([x['scored_tokens'] for x in led]):,.0f} | {_ms(ratio)}% | "
