@@ -63,7 +63,7 @@ def test_smoke_comparison_writes_the_report_and_resumes(tmp_path, tiny):
     for name in ("Vision-OPD / BAS-OPD", "OPD-V", "RP-OPSD", "OPSD"):
         assert f"| {name} | Full" in text and f"| {name} | Learned-25" in text
     assert "| RP-OPSD | Full, fixed teacher (--ema-tau 0) |" in text
-    assert "Ledger arithmetic checked on 28 rows: all hold." in text  # 14 runs x 2 steps
+    assert "Ledger arithmetic checked on 26 rows: all hold." in text  # 13 runs x 2 steps
     assert (out / "family_accuracy.png").is_file() and (out / "family_cost.png").is_file()
     gaps = json.loads((out / "base_gaps.json").read_text())
     assert set(gaps) == {"crop", "resolution", "text"} and set(gaps["crop"]) == {"full", "crop", "masked"}
