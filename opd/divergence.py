@@ -227,6 +227,13 @@ def clamped_forward_kl(
     dapd/trainer.py (`forward_kl`: F.kl_div(student_logp, anchor_logp, log_target=True).clamp(max=clip),
     summed over the vocabulary). The chunked form from hidden states is
     `opd.chunked.clamped_kl_from_hidden`.
+
+    A clamped entry has no gradient. Where the student gives the anchor's mode clearly less probability
+    than the anchor (exp(a_m)(a_m - s_m) > clip), the gradient comes only from the other entries, whose
+    terms fall as the student's mass grows there, so it lowers the mode's logit further: away from the
+    anchor, and D can fall below 0 (the sum of a KL's negative entries). With the toy world's learning rate
+    (1.5e-4, full fine-tuning) DAPD's student drifted there and collapsed to chance (measured; DAPD trains a
+    LoRA at lr 5e-6 with gradient clip 0.1).
     """
     if temperature <= 0 or clip <= 0:
         raise ValueError(f"temperature and clip must be positive, got {temperature} and {clip}")

@@ -646,3 +646,16 @@ def test_gradcheck_clamped_forward_kl_wrt_student_logits():
     student = (torch.randn(4, 12, generator=g, dtype=torch.float64) * 2).requires_grad_(True)
     assert torch.autograd.gradcheck(lambda s: clamped_forward_kl(anchor, s, 1.1, 0.05), (student,))
     assert torch.autograd.gradcheck(lambda s: clamped_forward_kl(anchor, s, 1.1, 10.0), (student,))
+
+
+def test_clamped_forward_kl_past_the_clamp_pushes_the_student_off_the_anchors_mode():
+    """The documented failure mode: the anchor's mode is clamped (no gradient), the other entries' terms fall as the
+    student's mass grows there, so descent lowers the mode's logit and D is negative."""
+    anchor = torch.tensor([[3.0, 0.0, 0.0, 0.0, 0.0]], dtype=torch.float64)
+    student = torch.tensor([[1.0, 0.0, 0.0, 0.0, 0.0]], dtype=torch.float64, requires_grad=True)
+    d = clamped_forward_kl(anchor, student, 1.1, 0.05)
+    d.sum().backward()
+    assert float(d) < 0 and float(student.grad[0, 0]) > 0 and (student.grad[0, 1:] < 0).all()
+    plain = torch.tensor([[1.0, 0.0, 0.0, 0.0, 0.0]], dtype=torch.float64, requires_grad=True)
+    clamped_forward_kl(anchor, plain, 1.1, 1e3).sum().backward()  # without the clamp: toward the mode
+    assert float(plain.grad[0, 0]) < 0
