@@ -162,10 +162,13 @@ def resolve_model(path: str) -> str:
         from opd.checkpoint import find_checkpoint
 
         try:
-            folder = find_checkpoint(folder) / "policy"
+            ckpt = find_checkpoint(folder)
         except FileNotFoundError as exc:
             raise UserError(f"--model {path}: no config.json there and {exc}") from exc
-        path = str(folder)
+        if not (ckpt / "policy").is_dir() and (ckpt / "sharded").is_dir():
+            raise UserError(f"--model {path}: {ckpt} is a sharded (--fsdp) training checkpoint without an export; "
+                            "only a run's last checkpoint holds policy/ (evaluate the finished run)")
+        path = str(ckpt / "policy")
     source = resolve_model_source(path)
     return str(Path(source).resolve()) if Path(source).is_dir() else source
 

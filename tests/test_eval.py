@@ -515,3 +515,15 @@ def test_user_errors_are_one_line_with_exit_code_2(tiny, tmp_path):
     missing = run_eval_py("--model", "tiny", "--data-dir", tmp_path)  # all seven; six missing: a line each
     assert missing.returncode == 2 and "Traceback" not in missing.stderr
     assert missing.stderr.count("\n") == 8 and "--benchmarks vstar" in missing.stderr
+
+
+def test_an_intermediate_sharded_checkpoint_is_named_as_such(tmp_path):
+    """Only a --fsdp run's last checkpoint is exported; an earlier one is refused in one line, not as a missing folder."""
+    import eval as eval_py
+    from opd.cli import UserError
+
+    ckpt = tmp_path / "run" / "checkpoint-000004"
+    (ckpt / "sharded").mkdir(parents=True)
+    (ckpt / "state.pt").write_bytes(b"")
+    with pytest.raises(UserError, match="sharded .* training checkpoint without an export"):
+        eval_py.resolve_model(str(ckpt))
