@@ -189,25 +189,39 @@ def run_jobs(jobs: list[dict], parallel: int, worker=None) -> None:
             worker(job)
 
 
+def cpu_seconds() -> float:
+    """CPU seconds (user + system) of this process and of its finished child processes (the run workers)."""
+    import resource
+
+    own, children = resource.getrusage(resource.RUSAGE_SELF), resource.getrusage(resource.RUSAGE_CHILDREN)
+    return own.ru_utime + own.ru_stime + children.ru_utime + children.ru_stime
+
+
 class Timing:
-    """OUT/timing.json: seconds per phase, summed over the invocations that built the folder."""
+    """OUT/timing.json: wall seconds per phase and CPU seconds in all ("cpu_s"), summed over the invocations
+    that built the folder. On a shared machine the wall time grows with the other load; the CPU time
+    divided by the cores in use is what the same work takes on an otherwise idle machine."""
 
     def __init__(self, root: Path):
         self.path = root / "timing.json"
         self.total = json.loads(self.path.read_text()) if self.path.exists() else {}
         self.spent: dict[str, float] = {}
         self.t_start = time.perf_counter()
+        self.cpu_start = cpu_seconds()
 
     @contextlib.contextmanager
     def phase(self, key: str):
-        t0 = time.perf_counter()
+        """Adds the block's wall seconds to `key` and its CPU seconds to "cpu_" + key."""
+        t0, c0 = time.perf_counter(), cpu_seconds()
         yield
         self.spent[key] = self.spent.get(key, 0.0) + time.perf_counter() - t0
+        self.spent["cpu_" + key] = self.spent.get("cpu_" + key, 0.0) + cpu_seconds() - c0
 
     def save(self) -> dict:
         for k, v in self.spent.items():  # a resumed invocation adds its own time to the earlier ones'
             self.total[k] = self.total.get(k, 0.0) + v
         self.total["total_s"] = self.total.get("total_s", 0.0) + time.perf_counter() - self.t_start
+        self.total["cpu_s"] = self.total.get("cpu_s", 0.0) + cpu_seconds() - self.cpu_start
         self.total["invocations"] = self.total.get("invocations", 0) + 1
         self.path.write_text(json.dumps(self.total, indent=1) + "\n")
         return self.total

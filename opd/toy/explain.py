@@ -3,19 +3,25 @@
 The first toy task (`opd.toy.world`, docs/TOY.md) answers with one letter, so every response is two
 tokens and the 8 rollouts of a prompt are near-duplicates. This task keeps the world, its images,
 crops, questions, training JSONL and held-out benchmark exactly as they are (`export_world`), and
-changes only what the model says: a response is one of `STYLES`, from a terse answer to a few clauses
-naming the colour and the shape, always ending in an explicit answer that eval.py's parser reads
-("Answer: C", "the answer is C"). With the tiny model's character-level tokenizer a response is 5 to
-60 tokens (`response_lengths`), so rollouts of one prompt differ in length and in content (the style
-drawn, and the colour named when the full image leaves the student unsure).
+changes only what the model says: a response is one of `STYLES`, from "Blue.\nC" to "Blue. I see a
+small blue square here. Answer: C": the colour it sees, then nothing, a clause or a sentence about it,
+then an explicit answer that eval.py's parser reads ("Answer: C", "the answer is C", a last line "C").
+With the tiny model's character-level tokenizer a response is 7 to 54 tokens (`response_lengths`), so
+rollouts of one prompt differ in length and in content (the style drawn, and the colour named when the
+full image leaves the student unsure).
 
 Only the crop-trained base model (`opd.toy.sft.train_base(..., task=EXPLAIN)`) differs from the first
 task: its supervised targets are `response_text(sample, style)` with the style drawn per sample from
 `STYLE_WEIGHTS`, the loss over every response token. What a response's tokens carry is then uneven:
-the colour word (and the answer letter) depend on the image, the style words do not, so the crop
-teacher and the full-image student disagree on a few tokens of a long response and on a larger share
-of a short one. The crop cannot show where the target sits in the canvas, so no style names a
+the colour (first token) and the answer letter depend on the image, the other words do not, so the
+crop teacher and the full-image student disagree on a few tokens of a long response and on a larger
+share of a short one. The crop cannot show where the target sits in the canvas, so no style names a
 position (the crop teacher could not know it).
+
+Why the colour comes first: in a first design the colour was named mid-sentence ("I see a small green
+square ..."); there OPD at the toy's learning rates (5e-5 to 3e-4) erased one colour word (the one the
+full-image student over-predicted) from both views within 10-30 steps, teacher included, even under Full
+querying (docs/TOY_EXPLAIN.md, "How the task was found").
 """
 
 from __future__ import annotations
@@ -28,16 +34,15 @@ import torch
 from opd.toy.world import OPTIONS, Sample
 
 STYLES = {
-    "terse": "({letter}).",
-    "answer": "Answer: {letter}",
-    "word": "{Colour}. Answer: {letter}",
-    "sentence": "The {shape} is {colour}. Answer: {letter}",
-    "because": "It looks {colour}, so the answer is {letter}.",
-    "clauses": "I see a small {colour} {shape} in the clutter. Answer: {letter}",
+    "terse": "{Colour}.\n{letter}",
+    "answer": "{Colour}. Answer: {letter}",
+    "because": "{Colour}, so the answer is {letter}.",
+    "sentence": "{Colour}: the {shape} is {colour}. Answer: {letter}",
+    "clauses": "{Colour}. I see a small {colour} {shape} here. Answer: {letter}",
 }
 """Response templates, shortest to longest; every one ends in an answer eval.py's parser reads."""
 
-STYLE_WEIGHTS = {"terse": 1.0, "answer": 1.0, "word": 1.0, "sentence": 1.0, "because": 1.0, "clauses": 1.0}
+STYLE_WEIGHTS = {"terse": 1.0, "answer": 1.0, "because": 1.0, "sentence": 1.0, "clauses": 1.0}
 """Relative frequency of each style in the base model's supervised data (uniform)."""
 
 
@@ -69,20 +74,16 @@ def draw_styles(rng: np.random.Generator, n: int) -> list[str]:
 
 
 def style_of(text: str) -> str | None:
-    """The style a generated response follows (by its opening words), None when it follows none."""
+    """The style a generated response follows (by what follows its first word), None when it follows none."""
     t = text.strip()
-    if t.startswith("("):
-        return "terse"
-    if t.startswith("Answer"):
-        return "answer"
-    if t.startswith("The "):
-        return "sentence"
-    if t.startswith("It "):
-        return "because"
-    if t.startswith("I "):
-        return "clauses"
-    if any(t.startswith(c.capitalize() + ".") for c in OPTIONS.values()):
-        return "word"
+    word = t.split(maxsplit=1)[0] if t else ""
+    if not any(word.rstrip(".,:").lower() == c for c in OPTIONS.values()):
+        return None
+    rest = t[len(word.rstrip(".,:")):]
+    for style, template in STYLES.items():
+        tail = template.split("{Colour}", 1)[1].split("{", 1)[0]  # the fixed text right after the colour
+        if rest.startswith(tail):
+            return style
     return None
 
 

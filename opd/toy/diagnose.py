@@ -1,0 +1,172 @@
+"""Step-by-step diagnostics of a toy OPD run (the collapse investigation, experiments/toy_collapse.py).
+
+`Diagnosed(run)` wraps a `train.Run` of the first toy task (one-letter answers) and trains it step by
+step exactly as `run.step(step)` would, while recording what the step's selection did:
+
+- the rollouts are sampled here with the generator seed `Run.step` uses (mix_seed(seed, step, rank)),
+  then handed to `run.step(step, rollouts)`, so the run is the same run (same rollouts, selections,
+  updates; a test checks the ledger against an undiagnosed run);
+- before the step, every candidate's utility u_i (Eq. 9) is computed with the step's own student and
+  teacher (`opd.audit.score_utility`, no state changes), and the teacher's (crop view) and the
+  student's (full image) probability of each option letter at the answer position, per prompt;
+- the selection S and the labels the selector receives are captured from the selector's calls, so
+  the labels can be checked against the precomputed u_i of the same rows (they must be equal: a
+  mismatch would be a defect in the label-to-row bookkeeping);
+- `oracle=True` replaces the selection by the top floor(rho |C|) candidates by the precomputed u_i
+  (no exploration): the ranking the learned selector is trained to imitate, with no prediction error.
+
+`view_accuracy` probes a model's answer on a view cheaply: the argmax over the option letters at the
+first response position (what greedy decoding picks when a letter is the most likely token).
+"""
+
+from __future__ import annotations
+
+import torch
+
+from opd.audit import HeldBatch, score_utility
+from opd.chat import collate
+from opd.features import rollout_features
+from opd.rollout import generate_rollouts
+from opd.seeding import mix_seed
+from opd.selectors import query_budget, top_subset
+from opd.toy.world import OPTIONS
+
+
+@torch.no_grad()
+def letter_probs(run, model, records, view: str, batch: int = 64) -> torch.Tensor:
+    """(n, 4) probabilities of the option letters A-D at the first response position of `view`."""
+    letters = [run.processor.tokenizer.convert_tokens_to_ids(k) for k in OPTIONS]
+    out = []
+    for start in range(0, len(records), batch):
+        prompts = [run.encode(view, r) for r in records[start : start + batch]]
+        inputs = {k: v.to(run.acc.device) for k, v in collate(prompts, run.ids["pad"]).items()}
+        with run.autocast():
+            logits = model(**inputs, logits_to_keep=1, use_cache=False).logits[:, -1].float()
+        out.append(torch.softmax(logits, -1)[:, letters].cpu())
+    return torch.cat(out)
+
+
+def view_accuracy(run, model, records, view: str) -> float:
+    """Percent of records whose most likely option letter (first response position) is the answer."""
+    gold = torch.tensor([list(OPTIONS).index(r.answer) for r in records])
+    return 100.0 * float((letter_probs(run, model, records, view).argmax(-1) == gold).float().mean())
+
+
+class Diagnosed:
+    """Trains `run` step by step as `run.step` does, recording each step's selection diagnostics."""
+
+    def __init__(self, run, oracle: bool = False):
+        self.run, self.oracle = run, oracle
+        self.captured: dict = {}
+        self.u_all: torch.Tensor | None = None
+        selector = run.selector
+        select, observe = selector.select, selector.observe
+
+        def traced_select(phi, eligible, budget, step, *args, **kwargs):
+            if self.oracle:
+                candidates = eligible.nonzero().squeeze(-1)
+                chosen = top_subset(self.u_all.nan_to_num(-1.0), candidates, budget).sort().values
+            else:
+                chosen = select(phi, eligible, budget, step, *args, **kwargs)
+            self.captured["selected"] = chosen.clone()
+            self.captured["predicted"] = selector.predict(phi)  # the u^ this selection ranked by (normalizer updated)
+            return chosen
+
+        def traced_observe(phi, u, step):
+            self.captured["labels"] = u.clone()
+            return observe(phi, u, step)
+
+        selector.select, selector.observe = traced_select, traced_observe
+
+    def step(self, step: int) -> tuple[dict, dict]:
+        """One training step; returns (the ledger row, the step's diagnostics)."""
+        run, cfg = self.run, self.run.cfg
+        records = run.prompts(step)
+        prompts = run.student_prompts(records)
+        torch.manual_seed(mix_seed(cfg.seed, step, run.acc.process_index))  # as Run.step seeds its sampling
+        with run.autocast():
+            ro = generate_rollouts(run.policy, prompts, cfg.rollouts_per_prompt, cfg.max_response_len,
+                                   cfg.rollout_batch, cfg.share_prefill)  # fmt: skip
+        rows = ro.prompt_index.tolist()
+        eligible = torch.tensor([run.eligible(records[j]) for j in rows], dtype=torch.bool) & ro.valid
+        area = torch.tensor([records[j].area_ratio for j in rows])
+        phi = rollout_features(ro.logp, ro.entropy, ro.response_mask, ro.prompt_len, area)
+        self.u_all = score_utility(run, HeldBatch(records, ro, prompts, phi, eligible, None))
+        teacher_p = letter_probs(run, run.teacher.model, records, run.teacher_views[0])
+        student_p = letter_probs(run, run.policy, records, "full")
+        self.captured = {}
+        row = run.step(step, ro)
+        selected, predicted = self.captured["selected"], self.captured["predicted"]
+        labels = self.captured["labels"]  # Run.step hands the selector the labels of S, in S's order
+        letters = [run.processor.tokenizer.convert_tokens_to_ids(k) for k in OPTIONS]
+        first = ro.response_ids[:, 0].tolist()
+        diag = {
+            "step": step,
+            "budget": query_budget(cfg.rho, int(eligible.sum())),
+            "prompt": rows,
+            "gold": [list(OPTIONS).index(r.answer) for r in records],
+            "sampled": [letters.index(t) if t in letters else -1 for t in first],
+            "selected": selected.tolist(),
+            "u_all": [float(x) for x in self.u_all],
+            "labels": [float(x) for x in labels],
+            "label_error": float((labels - self.u_all[selected]).abs().max() / self.u_all[selected].abs().max().clamp(min=1e-30))
+            if selected.numel() else 0.0,  # relative to the largest label of S
+            "predicted": [float(x) for x in predicted] if predicted is not None else None,
+            "teacher_p": teacher_p.tolist(),
+            "student_p": student_p.tolist(),
+        }
+        return row, diag
+
+
+def diagnose_one(job: dict) -> dict:
+    """A diagnosed run (a job of `opd.toy.experiment` plus "oracle" and "probe_every"): trains with
+    `Diagnosed`, writes diag.jsonl (one line per step) and probes.jsonl (the teacher's crop-view and the
+    student's full-image accuracy on the audit records every `probe_every` steps), evaluates with eval.py,
+    and returns done.json."""
+    import contextlib
+    import json
+    import shutil
+    import time
+    from pathlib import Path
+
+    from opd.data import load_records
+    from opd.toy.experiment import evaluate, quiet, say
+    from train import Run, TrainConfig
+
+    quiet()
+    spec, out = job["spec"], Path(job["folder"])
+    done = out / "done.json"
+    if done.exists():
+        return json.loads(done.read_text())
+    shutil.rmtree(out, ignore_errors=True)
+    out.mkdir(parents=True)
+    probe_records = load_records(job["audit_data"])
+    t0 = time.perf_counter()
+    with open(out / "train.log", "w") as log, contextlib.redirect_stdout(log):
+        run = Run(TrainConfig(**job["train"], out=str(out)))
+        diagnosed = Diagnosed(run, oracle=job.get("oracle", False))
+        with (out / "diag.jsonl").open("w") as diag_file, (out / "probes.jsonl").open("w") as probe_file:
+            for step in range(run.steps + 1):
+                if step % job["probe_every"] == 0 or step == run.steps:
+                    probe = {"step": step, "teacher_crop": view_accuracy(run, run.teacher.model, probe_records, run.teacher_views[0]),
+                             "student_full": view_accuracy(run, run.policy, probe_records, "full"),
+                             "student_crop": view_accuracy(run, run.policy, probe_records, run.teacher_views[0])}
+                    probe_file.write(json.dumps(probe) + "\n")
+                if step == run.steps:
+                    break
+                row, diag = diagnosed.step(step)
+                run.log(row)
+                diag_file.write(json.dumps(diag) + "\n")
+                if (step + 1) % max(1, run.steps // 4) == 0:
+                    say(f"  {spec['name']} seed {spec['seed']}: step {step + 1}/{run.steps}, teacher crop "
+                        f"{probe['teacher_crop']:.0f}% at step {probe['step']}, {time.perf_counter() - t0:.0f} s")
+        run.save(run.steps)
+        summary = run.finish()
+    train_s = time.perf_counter() - t0
+    del run
+    ev = job["eval"]
+    scores = evaluate(out, Path(ev["bench"]), out / "eval", ev["batch"], ev["max_new_tokens"], f"{spec['name']}-seed{spec['seed']}")
+    record = {**spec, "train_s": train_s, "summary": summary, **scores}
+    done.write_text(json.dumps(record, indent=1) + "\n")
+    say(f"done {spec['name']} seed {spec['seed']}: full {scores['full']:.1f}%, crop {scores['crop']:.1f}% ({train_s:.0f} s)")
+    return record
