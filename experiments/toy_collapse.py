@@ -137,7 +137,30 @@ def row_types(diag: dict) -> np.ndarray:
     return np.where(~wrong, 2, np.where(p_sampled > 0.5, 0, 1))
 
 
-def analyse(folder: Path, rollouts: int, explore: float = 0.10) -> dict:
+def prior_drift(diags: list[dict], letter: int, block: int = 10) -> dict:
+    """The over-predicted letter's story: among C and S, the share of rows that sample `letter` wrongly
+    (corrections that lower it) and rightly (confirmations); per `block` steps, the share of prompts the
+    student answers with `letter` (full image, most likely letter) and the teacher's crop-view accuracy on
+    the prompts whose answer is `letter`."""
+    wrong_c, wrong_s, right_c, right_s, rate, teacher = [], [], [], [], [], []
+    for d in diags:
+        gold, prompt, sampled = np.asarray(d["gold"]), np.asarray(d["prompt"]), np.asarray(d["sampled"])
+        sel = np.asarray(d["selected"], dtype=int)
+        says = sampled == letter
+        wrong, right = says & (gold[prompt] != letter), says & (gold[prompt] == letter)
+        wrong_c.append(wrong.mean())
+        right_c.append(right.mean())
+        wrong_s.append(wrong[sel].mean() if sel.size else 0.0)
+        right_s.append(right[sel].mean() if sel.size else 0.0)
+        rate.append(float((np.asarray(d["student_p"]).argmax(-1) == letter).mean()))
+        own = gold == letter
+        teacher.append(float((np.asarray(d["teacher_p"])[own].argmax(-1) == letter).mean()) if own.any() else float("nan"))
+    blocks = lambda v: [float(np.nanmean(v[i:i + block])) for i in range(0, len(v), block)]  # noqa: E731
+    return {"wrong_c": float(np.mean(wrong_c)), "wrong_s": float(np.mean(wrong_s)), "right_c": float(np.mean(right_c)),
+            "right_s": float(np.mean(right_s)), "rate": blocks(rate), "teacher": blocks(teacher)}
+
+
+def analyse(folder: Path, rollouts: int, explore: float = 0.10, letter: int = 0) -> dict:
     """One run's diagnostics: the label and selection checks, coverage, selector quality, the probes, and by
     row type (ROW_TYPES) the share in C, S and the oracle's top 25%, P(selected), mean u_i and the learned
     ranking's mean rank percentile (0 = ranked first)."""
@@ -190,10 +213,20 @@ def analyse(folder: Path, rollouts: int, explore: float = 0.10) -> dict:
         "teacher_wrong_c": float(np.mean(in_c)) if in_c else 0.0,
         "teacher_wrong_s": float(np.mean(in_s)) if in_s else 0.0,
         "types": types,
+        "prior": prior_drift(diags, letter),
         "teacher_crop_min": min(crop) if crop else float("nan"),
         "teacher_crop_min_step": probes[int(np.argmin(crop))]["step"] if crop else -1,
         "probes": probes,
     }
+
+
+def over_predicted(base_eval: Path) -> int:
+    """Index (0-3) of the letter the base answers most often on the full image (eval.py's predictions)."""
+    from opd.toy.world import OPTIONS
+
+    preds = [json.loads(x)["pred"] for x in (base_eval / "zoombench" / "predictions.jsonl").read_text().splitlines() if x.strip()]
+    counts = [preds.count(k) for k in OPTIONS]
+    return int(np.argmax(counts))
 
 
 def run_label(r: dict) -> str:
@@ -202,11 +235,13 @@ def run_label(r: dict) -> str:
 
 def report(root: Path, cfg: CollapseConfig, timing: dict, command: str) -> str:
     base = json.loads((root / "base_eval.json").read_text())
+    letter = over_predicted(root / "base_eval")
     rows = []
     for spec in specs(cfg):
         folder = root / "runs" / spec["name"] / f"seed{spec['seed']}"
         if (folder / "done.json").exists():
-            rows.append({**json.loads((folder / "done.json").read_text()), **analyse(folder, cfg.rollouts_per_prompt)})
+            rows.append({**json.loads((folder / "done.json").read_text()),
+                         **analyse(folder, cfg.rollouts_per_prompt, letter=letter)})
     lines = [
         "# Why a learned-selector run collapses: diagnosed runs of the first toy task (CPU)", "",
         f"- Command: `{command}`",
@@ -252,6 +287,23 @@ def report(root: Path, cfg: CollapseConfig, timing: dict, command: str) -> str:
             lines.append(f"| {run_label(r)} | {r['seed']} | {t['type']} | {100 * t['share_c']:.1f}% | {100 * t['share_s']:.1f}% | "
                          f"{100 * t['share_top']:.1f}% | {t['p_selected']:.2f} | {t['u']:.2e} | "
                          + (f"{t['rank']:.2f}" if np.isfinite(t["rank"]) else "-") + " |")
+    name = "ABCD"[letter]
+    preds = [json.loads(x)["pred"] for x in (root / "base_eval" / "zoombench" / "predictions.jsonl").read_text().splitlines() if x.strip()]
+    lines += [
+        "", f"## The over-predicted answer ({name})", "",
+        f"The base answers {name} on {preds.count(name)} of {len(preds)} full images (eval.py, greedy). Corrections: rows whose "
+        f"sampled answer is {name} but the truth is not (the teacher pushes {name} down); confirmations: rows that sample {name} "
+        f"rightly. Student's {name} rate: the share of the step's prompts whose most likely letter on the full image is "
+        f"{name}, per 10 steps. Teacher on {name}: the EMA teacher's crop-view accuracy on the step's prompts whose answer "
+        f"is {name}, per 10 steps.", "",
+        f"| Run | Seed | Corrections: C / S | Confirmations: C / S | Student's {name} rate per 10 steps | Teacher on {name} per 10 steps |",
+        "| --- | ---: | --- | --- | --- | --- |",
+    ]
+    for r in rows:
+        pr = r["prior"]
+        lines.append(f"| {run_label(r)} | {r['seed']} | {100 * pr['wrong_c']:.1f}% / {100 * pr['wrong_s']:.1f}% | "
+                     f"{100 * pr['right_c']:.1f}% / {100 * pr['right_s']:.1f}% | "
+                     + " ".join(f"{100 * v:.0f}" for v in pr["rate"]) + " | " + " ".join(f"{100 * v:.0f}" for v in pr["teacher"]) + " |")
     png = probe_plot(root, rows)
     lines += ["", "## Plots", "", f"![{png}]({png})"] if png else []
     text = "\n".join(lines) + "\n"
