@@ -36,7 +36,7 @@ from opd.opod import OPOD
 from opd.teachers import TeacherSet, build_routed, load_routes, load_teacher
 from opd.features import rollout_features
 from opd.ledger import PHASES, Ledger, PhaseTimer, format_summary, summarize, write_atomic
-from opd.model import DTYPES, autocast, load_model, load_processor, special_ids
+from opd.model import DTYPES, autocast, load_model, load_processor, resolve_model_source, special_ids
 from opd.predictor import PredictorConfig
 from opd.rollout import Rollouts, generate_rollouts
 from opd.seeding import mix_seed
@@ -339,7 +339,6 @@ class Run:
         self.teacher_views = ((cfg.teacher_view or self.method.teacher_view),) + self.method.teacher_views[1:]
         self.out = Path(cfg.out)
         self.launch = launch_info(self.acc.num_processes)
-        self._claim_out_folder()
         model_path, data_path = cfg.model, cfg.data
         if model_path is None or data_path is None:
             if self.acc.is_main_process:
@@ -347,8 +346,12 @@ class Run:
             self.acc.wait_for_everyone()
             tiny_model, tiny_data = tiny_defaults()
             model_path, data_path = model_path or str(tiny_model), data_path or str(tiny_data)
+        # Inputs are checked before --overwrite empties --out: a mistyped --model or a broken data file
+        # stops the run with the old one intact.
+        resolve_model_source(model_path)
         self.records: list[Record] = load_records(data_path)
         self._check_records(data_path)
+        self._claim_out_folder()
         self.steps = cfg.steps or len(self.records) // cfg.prompts_per_step
         self.initial_model = model_path  # the run's starting weights (DAPD's base anchor, OPOD's reference)
         state, teacher_path = None, None

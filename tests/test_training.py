@@ -380,6 +380,13 @@ def test_a_new_run_refuses_a_folder_holding_a_run_and_overwrite_replaces_it(tmp_
         train.main(["--steps", "2", "--out", out])
     assert (tmp_path / "x" / "ledger.jsonl").read_text() == before  # untouched
     assert sorted(p.name for p in (tmp_path / "x").glob("checkpoint-*")) == [f"checkpoint-00000{i}" for i in (1, 2, 3)]
+    broken = tmp_path / "broken.jsonl"
+    broken.write_text('{"id": "a", "image": \n')
+    for flags, error in ((["--model", str(tmp_path / "no-such-model")], "no such model folder"),
+                         (["--data", str(broken)], f"{broken}:1")):  # fmt: skip
+        with pytest.raises(UserError, match=error):  # checked before --overwrite deletes anything
+            train.main(["--steps", "2", "--out", out, "--overwrite", *flags])
+        assert (tmp_path / "x" / "ledger.jsonl").read_text() == before
     train.main(["--steps", "2", "--out", out, "--overwrite"])
     assert [r["step"] for r in read_ledger(tmp_path / "x" / "ledger.jsonl")] == [0, 1]
     assert sorted(p.name for p in (tmp_path / "x").glob("checkpoint-*")) == ["checkpoint-000002"]
