@@ -40,6 +40,7 @@ import numpy as np
 import torch
 
 from opd.chat import collate, encode_prompt
+from opd.model import quiet_kernel_warnings
 from opd.teacher import response_logits
 from opd.tiny import tiny_config, tiny_processor
 from opd.toy.world import WorldConfig, sample
@@ -92,6 +93,7 @@ def build_model(processor, cfg: SFTConfig):
     """A freshly initialised tiny Qwen3.5 of `cfg`'s size (Qwen's init range 0.02, not tiny's 0.2)."""
     from transformers import Qwen3_5ForConditionalGeneration
 
+    quiet_kernel_warnings("cpu", Qwen3_5ForConditionalGeneration.__module__)
     config = tiny_config(processor.tokenizer, hidden=cfg.hidden, layers=cfg.layers, vision_depth=cfg.vision_depth,
                          init_range=0.02)
     config.text_config.layer_types = ["linear_attention"] * (cfg.layers - 1) + ["full_attention"]
