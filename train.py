@@ -657,16 +657,28 @@ class Run:
                   f"writing {self.out}/ledger.jsonl, summary.md and checkpoints", flush=True)
         # loss: Eq. 11 this step; queried: teacher calls |S| / budget K (Eq. 4); utility: mean u_i over S (Eq. 9)
         bar = tqdm(total=self.steps, initial=self.start, desc=self.run_name, disable=not main)
-        for step in range(self.start, self.steps):
-            row = self.step(step)
-            self.log(row)
-            bar.update(1)
-            bar.set_postfix(loss=f"{row['loss']:.3e}", queried=f"{row['selected']}/{row['budget']}", utility=f"{row['utility_mean']:.2e}")
-            last = step + 1 == self.steps
-            if last or (self.cfg.save_every and (step + 1) % self.cfg.save_every == 0):
-                self.save(step + 1)
+        try:
+            for step in range(self.start, self.steps):
+                row = self.step(step)
+                self.log(row)
+                bar.update(1)
+                bar.set_postfix(loss=f"{row['loss']:.3e}", queried=f"{row['selected']}/{row['budget']}", utility=f"{row['utility_mean']:.2e}")
+                last = step + 1 == self.steps
+                if last or (self.cfg.save_every and (step + 1) % self.cfg.save_every == 0):
+                    self.save(step + 1)
+        except KeyboardInterrupt:
+            bar.close()
+            raise KeyboardInterrupt(self.interrupted_note(step)) from None
         bar.close()
         return self.finish()
+
+    def interrupted_note(self, step: int) -> str:
+        """What a user stopped by Ctrl-C at `step` has on disk and how to go on."""
+        latest = self.out / "latest"
+        if latest.is_file():
+            return (f"at step {step}; {self.out} keeps {latest.read_text().strip()}: continue with --resume {self.out} "
+                    "(the ledger's later rows are retrained)")
+        return f"at step {step}, before the first checkpoint (--save-every); start over with --overwrite"
 
     def finish(self) -> dict:
         summary = {}
@@ -702,7 +714,10 @@ def checkpoint_of(path: str) -> Path:
     try:
         return find_checkpoint(path)
     except FileNotFoundError as exc:
-        raise UserError(f"--resume {path}: {exc}") from None
+        hint = ""
+        if run_files(Path(path)):  # a run stopped before its first checkpoint
+            hint = f"; the run stopped before its first checkpoint: start over with --out {path} --overwrite"
+        raise UserError(f"--resume {path}: {exc}{hint}") from None
 
 
 def _same(field: str, a, b) -> bool:

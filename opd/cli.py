@@ -21,12 +21,16 @@ class UserError(Exception):
 
 
 def run_cli(main: Callable, argv: list[str], prog: str):
-    """Calls main(argv); a UserError becomes one line 'prog: error: ...' on stderr and exit code 2."""
+    """Calls main(argv); a UserError becomes one line 'prog: error: ...' on stderr and exit code 2,
+    Ctrl-C one line 'prog: interrupted ...' (the KeyboardInterrupt's message, if any) and exit code 130."""
     try:
         return main(argv)
     except UserError as exc:
         print(f"{prog}: error: {exc}", file=sys.stderr, flush=True)
         sys.exit(2)
+    except KeyboardInterrupt as exc:
+        print(f"\n{prog}: interrupted{': ' + str(exc) if str(exc) else ''}", file=sys.stderr, flush=True)
+        sys.exit(130)
 
 
 def field_docs(cls) -> dict[str, str]:

@@ -392,6 +392,31 @@ def test_a_new_run_refuses_a_folder_holding_a_run_and_overwrite_replaces_it(tmp_
     assert sorted(p.name for p in (tmp_path / "x").glob("checkpoint-*")) == ["checkpoint-000002"]
 
 
+def test_ctrl_c_keeps_the_checkpoints_and_says_how_to_go_on(tmp_path, tiny, monkeypatch, capsys):
+    out = tmp_path / "c"
+    step = train.Run.step
+
+    def stopped_at_2(self, k):
+        if k == 2:
+            raise KeyboardInterrupt
+        return step(self, k)
+
+    monkeypatch.setattr(train.Run, "step", stopped_at_2)
+    with pytest.raises(SystemExit) as stop:
+        train.run_cli(train.main, ["--steps", "4", "--save-every", "1", "--out", str(out)], "train.py")
+    assert stop.value.code == 130
+    err = capsys.readouterr().err.strip().splitlines()[-1]
+    assert err == f"train.py: interrupted: at step 2; {out} keeps checkpoint-000002: continue with --resume {out} " \
+                  "(the ledger's later rows are retrained)"
+    with pytest.raises(KeyboardInterrupt, match="before the first checkpoint .*--overwrite"):
+        train.main(["--steps", "4", "--save-every", "3", "--out", str(tmp_path / "d")])
+    with pytest.raises(UserError, match=f"no checkpoint in .*start over with --out {tmp_path / 'd'} --overwrite"):
+        train.main(["--resume", str(tmp_path / "d")])
+    monkeypatch.setattr(train.Run, "step", step)
+    train.main(["--resume", str(out)])
+    assert [r["step"] for r in read_ledger(out / "ledger.jsonl")] == [0, 1, 2, 3]
+
+
 def test_resume_takes_the_runs_own_settings_and_refuses_method_changes(tmp_path, tiny, capsys):
     out = str(tmp_path / "r")
     train.main(["--steps", "3", "--save-every", "2", "--keep-checkpoints", "2", "--policy", "random", "--rho", "0.5", "--out", out])
