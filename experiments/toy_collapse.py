@@ -2,6 +2,7 @@
 
     python experiments/toy_collapse.py --out runs/toy-collapse     # 15 diagnosed runs, about 25 minutes on 2 cores
     python experiments/toy_collapse.py --smoke                     # 2 steps per run (seconds)
+    python experiments/toy_collapse.py --out runs/toy-collapse --report-only   # the report from the finished runs, no training
 
 docs/TOY.md's 32 prompts x 2 rollouts runs (lr 1.5e-4, 120 steps) had one Learned-25 seed in three collapse:
 its full-image accuracy fell to 58.8% and the crop view, which the EMA teacher reads, to 77.0%. This
@@ -77,6 +78,8 @@ class CollapseConfig:
     """Supervised batch of the base model."""
     eval_batch: int = 100
     """eval.py --batch-size."""
+    report_only: bool = False
+    """Train nothing: write OUT/report.md from the runs already finished in OUT (the others are listed as not run)."""
 
 
 SMOKE = dict(seeds="0", low_lr=7.5e-5, steps=2, prompts_per_step=4, replay_start=4, replay_batch=8, probe_every=1, jobs=1,
@@ -236,19 +239,25 @@ def run_label(r: dict) -> str:
 def report(root: Path, cfg: CollapseConfig, timing: dict, command: str) -> str:
     base = json.loads((root / "base_eval.json").read_text())
     letter = over_predicted(root / "base_eval")
-    rows = []
+    rows, missing = [], []
     for spec in specs(cfg):
         folder = root / "runs" / spec["name"] / f"seed{spec['seed']}"
         if (folder / "done.json").exists():
             rows.append({**json.loads((folder / "done.json").read_text()),
                          **analyse(folder, cfg.rollouts_per_prompt, letter=letter)})
+        else:
+            missing.append(f"{spec['name']} seed {spec['seed']}")
+    train_s = sum(r.get("train_s", 0.0) for r in rows)
     lines = [
         "# Why a learned-selector run collapses: diagnosed runs of the first toy task (CPU)", "",
         f"- Command: `{command}`",
         f"- Machine: {machine()}; {cfg.jobs} run(s) at a time, one thread each",
-        f"- Wall time: {timing.get('total_s', 0):.0f} s in all" + (f", summed over {timing['invocations']} invocations"
-                                                                   if timing.get("invocations", 1) > 1 else ", one invocation from scratch")
-        + f"; CPU time {timing.get('cpu_s', 0):.0f} s",
+        f"- Wall time: {timing.get('total_s', 0):.0f} s in all, {timing.get('invocations', 0)} invocation(s) recorded"
+        + f"; CPU time {timing.get('cpu_s', 0):.0f} s (OUT/timing.json: the invocations that ran to their end)",
+        f"- Training wall time of the {len(rows)} finished runs, summed from their done.json: {train_s:.0f} s "
+        f"(eval.py not included; {cfg.jobs} at a time that is about {train_s / max(1, cfg.jobs):.0f} s of wall time on this machine, "
+        "with whatever else it was running)",
+        "- Not run (no done.json): " + (", ".join(missing) if missing else "none"),
         f"- Finished: {time.strftime('%Y-%m-%d %H:%M:%S')}",
         f"- Setting: the first task's world and base (full image {base['full']:.1f}%, crop {base['crop']:.1f}%); {cfg.steps} "
         f"OPD steps of {cfg.prompts_per_step} prompts x {cfg.rollouts_per_prompt} rollouts, rho 0.25; probes every "
@@ -353,6 +362,11 @@ def main(argv: list[str] | None = None) -> str:
     root = Path(cfg.out)
     root.mkdir(parents=True, exist_ok=True)
     command = "python experiments/toy_collapse.py " + " ".join(sys.argv[1:] if argv is None else argv)
+    if cfg.report_only:
+        timing = json.loads((root / "timing.json").read_text()) if (root / "timing.json").exists() else {}
+        text = report(root, cfg, timing, command)
+        say(f"report (finished runs only, nothing trained) -> {root / 'report.md'}")
+        return text
     timing = Timing(root)
     with timing.phase("setup_s"):
         export_world(root / "world", world_config(cfg))

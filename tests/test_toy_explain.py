@@ -269,3 +269,10 @@ def test_collapse_smoke_report(tmp_path):
     assert (out / "fig_collapse.png").read_bytes()[:4] == b"\x89PNG"
     probes = [json.loads(x) for x in (out / "runs" / "learned-25" / "seed0" / "probes.jsonl").read_text().splitlines()]
     assert [p["step"] for p in probes] == [0, 1, 2]
+
+    # --report-only trains nothing: the seed-1 runs are listed as not run, no folder of theirs appears
+    stamps = {p: p.stat().st_mtime_ns for p in out.glob("runs/*/seed0/done.json")}
+    again = driver.main(["--smoke", "--out", str(out), "--seeds", "0,1", "--report-only"])
+    assert [r[1] for r in _table(again, "## Runs and checks")] == ["0"] * 5
+    assert "- Not run (no done.json): learned-25 seed 1, entropy-25 seed 1" in again
+    assert not list(out.glob("runs/*/seed1")) and {p: p.stat().st_mtime_ns for p in out.glob("runs/*/seed0/done.json")} == stamps
