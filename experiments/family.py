@@ -1,18 +1,22 @@
-"""The seed family side by side in the toy world: Vision-OPD / BAS-OPD, OPD-V, RP-OPSD and OPSD.
+"""The seed family side by side in the toy world: Vision-OPD / BAS-OPD, OPD-V, RP-OPSD, OPSD, DAPD and OPOD.
 
-    .venv/bin/python experiments/family.py --out runs/family                 # 3 seeds, about 40 minutes on 2 cores
+    .venv/bin/python experiments/family.py --out runs/family                 # 3 seeds, about 80 minutes on 2 cores
     .venv/bin/python experiments/family.py --out runs/family-smoke --smoke   # one seed, a few steps (the test)
 
 1. The world of experiments/toy.py (`opd.toy.world`), and three base models (`opd.toy.family`), one per
    privileged signal: `crop` (trained on crops: BAS-OPD, Vision-OPD, OPD-V), `resolution` (trained on
    full canvases at their native 64 x 64 pixels: RP-OPSD, whose student sees them at 32 x 32) and `text`
-   (trained on crops and on hinted full images: OPSD).
+   (trained on crops and on hinted full images: OPSD and DAPD, whose reference context is the same hint). OPOD
+   trains the crop base with two external teachers routed by the record's `shape` (`opod_routes`): squares and
+   triangles to the resolution base (the full canvas at its native 64 x 64 pixels: a stronger teacher of the
+   student's own input), diamonds to the crop base itself (the student's initial weights: no better than it).
 2. Each base's privileged-minus-plain gap: greedy accuracy on the held-out items in every view its
    methods use, built as training builds them (`opd.toy.family.view_accuracy`).
 3. For each method, Full querying (the method as published), Random-25 and Learned-25 (BAS-OPD's
    budget on top), over `--seeds` seeds, through `train.Run` with the method's paper settings; each run is
    scored by eval.py on the held-out benchmark in the student's view at the original resolution (the
-   full canvas) and, for the crop methods, on the crops (the teacher's pathway).
+   full canvas) and, for the crop methods, on the crops (the teacher's pathway); OPSD's and DAPD's trained
+   students also with the hint (the privilege illusion), RP-OPSD's at half resolution, OPOD's per route.
 4. OUT/report.md (copied to docs/FAMILY.md by hand): the tables and plots, read from the files on disk.
 
 Resumable: the world, the bases, their gaps and every finished run (its done.json) are reused; an
@@ -37,13 +41,17 @@ import numpy as np  # noqa: E402
 from opd.toy.experiment import Timing, parse, quiet, run_folder, run_jobs, say  # noqa: E402
 from opd.toy.report import mean_std as _ms  # noqa: E402
 
-METHODS = ("bas-opd", "opd-v", "rp-opsd", "opsd")
+METHODS = ("bas-opd", "opd-v", "rp-opsd", "opsd", "dapd", "opod")
 """The methods run; Vision-OPD is BAS-OPD with every candidate queried (its Full row)."""
-BASE_OF = {"bas-opd": "crop", "opd-v": "crop", "rp-opsd": "resolution", "opsd": "text"}
+BASE_OF = {"bas-opd": "crop", "opd-v": "crop", "rp-opsd": "resolution", "opsd": "text", "dapd": "text", "opod": "crop"}
 VIEWS_OF = {"crop": ("full", "crop", "masked"), "resolution": ("full", "half_resolution"), "text": ("full", "reference_answer")}
 """The views each base is asked in for its gap (the first is the student's plain view)."""
-PRIVILEGED = {"bas-opd": "crop", "opd-v": "crop", "rp-opsd": "full", "opsd": "reference_answer"}
-PLAIN = {"bas-opd": "full", "opd-v": "full", "rp-opsd": "half_resolution", "opsd": "full"}
+PRIVILEGED = {"bas-opd": "crop", "opd-v": "crop", "rp-opsd": "full", "opsd": "reference_answer", "dapd": "reference_answer",
+              "opod": "full"}  # fmt: skip
+"""The teacher's view (OPOD: its external teachers see the student's own view, the full canvas)."""
+PLAIN = {"bas-opd": "full", "opd-v": "full", "rp-opsd": "half_resolution", "opsd": "full", "dapd": "full", "opod": "full"}
+OPOD_ROUTES = {"square": "resolution", "triangle": "resolution", "diamond": "crop"}
+"""OPOD's routing table: a record's `shape` -> the base whose checkpoint is that route's teacher (`opod_routes`)."""
 KINDS = (("full", 100, ""), ("random", 25, ""), ("learned", 25, ""))
 VARIANTS = {"rp-opsd": (("full", 100, "frozen"),)}
 """Extra runs of a method: RP-OPSD with a fixed teacher, which tells the EMA teacher's drift from the rest."""
@@ -53,7 +61,8 @@ VARIANT_SETTINGS = {"frozen": {"ema_tau": 0.0}}
 def kinds_of(method: str) -> list[str]:
     """The run kinds of a method: 'full-100', 'random-25', 'learned-25', then its variants ('full-100-frozen')."""
     return ["-".join(str(x) for x in k if x != "") for k in KINDS + VARIANTS.get(method, ())]
-NAMES = {"bas-opd": "Vision-OPD / BAS-OPD", "opd-v": "OPD-V", "rp-opsd": "RP-OPSD", "opsd": "OPSD"}
+NAMES = {"bas-opd": "Vision-OPD / BAS-OPD", "opd-v": "OPD-V", "rp-opsd": "RP-OPSD", "opsd": "OPSD", "dapd": "DAPD",
+         "opod": "OPOD"}  # fmt: skip
 
 
 @dataclass
@@ -104,6 +113,9 @@ class FamilyConfig:
     """The text base: share of supervised samples shown as the hinted full image (the rest as crops)."""
     eval_batch: int = 100
     """eval.py --batch-size."""
+    skip: str = ""
+    """Runs not trained by this invocation, as comma-separated names (`dapd/learned-25`); their finished runs
+    are still reported (what a time limit cut, said in the report)."""
 
 
 SMOKE = dict(seeds=1, steps=2, prompts_per_step=2, rollouts_per_prompt=4, replay_start=4, replay_batch=16, jobs=1,
@@ -152,6 +164,42 @@ def base_gaps(root: Path, cfg: FamilyConfig) -> dict:
         say(f"base {signal}: " + ", ".join(f"{v} {a:.1f}%" for v, a in gaps[signal].items()))
     path.write_text(json.dumps(gaps, indent=1) + "\n")
     return gaps
+
+
+def opod_routes(root: Path) -> Path:
+    """OUT/opod_route.json, OPOD's `--teachers` table (`opd.teachers`): the record field `shape` routed to the
+    base checkpoints of OPOD_ROUTES (paths relative to OUT)."""
+    path = root / "opod_route.json"
+    spec = {"field": "shape", "teachers": {shape: f"base-{base}" for shape, base in OPOD_ROUTES.items()}}
+    path.write_text(json.dumps(spec, indent=1) + "\n")
+    return path
+
+
+def shape_of(problem: str) -> str:
+    """The target's shape named by a toy question ("What colour is the small <shape>?")."""
+    return problem.split("small ", 1)[1].split("?", 1)[0]
+
+
+def route_gaps(root: Path, cfg: FamilyConfig) -> dict:
+    """{shape: {base: accuracy %}}: greedy accuracy in the full view on the held-out items of each shape, of the
+    student's base (crop) and each OPOD teacher's base, each through its own processor. Cached in
+    OUT/route_gaps.json."""
+    path = root / "route_gaps.json"
+    if path.exists():
+        return json.loads(path.read_text())
+    from opd.data import load_records
+    from opd.model import load_model, load_processor
+    from opd.toy.family import view_accuracy
+
+    records = load_records(root / "eval_records.jsonl")
+    out: dict = {shape: {} for shape in OPOD_ROUTES}
+    for base in dict.fromkeys([BASE_OF["opod"], *OPOD_ROUTES.values()]):
+        model, processor = load_model(str(root / f"base-{base}")), load_processor(str(root / f"base-{base}"))
+        for shape in OPOD_ROUTES:
+            group = [r for r in records if shape_of(r.problem) == shape]
+            out[shape][base] = view_accuracy(model, processor, group, "full", cfg.eval_batch) if group else float("nan")
+    path.write_text(json.dumps(out, indent=1) + "\n")
+    return out
 
 
 def trust_region_profile(root: Path, cfg: FamilyConfig, prompts: int = 16) -> dict:
@@ -206,10 +254,11 @@ def trust_region_profile(root: Path, cfg: FamilyConfig, prompts: int = 16) -> di
 
 
 def run_specs(cfg: FamilyConfig) -> list[dict]:
-    """Every OPD run: (method, policy, pct, seed), the costliest first."""
+    """Every OPD run: (method, policy, pct, seed), the costliest first (Full, then Random-25 of every seed, then
+    Learned-25)."""
     specs = [{"method": m, "policy": p, "pct": pct, "variant": v, "seed": s, "name": f"{m}/{p}-{pct}" + (f"-{v}" if v else "")}
              for s in range(cfg.seeds) for m in METHODS for p, pct, v in KINDS + VARIANTS.get(m, ())]  # fmt: skip
-    return sorted(specs, key=lambda s: (-s["pct"], s["method"] != "opd-v", s["seed"]))
+    return sorted(specs, key=lambda s: (-s["pct"], s["policy"] == "learned", s["method"] != "opd-v", s["seed"]))
 
 
 def job(cfg: FamilyConfig, spec: dict, root: Path) -> dict:
@@ -226,13 +275,14 @@ def job(cfg: FamilyConfig, spec: dict, root: Path) -> dict:
         "seed": spec["seed"], "selector_seed": spec["seed"], "replay_start": cfg.replay_start,
         "replay_batch": cfg.replay_batch, "save_every": 0, "keep_checkpoints": 1,
         **VARIANT_SETTINGS.get(spec.get("variant", ""), {}),
+        **({"teachers": str(root / "opod_route.json")} if spec["method"] == "opod" else {}),
     }  # fmt: skip
     return {"spec": spec, "folder": str(run_folder(root, spec)), "train": train, "audit_data": str(world / "audit.jsonl"),
             "eval": {"bench": str(world / "bench"), "batch": cfg.eval_batch, "max_new_tokens": 4}}  # fmt: skip
 
 
-TRAINED_VIEWS = {"rp-opsd": ("half_resolution",), "opsd": ("reference_answer",)}
-"""Views asked of a trained student besides eval.py's (RP-OPSD's own training view; OPSD's teacher view)."""
+TRAINED_VIEWS = {"rp-opsd": ("half_resolution",), "opsd": ("reference_answer",), "dapd": ("reference_answer",)}
+"""Views asked of a trained student besides eval.py's (RP-OPSD's own training view; OPSD's and DAPD's hinted view)."""
 
 
 def trained_views(root: Path, cfg: FamilyConfig) -> None:
@@ -255,9 +305,27 @@ def trained_views(root: Path, cfg: FamilyConfig) -> None:
         (folder / "views.json").write_text(json.dumps(acc) + "\n")
 
 
-def check_ledger(rows: list[dict], rho: float, policy: str, views: int) -> list[str]:
+def teacher_rows_problem(r: dict, method: str, views: int) -> str | None:
+    """Whether a ledger row's teacher forward rows are the method's count for its |S|: `views` x |S| for the
+    distillation methods; DAPD six anchor forwards per row (one per pair); OPOD, per teacher, one distillation
+    and one verification forward per row and one answer forward per prompt (at most |S|, and the labels add up)."""
+    s, rows = r["selected"], r["teacher_rows"]
+    if s == 0:
+        return None if rows == 0 else f"{rows} teacher rows for an empty S"
+    if method == "dapd":
+        return None if rows == 6 * s else f"{rows} anchor rows for |S| = {s} x 6 pairs"
+    if method == "opod":
+        kind = {k: sum(v for lab, v in r.items() if lab.startswith("teacher_rows_") and lab.endswith(f":{k}"))
+                for k in ("full", "verify", "answer")}  # fmt: skip
+        if kind["full"] != s or kind["verify"] != s or not 0 < kind["answer"] <= s or rows != sum(kind.values()):
+            return f"{rows} teacher rows ({kind}) for |S| = {s}"
+        return None
+    return None if rows == views * s else f"{rows} teacher rows for |S| = {s} x {views} views"
+
+
+def check_ledger(rows: list[dict], rho: float, policy: str, views: int, method: str = "") -> list[str]:
     """The ledger's arithmetic for a method with `views` teacher views: K = floor(rho |C|), |S| <= K
-    (= |C| for full), teacher forward rows = views x |S|, scored tokens <= candidate tokens."""
+    (= |C| for full), teacher forward rows as `teacher_rows_problem` wants, scored tokens <= candidate tokens."""
     problems = []
     for j, r in enumerate(rows):
         budget = int(rho * r["candidates"] + 1e-9)
@@ -265,8 +333,9 @@ def check_ledger(rows: list[dict], rho: float, policy: str, views: int) -> list[
             problems.append(f"step {r['step']}: K {r['budget']} (want {budget}), |S| {r['selected']}")
         if policy == "full" and r["selected"] != r["candidates"]:
             problems.append(f"step {r['step']}: full querying selected {r['selected']} of {r['candidates']}")
-        if r["teacher_rows"] != views * r["selected"]:
-            problems.append(f"step {r['step']}: {r['teacher_rows']} teacher rows for |S| = {r['selected']} x {views} views")
+        wrong = teacher_rows_problem(r, method, views)
+        if wrong:
+            problems.append(f"step {r['step']}: {wrong}")
         if not 0 <= r["scored_tokens"] <= r["candidate_tokens"]:
             problems.append(f"step {r['step']}: scored tokens {r['scored_tokens']} vs candidates' {r['candidate_tokens']}")
     return problems
@@ -289,12 +358,27 @@ def collect(root: Path, cfg: FamilyConfig) -> dict:
         rows = read_ledger(folder / "ledger.jsonl")
         rec["ledger"] = summarize(rows)
         views = len(get_method(spec["method"]).teacher_views)
-        rec["ledger_problems"] = check_ledger(rows, spec["pct"] / 100, spec["policy"], views)
+        rec["ledger_problems"] = check_ledger(rows, spec["pct"] / 100, spec["policy"], views, spec["method"])
         rec["ledger_rows"] = len(rows)
         views = folder / "views.json"
         rec["views"] = json.loads(views.read_text()) if views.exists() else {}
+        if spec["method"] == "opod":
+            rec["routes"] = opod_route_stats(folder, rows)
         runs.setdefault(spec["method"], {}).setdefault(spec["name"].split("/")[1], []).append(rec)
     return runs
+
+
+def opod_route_stats(folder: Path, rows: list[dict]) -> dict:
+    """Per route (shape) of an OPOD run: eval.py's accuracy on the benchmark items of that shape (from its
+    predictions), the final beta and the mean gate over the steps that had tokens of the route."""
+    preds = [json.loads(line) for line in (folder / "eval" / "zoombench" / "predictions.jsonl").read_text().splitlines()]
+    out = {}
+    for shape in OPOD_ROUTES:
+        mine = [p["correct"] for p in preds if p["category"] == shape]
+        gates = [r[f"gate_mean_{shape}"] for r in rows if np.isfinite(r.get(f"gate_mean_{shape}", float("nan")))]
+        out[shape] = {"accuracy": 100.0 * np.mean(mine) if mine else float("nan"), "beta": rows[-1].get(f"beta_{shape}"),
+                      "gate": float(np.mean(gates)) if gates else float("nan")}  # fmt: skip
+    return out
 
 
 def kind_label(method: str, kind: str) -> str:
@@ -315,20 +399,28 @@ def plots(root: Path, runs: dict, gaps: dict) -> list[str]:
     methods = [m for m in METHODS if m in runs]
     if not methods:
         return []
-    fig, axes = plt.subplots(1, len(methods), figsize=(3.2 * len(methods), 3.6), sharey=True, squeeze=False)
-    for ax, m in zip(axes[0], methods):
+    cols = min(4, len(methods))
+    n_rows = -(-len(methods) // cols)
+    fig, axes = plt.subplots(n_rows, cols, figsize=(3.2 * cols, 3.6 * n_rows), sharey=True, squeeze=False)
+    for ax in axes.flat[len(methods):]:
+        ax.axis("off")
+    for ax, m in zip(axes.flat, methods):
         g, kinds = gaps[BASE_OF[m]], kinds_of(m)
         acc = [np.array([r["full"] for r in runs[m].get(k, [])]) for k in kinds]
         ax.bar(range(len(kinds)), [a.mean() if a.size else 0 for a in acc], yerr=[a.std(ddof=1) if a.size > 1 else 0 for a in acc],
                capsize=3, color=["tab:blue", "tab:gray", "tab:orange", "tab:purple"][: len(kinds)])
         ax.axhline(g["full"], ls=":", color="k", lw=1, label="base, student's eval view")
-        ax.axhline(g[PRIVILEGED[m]], ls="--", color="tab:red", lw=1, label="base, teacher's view")
+        if m == "opod":  # external teachers: the resolution base on the full canvas at 64 px
+            ax.axhline(gaps["resolution"]["full"], ls="--", color="tab:red", lw=1, label="resolution teacher (2 of 3 routes)")
+        else:
+            ax.axhline(g[PRIVILEGED[m]], ls="--", color="tab:red", lw=1, label="base, teacher's view")
         if PLAIN[m] != "full":
             ax.axhline(g[PLAIN[m]], ls="-.", color="tab:green", lw=1, label="base, student's training view")
         ax.set_xticks(range(len(kinds)), ["Full", "Random-25", "Learned-25", "Full,\nfixed teacher"][: len(kinds)], fontsize=8)
         ax.set_title(NAMES[m], fontsize=9)
         ax.legend(fontsize=6, loc="lower right")
-    axes[0][0].set_ylabel("accuracy on the full canvas (%)")
+    for row in axes:
+        row[0].set_ylabel("accuracy on the full canvas (%)")
     fig.suptitle("The seed family in the toy world: accuracy after training (mean ± std over seeds)", fontsize=9)
     fig.tight_layout()
     fig.savefig(root / "family_accuracy.png", dpi=130)
@@ -351,6 +443,65 @@ def plots(root: Path, runs: dict, gaps: dict) -> list[str]:
     fig.savefig(root / "family_cost.png", dpi=130)
     plt.close(fig)
     return ["family_accuracy.png", "family_cost.png"]
+
+
+def _digits(values, digits: int) -> str:
+    """'mean ± std' with `digits` decimals (std with n - 1), the mean alone for one value, '-' for none."""
+    v = np.asarray([x for x in values if x is not None and np.isfinite(x)], dtype=float)
+    if v.size == 0:
+        return "-"
+    return f"{v.mean():.{digits}f} ± {v.std(ddof=1):.{digits}f}" if v.size > 1 else f"{v.mean():.{digits}f}"
+
+
+ILLUSION_HINTED = 90.0
+"""A trained student 'reads the hint' when its hinted accuracy is at least this (%)."""
+
+
+def illusion_section(runs: dict, gaps: dict) -> list[str]:
+    """The privilege illusion (the student imitating answers it cannot see): a trained student of the hint base
+    that answers well with the hint (>= ILLUSION_HINTED) but worse without it than the base did."""
+    base = gaps["text"]
+    lines = ["", "## The privilege illusion: OPSD and DAPD on the hint base", "",
+             f"The hint base answers {base['full']:.1f}% without the hint and {base['reference_answer']:.1f}% with it. "
+             f"A run shows the illusion when its trained student answers >= {ILLUSION_HINTED:.0f}% with the hint and "
+             "below the base without it (greedy, the held-out items; mean ± std over seeds).", "",
+             "| Method | Run | Without the hint (%) | With the hint (%) | Without - base (points) | Runs with the illusion |",
+             "| --- | --- | ---: | ---: | ---: | ---: |"]  # fmt: skip
+    for m in ("opsd", "dapd"):
+        for kind in kinds_of(m):
+            rs = runs.get(m, {}).get(kind, [])
+            if not rs:
+                continue
+            plain, hinted = [r["full"] for r in rs], [r["views"].get("reference_answer", float("nan")) for r in rs]
+            ill = sum(h >= ILLUSION_HINTED and p < base["full"] for p, h in zip(plain, hinted))
+            lines.append(f"| {NAMES[m]} | {kind_label(m, kind)} | {_ms(plain)} | {_ms(hinted)} | "
+                         f"{_ms([p - base['full'] for p in plain])} | {ill} of {len(rs)} |")  # fmt: skip
+    return lines
+
+
+def opod_section(runs: dict, route_acc: dict) -> list[str]:
+    """OPOD per route: the teacher's and the student base's accuracy on that shape's items, the trained students'
+    (eval.py's predictions), and the controller's strength and the mean gate in the Full runs."""
+    rs = runs.get("opod", {})
+    if not rs:
+        return []
+    kinds = [k for k in kinds_of("opod") if rs.get(k)]
+    full = rs.get("full-100", [])
+    lines = ["", "## OPOD's routes", "",
+             "Each record's `shape` routes its rows to a teacher (OUT/opod_route.json). Accuracy (%) on the held-out "
+             "items of that shape in the full view: the teacher's and the student base's (greedy, each through its own "
+             "processor), then the trained students' (eval.py). beta: the route's strength at the last step; gate: "
+             "mean c_t over the steps with tokens of the route (Full runs).", "",
+             "| Route (shape) | Teacher | Teacher (%) | Student base (%) | "
+             + " | ".join(kind_label("opod", k) for k in kinds) + " | beta (Full) | gate (Full) |",
+             "| --- | --- | ---: | ---: | " + " | ".join("---:" for _ in kinds) + " | ---: | ---: |"]  # fmt: skip
+    for shape, base in OPOD_ROUTES.items():
+        teacher = "crop base (the student's own base)" if base == BASE_OF["opod"] else f"{base} base"
+        accs = " | ".join(_ms([r["routes"][shape]["accuracy"] for r in rs[k]]) for k in kinds)
+        lines.append(f"| {shape} | {teacher} | {route_acc[shape][base]:.1f} | {route_acc[shape][BASE_OF['opod']]:.1f} | "
+                     f"{accs} | {_digits([r['routes'][shape]['beta'] for r in full], 3)} | "
+                     f"{_digits([r['routes'][shape]['gate'] for r in full], 4)} |")  # fmt: skip
+    return lines
 
 
 def report(root: Path, cfg: FamilyConfig, timing: dict, command: str) -> str:
@@ -391,19 +542,26 @@ def report(root: Path, cfg: FamilyConfig, timing: dict, command: str) -> str:
             ratio = [100 * r["ledger"]["scored_tokens"] / full_tok[r["seed"]] for r in rs if full_tok.get(r["seed"])]
             crop = _ms([r.get("crop") for r in rs]) if BASE_OF[m] == "crop" else "-"
             other = ", ".join(f"{v} {_ms([r['views'].get(v) for r in rs])}" for v in TRAINED_VIEWS.get(m, ())) or "-"
+            if m == "opod":
+                other = ", ".join(f"{shape} {_ms([r['routes'][shape]['accuracy'] for r in rs])}" for shape in OPOD_ROUTES)
             lines.append(
                 f"| {NAMES[m]} | {kind_label(m, kind)} | {_ms([r['full'] for r in rs])} | {crop} | {other} | "
                 f"{np.mean([x['calls'] for x in led]):,.0f} | "
                 f"{np.mean([sum(t['rows'] for t in x['teachers'].values()) for x in led]):,.0f} | "
                 f"{np.mean([x['scored_tokens'] for x in led]):,.0f} | {_ms(ratio)}% | "
                 f"{_ms([x['teacher_forward_s'] for x in led])} | {_ms([x['step_s'] for x in led])} |")
+    lines += illusion_section(runs, gaps) + opod_section(runs, json.loads((root / "route_gaps.json").read_text()))
     profile = json.loads((root / "trust_region.json").read_text())
     lines += ["", "## OPD-V's token weight on the crop base", "",
               "w_t = ReLU(log pi_T+(y_t) - log pi_T-(y_t)) on the crop base's own rollouts (step 0): the share of "
               "tokens with w_t > 0 and the mean w_t.", "", "| Tokens | n | w > 0 | mean w |", "| --- | ---: | ---: | ---: |"]
     lines += [f"| {k} | {v['n']} | {100 * v['positive']:.1f}% | {v['mean']:.3f} |" for k, v in profile.items()]
+    missing = [f"{s['name']} seed {s['seed']}" for s in run_specs(cfg) if not (run_folder(root, s) / "done.json").exists()]
     lines += ["", f"Ledger arithmetic checked on {n_rows:,} rows: " + ("all hold." if not problems else
-              f"{len(problems)} problems: " + "; ".join(problems[:10])), "", "## Plots", ""]
+              f"{len(problems)} problems: " + "; ".join(problems[:10]))]
+    if missing:
+        lines += ["", f"Not trained (left out by --skip or unfinished): {', '.join(missing)}."]
+    lines += ["", "## Plots", ""]
     lines += [f"![{f}]({f})" for f in files]
     text = "\n".join(lines) + "\n"
     (root / "report.md").write_text(text)
@@ -432,10 +590,13 @@ def main(argv: list[str] | None = None) -> str:
             train_base(root / f"base-{signal}", world_config(cfg), sft, log=lambda msg: say(msg), task=task)
         base_gaps(root, cfg)
         trust_region_profile(root, cfg)
+        opod_routes(root)
+        route_gaps(root, cfg)
     with timing.phase("runs_s"):
         specs = run_specs(cfg)
-        todo = [s for s in specs if not (run_folder(root, s) / "done.json").exists()]
-        say(f"{len(specs)} OPD runs, {len(specs) - len(todo)} already done, {cfg.jobs} at a time")
+        skip = {n.strip() for n in cfg.skip.split(",") if n.strip()}
+        todo = [s for s in specs if not (run_folder(root, s) / "done.json").exists() and s["name"] not in skip]
+        say(f"{len(specs)} OPD runs, {len(specs) - len(todo)} already done or skipped, {cfg.jobs} at a time")
         run_jobs([job(cfg, s, root) for s in todo], cfg.jobs)
         trained_views(root, cfg)
     text = report(root, cfg, timing.save(), command)
