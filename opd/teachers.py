@@ -12,6 +12,13 @@
   that have none. The teacher's name in the ledger is its route (the field's value). A checkpoint named by
   several routes is loaded once and shared.
 
+A teacher checkpoint (`--teacher-model`, or a value of `teachers`) is a checkpoint folder, a hub id, a `train.py`
+run folder (its last checkpoint's exported policy, e.g. `runs/tiny` after the default command) or `tiny` (the
+built-in tiny model, the tiny default's initial policy), as `eval.py --model` takes them (`teacher_source`). The
+tiny default's data has no field to route by: a table with one route and `"default"` sends every record to it,
+
+      {"field": "task", "teachers": {"colour": "tiny"}, "default": "colour"}
+
 Each teacher is loaded once, frozen (`opd.teacher.Teacher`: no update, no gradient), and run only on the
 selected rows routed to it (`opd.distill` plans micro-batches per teacher). A record whose value has no
 route and no default is refused before training, in one line naming the file, line, field and value.
@@ -123,11 +130,37 @@ def check_same_tokenizer(policy_processor, teacher_processor, what: str, policy_
         )
 
 
+def teacher_source(path: str) -> str:
+    """What a teacher name loads: 'tiny' the built-in tiny model's folder; a `train.py` run folder (or one of its
+    checkpoint folders: a folder without config.json) its checkpoint's `policy/` export; else `path` unchanged
+    (a checkpoint folder or hub id, checked by the loader). A run folder whose checkpoint is missing, or holds no
+    policy/, is a UserError."""
+    if path == "tiny":
+        from opd.tiny import tiny_defaults
+
+        return str(tiny_defaults()[0])
+    folder = Path(path).expanduser()
+    run_like = (folder / "latest").is_file() or (folder / "state.pt").is_file()
+    if folder.is_dir() and not (folder / "config.json").is_file() and run_like:
+        from opd.checkpoint import find_checkpoint
+
+        try:
+            ckpt = find_checkpoint(folder)
+        except FileNotFoundError as exc:
+            raise UserError(f"teacher {path}: {exc}") from None
+        if not (ckpt / "policy").is_dir():
+            raise UserError(f"teacher {path}: {ckpt} holds no exported policy/ (a sharded run's intermediate checkpoint; "
+                            "give the run's last one)")
+        return str(ckpt / "policy")
+    return path
+
+
 def load_teacher(path: str, what: str, policy_processor, policy_vocab: int, load_model, load_processor):
-    """A frozen `Teacher` from a checkpoint: its processor (checked against the policy's tokenizer first, so
-    a wrong teacher is refused before its weights load), then `load_model(path)`."""
+    """A frozen `Teacher` from a checkpoint (any name `teacher_source` takes): its processor (checked against the
+    policy's tokenizer first, so a wrong teacher is refused before its weights load), then `load_model(path)`."""
     from opd.teacher import Teacher, lm_head_weight
 
+    path = teacher_source(path)
     processor = load_processor(path)
     check_same_tokenizer(policy_processor, processor, what, policy_vocab, policy_vocab)
     model = load_model(path)
@@ -165,9 +198,10 @@ def build_routed(routes: Routes, policy_processor, policy_vocab: int, load_model
     """A TeacherSet with one frozen teacher per route, each checkpoint loaded once."""
     loaded: dict[str, object] = {}
     teachers = {}
-    for route, ckpt in routes.teachers.items():
+    for route, name in routes.teachers.items():
+        ckpt = teacher_source(name)  # 'tiny' and a run folder by the folder they load
         if ckpt not in loaded:
-            loaded[ckpt] = load_teacher(ckpt, f"--teachers {routes.source}: route {route!r} ({ckpt})", policy_processor,
+            loaded[ckpt] = load_teacher(ckpt, f"--teachers {routes.source}: route {route!r} ({name})", policy_processor,
                                         policy_vocab, load_model, load_processor)  # fmt: skip
         teachers[route] = loaded[ckpt]
     return TeacherSet(teachers, routes)

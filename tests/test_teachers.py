@@ -161,3 +161,35 @@ def test_routing_files_and_unrouted_records_are_refused_in_one_line(tmp_path, ti
 def test_impossible_teacher_combinations_are_refused_by_name(tmp_path, flags, message):
     with pytest.raises(UserError, match=message):
         train.main(flags + ["--out", str(tmp_path)])
+
+
+def test_teacher_names_tiny_and_run_folders(tmp_path, tiny):
+    """'tiny' is the built-in model; a train.py run folder (or a checkpoint folder) is its exported policy/; a
+    checkpoint folder or hub id is kept; a run folder whose checkpoint has no policy/ is refused in one line."""
+    from opd.teachers import teacher_source
+
+    assert teacher_source("tiny") == str(tiny[0])
+    ckpt = tmp_path / "run" / "checkpoint-000002"
+    (ckpt / "policy").mkdir(parents=True)
+    (ckpt / "state.pt").write_bytes(b"")
+    (tmp_path / "run" / "latest").write_text("checkpoint-000002\n")
+    assert teacher_source(str(tmp_path / "run")) == teacher_source(str(ckpt)) == str(ckpt / "policy")
+    assert teacher_source(str(tiny[0])) == str(tiny[0]) and teacher_source("Qwen/Qwen3.5-4B") == "Qwen/Qwen3.5-4B"
+    (ckpt / "policy").rmdir()
+    with pytest.raises(UserError, match="holds no exported policy/"):
+        teacher_source(str(tmp_path / "run"))
+    (tmp_path / "run" / "latest").write_text("checkpoint-000009\n")
+    with pytest.raises(UserError, match="names checkpoint-000009, which is missing"):
+        teacher_source(str(tmp_path / "run"))
+
+
+def test_the_tiny_defaults_route_file_routes_every_record_to_its_default(tmp_path, tiny):
+    """The route file of opd/teachers.py's docstring (and the README) on the tiny default's own data: no record has
+    the field, so every record goes to the default route, the built-in model, loaded once."""
+    routes = tmp_path / "route.json"
+    routes.write_text('{"field": "task", "teachers": {"colour": "tiny"}, "default": "colour"}')
+    run = Run(small_config(tmp_path, method="opod", policy="full", rho=1.0, teachers=str(routes)))
+    assert run.teachers.names == ["colour"] and all(run.teachers.route(r) == "colour" for r in run.records)
+    assert run.teachers.teachers["colour"].model is not run.policy
+    row = run.step(0, fixed_rollouts(run, 0))
+    assert row["teacher_rows_full"] == row["teacher_rows_verify"] == row["selected"] > 0
