@@ -190,10 +190,12 @@ def test_smoke_reproduction_report_ledgers_and_traces(tmp_path):
         done = json.loads((run / "done.json").read_text())
         results = json.loads((run / "eval" / "results.json").read_text())["benchmarks"]
         assert done["full"] == results["zoombench"]["score"] and done["crop"] == results["zoombench@crop"]["score"]
-        if name in table3:
+        if name in table3:  # accuracy and token ratio vs Full (one seed: the mean is the seed's)
             assert float(table3[name][3]) == pytest.approx(done["full"], abs=0.006)
+            assert float(table3[name][2]) == pytest.approx(100 * s["scored_tokens"] / full_tokens, abs=0.006)
         if name in table4:
             assert float(table4[name][1]) == pytest.approx(done["full"], abs=0.006)
+            assert float(table4[name][-1]) == pytest.approx(100 * s["scored_tokens"] / full_tokens, abs=0.006)
         settings = json.loads((run / "checkpoint-000002" / "train_config.json").read_text())
         assert all(settings[k.replace("-", "_")] == (folder.endswith(k)) for k in driver.ABLATIONS)
     assert "checked on 18 ledger rows: all hold." in text
