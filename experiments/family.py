@@ -114,8 +114,8 @@ class FamilyConfig:
     eval_batch: int = 100
     """eval.py --batch-size."""
     skip: str = ""
-    """Runs not trained by this invocation, as comma-separated names (`dapd/learned-25`); their finished runs
-    are still reported (what a time limit cut, said in the report)."""
+    """Runs not trained by this invocation, comma-separated: a name (`dapd/learned-25`, every seed) or one seed
+    (`dapd/learned-25/seed1`); their finished runs are still reported (what a time limit cut, said in the report)."""
 
 
 SMOKE = dict(seeds=1, steps=2, prompts_per_step=2, rollouts_per_prompt=4, replay_start=4, replay_batch=16, jobs=1,
@@ -595,7 +595,8 @@ def main(argv: list[str] | None = None) -> str:
     with timing.phase("runs_s"):
         specs = run_specs(cfg)
         skip = {n.strip() for n in cfg.skip.split(",") if n.strip()}
-        todo = [s for s in specs if not (run_folder(root, s) / "done.json").exists() and s["name"] not in skip]
+        todo = [s for s in specs if not (run_folder(root, s) / "done.json").exists()
+                and not {s["name"], f"{s['name']}/seed{s['seed']}"} & skip]
         say(f"{len(specs)} OPD runs, {len(specs) - len(todo)} already done or skipped, {cfg.jobs} at a time")
         run_jobs([job(cfg, s, root) for s in todo], cfg.jobs)
         trained_views(root, cfg)
