@@ -16,7 +16,9 @@
    budget on top), over `--seeds` seeds, through `train.Run` with the method's paper settings; each run is
    scored by eval.py on the held-out benchmark in the student's view at the original resolution (the
    full canvas) and, for the crop methods, on the crops (the teacher's pathway); OPSD's and DAPD's trained
-   students also with the hint (the privilege illusion), RP-OPSD's at half resolution, OPOD's per route.
+   students also with the hint (the privilege illusion), RP-OPSD's at half resolution, OPOD's per route. Extra
+   runs (`VARIANTS`): RP-OPSD with a fixed teacher; OPOD without its policy-gradient term (its reward reads the
+   record's answer, which no other method's student is trained on).
 4. OUT/report.md (copied to docs/FAMILY.md by hand): the tables and plots, read from the files on disk.
 
 Resumable: the world, the bases, their gaps and every finished run (its done.json) are reused; an
@@ -53,9 +55,13 @@ PLAIN = {"bas-opd": "full", "opd-v": "full", "rp-opsd": "half_resolution", "opsd
 OPOD_ROUTES = {"square": "resolution", "triangle": "resolution", "diamond": "crop"}
 """OPOD's routing table: a record's `shape` -> the base whose checkpoint is that route's teacher (`opod_routes`)."""
 KINDS = (("full", 100, ""), ("random", 25, ""), ("learned", 25, ""))
-VARIANTS = {"rp-opsd": (("full", 100, "frozen"),)}
-"""Extra runs of a method: RP-OPSD with a fixed teacher, which tells the EMA teacher's drift from the rest."""
-VARIANT_SETTINGS = {"frozen": {"ema_tau": 0.0}}
+VARIANTS = {"rp-opsd": (("full", 100, "frozen"),), "opod": (("full", 100, "no-pg"),)}
+"""Extra runs of a method: RP-OPSD with a fixed teacher, which tells the EMA teacher's drift from the rest; OPOD
+without its policy-gradient term, which tells its teachers' share from the reward's (r_task reads the answer)."""
+VARIANT_SETTINGS = {"frozen": {"ema_tau": 0.0}, "no-pg": {"opod_pg_weight": 0.0}}
+VARIANT_LABELS = {"frozen": ("Full, fixed teacher (--ema-tau 0)", "Full,\nfixed teacher"),
+                  "no-pg": ("Full, no policy gradient (--opod-pg-weight 0)", "Full,\nno PG")}  # fmt: skip
+"""(table label, plot tick) of each variant."""
 
 
 def kinds_of(method: str) -> list[str]:
@@ -384,7 +390,7 @@ def opod_route_stats(folder: Path, rows: list[dict]) -> dict:
 def kind_label(method: str, kind: str) -> str:
     policy, pct, *variant = kind.split("-")
     if variant:
-        return "Full, fixed teacher (--ema-tau 0)"
+        return VARIANT_LABELS["-".join(variant)][0]
     if policy == "full":
         return "Full (Vision-OPD)" if method == "bas-opd" else "Full (as published)"
     return f"{policy.capitalize()}-{pct}" + (" (BAS-OPD)" if method == "bas-opd" and policy == "learned" else "")
@@ -416,7 +422,8 @@ def plots(root: Path, runs: dict, gaps: dict) -> list[str]:
             ax.axhline(g[PRIVILEGED[m]], ls="--", color="tab:red", lw=1, label="base, teacher's view")
         if PLAIN[m] != "full":
             ax.axhline(g[PLAIN[m]], ls="-.", color="tab:green", lw=1, label="base, student's training view")
-        ax.set_xticks(range(len(kinds)), ["Full", "Random-25", "Learned-25", "Full,\nfixed teacher"][: len(kinds)], fontsize=8)
+        ticks = ["Full", "Random-25", "Learned-25"] + [VARIANT_LABELS[k[2]][1] for k in VARIANTS.get(m, ())]
+        ax.set_xticks(range(len(kinds)), ticks, fontsize=8)
         ax.set_title(NAMES[m], fontsize=9)
         ax.legend(fontsize=6, loc="lower right")
     for row in axes:

@@ -31,6 +31,13 @@ def test_ledger_check_counts_every_teacher_view():
     problems = family.check_ledger([row], 0.25, "random", views=1)
     assert problems == ["step 0: 4 teacher rows for |S| = 2 x 1 views"]
     assert family.check_ledger([{**row, "selected": 3}], 0.25, "random", views=2)  # over the budget
+    assert family.check_ledger([{**row, "teacher_rows": 12}], 0.25, "random", 1, "dapd") == []  # six anchors per row
+    assert family.check_ledger([row], 0.25, "random", 1, "dapd") == ["step 0: 4 anchor rows for |S| = 2 x 6 pairs"]
+    opod = {**row, "teacher_rows": 5, "teacher_rows_a:full": 1, "teacher_rows_b:full": 1, "teacher_rows_a:verify": 1,
+            "teacher_rows_b:verify": 1, "teacher_rows_b:answer": 1}  # fmt: skip
+    assert family.check_ledger([opod], 0.25, "random", 1, "opod") == []  # per row 2 forwards, 1 per prompt
+    assert family.check_ledger([{**opod, "teacher_rows_b:verify": 0}], 0.25, "random", 1, "opod")
+    assert family.check_ledger([{**row, "selected": 0, "teacher_rows": 0}], 0.25, "random", 1, "opod") == []
 
 
 def test_hint_base_sees_the_teachers_text_and_never_the_students_prompt(tmp_path, tiny):
@@ -60,10 +67,24 @@ def test_smoke_comparison_writes_the_report_and_resumes(tmp_path, tiny):
     text = family.main(["--smoke", "--out", str(out)])
     for heading in ("## The bases: privileged-minus-plain gap", "## Accuracy after training and teacher cost", "## Plots"):
         assert heading in text
-    for name in ("Vision-OPD / BAS-OPD", "OPD-V", "RP-OPSD", "OPSD"):
+    for name in ("Vision-OPD / BAS-OPD", "OPD-V", "RP-OPSD", "OPSD", "DAPD", "OPOD"):
         assert f"| {name} | Full" in text and f"| {name} | Learned-25" in text
     assert "| RP-OPSD | Full, fixed teacher (--ema-tau 0) |" in text
-    assert "Ledger arithmetic checked on 26 rows: all hold." in text  # 13 runs x 2 steps
+    assert "| OPOD | Full, no policy gradient (--opod-pg-weight 0) |" in text
+    assert "Ledger arithmetic checked on 40 rows: all hold." in text  # 20 runs x 2 steps
+    for heading in ("## The privilege illusion: OPSD and DAPD on the hint base", "## OPOD's routes"):
+        assert heading in text
+    assert "| square | resolution base |" in text and "| diamond | crop base (the student's own base) |" in text
+    route = json.loads((out / "opod_route.json").read_text())
+    assert route == {"field": "shape", "teachers": {"square": "base-resolution", "triangle": "base-resolution",
+                                                    "diamond": "base-crop"}}  # fmt: skip
+    dapd = read_ledger(out / "runs" / "dapd" / "full-100" / "seed0" / "ledger.jsonl")
+    assert all(r["teacher_rows"] == 6 * r["selected"] == 6 * r["teacher_rows_base:privileged_reference"] for r in dapd)
+    assert set(json.loads((out / "runs" / "dapd" / "random-25" / "seed0" / "views.json").read_text())) == {"reference_answer"}
+    opod = read_ledger(out / "runs" / "opod" / "full-100" / "seed0" / "ledger.jsonl")
+    for r in opod:  # each route's rows go to its teacher only: squares and triangles share one checkpoint
+        assert r["teacher_rows_square:full"] + r["teacher_rows_triangle:full"] + r["teacher_rows_diamond:full"] == r["selected"]
+        assert {"beta_square", "beta_triangle", "beta_diamond"} <= set(r)
     assert (out / "family_accuracy.png").is_file() and (out / "family_cost.png").is_file()
     gaps = json.loads((out / "base_gaps.json").read_text())
     assert set(gaps) == {"crop", "resolution", "text"} and set(gaps["crop"]) == {"full", "crop", "masked"}
