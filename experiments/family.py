@@ -1,6 +1,6 @@
 """The seed family side by side in the toy world: Vision-OPD / BAS-OPD, OPD-V, RP-OPSD, OPSD, DAPD and OPOD.
 
-    .venv/bin/python experiments/family.py --out runs/family                 # 3 seeds, about 80 minutes on 2 cores
+    .venv/bin/python experiments/family.py --out runs/family                 # 3 seeds; hours on 2 shared cores (a DAPD run ~30 min)
     .venv/bin/python experiments/family.py --out runs/family-smoke --smoke   # one seed, a few steps (the test)
 
 1. The world of experiments/toy.py (`opd.toy.world`), and three base models (`opd.toy.family`), one per
