@@ -66,8 +66,9 @@ class TrainConfig:
     overwrite: bool = False
     """Start over in an --out folder that holds a run, deleting its ledger, summary and checkpoints."""
     method: str = "bas-opd"
-    """Method of the family (opd/methods.py): bas-opd, vision-opd, rp-opsd, opd-v or opsd; sets its views,
-    support, divergence, token weight and its paper's settings (under the flags given)."""
+    """Method of the family (opd/methods.py): bas-opd, vision-opd, rp-opsd, opd-v, opsd, dapd or opod; sets its
+    views, support, divergence, token weight (DAPD, OPOD: their own objective) and its paper's settings (under
+    the flags given)."""
     policy: str = "learned"
     """Selection policy: full, random, entropy or learned."""
     rho: float = 0.25
