@@ -257,7 +257,7 @@ def responses_section(samples: list[dict], base_eval: Path, runs: dict, rollouts
         g = 100 * greedy_styles.count(style) / max(1, len(greedy_styles))
         s = 100 * sampled_styles.count(style) / max(1, len(sampled_styles))
         tokens = "" if style is None else f"{lo}" if lo == hi else f"{lo}-{hi}"
-        lines.append(f"| {style or 'other'} | `{template}` | {tokens} | {g:.1f}% | {s:.1f}% |")
+        lines.append(f"| {style or 'other'} | {_cell(template)} | {tokens} | {g:.1f}% | {s:.1f}% |")
     first = [r["trace"][0] for r in runs.get("full-100", []) if r.get("trace")]
     step0 = [t["length"][i] for t in first for i in t["candidates"]]
     if step0:
@@ -372,7 +372,7 @@ def selection_plot(root: Path, runs: dict, names: list[str], cfg: ExplainConfig)
 def idle_estimate(timing: dict, jobs: int) -> float:
     """Wall seconds the recorded work takes on an idle machine: every phase's CPU seconds, the parallel
     OPD runs' divided by `jobs` (each run is one thread)."""
-    phases = [k for k in timing if k.startswith("cpu_") and k.endswith("_s")]
+    phases = [k for k in timing if k.startswith("cpu_") and k.endswith("_s") and k != "cpu_s"]  # cpu_s: their sum
     return sum(timing[k] / (max(1, jobs) if k == "cpu_runs_s" else 1) for k in phases)
 
 

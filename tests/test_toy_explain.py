@@ -116,6 +116,13 @@ def test_trace_statistics_on_a_hand_made_trace():
     assert bands[1][0] == 0 and math.isnan(bands[1][1])
 
 
+def test_idle_estimate_counts_each_phase_once():
+    driver = load_script("toy_explain")
+    timing = {"world_s": 3.0, "cpu_world_s": 2.0, "cpu_sft_s": 100.0, "cpu_base_eval_s": 10.0, "runs_s": 500.0,
+              "cpu_runs_s": 600.0, "cpu_s": 712.0, "total_s": 620.0, "invocations": 1}
+    assert driver.idle_estimate(timing, 2) == pytest.approx(2 + 100 + 10 + 600 / 2)  # cpu_s is the phases' sum
+
+
 def test_spearman_against_hand_values():
     assert toy_report.spearman([1, 2, 3, 4], [10, 20, 30, 40]) == pytest.approx(1.0)
     assert toy_report.spearman([1, 2, 3, 4], [4, 3, 2, 1]) == pytest.approx(-1.0)
@@ -151,6 +158,8 @@ def test_smoke_reproduction_report_ledgers_and_traces(tmp_path):
         assert (out / png).read_bytes()[:4] == b"\x89PNG" and f"]({png})" in text
     base = json.loads((out / "base_eval.json").read_text())
     assert base["gap"] == pytest.approx(base["crop"] - base["full"])
+    styles = _table(text, "## The responses")  # one row per style and one for other text, 5 cells each
+    assert [r[0] for r in styles] == [*STYLES, "other"] and all(len(r) == 5 for r in styles)
     samples = json.loads((out / "base_samples.json").read_text())
     assert len(samples) == 4 and all(s["tokens"] <= 16 for s in samples)
 

@@ -159,7 +159,7 @@ def geometry_section(runs: dict, name: str = "learned-25") -> list[str]:
         s = c["summary"]
         lines.append(f"| {c['step']} | {s['batches']} | {s['mean_norm_selected']:.3e} | {s['mean_norm_unselected']:.3e} | "
                      f"{s['norm_ratio']:.2f} | {s['ratio_min']:.2f}-{s['ratio_max']:.2f} | {s['mean_cosine']:.3f} | "
-                     f"{s['cosine_min']:.3f}-{s['cosine_max']:.3f} |")
+                     f"{s['cosine_min']:.3f} to {s['cosine_max']:.3f} |")
     return lines
 
 
