@@ -1,6 +1,6 @@
 """BAS-OPD on the toy world with explained answers (5-60 tokens): Tables 3, 4, 7, 8 and Figures 2-5, measured.
 
-    python experiments/toy_explain.py --out runs/toy-explain     # 5 seeds, 50 runs: about 40 minutes on 2 idle cores
+    python experiments/toy_explain.py --out runs/toy-explain     # 5 seeds, 50 runs: about 57 minutes on 2 idle cores
     python experiments/toy_explain.py --smoke                    # one seed, 2 steps per run (the test)
 
 The second toy task (docs/TOY_EXPLAIN.md). The world, its questions, training JSONL and benchmark are the
@@ -59,7 +59,8 @@ class ExplainConfig:
     seeds: int = 5
     """Training seeds 0..seeds-1 (data order, rollout sampling and selector seed of every run)."""
     steps: int = 80
-    """OPD steps per run (120 = one epoch of the 960 training records at 8 prompts per step; 80 fits 45 minutes)."""
+    """OPD steps per run (120 = one epoch of the 960 training records at 8 prompts per step; 80 for time: the 50 runs
+    took 6,374 CPU seconds, about 57 minutes on 2 idle cores with the base, docs/TOY_EXPLAIN.md)."""
     prompts_per_step: int = 8
     """Prompts per OPD step (the paper: 28)."""
     rollouts_per_prompt: int = 8
