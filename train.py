@@ -530,6 +530,7 @@ class Run:
             phi = acc.gather(phi_local.to(device)).cpu()  # (N, 6)
             eligible = acc.gather(eligible_local.long().to(device)).cpu().bool()  # (N,)
             lengths = acc.gather(rollouts.lengths.to(device)).cpu()  # (N,)
+            prompt_of = acc.gather(torch.tensor([record_ids[j] for j in rows], device=device)).cpu()  # (N,) record ids
         n_eligible = int(eligible.sum())
         budget = query_budget(cfg.rho, n_eligible)  # Eq. 4
         if n_eligible == 0 and not self.warned_no_eligible:
@@ -592,6 +593,10 @@ class Run:
             "selected": int(selected.numel()),
             "overrun": max(0, int(selected.numel()) - budget),
             "teacher_rows": int(sums[1]),
+            # prompt coverage: distinct prompts among the candidates C and in S (a top-K spending the
+            # budget on a few prompts shows as selected_prompts far below min(K, candidate_prompts))
+            "candidate_prompts": int(prompt_of[eligible].unique().numel()),
+            "selected_prompts": int(prompt_of[selected].unique().numel()),
             "scored_tokens": int(lengths[selected].sum()),
             "candidate_tokens": int(lengths[eligible].sum()),
             "teacher_tokens": int(per_view[:, 1].sum()),
@@ -637,6 +642,7 @@ class Run:
                 "loss/distill": row["loss"], "loss/grad_norm": row["grad_norm"],
                 "select/selected": row["selected"], "select/budget": row["budget"],
                 "select/utility_mean": row["utility_mean"], "cost/scored_tokens": row["scored_tokens"],
+                "select/prompt_coverage": row["selected_prompts"] / max(1, row["candidate_prompts"]),
                 "cost/teacher_forward_s": row["teacher_forward_s"], "cost/step_s": row["step_s"],
                 "cost/generation_s": row["generation_s"],
             }  # fmt: skip

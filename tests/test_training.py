@@ -166,6 +166,9 @@ def test_two_steps_of_each_policy(tmp_path, tiny, monkeypatch, policy, rho):
         assert row["overrun"] == 0 and eligible[chosen].all()
         assert row["scored_tokens"] == int(ro.lengths[chosen].sum())
         assert row["teacher_rows"] == row["selected"]
+        prompt_of = ro.prompt_index.tolist()  # prompt coverage: distinct prompts of C and of S, counted by hand
+        assert row["candidate_prompts"] == len({prompt_of[i] for i in range(len(prompt_of)) if eligible[i]})
+        assert row["selected_prompts"] == len({prompt_of[i] for i in chosen.tolist()})
         assert math.isfinite(row["loss"]) and row["loss"] > 0
     ledger = read_ledger(Path(run.cfg.out) / "ledger.jsonl")
     assert [r["step"] for r in ledger] == [0, 1]
