@@ -277,10 +277,7 @@ class _FromHidden(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx, grad_loss, _grad_d, _grad_terms):
-        grad_h, grad_w = ctx.saved_tensors
-        if not bool(grad_loss == 1):  # the loss was scaled after the call: a scaled copy
-            grad_h, grad_w = grad_h * grad_loss.to(grad_h.dtype), grad_w * grad_loss.to(grad_w.dtype)
-        # else the buffers themselves: autograd can take dL/dW as .grad without a (V, H) copy
+        grad_h, grad_w = _saved_grads(ctx, grad_loss)
         return (grad_h, grad_w) + (None,) * 14
 
 
@@ -348,6 +345,15 @@ def sampled_logp_from_hidden(
     w = w.to(h.dtype)
     out = [_sampled_logp(upcast(h[j : j + chunk] @ w.T), token_ids[j : j + chunk]) for j in range(0, h.shape[0], chunk)]
     return torch.cat(out) if out else h.new_zeros(0, dtype=upcast(h[:0]).dtype)
+
+
+def _saved_grads(ctx, grad_loss: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """The (dL/dh, dL/dW) a fused forward saved, times the incoming grad_loss: a scaled copy when the loss was
+    scaled after the call, else the buffers themselves (autograd then takes dL/dW as .grad without a (V, H) copy)."""
+    grad_h, grad_w = ctx.saved_tensors
+    if not bool(grad_loss == 1):
+        grad_h, grad_w = grad_h * grad_loss.to(grad_h.dtype), grad_w * grad_loss.to(grad_w.dtype)
+    return grad_h, grad_w
 
 
 def _accumulate(grad_w, dz: torch.Tensor, h_c: torch.Tensor, acc_dtype):
@@ -418,9 +424,7 @@ class _ClampedKLFromHidden(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx, grad_loss, _grad_d):
-        grad_h, grad_w = ctx.saved_tensors
-        if not bool(grad_loss == 1):
-            grad_h, grad_w = grad_h * grad_loss.to(grad_h.dtype), grad_w * grad_loss.to(grad_w.dtype)
+        grad_h, grad_w = _saved_grads(ctx, grad_loss)
         return (grad_h, grad_w) + (None,) * 7
 
 
@@ -501,9 +505,7 @@ class _WeightedLogp(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx, grad_loss, _grad_logp):
-        grad_h, grad_w = ctx.saved_tensors
-        if not bool(grad_loss == 1):
-            grad_h, grad_w = grad_h * grad_loss.to(grad_h.dtype), grad_w * grad_loss.to(grad_w.dtype)
+        grad_h, grad_w = _saved_grads(ctx, grad_loss)
         return grad_h, grad_w, None, None, None
 
 
