@@ -125,21 +125,19 @@ def diagnose_one(job: dict) -> dict:
     and returns done.json."""
     import contextlib
     import json
-    import shutil
     import time
     from pathlib import Path
 
     from opd.data import load_records
-    from opd.toy.experiment import evaluate, quiet, say
+    from opd.ledger import write_atomic
+    from opd.toy.experiment import evaluate, finished_or_cleared, quiet, say
     from train import Run, TrainConfig
 
     quiet()
     spec, out = job["spec"], Path(job["folder"])
     done = out / "done.json"
-    if done.exists():
-        return json.loads(done.read_text())
-    shutil.rmtree(out, ignore_errors=True)
-    out.mkdir(parents=True)
+    if (finished := finished_or_cleared(out)) is not None:
+        return finished
     probe_records = load_records(job["audit_data"])
     t0 = time.perf_counter()
     with open(out / "train.log", "w") as log, contextlib.redirect_stdout(log):
@@ -167,6 +165,6 @@ def diagnose_one(job: dict) -> dict:
     ev = job["eval"]
     scores = evaluate(out, Path(ev["bench"]), out / "eval", ev["batch"], ev["max_new_tokens"], f"{spec['name']}-seed{spec['seed']}")
     record = {**spec, "train_s": train_s, "summary": summary, **scores}
-    done.write_text(json.dumps(record, indent=1) + "\n")
+    write_atomic(done, json.dumps(record, indent=1) + "\n")  # the finished marker: whole or absent
     say(f"done {spec['name']} seed {spec['seed']}: full {scores['full']:.1f}%, crop {scores['crop']:.1f}% ({train_s:.0f} s)")
     return record

@@ -26,6 +26,8 @@ from pathlib import Path
 
 import numpy as np
 
+from opd.ledger import write_atomic
+
 
 def quiet() -> None:
     """One thread, and no progress bars from transformers' loading and saving."""
@@ -112,15 +114,24 @@ class Trace:
         selector.select, selector.observe = traced_select, traced_observe
 
 
-def train_one(job: dict) -> dict:
-    """Trains, audits and evaluates one run (in a worker process or in this one); returns its done.json."""
-    quiet()
-    spec, out = job["spec"], Path(job["folder"])
+def finished_or_cleared(out: Path) -> dict | None:
+    """A run folder's done.json when the run finished; else None, with the folder emptied for a fresh start
+    (an unfinished run starts over)."""
     done = out / "done.json"
     if done.exists():
         return json.loads(done.read_text())
     shutil.rmtree(out, ignore_errors=True)
     out.mkdir(parents=True)
+    return None
+
+
+def train_one(job: dict) -> dict:
+    """Trains, audits and evaluates one run (in a worker process or in this one); returns its done.json."""
+    quiet()
+    spec, out = job["spec"], Path(job["folder"])
+    done = out / "done.json"
+    if (finished := finished_or_cleared(out)) is not None:
+        return finished
     from opd.audit import audit_utility, gradient_geometry
     from opd.data import load_records
     from train import Run, TrainConfig
@@ -159,7 +170,7 @@ def train_one(job: dict) -> dict:
     ev = job["eval"]
     scores = evaluate(out, Path(ev["bench"]), out / "eval", ev["batch"], ev["max_new_tokens"], f"{spec['name']}-seed{spec['seed']}")
     record = {**spec, "train_s": train_s, "eval_s": time.perf_counter() - t1, "summary": summary, **scores}
-    done.write_text(json.dumps(record, indent=1) + "\n")
+    write_atomic(done, json.dumps(record, indent=1) + "\n")  # the finished marker: whole or absent
     say(f"done {spec['name']} seed {spec['seed']}: full {scores['full']:.1f}%, crop {scores['crop']:.1f}% "
         f"({train_s:.0f} s training, {record['eval_s']:.0f} s eval)")
     return record
