@@ -45,10 +45,10 @@ from opd.sharding import GENERATION, full_tensor, generation, load_sharded_model
 from opd.teacher import EMATeacher, lm_head_weight
 from opd.tiny import tiny_defaults
 from opd.methods import METHODS, get_method
+from opd.views import VIEWS, get_view
 
 OBJECTIVES = {"distill": Distillation, "dapd": DAPD, "opod": OPOD}
 """The objective of each method (opd.methods.Method.objective): called once per step through one seam."""
-from opd.views import VIEWS, get_view
 
 
 @dataclass
@@ -384,11 +384,9 @@ class Run:
             if cfg.grad_checkpointing:
                 # non-reentrant: the reentrant variant marks DDP parameters ready twice
                 student.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
-            if external:
-                pass
-            elif teacher_path:
+            if not external and teacher_path:  # a resumed EMA teacher
                 self.teacher = EMATeacher(load_model(teacher_path, cfg.dtype, self.acc.device), copy_weights=False)
-            else:
+            elif not external:
                 self.teacher = EMATeacher(student)
             optimizer = torch.optim.AdamW(student.parameters(), lr=cfg.lr, weight_decay=cfg.weight_decay)
             self.student, self.optimizer = self.acc.prepare(student, optimizer)
