@@ -378,10 +378,8 @@ def test_sampled_logp_from_hidden(chunk):
     assert sampled_logp_from_hidden(h[:0], w, y[:0], chunk).shape == (0,)
 
 
-@pytest.mark.parametrize("support,divergence", METHODS)
-def test_no_tensor_larger_than_one_chunk_of_logits(support, divergence):
-    """Memory: every op of the hidden-state path (forward and backward, with the importance ratio) and of
-    sampled_logp_from_hidden makes tensors of at most chunk x V elements, never (P, V) logits."""
+def largest_tensor_mode():
+    """A fresh TorchDispatchMode class whose `numel` records the largest tensor any op made under it."""
     from torch.utils._python_dispatch import TorchDispatchMode
 
     class Largest(TorchDispatchMode):
@@ -394,6 +392,14 @@ def test_no_tensor_larger_than_one_chunk_of_logits(support, divergence):
                     Largest.numel = max(Largest.numel, t.numel())
             return out
 
+    return Largest
+
+
+@pytest.mark.parametrize("support,divergence", METHODS)
+def test_no_tensor_larger_than_one_chunk_of_logits(support, divergence):
+    """Memory: every op of the hidden-state path (forward and backward, with the importance ratio) and of
+    sampled_logp_from_hidden makes tensors of at most chunk x V elements, never (P, V) logits."""
+    Largest = largest_tensor_mode()
     P, H, V, chunk = 64, 4, 50, 8  # P V = 3200; chunk V = 400; V H = 200
     h_s, w_s, h_t, w_t = inputs(P=P, H=H, V=V, seed=12)
     y = torch.randint(0, V, (P,), generator=torch.Generator().manual_seed(12))
@@ -511,18 +517,7 @@ def test_gate_weights_each_position_by_teacher_minus_student(chunk):
 
 
 def test_clamped_kl_and_pg_term_make_no_tensor_larger_than_one_chunk_of_logits():
-    from torch.utils._python_dispatch import TorchDispatchMode
-
-    class Largest(TorchDispatchMode):
-        numel = 0
-
-        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
-            out = func(*args, **(kwargs or {}))
-            for t in out if isinstance(out, (tuple, list)) else (out,):
-                if isinstance(t, torch.Tensor):
-                    Largest.numel = max(Largest.numel, t.numel())
-            return out
-
+    Largest = largest_tensor_mode()
     P, H, V, chunk = 64, 4, 50, 8
     h_s, w_s, h_t, w_t = inputs(P=P, H=H, V=V, seed=26)
     y = torch.randint(0, V, (P,), generator=torch.Generator().manual_seed(26))
