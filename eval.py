@@ -77,11 +77,6 @@ class EvalConfig:
 PRESETS: dict[str, dict] = {"default": {}}
 
 
-def _flag_error(message: str):
-    """argparse's error handler: a UserError (one line, exit 2) instead of usage + message."""
-    raise UserError(f"{message} (python eval.py --help lists the flags)")
-
-
 def parse_args(argv: list[str] | None) -> tuple[EvalConfig, list[str] | None]:
     """(config, runs to compare or None): the EvalConfig flags plus ``--compare RUN [RUN ...]``."""
     import dataclasses
@@ -89,7 +84,6 @@ def parse_args(argv: list[str] | None) -> tuple[EvalConfig, list[str] | None]:
     parser = build_parser(EvalConfig, PRESETS, __doc__.split("\n")[0])
     parser.add_argument("--compare", nargs="+", metavar="RUN",
                         help="Print these runs (folders or results.json files) side by side with deltas, then exit.")
-    parser.error = _flag_error
     args = vars(parser.parse_args(argv))
     compare = args.pop("compare")
     preset = args.pop("preset")
@@ -121,6 +115,8 @@ def check_config(cfg: EvalConfig) -> list[str]:
     for flag in ("max_new_tokens", "limit", "max_prompt_len"):
         if getattr(cfg, flag) < 0:
             problems.append(f"--{flag.replace('_', '-')} {getattr(cfg, flag)}: must be >= 0")
+    if Path(cfg.out).exists() and not Path(cfg.out).is_dir():
+        problems.append(f"--out {cfg.out}: is a file; give a folder (it holds one sub-folder per benchmark)")
     if cfg.judge_url and not cfg.judge_model:
         problems.append("--judge-url needs --judge-model (the model name the endpoint serves)")
     if cfg.judge_url and not cfg.judge_url.strip().startswith(("http://", "https://")):
@@ -149,27 +145,12 @@ def check_data(names: list[str], data_dir: str) -> None:
 
 
 def resolve_model(path: str) -> str:
-    """What to load for --model: the built-in tiny model for 'tiny'; a train.py run or checkpoint folder's
-    policy/; else `opd.model.resolve_model_source` (a checkpoint folder, made absolute, or a hub id)."""
+    """What to load for --model (`opd.checkpoint.model_source`: 'tiny', a train.py run or checkpoint folder's
+    policy/), then `opd.model.resolve_model_source` (a checkpoint folder, made absolute, or a hub id)."""
+    from opd.checkpoint import model_source
     from opd.model import resolve_model_source
 
-    if path == "tiny":
-        from opd.tiny import tiny_defaults
-
-        return str(tiny_defaults()[0])
-    folder = Path(path).expanduser()
-    if folder.is_dir() and not (folder / "config.json").is_file():
-        from opd.checkpoint import find_checkpoint
-
-        try:
-            ckpt = find_checkpoint(folder)
-        except FileNotFoundError as exc:
-            raise UserError(f"--model {path}: no config.json there and {exc}") from exc
-        if not (ckpt / "policy").is_dir() and (ckpt / "sharded").is_dir():
-            raise UserError(f"--model {path}: {ckpt} is a sharded (--fsdp) training checkpoint without an export; "
-                            "only a run's last checkpoint holds policy/ (evaluate the finished run)")
-        path = str(ckpt / "policy")
-    source = resolve_model_source(path)
+    source = resolve_model_source(model_source(path, f"--model {path}"))
     return str(Path(source).resolve()) if Path(source).is_dir() else source
 
 

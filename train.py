@@ -10,6 +10,7 @@ all-gathered and every rank updates the same CPU selector (line 14). DIR/ledger.
 teacher cost of each step.
 """
 
+import contextlib
 import dataclasses
 import json
 import os
@@ -26,15 +27,19 @@ from accelerate import Accelerator, PartialState
 from tqdm.auto import tqdm
 from transformers.utils import logging as hf_logging
 
-from opd.checkpoint import find_checkpoint, load_config, load_sharded, load_state, save_checkpoint, save_sharded
-from opd.chat import encode_prompt
+from opd import runlock
+from opd.checkpoint import (
+    find_checkpoint, load_config, load_sharded, load_state, model_source, save_checkpoint, save_sharded,
+)
+from opd.chat import encode_prompt, prompt_length
 from opd.cli import UserError, given_flags, run_cli
 from opd.data import Record, load_records, shard, step_prompt_indices
 from opd.dapd import DAPD
 from opd.distill import DistillConfig, Distillation, StepBatch
 from opd.opod import OPOD
-from opd.teachers import TeacherSet, build_routed, load_routes, load_teacher
+from opd.teachers import TeacherSet, build_routed, load_routes, load_teacher, teacher_source
 from opd.features import rollout_features
+from opd.identity import DigestCache, model_identity
 from opd.ledger import PHASES, Ledger, PhaseTimer, format_summary, summarize, write_atomic
 from opd.model import DTYPES, autocast, load_model, load_processor, resolve_model_source, special_ids
 from opd.predictor import PredictorConfig
@@ -239,8 +244,11 @@ RESUMABLE = (
 """The fields a resumed run may change: its length, its checkpointing, and memory/speed settings that
 leave the method's results unchanged. Every other field is the run's own, read from its checkpoint."""
 
-RUN_FILES = ("ledger.jsonl", "summary.json", "summary.md", "latest", "tb")
-"""What a training run writes into its --out folder, besides checkpoint-NNNNNN/."""
+RUN_FILES = ("ledger.jsonl", "summary.json", "summary.md", "latest", "tb", ".summary.json.tmp", ".summary.md.tmp")
+"""What a training run writes into its --out folder, besides checkpoint-NNNNNN/ (and a kill's leftovers)."""
+DIGESTS = ".digests.json"
+"""DIR/.digests.json: the digest cache of the frozen models a run loads (`opd.identity.DigestCache`); kept by
+--overwrite, since it describes files outside the run. DIR/.lock is the run's lock (`opd.runlock`)."""
 
 
 def run_files(out: Path) -> list[Path]:
@@ -285,6 +293,13 @@ def check_config(cfg: TrainConfig, world: int) -> None:
         problems.append(f"--steps {cfg.steps}: must be >= 0")
     if cfg.grad_clip < 0:
         problems.append(f"--grad-clip {cfg.grad_clip}: must be >= 0 (0 = no clipping)")
+    for name in ("lr", "weight_decay", "selector_lr"):
+        if not getattr(cfg, name) >= 0:  # NaN too
+            problems.append(f"--{name.replace('_', '-')} {getattr(cfg, name)}: must be >= 0")
+    if not 0.0 <= cfg.ema_tau <= 1.0:
+        problems.append(f"--ema-tau {cfg.ema_tau}: the EMA rate must lie in [0, 1] (0: a fixed teacher, 1: a copy)")
+    if cfg.max_prompt_len < 1:
+        problems.append(f"--max-prompt-len {cfg.max_prompt_len}: must be at least 1")
     if cfg.method not in METHODS:
         problems.append(f"--method {cfg.method!r}: choose one of {', '.join(METHODS)}")
     if cfg.teacher_view is not None and cfg.teacher_view not in VIEWS:
@@ -334,11 +349,28 @@ class Run:
         cpu = not torch.cuda.is_available()
         check_config(cfg, PartialState(cpu=cpu).num_processes)
         self.acc = accelerator or Accelerator(cpu=cpu)
-        self.autocast = autocast(self.acc.device, cfg.mixed_precision)
         self.cfg = cfg
+        self.out = Path(cfg.out)
+        created = not self.out.exists()
+        self._lock_out_folder()  # one run per folder: a second process is refused before it reads anything
+        try:
+            self._build()
+        except BaseException:
+            runlock.release(self.out)
+            if created and self.acc.is_main_process:  # a failed start leaves no folder behind
+                for name in (runlock.LOCK_NAME, DIGESTS):
+                    (self.out / name).unlink(missing_ok=True)
+                with contextlib.suppress(OSError):
+                    self.out.rmdir()  # only if nothing else is there
+            raise
+
+    def _build(self) -> None:
+        """Everything the run needs, built and checked (model, processor, teachers, routes, optimizer, every
+        prompt's length) before --overwrite deletes anything: a failed start leaves the old run intact."""
+        cfg = self.cfg
+        self.autocast = autocast(self.acc.device, cfg.mixed_precision)
         self.method = get_method(cfg.method)
         self.teacher_views = ((cfg.teacher_view or self.method.teacher_view),) + self.method.teacher_views[1:]
-        self.out = Path(cfg.out)
         self.launch = launch_info(self.acc.num_processes)
         model_path, data_path = cfg.model, cfg.data
         if model_path is None or data_path is None:
@@ -347,32 +379,38 @@ class Run:
             self.acc.wait_for_everyone()
             tiny_model, tiny_data = tiny_defaults()
             model_path, data_path = model_path or str(tiny_model), data_path or str(tiny_data)
-        # Inputs are checked before --overwrite empties --out: a mistyped --model or a broken data file
-        # stops the run with the old one intact.
+        model_path = model_source(model_path, f"--model {model_path}")  # a train.py run folder: its policy/
         resolve_model_source(model_path)
         self.records: list[Record] = load_records(data_path)
         self._check_records(data_path)
-        self._claim_out_folder()
+        found = self._check_out_folder()
         self.steps = cfg.steps or len(self.records) // cfg.prompts_per_step
         self.initial_model = model_path  # the run's starting weights (DAPD's base anchor, OPOD's reference)
         state, teacher_path = None, None
         self.start = 0
+        self.digests = DigestCache(self.out / DIGESTS)
+        self.identities: dict[str, str] = {}  # what each frozen model loaded was (its files' digest), by role
+        self.stored_identities: dict[str, str] = {}
         if cfg.resume:
             ckpt = checkpoint_of(cfg.resume)
             refuse_changed_settings(cfg, load_config(ckpt), ckpt)
             state = load_state(ckpt)
             self.start = int(state["step"])
+            self.stored_identities = state.get("identities", {})
             if not cfg.fsdp:  # sharded checkpoints hold the weights in ckpt/sharded, loaded after sharding
                 model_path = str(ckpt / "policy")
                 teacher_path = str(ckpt / "teacher") if (ckpt / "teacher").is_dir() else None  # frozen teachers: not saved
+            else:  # rebuilt from the run's own --model, then overwritten from the shards
+                self._identify(model_path, "--model")
             if self.steps < self.start:
                 raise UserError(f"--steps {self.steps}: the checkpoint {ckpt} is already at step {self.start}")
+            self._note_world_size(ckpt, state)
         self.processor = load_processor(model_path)
         external = bool(cfg.teacher_model or cfg.teachers)
         if cfg.fsdp:  # opd/sharding.py: every rank holds 1/world of the policy, its optimizer state and the teacher
             shard = dict(dtype=cfg.dtype, device=self.acc.device, mixed_precision=cfg.mixed_precision)
             student = load_sharded_model(model_path, grad_checkpointing=cfg.grad_checkpointing, **shard)
-            self.load_frozen = lambda path: load_sharded_model(path, **shard).eval()
+            self.load_frozen = lambda path, role: load_sharded_model(self._identify(path, role), **shard).eval()
             if not external:
                 self.teacher = EMATeacher(load_sharded_model(model_path, **shard), copy_weights=False)
                 self.teacher.copy_from(student)  # Algorithm 1, line 1, shard by shard
@@ -380,7 +418,7 @@ class Run:
             self.optimizer = torch.optim.AdamW(student.parameters(), lr=cfg.lr, weight_decay=cfg.weight_decay)
         else:
             student = load_model(model_path, cfg.dtype, self.acc.device).train()  # from_pretrained returns eval mode
-            self.load_frozen = lambda path: load_model(path, cfg.dtype, self.acc.device)
+            self.load_frozen = lambda path, role: load_model(self._identify(path, role), cfg.dtype, self.acc.device)
             if cfg.grad_checkpointing:
                 # non-reentrant: the reentrant variant marks DDP parameters ready twice
                 student.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
@@ -401,26 +439,92 @@ class Run:
         self.objective = OBJECTIVES[self.method.objective](self)  # may add teachers of its own (DAPD's anchors)
         if self.teachers.routes is not None:
             self.teachers.routes.check_records(self.records)
+        self._check_prompts()
         if state is not None:
             if not cfg.fsdp:
                 self.optimizer.load_state_dict(state["optimizer"])
             self.selector.load_state_dict(state["selector"])
             self.objective.load_state_dict(state.get("objective", {}))
             self.warned_no_eligible = state.get("warned_no_eligible", False)
+        self._empty_out_folder(found)  # --overwrite: only now, with every input built
+        if self.acc.is_main_process:
+            self.digests.save()
         self.ledger = Ledger(self.out / "ledger.jsonl", self.start if cfg.resume else None) if self.acc.is_main_process else None
         self.writer = tensorboard_writer(self.out / "tb") if self.acc.is_main_process else None
+
+    def _lock_out_folder(self) -> None:
+        """Rank 0 takes --out's lock (`opd.runlock`); every rank refuses alike when another run holds it."""
+        error = ""
+        if self.acc.is_main_process:
+            try:
+                runlock.acquire(self.out)
+            except runlock.LockedError as exc:
+                error = str(exc)
+        held = self.acc.reduce(torch.tensor([int(bool(error))], device=self.acc.device), "sum")
+        if int(held.item()):
+            raise UserError(f"--out {error or self.out}: wait for it to finish, or give another --out")
+
+    def _identify(self, path: str, role: str) -> str:
+        """Records the identity (`opd.identity.model_identity`: its files' digest, or a hub id) of a model that a
+        resumed run loads again from its path (frozen teachers, DAPD's base, a sharded run's --model), and refuses
+        a resume whose model there has changed since the run started. Returns `path`."""
+        ident = model_identity(path, self.digests)["model"]
+        before = self.stored_identities.get(role)
+        if before is not None and before != ident:
+            raise UserError(
+                f"--resume {self.cfg.resume}: {role} {path} is not the model the run started with ({before[:19]}... "
+                f"then, {ident[:19]}... now): a resumed run needs the same weights; restore them or start a new run"
+            )
+        self.identities[role] = ident
+        return path
+
+    def _note_world_size(self, ckpt: Path, state: dict) -> None:
+        """One line when a run resumes on another number of processes (rollouts are seeded per rank)."""
+        before = state.get("world_size")
+        if before is not None and before != self.acc.num_processes and self.acc.is_main_process:
+            print(f"train.py: note: {ckpt} was trained on {before} process(es) and resumes on {self.acc.num_processes}: "
+                  "rollouts are seeded per rank, so the result will differ from a run on one number of processes",
+                  file=sys.stderr, flush=True)
+
+    def _check_prompts(self) -> None:
+        """Every record's prompt in every view it is used in (the student's, and each teacher view with its
+        teacher's processor) fits --max-prompt-len, checked before step 0 without decoding an image
+        (`opd.chat.prompt_length`): one line naming the file:line, view and length otherwise."""
+        cfg = self.cfg
+        cache: dict[tuple, int] = {}
+        for record in self.records:
+            uses = [(self.method.student_view, self.processor)]
+            if self.eligible(record):
+                name = self.teachers.route(record)
+                teacher = self.teachers.teachers.get(name)
+                processor = getattr(teacher, "processor", None) or self.processor
+                uses += [(v, processor) for v in self.teacher_views]
+            for view, processor in uses:
+                sizes, question = VIEWS[view].layout(record)
+                key = (id(processor), tuple(sizes), question)
+                if key not in cache:
+                    cache[key] = prompt_length(processor, sizes, question, cfg.enable_thinking)
+                if cache[key] > cfg.max_prompt_len:
+                    raise UserError(
+                        f"{record.source}: its '{view}' prompt has {cache[key]} tokens, over --max-prompt-len "
+                        f"{cfg.max_prompt_len} (raise it, or lower the processor's max_pixels)"
+                    )
 
     def _external_teachers(self) -> TeacherSet:
         """--teacher-model (one frozen teacher) or --teachers (one per route, each checkpoint loaded once)."""
         cfg, vocab = self.cfg, lm_head_weight(self.policy).shape[0]
         if cfg.teacher_model:
-            teacher = load_teacher(cfg.teacher_model, f"--teacher-model {cfg.teacher_model}", self.processor, vocab,
-                                   self.load_frozen, load_processor)  # fmt: skip
+            what = f"--teacher-model {cfg.teacher_model}"
+            teacher = load_teacher(cfg.teacher_model, what, self.processor, vocab, lambda p: self.load_frozen(p, what),
+                                   load_processor)  # fmt: skip
             return TeacherSet({"teacher": teacher})
-        return build_routed(load_routes(cfg.teachers), self.processor, vocab, self.load_frozen, load_processor)
+        routes = load_routes(cfg.teachers)
+        given = {teacher_source(name): name for name in routes.teachers.values()}  # the folder loaded -> its name
+        load = lambda path: self.load_frozen(path, f"teacher {given.get(path, path)}")  # noqa: E731
+        return build_routed(routes, self.processor, vocab, load, load_processor)
 
-    def _claim_out_folder(self) -> None:
-        """A new run refuses an --out folder that holds a run, unless --overwrite, which empties it first."""
+    def _check_out_folder(self) -> list[Path]:
+        """A new run refuses an --out folder that holds a run, unless --overwrite; returns what it would delete."""
         found = [] if self.cfg.resume else run_files(self.out)
         if found and not self.cfg.overwrite:
             names = ", ".join(p.name for p in found[:4]) + (", ..." if len(found) > 4 else "")
@@ -428,7 +532,11 @@ class Run:
                 f"--out {self.out} holds a run ({names}): continue it with --resume {self.out}, "
                 "or start over with --overwrite, which deletes it"
             )
-        self.acc.wait_for_everyone()  # every rank has looked before rank 0 deletes or writes anything
+        return found
+
+    def _empty_out_folder(self, found: list[Path]) -> None:
+        """--overwrite: rank 0 deletes the old run's files, once every rank has built everything."""
+        self.acc.wait_for_everyone()
         if found and self.acc.is_main_process:
             for path in found:
                 shutil.rmtree(path) if path.is_dir() else path.unlink()
@@ -475,7 +583,10 @@ class Run:
         """One prompt of `view` (a View or its name); `seed` draws the view's randomness (the mask); `processor`:
         an external teacher's (default: the policy's)."""
         images, problem = get_view(view)(record, seed) if isinstance(view, str) else view(record, seed)
-        return encode_prompt(processor or self.processor, images, problem, self.cfg.enable_thinking, self.cfg.max_prompt_len)
+        try:
+            return encode_prompt(processor or self.processor, images, problem, self.cfg.enable_thinking, self.cfg.max_prompt_len)
+        except ValueError as exc:  # a context built at step time (DAPD's rollout, OPOD's verification) too long
+            raise UserError(f"{record.source}: {exc}", local=True) from None
 
     def student_prompts(self, records: list[Record]) -> list:
         """The student's prompts (Eq. 1) of a step's records, in the method's student view."""
@@ -619,6 +730,8 @@ class Run:
             "config": dataclasses.asdict(self.cfg),
             "warned_no_eligible": self.warned_no_eligible,
             "objective": self.objective.state_dict(),
+            "identities": self.identities,
+            "world_size": self.acc.num_processes,
         }
         teacher = self.teacher.model if self.teacher.trainable else None  # a frozen teacher is reloaded from its path
         if self.cfg.fsdp:  # every rank writes its shards; the last checkpoint is also exported for eval.py
@@ -651,12 +764,20 @@ class Run:
 
     def train(self) -> dict:
         """Runs steps start..steps-1, checkpoints, and returns the Table 7/8 summary."""
+        try:
+            return self._train()
+        finally:
+            runlock.release(self.out)
+
+    def _train(self) -> dict:
         main = self.acc.is_main_process
         if self.start >= self.steps:
             if main:
                 print(f"train.py: the run in {self.out} is complete ({self.start} of {self.steps} steps); "
                       "nothing to train (give a larger --steps to continue it)", flush=True)
-            return json.loads((self.out / "summary.json").read_text()) if (self.out / "summary.json").is_file() else {}
+            if not self.summary_is_current():  # killed between its last checkpoint and its summary
+                return self.finish()
+            return json.loads((self.out / "summary.json").read_text())
         if main:
             print(f"train.py: {self.acc.num_processes} process(es), steps {self.start}..{self.steps - 1}; "
                   f"writing {self.out}/ledger.jsonl, summary.md and checkpoints", flush=True)
@@ -685,12 +806,38 @@ class Run:
                     "(the ledger's later rows are retrained)")
         return f"at step {step}, before the first checkpoint (--save-every); start over with --overwrite"
 
+    def summary(self) -> dict:
+        """summary.json's content: Tables 7/8 from the ledger, the world size and every launch."""
+        summary = summarize(self.ledger.rows)
+        summary["world_size"] = self.acc.num_processes
+        summary["launches"] = [r["launch"] for r in self.ledger.rows if "launch" in r]
+        return summary
+
+    def summary_is_current(self) -> bool:
+        """Whether summary.json and summary.md exist and summary.json matches the ledger (every rank: the answer
+        is rank 0's)."""
+        current = 1
+        if self.acc.is_main_process:
+            path = self.out / "summary.json"
+            try:
+                stored = json.loads(path.read_text())
+            except (OSError, ValueError):
+                stored = None
+            fresh = json.loads(json.dumps(self.summary()))  # as stored: tuples become lists
+            stored_ws = stored.get("world_size") if isinstance(stored, dict) else None
+            current = int(stored is not None and {**fresh, "world_size": stored_ws} == stored
+                          and (self.out / "summary.md").is_file())
+        return self._agree(current)
+
+    def _agree(self, value: int) -> bool:
+        """Rank 0's value on every rank."""
+        flag = torch.tensor([value if self.acc.is_main_process else 0], device=self.acc.device)
+        return bool(self.acc.reduce(flag, "sum").item())
+
     def finish(self) -> dict:
         summary = {}
         if self.acc.is_main_process:
-            summary = summarize(self.ledger.rows)
-            summary["world_size"] = self.acc.num_processes
-            summary["launches"] = [r["launch"] for r in self.ledger.rows if "launch" in r]
+            summary = self.summary()
             name = self.run_name
             table = format_summary(summary, name)
             write_atomic(self.out / "summary.json", json.dumps(summary, indent=2) + "\n")
@@ -761,6 +908,8 @@ def resumed_config(given: dict) -> TrainConfig:
 
 def main(argv: list[str] | None = None) -> dict:
     given = given_flags(TrainConfig, PRESETS, argv, description=__doc__.split("\n")[0])
+    if given.get("resume") and given.get("overwrite"):
+        raise UserError("--resume continues a run and --overwrite deletes it: choose one")
     if given.get("resume"):
         cfg = resumed_config(given)
     else:

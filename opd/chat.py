@@ -73,6 +73,21 @@ def encode_prompt(
     )
 
 
+def prompt_length(processor, sizes: list[tuple[int, int]], problem: str, enable_thinking: bool = False) -> int:
+    """The token count `encode_prompt` gives for images of these (width, height) sizes, without decoding or
+    resizing any image: the templated text's tokens, each image placeholder expanded to the processor's
+    number of image tokens for its size (`_get_num_multimodal_tokens`, the count vLLM uses). A processor
+    without that method encodes blank images of the sizes instead (slower, the same count)."""
+    counter = getattr(processor, "_get_num_multimodal_tokens", None)
+    if counter is None or not sizes:
+        blanks = [Image.new("RGB", (max(1, w), max(1, h))) for w, h in sizes]
+        return len(encode_prompt(processor, blanks, problem, enable_thinking))
+    text = prompt_text(processor, problem, len(sizes), enable_thinking)  # one placeholder token per image
+    n_text = len(processor.tokenizer(text)["input_ids"])
+    per_image = counter(image_sizes=[(max(1, h), max(1, w)) for w, h in sizes])["num_image_tokens"]
+    return n_text - len(sizes) + sum(per_image)
+
+
 def collate(
     prompts: list[EncodedPrompt],
     pad_id: int,

@@ -149,6 +149,33 @@ def find_checkpoint(path: str | Path) -> Path:
     raise FileNotFoundError(f"no checkpoint in {path} (expected {path}/latest or {path}/state.pt)")
 
 
+def model_source(path: str, what: str) -> str:
+    """What a model name loads (`--model`, `--teacher-model`, a route's teacher, `eval.py --model`): 'tiny' the
+    built-in tiny model's folder; a `train.py` run folder or one of its checkpoint folders (a folder without
+    config.json, holding `latest` or `state.pt`) its checkpoint's `policy/` export; anything else unchanged (a
+    checkpoint folder or hub id, checked by `opd.model.resolve_model_source`). `what` names the flag in errors."""
+    from opd.cli import UserError
+
+    if path == "tiny":
+        from opd.tiny import tiny_defaults
+
+        return str(tiny_defaults()[0])
+    folder = Path(path).expanduser()
+    run_like = (folder / "latest").is_file() or (folder / "state.pt").is_file()
+    if not folder.is_dir() or (folder / "config.json").is_file() or not run_like:
+        return path
+    try:
+        ckpt = find_checkpoint(folder)
+    except FileNotFoundError as exc:
+        raise UserError(f"{what}: {exc}") from None
+    if not (ckpt / "policy").is_dir():
+        if (ckpt / "sharded").is_dir():
+            raise UserError(f"{what}: {ckpt} is a sharded (--fsdp) training checkpoint without an export; only a "
+                            "run's last checkpoint holds policy/ (give the finished run)")
+        raise UserError(f"{what}: {ckpt} holds no exported policy/")
+    return str(ckpt / "policy")
+
+
 def load_state(ckpt: Path) -> dict:
     return torch.load(Path(ckpt) / "state.pt", map_location="cpu", weights_only=False)
 

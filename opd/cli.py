@@ -8,7 +8,10 @@ in one line on stderr, without a traceback, and exits with code 2 (argparse's co
 import argparse
 import ast
 import dataclasses
+import difflib
 import inspect
+import os
+import re
 import sys
 import textwrap
 import types
@@ -17,16 +20,32 @@ from collections.abc import Callable
 
 
 class UserError(Exception):
-    """An error the user caused and can fix: reported in one line naming the flag, file, line or field."""
+    """An error the user caused and can fix: reported in one line naming the flag, file, line or field.
+
+    `local=True` marks an error only this process can meet (a prompt of its own shard at step time): every
+    process prints it; any other is met by every process alike and printed by the first one only."""
+
+    def __init__(self, message: str, local: bool = False):
+        super().__init__(message)
+        self.local = local
+
+
+def _rank() -> int:
+    """This process's rank under torchrun / accelerate launch (0 without a launcher)."""
+    return int(os.environ.get("RANK", "0") or 0)
 
 
 def run_cli(main: Callable, argv: list[str], prog: str):
-    """Calls main(argv); a UserError becomes one line 'prog: error: ...' on stderr and exit code 2,
-    Ctrl-C one line 'prog: interrupted ...' (the KeyboardInterrupt's message, if any) and exit code 130."""
+    """Calls main(argv); a UserError becomes one line 'prog: error: ...' on stderr and exit code 2 (printed once
+    under a launcher: by rank 0, unless only this rank met it), Ctrl-C one line 'prog: interrupted ...' (the
+    KeyboardInterrupt's message, if any) and exit code 130. A launcher reports a failed process with its own
+    exit code (torchrun and accelerate launch: 1)."""
     try:
         return main(argv)
     except UserError as exc:
-        print(f"{prog}: error: {exc}", file=sys.stderr, flush=True)
+        if _rank() == 0 or exc.local:
+            where = f"[rank {_rank()}] " if exc.local and _rank() else ""
+            print(f"{prog}: error: {where}{exc}", file=sys.stderr, flush=True)
         sys.exit(2)
     except KeyboardInterrupt as exc:
         print(f"\n{prog}: interrupted{': ' + str(exc) if str(exc) else ''}", file=sys.stderr, flush=True)
@@ -58,8 +77,23 @@ def _base_type(annotation):
     return annotation
 
 
+class Parser(argparse.ArgumentParser):
+    """argparse with one-line errors: a bad flag or value is a UserError naming it (and, for an unknown flag,
+    the nearest known one) instead of the usage text and exit."""
+
+    def error(self, message: str):
+        unknown = re.match(r"unrecognized arguments: (\S+)", message)
+        if unknown:
+            flag = unknown.group(1).split("=")[0]
+            known = [o for a in self._actions for o in a.option_strings if o.startswith("--")]
+            near = difflib.get_close_matches(flag, known, n=1, cutoff=0.6)
+            hint = f"; did you mean {near[0]}?" if near else ""
+            message = f"unknown flag {flag}{hint}"
+        raise UserError(f"{message} ({self.prog} --help lists the flags)")
+
+
 def build_parser(cls, presets: dict[str, dict], description: str) -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(description=description, allow_abbrev=False)  # a flag is spelled out (given_flags)
+    parser = Parser(description=description, allow_abbrev=False)  # a flag is spelled out (given_flags)
     docs = field_docs(cls)
     hints = typing.get_type_hints(cls)
     for f in dataclasses.fields(cls):

@@ -137,7 +137,7 @@ class DAPD:
 
     def __init__(self, run):
         self.run = run
-        base = Teacher(run.load_frozen(run.initial_model))  # the initial weights, frozen (reloaded on resume)
+        base = Teacher(run.load_frozen(run.initial_model, "--model"))  # the initial weights, frozen (reloaded on resume)
         if not isinstance(run.teacher, EMATeacher):
             raise TypeError("DAPD's snapshot is the run's EMA teacher")
         run.teachers = TeacherSet({"snapshot": run.teacher, "base": base})

@@ -31,6 +31,7 @@ from pathlib import Path
 import numpy as np
 from PIL import Image, UnidentifiedImageError
 
+from opd.chat import IMAGE_MARK
 from opd.cli import UserError
 
 
@@ -164,10 +165,16 @@ def parse_record(row: object, where: str, root: Path) -> Record:
             raise DataError(f"{where}: field '{key}': missing")
         if not isinstance(row[key], (str, int, float)) or isinstance(row[key], bool):
             raise DataError(f"{where}: field '{key}': expected a string, got {row[key]!r}")
+    marks = {key: str(row[key]).count(IMAGE_MARK) for key in ("problem", "answer", "solution") if key in row}
+    if marks["problem"] > 1:
+        raise DataError(f"{where}: field 'problem': {marks['problem']} '{IMAGE_MARK}' marks for the record's one image")
+    for key in ("answer", "solution"):
+        if marks.get(key):
+            raise DataError(f"{where}: field '{key}': holds '{IMAGE_MARK}', which marks an image only in 'problem'")
     image = _one_path(row, image_key, where, root)
     size = image_size(image, where, image_key)
     crop = crop_size = None
-    if row.get("teacher_images"):
+    if row.get("teacher_images") is not None:  # [] or "" is an error (_one_path), not "no crop"
         crop = _one_path(row, "teacher_images", where, root)
         crop_size = image_size(crop, where, "teacher_images")
     bbox = _bbox(row["bbox"], size, where) if row.get("bbox") is not None else None
@@ -181,6 +188,9 @@ def parse_record(row: object, where: str, root: Path) -> Record:
                   solution, extra)  # fmt: skip
 
 
+NOT_JSONL = (".parquet", ".arrow", ".csv", ".tsv", ".zip", ".gz", ".tar")
+"""File suffixes `load_records` refuses by name (a JSONL file is read line by line)."""
+
 KNOWN_FIELDS = ("images", "image", "teacher_images", "bbox", "problem", "answer", "solution")
 """The fields `parse_record` reads itself; any other scalar field is kept in `Record.extra` (routing)."""
 
@@ -191,14 +201,24 @@ def load_records(path: str | Path) -> list[Record]:
     Rows are parsed in file order and their images decoded on a few threads; the first bad line in
     file order is the one reported."""
     path = Path(path)
+    if path.is_dir():
+        raise DataError(f"{path}: is a folder; give the training JSONL file (one JSON object per line)")
     if not path.is_file():
         raise DataError(f"{path}: training data file not found")
+    with path.open("rb") as f:
+        head = f.read(4)
+    if head == b"PAR1" or path.suffix.lower() in NOT_JSONL:
+        raise DataError(f"{path}: not a JSONL file (one JSON object per line); convert it to JSONL")
     rows = []
-    with path.open(encoding="utf-8") as f:
-        for lineno, line in enumerate(f, start=1):
+    with path.open("rb") as f:
+        for lineno, raw in enumerate(f, start=1):
+            where = f"{path}:{lineno}"
+            try:
+                line = raw.decode("utf-8-sig" if lineno == 1 else "utf-8")  # a byte-order mark is no error
+            except UnicodeDecodeError as e:
+                raise DataError(f"{where}: not UTF-8 text (byte 0x{raw[e.start]:02x} at column {e.start + 1})") from None
             if not line.strip():
                 continue
-            where = f"{path}:{lineno}"
             try:
                 rows.append((json.loads(line), where))
             except json.JSONDecodeError as e:

@@ -25,7 +25,7 @@ from transformers import AutoModelForImageTextToText, AutoProcessor, GenerationC
 
 from opd.cli import UserError
 
-DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16, "float64": torch.float64}
 
 HUB_TIMEOUT_S = 2.5  # seconds the connection check waits for the hub
 HUB_ID = re.compile(r"^(?:[\w.-]+/)?[\w.-]+$")  # "name" or "org/name"
@@ -118,6 +118,7 @@ def resolve_model_source(path: str) -> str:
     if os.path.isdir(expanded):
         if not os.path.isfile(os.path.join(expanded, "config.json")):
             raise UserError(f"model folder {path} has no config.json (not a Hugging Face checkpoint folder)")
+        check_model_type(os.path.join(expanded, "config.json"))
         return expanded
     if os.path.exists(expanded):
         raise UserError(f"model {path} is a file; give the checkpoint folder (the one holding config.json)")
@@ -130,6 +131,25 @@ def resolve_model_source(path: str) -> str:
         return path
     raise UserError(f"model '{path}' is not a local folder and not in the Hugging Face cache, "
                     "and the hub cannot be reached (offline)")
+
+
+def check_model_type(config_path: str) -> None:
+    """Refuses, in one line, a config.json that is not JSON or whose model_type transformers does not know."""
+    import json
+
+    from transformers import CONFIG_MAPPING
+
+    try:
+        with open(config_path, encoding="utf-8") as f:
+            config = json.load(f)
+    except (ValueError, UnicodeDecodeError) as exc:
+        raise UserError(f"{config_path}: not a JSON config ({exc})") from None
+    kind = config.get("model_type") if isinstance(config, dict) else None
+    if not isinstance(kind, str) or kind not in CONFIG_MAPPING:
+        import transformers
+
+        raise UserError(f"{config_path}: field 'model_type': {kind!r} is not a model type transformers "
+                        f"{transformers.__version__} knows (a newer transformers, or another checkpoint)")
 
 
 class _KernelFallbackFilter(logging.Filter):

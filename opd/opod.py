@@ -166,7 +166,7 @@ class OPOD:
         self.distillation = Distillation(run)
         self.controller = GateController(run.teachers.names, cfg.opod_beta_init, cfg.opod_beta_min, cfg.opod_beta_max,
                                          cfg.opod_eta, cfg.opod_warmup, cfg.opod_eps_floor)  # fmt: skip
-        self.reference = Teacher(run.load_frozen(run.initial_model)) if cfg.opod_kl > 0 else None
+        self.reference = Teacher(run.load_frozen(run.initial_model, "--model")) if cfg.opod_kl > 0 else None
         self.pending: dict[str, float | None] = {}
 
     @property

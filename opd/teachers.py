@@ -40,6 +40,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from opd.cli import UserError
+from opd.data import KNOWN_FIELDS
 
 
 @dataclass(frozen=True)
@@ -84,6 +85,9 @@ def load_routes(path: str | Path) -> Routes:
         raise UserError(f"{where}: malformed JSON: {e.msg} (line {e.lineno})") from None
     if not isinstance(spec, dict) or not isinstance(spec.get("field"), str) or not spec["field"]:
         raise UserError(f'{where}: expected {{"field": "<record field>", "teachers": {{"<value>": "<checkpoint>", ...}}}}')
+    if spec["field"] in KNOWN_FIELDS:
+        raise UserError(f"{where}: field '{spec['field']}' is one the records' own fields ({', '.join(KNOWN_FIELDS)}), "
+                        "which do not route: name another field of the records (e.g. 'task')")
     teachers = spec.get("teachers")
     if not isinstance(teachers, dict) or not teachers:
         raise UserError(f"{where}: 'teachers' must map at least one value of '{spec['field']}' to a checkpoint")
@@ -131,28 +135,11 @@ def check_same_tokenizer(policy_processor, teacher_processor, what: str, policy_
 
 
 def teacher_source(path: str) -> str:
-    """What a teacher name loads: 'tiny' the built-in tiny model's folder; a `train.py` run folder (or one of its
-    checkpoint folders: a folder without config.json) its checkpoint's `policy/` export; else `path` unchanged
-    (a checkpoint folder or hub id, checked by the loader). A run folder whose checkpoint is missing, or holds no
-    policy/, is a UserError."""
-    if path == "tiny":
-        from opd.tiny import tiny_defaults
+    """What a teacher name loads (`opd.checkpoint.model_source`: 'tiny', a `train.py` run or checkpoint folder's
+    exported policy/, else the name unchanged)."""
+    from opd.checkpoint import model_source
 
-        return str(tiny_defaults()[0])
-    folder = Path(path).expanduser()
-    run_like = (folder / "latest").is_file() or (folder / "state.pt").is_file()
-    if folder.is_dir() and not (folder / "config.json").is_file() and run_like:
-        from opd.checkpoint import find_checkpoint
-
-        try:
-            ckpt = find_checkpoint(folder)
-        except FileNotFoundError as exc:
-            raise UserError(f"teacher {path}: {exc}") from None
-        if not (ckpt / "policy").is_dir():
-            raise UserError(f"teacher {path}: {ckpt} holds no exported policy/ (a sharded run's intermediate checkpoint; "
-                            "give the run's last one)")
-        return str(ckpt / "policy")
-    return path
+    return model_source(path, f"teacher {path}")
 
 
 def load_teacher(path: str, what: str, policy_processor, policy_vocab: int, load_model, load_processor):

@@ -36,10 +36,13 @@ REFERENCE_TEMPLATE = "{problem}\n\nReference answer (visible to you only): {refe
 
 @dataclass(frozen=True)
 class View:
-    """One view: `fn(record, seed) -> (images, question)`; `needs_crop` when it cannot be built without one."""
+    """One view: `fn(record, seed) -> (images, question)`; `needs_crop` when it cannot be built without one;
+    `layout(record) -> (image sizes, question)`: the (width, height) of each image `fn` gives and the question,
+    without decoding an image (the prompt-length check before step 0, `opd.chat.prompt_length`)."""
 
     fn: Callable[[Record, int], tuple[list[Image.Image], str]]
     needs_crop: bool = False
+    layout: Callable[[Record], tuple[list[tuple[int, int]], str]] | None = None
 
     def __call__(self, record: Record, seed: int = 0) -> tuple[list[Image.Image], str]:
         return self.fn(record, seed)
@@ -86,12 +89,26 @@ def reference_prompt(problem: str, reference: str) -> str:
     return REFERENCE_TEMPLATE.format(problem=problem, reference=reference)
 
 
+def crop_size(record: Record) -> tuple[int, int]:
+    """(width, height) of `crop_image(record)`: the bbox's, else the crop file's."""
+    if record.bbox is not None:
+        x1, y1, x2, y2 = record.bbox
+        return x2 - x1, y2 - y1
+    return record.crop_size
+
+
 VIEWS: dict[str, View] = {
-    "full": View(lambda r, seed: ([full_image(r)], r.problem)),
-    "crop": View(lambda r, seed: ([crop_image(r)], r.problem), needs_crop=True),
-    "half_resolution": View(lambda r, seed: ([half_resolution(full_image(r))], r.problem)),
-    "masked": View(lambda r, seed: ([masked(crop_image(r), seed)], r.problem), needs_crop=True),
-    "reference_answer": View(lambda r, seed: ([full_image(r)], reference_prompt(r.problem, r.reference))),
+    "full": View(lambda r, seed: ([full_image(r)], r.problem), layout=lambda r: ([r.image_size], r.problem)),
+    "crop": View(lambda r, seed: ([crop_image(r)], r.problem), True, lambda r: ([crop_size(r)], r.problem)),
+    "half_resolution": View(
+        lambda r, seed: ([half_resolution(full_image(r))], r.problem),
+        layout=lambda r: ([(max(1, r.image_size[0] // 2), max(1, r.image_size[1] // 2))], r.problem),
+    ),
+    "masked": View(lambda r, seed: ([masked(crop_image(r), seed)], r.problem), True, lambda r: ([crop_size(r)], r.problem)),
+    "reference_answer": View(
+        lambda r, seed: ([full_image(r)], reference_prompt(r.problem, r.reference)),
+        layout=lambda r: ([r.image_size], reference_prompt(r.problem, r.reference)),
+    ),
 }
 
 

@@ -461,8 +461,10 @@ def test_model_digests_are_cached_and_follow_the_content(tiny, tmp_path, monkeyp
     assert not (tmp_path / "out").exists()  # nothing written before save()
     digests.save()
     hashed: list[str] = []
-    real = evaluate.file_sha256
-    monkeypatch.setattr(evaluate, "file_sha256", lambda p: hashed.append(Path(p).name) or real(p))
+    import opd.identity
+
+    real = opd.identity.file_sha256
+    monkeypatch.setattr(opd.identity, "file_sha256", lambda p: hashed.append(Path(p).name) or real(p))
     cached = evaluate.DigestCache(tmp_path / "out" / "model_digests.json")
     assert evaluate.model_identity(str(folder), cached)["model"] == key and hashed == []  # no file re-read
     weights = folder / "model.safetensors"
@@ -502,9 +504,18 @@ def test_user_errors_are_one_line_with_exit_code_2(tiny, tmp_path):
         "compare": ["--compare", tmp_path / "nowhere"],
         "flag": ["--batch-size", "many"],
         "model": args(tmp_path / "typo", tmp_path, tmp_path / "out", "--benchmarks", "vstar"),
+        "non-UTF-8 line": args(tiny[0], tmp_path / "latin1", tmp_path / "out", "--benchmarks", "vstar"),
+        "out is a file": args(tiny[0], tmp_path, tmp_path / "a-file", "--benchmarks", "vstar"),
+        "flag typo": ["--modle", tiny[0]],
     }
     expected = {"bad data line": "test_questions.jsonl line", "compare": "nowhere", "flag": "--batch-size",
-                "model": "no such model folder"}
+                "model": "no such model folder", "non-UTF-8 line": "line 2: not UTF-8 text (byte 0xe9",
+                "out is a file": "a-file: is a file", "flag typo": "unknown flag --modle; did you mean --model?"}
+    write_vstar_fixture(tmp_path / "latin1")
+    latin1 = tmp_path / "latin1" / "vstar" / "test_questions.jsonl"
+    lines = latin1.read_bytes().split(b"\n")
+    latin1.write_bytes(b"\n".join([lines[0], lines[1].replace(b"?", "\u00e9?".encode("latin-1"), 1), *lines[2:]]))
+    (tmp_path / "a-file").write_text("not a folder")
     for case, argv in cases.items():
         proc = run_eval_py(*argv)
         assert proc.returncode == 2, (case, proc.stderr)

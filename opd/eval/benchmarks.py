@@ -220,8 +220,13 @@ Row = tuple[dict, str]  # (fields, "file line N" / "file row N")
 
 
 def _read_jsonl(path: Path) -> Iterator[Row]:
-    with open(path, encoding="utf-8") as fh:
-        for n, line in enumerate(fh, 1):
+    with open(path, "rb") as fh:
+        for n, raw in enumerate(fh, 1):
+            try:
+                line = raw.decode("utf-8-sig" if n == 1 else "utf-8")
+            except UnicodeDecodeError as exc:
+                raise BenchmarkDataError(f"{path} line {n}: not UTF-8 text (byte 0x{raw[exc.start]:02x} at "
+                                         f"column {exc.start + 1})") from None
             if not line.strip():
                 continue
             try:
@@ -235,7 +240,9 @@ def _read_jsonl(path: Path) -> Iterator[Row]:
 
 def _read_json_list(path: Path) -> Iterator[Row]:
     try:
-        rows = json.loads(path.read_text(encoding="utf-8"))
+        rows = json.loads(path.read_text(encoding="utf-8-sig"))
+    except UnicodeDecodeError as exc:
+        raise BenchmarkDataError(f"{path}: not UTF-8 text (at byte {exc.start})") from None
     except json.JSONDecodeError as exc:
         raise BenchmarkDataError(f"{path}: bad JSON: {exc}") from exc
     if not isinstance(rows, list):
@@ -247,6 +254,13 @@ def _read_json_list(path: Path) -> Iterator[Row]:
 
 
 def _read_delimited(path: Path, delimiter: str) -> Iterator[Row]:
+    try:
+        yield from _delimited_rows(path, delimiter)
+    except UnicodeDecodeError as exc:
+        raise BenchmarkDataError(f"{path}: not UTF-8 text (byte 0x{exc.object[exc.start]:02x})") from None
+
+
+def _delimited_rows(path: Path, delimiter: str) -> Iterator[Row]:
     csv.field_size_limit(min(sys.maxsize, 2**31 - 1))  # base64 images are long fields
     with open(path, encoding="utf-8-sig", newline="") as fh:
         reader = csv.reader(fh, delimiter=delimiter)
