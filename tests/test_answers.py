@@ -156,6 +156,203 @@ def test_strip_thinking():
     assert strip_thinking("<THINK>x</THINK> y <think>z</think>w").split() == ["y", "w"]
 
 
+SIGNS = {"A": "Stop", "B": "Wait", "C": "Turn left", "D": "Go"}  # one option is the ordinary word "Go"
+COUNTS = {"A": "2", "B": "3", "C": "4", "D": "5"}  # CV-Bench-style counting options
+SPELLED = {"A": "one", "B": "two", "C": "three"}
+OBJECTS = {"A": "bike", "B": "car"}
+TEN = {k: f"option {k.lower()}" for k in "ABCDEFGHIJ"}  # keys up to J, so "I" is an option letter
+
+
+@pytest.mark.parametrize(
+    "reply, expected",
+    [
+        # one option letter, chosen by a verb or ending a sentence, with no answer keyword
+        ("I think it's B.", "B"),
+        ("I would choose B.", "B"),
+        ("It's B.", "B"),
+        ("Because of the orange leaves, B.", "B"),
+        ("I'd say D", "D"),
+        ("Based on the colors, I'm going with C.", "C"),
+        ("That would be option D.", "D"),
+        ("My pick: C", "C"),
+        ("Probably B, since the sky is clear.", "B"),
+        ("It is C because the leaves are green.", "C"),
+        ("I'd say 'B'.", "B"),
+        ("I would pick (c).", "C"),  # a bracketed letter may be lower case
+        ("Definitely C.\nThe leaves are green.", "C"),
+        ("A dog is sitting, so I'd choose B.", "B"),  # the article "A" is not a second letter
+        ("I would say A because the car is red.", "A"),  # "A because": the letter, not the article
+        ("It's B, not C.", "B"),  # C is named as not the answer
+        ("I'd pick C instead of B.", "C"),
+        ("It's blue, so C.", "C"),  # the chosen letter beats the option text
+        # stay unparsed: hedges, two letters, negations, questions, articles, no choosing position
+        ("either B or C", None),
+        ("It could be B or C.", None),
+        ("I'd go with B or C.", None),
+        ("A is red and B is blue, so B.", None),  # two letters named
+        ("It's not B.", None),
+        ("Is it B?", None),
+        ("The leaf in panel B is orange.", None),  # a letter that is not chosen
+        ("It's A dog.", None),
+        ("I cannot tell, but maybe B.", None),  # a refusal
+        ("<think>I think it's B", None),  # cut off while thinking
+        ("Vitamin B is important.", None),
+        ("It's B/C.", None),
+    ],
+)
+def test_parse_choice_letter_in_sentence(reply, expected):
+    assert parse_choice(reply, COLORS) == expected
+
+
+@pytest.mark.parametrize(
+    "reply, options, expected",
+    [
+        ("I think it's B.", TEN, "B"),  # the pronoun "I" is not option I
+        ("I would choose (I).", TEN, "I"),
+        ("I think it's I.", TEN, "I"),
+        ("I think it's C.", YES_NO, None),  # not one of the options
+        ("It's B.", YES_NO, "B"),
+        ("I think it's b.", COLORS, None),  # a bare lower-case letter inside a sentence is not read
+    ],
+)
+def test_parse_choice_letter_in_sentence_other_options(reply, options, expected):
+    assert parse_choice(reply, options) == expected
+
+
+@pytest.mark.parametrize(
+    "reply, expected",
+    [
+        ("I'd go with C.", "C"),  # not D ("Go")
+        ("I'll go with B.", "B"),
+        ("I'd go with Go.", "D"),  # "go with" is the verb; "Go" after it is the option
+        ("Go.", "D"),
+        ("I'd go for the option to turn left.", "C"),
+        ("I would go with stop.", "A"),
+        ("Go, B.", "B"),  # the letter ends the sentence: it is chosen
+        ("The sign in panel B says go.", None),  # one-word option text, and another option's letter named
+        ("B looks right; we can go now.", None),
+        ("The sign says go, so A is best.", "A"),  # an explicit "A is best" wins
+    ],
+)
+def test_parse_choice_option_word_vs_letter(reply, expected):
+    assert parse_choice(reply, SIGNS) == expected
+
+
+@pytest.mark.parametrize(
+    "reply, options, expected",
+    [
+        ("Two", COUNTS, "A"),
+        ("There are two chairs.", COUNTS, "A"),
+        ("I count Five cars.", COUNTS, "D"),
+        ("There are 3 chairs, not 2.", COUNTS, "B"),
+        ("4", COUNTS, "C"),
+        ("2", SPELLED, "B"),
+        ("I count 3 apples.", SPELLED, "C"),
+        ("There are two or three.", COUNTS, None),
+        ("There are more than two chairs.", COUNTS, None),  # "than two" is not an answer
+        ("About 2.5 metres.", COUNTS, None),  # "2" inside a decimal
+        ("There are 12 chairs.", COUNTS, None),  # "2" inside "12"
+    ],
+)
+def test_parse_choice_number_words(reply, options, expected):
+    assert parse_choice(reply, options) == expected
+
+
+@pytest.mark.parametrize(
+    "reply, expected",
+    [
+        ("The bike is closer to the tree than the car.", "A"),
+        ("The car is larger than the bike.", "B"),
+        ("Compared to the car, the bike is closer.", "A"),
+        ("The bike, not the car.", "A"),
+        ("The bike rather than the car.", "A"),
+        ("I'd say the car instead of the bike.", "B"),
+        ("It isn't the car, it's the bike.", "A"),
+        ("No, the bike is closer than the car.", "A"),
+        # stay unparsed
+        ("The bike and the car are equally close.", None),
+        ("The bike is not closer than the car.", None),  # a negated comparison
+        ("The bike is closer than the car, but the car is closer to the house.", None),
+        ("It is not the bike.", None),  # the only option named is named as not the answer
+        ("The tree is closer than the house.", None),
+        ("The car isn't the closer one, the bike is.", None),  # "not" must come before the option it rejects
+    ],
+)
+def test_parse_choice_comparison(reply, expected):
+    assert parse_choice(reply, OBJECTS) == expected
+
+
+@pytest.mark.parametrize(
+    "reply, question, expected",
+    [
+        ("The bike is closer to the tree than the car.", "Which is closer to the tree, the bike or the car?", "A"),
+        ("The bike is nearer to the camera than the car.", "Which object is closest to the camera?", "A"),
+        ("The car is farther from the tree than the bike.", "Which is closer to the tree, the bike or the car?", None),
+        ("The car is farther from the tree than the bike.", "Which is farther from the tree?", "B"),
+        ("The car has more wheels than the bike.", "Which has more wheels?", "B"),
+        ("The car has fewer wheels than the bike.", "Which has more wheels?", None),
+    ],
+)
+def test_parse_choice_comparison_against_question(reply, question, expected):
+    assert parse_choice(reply, OBJECTS, question=question) == expected
+
+
+def test_parse_choice_single_option_text_rules():
+    assert parse_choice("It is not blue.", COLORS) is None  # was read as B
+    assert parse_choice("It is red, not blue.", COLORS) == "A"
+    assert parse_choice("There is no red car; it is green.", COLORS) == "C"
+    assert parse_choice("I think it's red rather than green.", COLORS) == "A"
+    assert parse_choice("The car is red, and not dark red.", COLORS) == "A"
+
+
+@pytest.mark.parametrize(
+    "reply, expected",
+    [
+        # presence stated anywhere in a sentence reads yes
+        ("There's a man standing next to the car.", "yes"),
+        ("It looks like there is a bench.", "yes"),
+        ("A wooden bench is visible", "yes"),
+        ("A bench can be seen on the left.", "yes"),
+        ("I can see a bench near the path.", "yes"),
+        ("I see two benches.", "yes"),
+        ("A bench appears in the background.", "yes"),
+        ("A bench is present in the park.", "yes"),
+        ("A dog is in the picture.", "yes"),
+        ("It appears that there is a dog.", "yes"),
+        ("There is a dog that is not sleeping.", "yes"),  # the negation is about sleeping
+        ("A man who isn't wearing a hat is visible.", "yes"),
+        ("Is there a dog? There is.", "yes"),  # a leading question is skipped
+        # its negations read no
+        ("There does not appear to be a bench.", "no"),
+        ("No bench is visible.", "no"),
+        ("A bench isn't visible.", "no"),
+        ("I cannot see a bench.", "no"),
+        ("The bench is not present in the image.", "no"),
+        ("There are no benches in the picture.", "no"),
+        ("I can see that there is no bench.", "no"),
+        ("I don't think there is a dog.", "no"),
+        ("It seems there's no dog.", "no"),
+        ("Nothing like a dog appears in the image.", "no"),
+        ("The dog is absent.", "no"),
+        ("The picture has no dog.", "no"),
+        ("Is there a dog? No.", "no"),
+        ("Sorry, no.", "no"),
+        ("Let me look. I see a kitchen. There is no dog. So the answer is no.", "no"),  # stated answer
+        # both, or unsure: unparsed
+        ("There is a bench, but no dog.", None),
+        ("There is a table with no chairs.", None),
+        ("The image shows a park. There is no dog.", None),
+        ("It's hard to tell if there is a bench.", None),
+        ("There might be a dog.", None),
+        ("A dog might be visible.", None),
+        ("I can't see clearly enough to tell.", None),
+        ("Is there a dog?", None),
+    ],
+)
+def test_parse_yes_no_presence(reply, expected):
+    assert parse_yes_no(reply) == expected
+
+
 def _item(kind, answer, options=None):
     return BenchItem("t", "7", "q", options or {}, answer, kind, "cat", lambda: None, None, {"k": 1})
 
@@ -168,3 +365,10 @@ def test_grade_records():
     assert grade(_item("yesno", "no"), "No, there is not.")["correct"] is True
     assert grade(_item("yesno", "no"), "Maybe.")["correct"] is False
     assert grade(_item("open", "Exit"), "exit")["correct"] is True
+
+
+def test_grade_passes_the_question_to_comparisons():
+    item = BenchItem("t", "1", "Which object is closer to the camera, the bike or the car?", OBJECTS, "A",
+                     "choice", "cat", lambda: None)
+    assert grade(item, "The bike is closer to the camera than the car.")["pred"] == "A"
+    assert grade(item, "The car is farther from the camera than the bike.")["parsed"] is False
