@@ -32,12 +32,10 @@ from opd.checkpoint import (
     find_checkpoint, load_config, load_sharded, load_state, model_source, save_checkpoint, save_sharded,
 )
 from opd.chat import encode_prompt, prompt_length
-from opd.cli import UserError, given_flags, run_cli
+from opd.cli import UserError, given_flags, run_cli, section_config, with_sections
 from opd.data import Record, load_records, shard, step_prompt_indices
-from opd.dapd import DAPD
-from opd.distill import DistillConfig, Distillation, StepBatch
-from opd.opod import OPOD
-from opd.teachers import TeacherSet, build_routed, load_routes, load_teacher, teacher_source
+from opd.distill import DistillConfig
+from opd.external_teachers import TeacherSet, build_routed, load_routes, load_teacher, teacher_source
 from opd.features import rollout_features
 from opd.identity import DigestCache, model_identity
 from opd.ledger import PHASES, Ledger, PhaseTimer, format_summary, summarize, write_atomic
@@ -47,17 +45,21 @@ from opd.rollout import Rollouts, generate_rollouts
 from opd.seeding import mix_seed
 from opd.selectors import POLICIES, Selector, query_budget
 from opd.sharding import GENERATION, full_tensor, generation, load_sharded_model
-from opd.teacher import EMATeacher, lm_head_weight
+from opd.ema_teacher import EMATeacher, lm_head_weight
+from opd.objective import ObjectiveContext, StepBatch
 from opd.tiny import tiny_defaults
 from opd.methods import METHODS, get_method
 from opd.views import VIEWS, get_view
 
-OBJECTIVES = {"distill": Distillation, "dapd": DAPD, "opod": OPOD}
-"""The objective of each method (opd.methods.Method.objective): called once per step through one seam."""
+SECTIONS = {m.objective.name: m.objective.Config for m in METHODS.values() if m.objective.Config is not None}
+"""The objectives that own a config dataclass (`opd.objective.Objective.Config`), by flag prefix: DAPD's
+`--dapd-*`, OPOD's `--opod-*`. Found in the method table, so train.py names no objective."""
 
 
 @dataclass
-class TrainConfig:
+class RunConfig:
+    """The run's settings: one flag per field (`opd.cli`); `TrainConfig` adds each objective's own (SECTIONS)."""
+
     preset: str = "tiny"
     """Starting values: 'tiny' (built-in model and data, CPU), 'paper-4b' / 'paper-9b' (the paper's tables)."""
     model: str | None = None
@@ -94,9 +96,9 @@ class TrainConfig:
     """The teacher's privileged view (opd/views.py); none = the method's (crop for bas-opd)."""
     teacher_model: str | None = None
     """A fixed teacher checkpoint (folder or hub id, the policy's tokenizer) in place of the EMA self-teacher;
-    frozen, run only on the selected rows (opd/teachers.py)."""
+    frozen, run only on the selected rows (opd/external_teachers.py)."""
     teachers: str | None = None
-    """A routing table (JSON, opd/teachers.py): a record field's values mapped to teacher checkpoints, each loaded
+    """A routing table (JSON, opd/external_teachers.py): a record field's values mapped to teacher checkpoints, each loaded
     once, frozen and run only on the selected rows routed to it."""
     lr: float = 2e-6
     """AdamW learning rate of the policy."""
@@ -108,34 +110,6 @@ class TrainConfig:
     """EMA rate tau of the crop teacher, applied after each valid update."""
     ema_every: int = 1
     """Apply the teacher update every N steps (1: the EMA of every step; DAPD's snapshot: 100, with --ema-tau 1)."""
-    dapd_temperature: float = 1.1
-    """DAPD: temperature of both sides of the clamped forward KL (DAPD's 1.1)."""
-    dapd_clip: float = 0.05
-    """DAPD: upper clamp of each vocabulary entry's KL contribution (DAPD's 0.05)."""
-    opod_beta_init: float = 1.0
-    """OPOD: initial strength beta_m of every teacher's gated term (not in the paper; a guess)."""
-    opod_beta_min: float = 0.1
-    """OPOD: lower bound of beta_m (the paper's 0.1)."""
-    opod_beta_max: float = 2.0
-    """OPOD: upper bound of beta_m (not in the paper; a guess)."""
-    opod_eta: float = 0.1
-    """OPOD: controller rate eta of beta_m <- clip(beta_m + eta (mean c_m - eps_m)) (not in the paper; a guess)."""
-    opod_warmup: int = 10
-    """OPOD: steps (with tokens of a teacher) whose mean gate sets that teacher's target eps_m (the paper's 10)."""
-    opod_eps_floor: float = 0.02
-    """OPOD: floor of the controller target eps_m (the paper's 0.02)."""
-    opod_reward_a: float = 0.2
-    """OPOD: weight of A (teacher confidence on a correct response) in r = r_task + 0.2 A + 0.1 B (the paper's)."""
-    opod_reward_b: float = 0.1
-    """OPOD: weight of B (how much the response raises the teacher's log-prob of the answer); 0 skips its forwards."""
-    opod_reward_clip: float = 2.0
-    """OPOD: C, the clip of A to [-C, 0] and of B to [-C, C] (the paper's 2)."""
-    opod_pg_weight: float = 1.0
-    """OPOD: weight of the group-relative policy-gradient term (the paper adds it unweighted)."""
-    opod_adv_eps: float = 1e-4
-    """OPOD: eps of the group advantage (r - mean) / (std + eps) (not in the paper; TRL's GRPO value)."""
-    opod_kl: float = 0.0
-    """OPOD: weight of KL(pi_theta || pi_ref), pi_ref the initial policy (the paper's weight is unknown; 0 = off)."""
     alpha: float = 0.5
     """Generalized JSD mixture weight (0.5: symmetric JSD); unused by rp-opsd's reverse KL."""
     is_clip: float = 0.0
@@ -218,6 +192,16 @@ class TrainConfig:
             not self.no_overlap, not self.no_confidence, method.support, method.divergence,
             method.token_weight, self.is_clip,
         )  # fmt: skip
+
+    def objective(self):
+        """The method's objective's own config (e.g. `opd.dapd.DAPDConfig`), or None when it has none."""
+        cls = get_method(self.method).objective
+        return section_config(self, cls.name, cls.Config) if cls.Config is not None else None
+
+
+TrainConfig = with_sections(RunConfig, SECTIONS, "TrainConfig")
+"""RunConfig's fields plus each objective's (`--dapd-clip` is field dapd_clip; `TrainConfig.objective()` builds
+the method's own config from them)."""
 
 
 PAPER = dict(
@@ -324,19 +308,14 @@ def check_config(cfg: TrainConfig, world: int) -> None:
         if method.external_teachers == "refused" and external:
             problems.append(f"--method {cfg.method} anchors on the policy's own weights (base and snapshot): "
                             "--teacher-model and --teachers do not apply")
-        if method.objective == "dapd" and (cfg.teacher_view or cfg.is_clip):
-            problems.append(f"--method {cfg.method}: its contexts (none, reference, rollout) and clamped KL are fixed; "
-                            "--teacher-view and --is-clip do not apply")
         if method.external_teachers == "required" and not external:
             problems.append(f"--method {cfg.method} routes each response to a separate teacher checkpoint: give "
                             "--teachers route.json or --teacher-model PATH")
-    if cfg.dapd_temperature <= 0 or cfg.dapd_clip <= 0:
-        problems.append("--dapd-temperature and --dapd-clip must be positive")
-    if not 0 < cfg.opod_beta_min <= cfg.opod_beta_init <= cfg.opod_beta_max:
-        problems.append(f"--opod-beta-min {cfg.opod_beta_min}, --opod-beta-init {cfg.opod_beta_init}, --opod-beta-max "
-                        f"{cfg.opod_beta_max}: need 0 < min <= init <= max")
-    if cfg.opod_warmup < 1 or cfg.opod_reward_clip <= 0 or cfg.opod_adv_eps <= 0 or cfg.opod_kl < 0:
-        problems.append("--opod-warmup must be >= 1, --opod-reward-clip and --opod-adv-eps > 0, --opod-kl >= 0")
+        for flag, reason in method.objective.refuses.items():
+            if getattr(cfg, flag):
+                problems.append(f"--method {cfg.method}: --{flag.replace('_', '-')} does not apply ({reason})")
+    for prefix, config in SECTIONS.items():  # every objective's own checks (its flags are checked whatever the method)
+        problems += section_config(cfg, prefix, config).check()
     if problems:
         raise UserError("; ".join(problems))
 
@@ -428,7 +407,9 @@ class Run:
                 self.teacher = EMATeacher(student)
             optimizer = torch.optim.AdamW(student.parameters(), lr=cfg.lr, weight_decay=cfg.weight_decay)
             self.student, self.optimizer = self.acc.prepare(student, optimizer)
-        self.teachers = self._external_teachers() if external else TeacherSet({"teacher": self.teacher})
+        default = self._external_teachers() if external else TeacherSet({"teacher": self.teacher})
+        load_initial = lambda: self.load_frozen(self.initial_model, "--model")  # noqa: E731 (DAPD's base, OPOD's KL)
+        self.teachers = self.method.objective.build_teachers(default, load_initial)  # DAPD: its two anchors
         self.teacher = next(iter(self.teachers.teachers.values()))  # the first (the only one, but with routes)
         if cfg.fsdp and state is not None:
             load_sharded(ckpt, self.student, self.teacher.model if self.teacher.trainable else None, self.optimizer)
@@ -436,7 +417,13 @@ class Run:
         self.selector = Selector(cfg.policy, 0.0 if cfg.no_exploration else cfg.explore, cfg.predictor())
         self.student_view = get_view(self.method.student_view)
         self.warned_no_eligible = False
-        self.objective = OBJECTIVES[self.method.objective](self)  # may add teachers of its own (DAPD's anchors)
+        self.context = ObjectiveContext(
+            accelerator=self.acc, student=self.student, policy=lambda: self.policy, teachers=self.teachers,
+            encode=self.encode, processor=self.processor, ids=self.ids, autocast=self.autocast,
+            student_view=self.method.student_view, teacher_views=self.teacher_views, distill=cfg.distill(),
+            max_response_len=cfg.max_response_len, ema_tau=cfg.ema_tau, ema_every=cfg.ema_every,
+        )  # fmt: skip
+        self.objective = self.method.objective(self.context, cfg.objective(), load_initial)
         if self.teachers.routes is not None:
             self.teachers.routes.check_records(self.records)
         self._check_prompts()
@@ -547,18 +534,20 @@ class Run:
         n, per_step = len(self.records), self.cfg.prompts_per_step
         if n < per_step:
             raise UserError(f"{data_path}: {n} records cannot fill one step of --prompts-per-step {per_step}")
-        if not any(self.eligible(r) for r in self.records):
+        if not any(self.views_eligible(r) for r in self.records):
             raise UserError(
                 f"{data_path}: no record has a crop ('teacher_images' or 'bbox'), which the {self.cfg.method} teacher "
                 f"views {', '.join(self.teacher_views)} need: every step would train with zero distillation"
             )
 
+    def views_eligible(self, record: Record) -> bool:
+        """Whether every view of the method can be built for the record (the crop views need a crop)."""
+        return all(VIEWS[v].eligible(record) for v in (self.method.student_view, *self.teacher_views))
+
     def eligible(self, record: Record) -> bool:
-        """Whether the record's rows can be candidates (the set C): every view of the method can be built (and,
-        with routed teachers, the record has a teacher)."""
-        views = all(VIEWS[v].eligible(record) for v in (self.method.student_view, *self.teacher_views))
-        teachers = getattr(self, "teachers", None)
-        return views and (teachers is None or teachers.route(record) is not None)
+        """Whether the record's rows can be candidates (the set C): every view of the method can be built and, with
+        routed teachers, the record has a teacher."""
+        return self.views_eligible(record) and self.teachers.route(record) is not None
 
     @property
     def run_name(self) -> str:
@@ -594,7 +583,7 @@ class Run:
 
     def step_batch(self, step: int, record_ids: list[int], rollouts: Rollouts, student_prompts: list,
                    selected: torch.Tensor) -> StepBatch:
-        """What the objective gets for one step on this rank (opd.distill.StepBatch): its records, rollouts and
+        """What the objective gets for one step on this rank (opd.objective.StepBatch): its records, rollouts and
         prompts, the local rows of S, the teachers' prompts (encoded once per step, each with its teacher's
         processor; a view's randomness seeded by (seed, step, record id)) and each row's teacher."""
         records = [self.records[i] for i in record_ids]

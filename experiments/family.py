@@ -173,7 +173,7 @@ def base_gaps(root: Path, cfg: FamilyConfig) -> dict:
 
 
 def opod_routes(root: Path) -> Path:
-    """OUT/opod_route.json, OPOD's `--teachers` table (`opd.teachers`): the record field `shape` routed to the
+    """OUT/opod_route.json, OPOD's `--teachers` table (`opd.external_teachers`): the record field `shape` routed to the
     base checkpoints of OPOD_ROUTES (paths relative to OUT)."""
     path = root / "opod_route.json"
     spec = {"field": "shape", "teachers": {shape: f"base-{base}" for shape, base in OPOD_ROUTES.items()}}
@@ -221,7 +221,7 @@ def trust_region_profile(root: Path, cfg: FamilyConfig, prompts: int = 16) -> di
     from opd.distill import micro_batch_inputs
     from opd.rollout import generate_rollouts
     from opd.seeding import mix_seed
-    from opd.teacher import lm_head_weight
+    from opd.ema_teacher import lm_head_weight
     from opd.weights import trust_region
     from train import Run, TrainConfig
 

@@ -7,15 +7,16 @@ of Eq. 3 by default, or the seed family's teacher top-k supports and the bias-co
 and the detached utility terms d, o, c of Eq. 7-8, with an analytic gradient instead of autograd's
 stored intermediates:
 
-- `budgeted_loss_from_hidden`: from the student's and teacher's final hidden states (P, H) and the
+- `budgeted_loss_from_hidden` (Eq. 11, the function training calls): from the student's and teacher's final
+  hidden states (P, H) and the
   LM-head weights, one chunk of positions at a time: both sides' logits, the loss terms, and the
   chunk's gradient contributions, which are accumulated into dL/dh (P, H) and dL/dW (V, H) during the
   forward (dL/dW starts as the first chunk's product, not a zero-filled buffer); the chunk's logits
   are then dropped. Backward hands the buffers to autograd as they are (a scaled copy only when the
   loss was scaled after the call), so dL/dW can become .grad without a (V, H) copy. Four LM-head
   products in all (student, teacher, dL/dh, dL/dW), the minimum; memory O(P k + V H).
-  It returns the weighted sum of Eq. 11 directly (per-token weights are the Eq. 11 weights, times
-  Vision-OPD's importance ratio when asked, computed from the chunk's logits), and can book the
+  It returns the weighted sum of Eq. 11 directly (per-token weights are the Eq. 11 weights, times the
+  method's token weight `opd.weights.TokenWeight` computed from the chunk's logits), and can book the
   teacher's LM-head time separately (`timing`).
 - `topk_divergence_from_logits` (alias `topk_jsd_from_logits`): the same per-position D from given
   logits, `chunk` positions at a time; backward builds the gradient in one (N, V) buffer.
@@ -25,7 +26,6 @@ stored intermediates:
   (`divergence.clamped_forward_kl`), one or several anchors against one student forward, with its own
   analytic chunk-local gradient (in its docstring).
 - `weighted_logp_from_hidden`: sum_p a_p log p(y_p) with gradient (OPOD's policy-gradient term), chunk by chunk.
-- `budgeted_loss_from_hidden(..., gate_ids=...)`: each weight times OPOD's gate from the chunk's logits.
 
 The gradient. At one position let z be the student's logits, p = softmax(z), lse(.) = logsumexp,
 I the support's k ids, s the student's support log-probs, g = dD/ds and G = sum of every entry of g.
@@ -65,7 +65,7 @@ import torch
 
 from opd.divergence import bias_corrected_reverse_kl, check_loss, generalized_jsd, upcast
 from opd.utility import utility_terms
-from opd.weights import importance_ratio, teacher_gate
+from opd.weights import TokenWeight
 
 
 def _support_(z, z_t, lse, lse_t, top, support: str):
@@ -160,17 +160,6 @@ def _sync(device: torch.device) -> None:
         torch.cuda.synchronize(device)
 
 
-def _check_ratio_args(token_ids, old_logp, is_clip) -> bool:
-    """True when the importance ratio is asked for (all three given); ValueError when only some are."""
-    given = [a is not None for a in (token_ids, old_logp, is_clip)]
-    if any(given) and not all(given):
-        missing = [n for n, a in zip(("token_ids", "old_logp", "is_clip"), given) if not a]
-        raise ValueError(
-            f"the importance ratio needs token_ids, old_logp and is_clip together; missing {', '.join(missing)}"
-        )
-    return all(given)
-
-
 class _FromLogits(torch.autograd.Function):
     @staticmethod
     def forward(ctx, z_s, z_t, k: int, alpha: float, chunk: int, support: str, divergence: str):
@@ -229,10 +218,7 @@ topk_jsd_from_logits = topk_divergence_from_logits  # the name before the seed f
 
 class _FromHidden(torch.autograd.Function):
     @staticmethod
-    def forward(
-        ctx, h_s, w_s, h_t, w_t, weights, k, alpha, chunk, support, divergence, token_ids, old_logp, is_clip, timing,
-        gate_ids, extras,
-    ):
+    def forward(ctx, h_s, w_s, h_t, w_t, weights, k, alpha, chunk, support, divergence, tokens, timing, extras):
         w = w_s.to(h_s.dtype)  # one cast per call under mixed precision (a no-op otherwise)
         w_t = w_t.to(h_t.dtype)
         grad_h = torch.empty_like(h_s)  # (P, H) dL/dh, one row per position
@@ -245,29 +231,22 @@ class _FromHidden(torch.autograd.Function):
             z = upcast(h_c @ w.T)  # (C, V) student logits
             z_t, lse_t = _teacher_logits(h_t[j : j + chunk], w_t, timing)  # (C, V) teacher logits, (C, 1)
             w_c = weights[j : j + chunk].to(z.dtype)  # (C,) Eq. 11's weights
-            if is_clip is not None:  # times Vision-OPD's importance ratio, detached
-                logp_y = _sampled_logp(z, token_ids[j : j + chunk])  # (C,) log p^S(y_t)
-                w_c = w_c * importance_ratio(logp_y, old_logp[j : j + chunk].to(z.dtype), is_clip)
-            if gate_ids is not None:  # times OPOD's gate ReLU(log pi_T(y_t) - log pi_theta(y_t)), detached
-                y = gate_ids[j : j + chunk].unsqueeze(-1)  # (C, 1)
+            if tokens is not None:  # times the method's token weight w_t (opd.weights), detached
+                y = tokens.ids[j : j + chunk].unsqueeze(-1)  # (C, 1)
                 t_y = (z_t.gather(-1, y) - lse_t).squeeze(-1)  # (C,) log pi_T(y_t)
                 s_y = _sampled_logp(z, y.squeeze(-1))  # (C,) log pi_theta(y_t)
-                w_c = w_c * teacher_gate(t_y, s_y)
+                w_tok = tokens.at(slice(j, j + chunk), s_y, t_y)  # (C,)
+                w_c = w_c * w_tok
+                extras.setdefault("token_weight", []).append(w_tok)
                 extras.setdefault("teacher_logp", []).append(t_y)
-                extras.setdefault("student_logp", []).append(s_y)
             d, g, ids, s_sup, shift, terms = _loss_parts(z, z_t, lse_t, k, alpha, support, divergence)  # overwrites z
             del z_t
             dz = _logit_grad(z, ids, s_sup, g * w_c.unsqueeze(-1), shift, support, inplace=True).to(h_s.dtype)  # (C, V)
             del z
             grad_h[j : j + chunk] = dz @ w  # (C, H)
-            if grad_w is None:
-                grad_w = (dz.T @ h_c).to(acc_dtype)  # (V, H)
-            elif grad_w.dtype == dz.dtype:
-                grad_w.addmm_(dz.T, h_c)  # (V, H), accumulated in place
-            else:
-                grad_w.add_(dz.T @ h_c)  # bf16 products summed in fp32
+            grad_w = _accumulate(grad_w, dz, h_c, acc_dtype)  # (V, H)
             del dz
-            loss += (w_c * d).sum()
+            loss += (w_c * d).sum()  # Eq. 11's sum over the chunk (`divergence.weighted_sum`)
             d_all.append(d)
             terms_all.append(terms)
         ctx.save_for_backward(grad_h, grad_w.to(w_s.dtype))
@@ -278,7 +257,7 @@ class _FromHidden(torch.autograd.Function):
     @staticmethod
     def backward(ctx, grad_loss, _grad_d, _grad_terms):
         grad_h, grad_w = _saved_grads(ctx, grad_loss)
-        return (grad_h, grad_w) + (None,) * 14
+        return (grad_h, grad_w) + (None,) * 11
 
 
 def budgeted_loss_from_hidden(
@@ -293,45 +272,37 @@ def budgeted_loss_from_hidden(
     *,
     support: str = "student_tail",
     divergence: str = "jsd",
-    token_ids: torch.Tensor | None = None,
-    old_logp: torch.Tensor | None = None,
-    is_clip: float | None = None,
+    tokens: TokenWeight | None = None,
     timing: dict | None = None,
-    gate_ids: torch.Tensor | None = None,
     extras: dict | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """sum_p weights_p rho_p D(p) (Eq. 11 with its per-token weights; D per position as
-    `divergence.topk_divergence` with this support and divergence, Eq. 3 by default), differentiable
-    to h_s and w_s; plus the detached per-position D (P,) and (d, o, c) (P, 3).
+    """Eq. 11 from hidden states: sum_p weights_p w_p D(p) (`divergence.weighted_sum` of `divergence.budgeted_weights`
+    times the method's token weights; D per position as `divergence.topk_divergence` with this support and
+    divergence, Eq. 3 by default), differentiable to h_s and w_s; plus the detached per-position D (P,) and
+    (d, o, c) (P, 3).
 
-    h_s, h_t: (P, H) final hidden states of the student and the teacher at the same response
-    positions; w_s, w_t: (V, H) their LM-head weights; weights: (P,) (Eq. 11's, times e.g. OPD-V's
-    `weights.trust_region`). rho_p = `weights.importance_ratio`(log p^S(y_p), old_logp_p, is_clip),
-    detached, from the chunk's own logits, when token_ids (P,) (the sampled ids), old_logp (P,) and
-    is_clip are given; else 1. At most `chunk` positions' logits exist at once. Weights in another
-    dtype than the hidden states (fp32 master weights under bf16 autocast) are cast once per call;
-    dL/dW is accumulated in fp32. `timing` (a dict): timing['teacher_s'] gains the seconds of the
-    teacher's LM-head products and log-softmax normalisers (its top-k and gathers, O(C V) each, are
-    not counted). `gate_ids` (P,), the sampled ids: each weight is also multiplied by OPOD's gate
-    `weights.teacher_gate`(log pi_T(y_p), log pi_theta(y_p)) from the chunk's logits; `extras` (a dict)
-    then receives 'teacher_logp' and 'student_logp', the two sampled-token log-probs (P,), detached.
+    h_s, h_t: (P, H) final hidden states of the student and the teacher at the same response positions; w_s, w_t:
+    (V, H) their LM-head weights; weights: (P,) Eq. 11's. `tokens` (`weights.TokenWeight`): the method's token
+    weight w_p from the chunk's own logits (the sampled tokens' log-probs of both sides; OPD-V's trust region,
+    Vision-OPD's importance ratio, OPOD's gate), detached; None: w_p = 1. At most `chunk` positions' logits exist
+    at once. Weights in another dtype than the hidden states (fp32 master weights under bf16 autocast) are cast
+    once per call; dL/dW is accumulated in fp32. `timing` (a dict): timing['teacher_s'] gains the seconds of the
+    teacher's LM-head products and log-softmax normalisers (its top-k and gathers, O(C V) each, are not counted).
+    `extras` (a dict), with `tokens`: receives 'token_weight' (w_p) and 'teacher_logp' (log pi_T(y_p)), (P,).
     """
     check_loss(support, divergence)
-    if not _check_ratio_args(token_ids, old_logp, is_clip):
-        token_ids = old_logp = is_clip = None
-    gate = {} if gate_ids is not None else None
     if h_s.shape[0] == 0:
         zero = (h_s.sum() + w_s.sum()) * 0.0  # keeps the graph (and DDP's gradient hooks) intact
-        if extras is not None and gate is not None:
-            extras.update(teacher_logp=h_s.new_zeros(0, dtype=torch.float32), student_logp=h_s.new_zeros(0, dtype=torch.float32))
+        if extras is not None and tokens is not None:
+            extras.update(token_weight=h_s.new_zeros(0, dtype=torch.float32), teacher_logp=h_s.new_zeros(0, dtype=torch.float32))
         return zero, h_s.new_zeros(0, dtype=torch.float32), h_s.new_zeros(0, 3, dtype=torch.float32)
-    ratio_args = (token_ids, None if old_logp is None else old_logp.detach(), is_clip)
+    parts: dict = {}
     out = _FromHidden.apply(
-        h_s, w_s, h_t.detach(), w_t.detach(), weights.detach(), k, alpha, chunk, support, divergence, *ratio_args,
-        timing, gate_ids, gate,
+        h_s, w_s, h_t.detach(), w_t.detach(), weights.detach(), k, alpha, chunk, support, divergence, tokens, timing,
+        parts,
     )
-    if extras is not None and gate is not None:
-        extras.update({key: torch.cat(v) for key, v in gate.items()})
+    if extras is not None and tokens is not None:
+        extras.update({key: torch.cat(v) for key, v in parts.items()})
     return out
 
 

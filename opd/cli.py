@@ -53,8 +53,20 @@ def run_cli(main: Callable, argv: list[str], prog: str):
 
 
 def field_docs(cls) -> dict[str, str]:
-    """The docstring written under each field of a dataclass (the cleanrl/tyro convention)."""
-    tree = ast.parse(textwrap.dedent(inspect.getsource(cls)))
+    """The docstring written under each field of a dataclass (the cleanrl/tyro convention), from the class and
+    its dataclass bases; a class made by `with_sections` adds its sections' docs."""
+    docs: dict[str, str] = {}
+    for klass in reversed(cls.__mro__):
+        if dataclasses.is_dataclass(klass) and "__field_docs__" not in vars(klass):
+            docs.update(_own_field_docs(klass))
+    return docs | getattr(cls, "__field_docs__", {})
+
+
+def _own_field_docs(cls) -> dict[str, str]:
+    try:
+        tree = ast.parse(textwrap.dedent(inspect.getsource(cls)))
+    except (OSError, TypeError):  # no source (a generated class)
+        return {}
     body = tree.body[0].body
     docs = {}
     for node, nxt in zip(body, body[1:]):
@@ -67,6 +79,28 @@ def field_docs(cls) -> dict[str, str]:
         ):
             docs[node.target.id] = " ".join(nxt.value.value.split())
     return docs
+
+
+def with_sections(base, sections: dict[str, type], name: str):
+    """A dataclass `name` with `base`'s fields and, for each section prefix p with its config dataclass C, one
+    field p_f per field f of C (its flag --p-f, its default, its docstring): the settings of a part that owns its
+    config (an objective's, `opd.objective.Objective.Config`), as flat fields, so that flags, presets, stored
+    configs and --resume's check treat them like any other. `section_config(cfg, p, C)` builds the C."""
+    fields = []
+    for prefix, config in sections.items():
+        hints = typing.get_type_hints(config)
+        for f in dataclasses.fields(config):
+            fields.append((f"{prefix}_{f.name}", hints[f.name], dataclasses.field(default=f.default)))
+    cls = dataclasses.make_dataclass(name, fields, bases=(base,))
+    cls.__module__, cls.__qualname__, cls.__doc__ = base.__module__, name, base.__doc__
+    docs = {f"{p}_{k}": v for p, c in sections.items() for k, v in field_docs(c).items()}
+    cls.__field_docs__ = {**field_docs(base), **docs}
+    return cls
+
+
+def section_config(cfg, prefix: str, config):
+    """The section `prefix`'s config dataclass from the flat fields `with_sections` made."""
+    return config(**{f.name: getattr(cfg, f"{prefix}_{f.name}") for f in dataclasses.fields(config)})
 
 
 def _base_type(annotation):

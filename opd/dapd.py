@@ -39,7 +39,7 @@ of the base, two of the snapshot), each counted in the ledger under `<anchor>:<p
 6 |S|. The selector's utility label u_i (Eq. 9) comes from pair 1, the OPSD pair (the snapshot with the
 reference against the student without), at temperature 1 on the student's top-k.
 
-The anchors: `snapshot` is the run's teacher (`opd.teacher.EMATeacher`, saved in every checkpoint) updated
+The anchors: `snapshot` is the run's teacher (`opd.ema_teacher.EMATeacher`, saved in every checkpoint) updated
 with tau = 1 every `--ema-every` steps (DAPD's method settings: `--ema-tau 1 --ema-every 100`; DAPD
 refreshes when its global step, counted after the update, is a multiple of 100, as here: after step index
 s when (s + 1) % 100 == 0), so it equals `base` until the first refresh; `base` is loaded from the run's
@@ -60,17 +60,18 @@ LM heads) are freed after each micro-batch.
 
 from __future__ import annotations
 
-import time
 from contextlib import nullcontext
 from dataclasses import dataclass
 
 import torch
 
 from opd.chunked import clamped_kl_from_hidden
-from opd.distill import DistillResult, StepBatch, TeacherCost, completion_inputs, dummy_backward, plan_micro_batches
-from opd.sharding import is_sharded, reshard
-from opd.teacher import EMATeacher, Teacher, lm_head_weight, response_hidden
-from opd.teachers import TeacherSet
+from opd.distill import completion_inputs, dummy_backward
+from opd.ema_teacher import EMATeacher, Teacher, lm_head_weight, response_hidden
+from opd.external_teachers import TeacherSet
+from opd.objective import DistillResult, Objective, ObjectiveContext, StepBatch
+from opd.schedule import Stopwatch, TeacherCost, lockstep, plan_micro_batches, record_forward, synced
+from opd.sharding import reshard
 from opd.utility import sample_utility
 from opd.views import View, get_view, reference_prompt
 
@@ -131,30 +132,52 @@ def reference_completion(tokenizer, reference: str, eos_id: int, max_len: int) -
     return torch.tensor(ids[:max_len], dtype=torch.long)
 
 
-class DAPD:
+@dataclass
+class DAPDConfig:
+    """DAPD's own settings (flags `--dapd-<field>`)."""
+
+    temperature: float = 1.1
+    """Temperature of both sides of the clamped forward KL (DAPD's 1.1)."""
+    clip: float = 0.05
+    """Upper clamp of each vocabulary entry's KL contribution (DAPD's 0.05)."""
+
+    def check(self) -> list[str]:
+        return [] if self.temperature > 0 and self.clip > 0 else ["--dapd-temperature and --dapd-clip must be positive"]
+
+
+class DAPD(Objective):
     """The DAPD objective (see the module docstring): the six pairs on S, the snapshot refresh after a valid
     update every `ema_every` steps."""
 
-    def __init__(self, run):
-        self.run = run
-        base = Teacher(run.load_frozen(run.initial_model, "--model"))  # the initial weights, frozen (reloaded on resume)
-        if not isinstance(run.teacher, EMATeacher):
+    name = "dapd"
+    Config = DAPDConfig
+    refuses = {"teacher_view": "its contexts are fixed: none, reference, rollout",
+               "is_clip": "its clamped KL has no importance ratio"}  # fmt: skip
+
+    @classmethod
+    def build_teachers(cls, teachers: TeacherSet, load_initial) -> TeacherSet:
+        """The two anchors: `snapshot`, the run's EMA teacher, and `base`, the initial weights (frozen, reloaded on
+        resume)."""
+        snapshot = teachers.teachers.get("teacher")
+        if not isinstance(snapshot, EMATeacher):
             raise TypeError("DAPD's snapshot is the run's EMA teacher")
-        run.teachers = TeacherSet({"snapshot": run.teacher, "base": base})
-        self.anchors = {"snapshot": run.teacher, "base": base}
+        return TeacherSet({"snapshot": snapshot, "base": Teacher(load_initial())})
+
+    def __init__(self, ctx: ObjectiveContext, config: DAPDConfig | None = None, load_initial=None):
+        super().__init__(ctx, config or DAPDConfig(), load_initial)
+        self.anchors = {name: ctx.teachers.teachers[name] for name in ANCHORS}
 
     @property
     def labels(self) -> list[str]:
         return [f"{p.anchor}:{p.name}" for p in PAIRS]
 
     def __call__(self, batch: StepBatch) -> DistillResult:
-        run, acc, cfg = self.run, self.run.acc, self.run.cfg
-        device = acc.device
+        ctx = self.ctx
+        acc, dc, device = ctx.accelerator, ctx.distill, ctx.device
         ro, sel = batch.rollouts, batch.selected
-        tok = run.processor.tokenizer
-        eos = run.ids["eos"][0]
+        eos = ctx.ids["eos"][0]
         res = DistillResult(utility=torch.full((len(ro),), float("nan")), teachers={lab: TeacherCost() for lab in self.labels})
-        refs = {j: reference_completion(tok, batch.records[j].reference, eos, cfg.max_response_len)
+        refs = {j: reference_completion(ctx.tokenizer, batch.records[j].reference, eos, ctx.max_response_len)
                 for j in {*ro.prompt_index[sel].tolist(), int(ro.prompt_index[0])}}  # fmt: skip (row 0: padding)
         n_roll = int(ro.lengths[sel].sum()) if sel.numel() else 0
         n_ref = sum(len(refs[int(ro.prompt_index[i])]) for i in sel.tolist())
@@ -170,19 +193,16 @@ class DAPD:
         lengths = torch.tensor([len(batch.student_prompts[int(ro.prompt_index[i])]) for i in sel.tolist()], dtype=torch.long)
         lengths = lengths + ro.lengths[sel] + torch.tensor([len(refs[int(ro.prompt_index[i])]) for i in sel.tolist()],
                                                           dtype=torch.long)  # fmt: skip
-        plan = [sel[g] for g in plan_micro_batches(lengths, cfg.micro_batch, cfg.micro_batch_tokens)] if sel.numel() else []
-        sharded = is_sharded(run.student)
-        if sharded:  # every rank runs as many micro-batches as the busiest one: the rest zero-weighted padding on row 0
-            steps = int(acc.gather(torch.tensor([len(plan)], device=device)).max())
-        else:
-            steps = len(plan)
-            if not plan:  # keep this rank in DDP's gradient all-reduce
-                dummy_backward(acc, run.student, ro, batch.student_prompts, run.ids["pad"], run.autocast)
+        plan = [sel[g] for g in plan_micro_batches(lengths, dc.micro_batch, dc.micro_batch_tokens)] if sel.numel() else []
+
+        def run(_group, rows, last: bool) -> None:  # padding (rows None): zero-weighted on row 0, nothing counted
+            padding = rows is None
+            rows = torch.tensor([0]) if padding else rows
+            self._micro_batch(batch, rows, refs, denominators, scale, res, sums, last, padding)
+
         try:
-            for j in range(steps):
-                padding = j >= len(plan)
-                rows = torch.tensor([0]) if padding else plan[j]
-                self._micro_batch(batch, rows, refs, denominators, scale, res, sums, j == len(plan) - 1, padding)
+            lockstep(acc, ctx.student, {"pairs": plan}, run,
+                     dummy=lambda: dummy_backward(acc, ctx.student, ro, batch.student_prompts, ctx.ids["pad"], ctx.autocast))
         finally:
             for anchor in self.anchors.values():
                 reshard(anchor.model)
@@ -194,7 +214,7 @@ class DAPD:
 
     def _inputs(self, batch: StepBatch, rows: torch.Tensor, refs: dict, completion: str, context: str):
         """(inputs, mask, width) of `rows` in one (completion, context) and their prompt lengths."""
-        run, ro = self.run, batch.rollouts
+        ctx, ro = self.ctx, batch.rollouts
         prompts = []
         for i in rows.tolist():
             j = int(ro.prompt_index[i])
@@ -204,24 +224,24 @@ class DAPD:
                 prompts.append(batch.teacher_prompt("snapshot", "reference_answer", j))
             else:
                 record = batch.records[j]
-                text = run.processor.tokenizer.decode(ro.response_ids[i, : int(ro.lengths[i])], skip_special_tokens=True)
-                images, _ = get_view(run.method.student_view)(record)
+                text = ctx.tokenizer.decode(ro.response_ids[i, : int(ro.lengths[i])], skip_special_tokens=True)
+                images, _ = get_view(ctx.student_view)(record)
                 view = View(lambda r, seed, images=images, text=text: (images, context_text(r.problem, "rollout", "", text)))
-                prompts.append(run.encode(view, record))
+                prompts.append(ctx.encode(view, record))
         if completion == "rollout":
             completions = [ro.response_ids[i, : int(ro.lengths[i])] for i in rows.tolist()]
         else:
             completions = [refs[int(ro.prompt_index[i])] for i in rows.tolist()]
-        inputs, mask, _, width = completion_inputs(prompts, completions, run.ids["pad"], run.acc.device)
+        inputs, mask, _, width = completion_inputs(prompts, completions, ctx.ids["pad"], ctx.device)
         return inputs, mask, width, sum(len(p) for p in prompts)
 
     def _micro_batch(self, batch, rows, refs, denominators, scale, res, sums, last: bool, padding: bool = False) -> None:
         """One micro-batch of `rows`: the six anchor forwards, then one student forward and backward per student
         context (DDP: only the step's last backward synchronises). padding=True (sharded lockstep): the same forwards
         and backwards with zero weights, nothing counted or labelled."""
-        run, acc, cfg = self.run, self.run.acc, self.run.cfg
-        device = acc.device
-        t0, teacher_before = time.perf_counter(), res.teacher_s
+        ctx = self.ctx
+        acc, dc, device = ctx.accelerator, ctx.distill, ctx.device
+        watch, teacher_before = Stopwatch(device), res.teacher_s
         cache: dict[tuple[str, str], tuple] = {}
 
         def inputs_of(completion: str, context: str):
@@ -230,38 +250,29 @@ class DAPD:
             return cache[completion, context]
 
         anchor_h = {}
-        with run.autocast():
+        with ctx.autocast():
             for p in PAIRS:  # the anchors: six detached forwards, each in its own context
                 inputs, mask, width, prompt_tokens = inputs_of(p.completion, p.anchor_context)
                 anchor = self.anchors[p.anchor]
-                _sync(device)
-                t1 = time.perf_counter()
+                forward = Stopwatch(device)
                 with anchor.uncounted() if padding else nullcontext():
                     anchor_h[p.name] = anchor.hidden(inputs, width)[mask]  # (P, H)
-                _sync(device)
-                if padding:
-                    continue
-                cost = res.teachers[f"{p.anchor}:{p.name}"]
-                cost.seconds += time.perf_counter() - t1
-                cost.rows += len(rows)
-                cost.tokens += int(mask.sum()) + prompt_tokens
-                cost.padded_tokens += inputs["input_ids"].numel()
+                if not padding:
+                    record_forward(res.teachers[f"{p.anchor}:{p.name}"], inputs, mask, prompt_tokens, forward.seconds())
         groups = list(student_groups().items())
-        w_s = None
         for g, ((completion, context), pairs) in enumerate(groups):  # the student: one forward and backward per context
             inputs, mask, width, _ = inputs_of(completion, context)
-            sync = last and g == len(groups) - 1
-            with nullcontext() if sync else acc.no_sync(run.student):
-                with run.autocast():
-                    h_s = response_hidden(run.student, inputs, width)[mask]  # (P, H)
-                    w_s = lm_head_weight(getattr(run.student, "module", run.student))
+            with synced(acc, ctx.student, last and g == len(groups) - 1):
+                with ctx.autocast():
+                    h_s = response_hidden(ctx.student, inputs, width)[mask]  # (P, H)
+                    w_s = lm_head_weight(getattr(ctx.student, "module", ctx.student))
                     weight = torch.ones(h_s.shape[0], device=device) * (0.0 if padding else scale / denominators[completion])
                     timing: dict[str, float] = {}
-                    utility = cfg.topk if pairs[0] is PAIRS[0] else 0
+                    utility = dc.k if pairs[0] is PAIRS[0] else 0
                     loss, d, terms = clamped_kl_from_hidden(
                         h_s, w_s, [anchor_h[p.name] for p in pairs],
                         [lm_head_weight(self.anchors[p.anchor].model) for p in pairs], [weight * p.weight for p in pairs],
-                        cfg.dapd_temperature, cfg.dapd_clip, cfg.loss_chunk or max(1, h_s.shape[0]), utility_k=utility,
+                        self.config.temperature, self.config.clip, dc.loss_chunk or max(1, h_s.shape[0]), utility_k=utility,
                         timing=timing,
                     )  # fmt: skip
                 acc.backward(loss)
@@ -274,27 +285,15 @@ class DAPD:
                 flat = torch.zeros((*mask.shape, 3), dtype=terms.dtype, device=device)
                 flat[mask] = terms
                 d_, o, c = flat.unbind(-1)
-                o = o if not cfg.no_overlap else torch.ones_like(o)
-                c = c if not cfg.no_confidence else torch.ones_like(c)
+                o = o if dc.use_overlap else torch.ones_like(o)
+                c = c if dc.use_confidence else torch.ones_like(c)
                 res.utility[rows] = sample_utility(d_, o, c, mask).float().cpu()
         for anchor in self.anchors.values():  # sharded: the anchors' gathered roots (LM heads) are freed
             reshard(anchor.model)
         if not padding:
-            res.student_s += time.perf_counter() - t0 - (res.teacher_s - teacher_before)
+            res.student_s += watch.seconds() - (res.teacher_s - teacher_before)
 
     def after_update(self, step: int) -> None:
         """The snapshot refresh: snapshot <- policy (tau = --ema-tau, 1 for DAPD) every --ema-every steps."""
-        cfg = self.run.cfg
-        if (step + 1) % max(1, cfg.ema_every) == 0:
-            self.anchors["snapshot"].update(self.run.policy, cfg.ema_tau)
-
-    def state_dict(self) -> dict:
-        return {}
-
-    def load_state_dict(self, state: dict) -> None:
-        pass
-
-
-def _sync(device: torch.device) -> None:
-    if device.type == "cuda":
-        torch.cuda.synchronize(device)
+        if (step + 1) % max(1, self.ctx.ema_every) == 0:
+            self.anchors["snapshot"].update(self.ctx.policy(), self.ctx.ema_tau)

@@ -292,6 +292,13 @@ def budgeted_loss(
     valid token the result is an exact zero (the denominator is clamped to at least 1).
     `denominator`: see `budgeted_weights`.
     """
-    w = budgeted_weights(selected, mask, denominator, per_token.dtype)  # (N, T)
-    # Rows with z = 0 may hold non-finite values (never computed); they must not leak into the sum.
-    return torch.where(w > 0, per_token * w, torch.zeros_like(per_token)).sum()
+    return weighted_sum(per_token, budgeted_weights(selected, mask, denominator, per_token.dtype))
+
+
+def weighted_sum(per_token: torch.Tensor, weights: torch.Tensor) -> torch.Tensor:
+    """sum_{i,t} w_{i,t} D_{i,t}, the sum of Eq. 11 for given weights (Eq. 11's, times any token weight).
+
+    Positions with weight 0 are left out, not multiplied: rows outside S may hold non-finite D (never
+    computed), and they must not leak into the sum. Training's whole-logits path calls it per micro-batch;
+    the chunked path (`opd.chunked.budgeted_loss_from_hidden`) sums the same terms chunk by chunk."""
+    return torch.where(weights > 0, per_token * weights, torch.zeros_like(per_token)).sum()

@@ -18,19 +18,21 @@ over `--preset` and under the flags given.
 | dapd | DAPD | full (+ reference or own rollout as context) | anchors base / snapshot, six pairs | full vocabulary | clamped forward KL at tau 1.1 | pair weights (sum 2) |
 | opod | OPOD | full | routed external teachers, full | student top-k + tail | JSD_alpha + group-relative PG | beta_m ReLU(log pi_T - log pi_theta) |
 
-A method that needs more than a loss and a view names its `objective`: 'distill' (`opd.distill.Distillation`,
-every method above but the last two), 'dapd' (`opd.dapd.DAPD`: six KL pairs against two anchors) or 'opod'
-(`opd.opod.OPOD`: the gated distillation, the per-teacher controller and the verified-reward policy
-gradient). `train.py` looks the objective up by that name in one table.
+Each method names its objective class (`opd.objective`): `opd.distill.Distillation` for every method that is a
+loss and a view, `opd.dapd.DAPD` (six KL pairs against two anchors) and `opd.opod.OPOD` (the gated distillation,
+the per-teacher controller and the verified-reward policy gradient). This table is the one registry: `train.py`
+imports no objective and never tests a method's name. docs/EXTENDING.md: adding a method.
 """
 
 from dataclasses import dataclass, field
 
+from opd.dapd import DAPD
+from opd.distill import Distillation
 from opd.divergence import check_loss
+from opd.objective import Objective
+from opd.opod import OPOD
 from opd.views import VIEWS
-
-TOKEN_WEIGHTS = ("none", "trust_region", "gate")
-OBJECTIVES = ("distill", "dapd", "opod")
+from opd.weights import NEGATIVE_VIEW, TOKEN_WEIGHTS
 
 
 @dataclass(frozen=True)
@@ -50,10 +52,11 @@ class Method:
     divergence: str = "jsd"
     """'jsd': the generalized JSD of Eq. 3 with --alpha; 'bc_rkl': the bias-corrected reverse KL."""
     token_weight: str = "none"
-    """'none', 'trust_region': w_t = ReLU(log pi_T+(y_t) - log pi_T-(y_t)) from the two teachers, or 'gate':
-    OPOD's c_t = ReLU(log pi_T(y_t) - log pi_theta(y_t)) (`opd.weights`)."""
-    objective: str = "distill"
-    """Which objective runs the method (OBJECTIVES): 'distill' (a loss and a view), 'dapd' or 'opod'."""
+    """A name of `opd.weights.TOKEN_WEIGHTS`: 'none', 'trust_region': w_t = ReLU(log pi_T+(y_t) - log pi_T-(y_t))
+    from the two teachers, or 'gate': OPOD's c_t = ReLU(log pi_T(y_t) - log pi_theta(y_t))."""
+    objective: type = Distillation
+    """The objective class that runs the method (`opd.objective.Objective`): Distillation (a loss and a view),
+    DAPD or OPOD."""
     external_teachers: str = "allowed"
     """'allowed' (--teacher-model / --teachers replace the EMA self-teacher), 'required' (OPOD: its teachers
     are separate checkpoints) or 'refused' (DAPD: its anchors are the policy's own weights)."""
@@ -69,11 +72,11 @@ class Method:
         """Refuses an inconsistent table entry (a programming error, not a user error)."""
         for view in (self.student_view, *self.teacher_views):
             assert view in VIEWS, f"{self.name}: unknown view {view!r}"
-        assert self.objective in OBJECTIVES and self.external_teachers in ("allowed", "required", "refused")
-        if self.objective != "dapd":  # DAPD's loss is its own (opd.dapd)
+        assert issubclass(self.objective, Objective) and self.external_teachers in ("allowed", "required", "refused")
+        if self.objective is not DAPD:  # DAPD's loss is its own (opd.dapd)
             check_loss(self.support, self.divergence)  # known names; an unnormalised support only with bc_rkl
         assert self.token_weight in TOKEN_WEIGHTS
-        assert (self.token_weight == "trust_region") == (self.negative_view is not None), self.name
+        assert (self.token_weight in NEGATIVE_VIEW) == (self.negative_view is not None), self.name
 
 
 FULL_QUERY = dict(policy="full", rho=1.0)
@@ -98,12 +101,12 @@ METHODS: dict[str, Method] = {
         ),  # fmt: skip
         Method(
             "dapd", "DAPD (arXiv 2608.01735; uanu2002/DAPD, dapd/objective.py, dapd/trainer.py)",
-            teacher_view="reference_answer", support="full", divergence="clamped_kl", objective="dapd",
+            teacher_view="reference_answer", support="full", divergence="clamped_kl", objective=DAPD,
             external_teachers="refused", settings=dict(FULL_QUERY, ema_tau=1.0, ema_every=100),
         ),  # fmt: skip
         Method(
             "opod", "OPOD (arXiv 2607.20918; no public code, formulas transcribed: medium confidence)",
-            teacher_view="full", token_weight="gate", objective="opod", external_teachers="required",
+            teacher_view="full", token_weight="gate", objective=OPOD, external_teachers="required",
             settings=FULL_QUERY,
         ),  # fmt: skip
     )

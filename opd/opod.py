@@ -59,20 +59,19 @@ ones zero-weighted (or uncounted) forwards on the rank's row 0.
 from __future__ import annotations
 
 import math
-import time
 from contextlib import nullcontext
+from dataclasses import dataclass
 
 import torch
 
 from opd.chunked import sampled_logp_from_hidden, weighted_logp_from_hidden
-from opd.distill import (
-    DistillResult, Distillation, StepBatch, TeacherCost, completion_inputs, dummy_backward, micro_batch_inputs,
-    plan_micro_batches,
-)  # fmt: skip
+from opd.distill import Distillation, completion_inputs, dummy_backward, micro_batch_inputs
+from opd.ema_teacher import Teacher, lm_head_weight, response_hidden
 from opd.eval.answers import exact_match, parse_choice, parse_yes_no
 from opd.eval.benchmarks import split_options
-from opd.sharding import is_sharded, reshard
-from opd.teacher import Teacher, lm_head_weight, response_hidden
+from opd.objective import DistillResult, Objective, ObjectiveContext, StepBatch
+from opd.schedule import Stopwatch, TeacherCost, lockstep, plan_micro_batches, record_forward, synced
+from opd.sharding import reshard
 from opd.views import View, get_view, reference_prompt
 
 
@@ -157,27 +156,70 @@ class GateController:
             self.warm = {k: list(v) for k, v in state["warm"].items()}
 
 
-class OPOD:
+@dataclass
+class OPODConfig:
+    """OPOD's own settings (flags `--opod-<field>`); each says whether its value is the paper's or a guess."""
+
+    beta_init: float = 1.0
+    """Initial strength beta_m of every teacher's gated term (not in the paper; a guess)."""
+    beta_min: float = 0.1
+    """Lower bound of beta_m (the paper's 0.1)."""
+    beta_max: float = 2.0
+    """Upper bound of beta_m (not in the paper; a guess)."""
+    eta: float = 0.1
+    """Controller rate eta of beta_m <- clip(beta_m + eta (mean c_m - eps_m)) (not in the paper; a guess)."""
+    warmup: int = 10
+    """Steps (with tokens of a teacher) whose mean gate sets that teacher's target eps_m (the paper's 10)."""
+    eps_floor: float = 0.02
+    """Floor of the controller target eps_m (the paper's 0.02)."""
+    reward_a: float = 0.2
+    """Weight of A (teacher confidence on a correct response) in r = r_task + 0.2 A + 0.1 B (the paper's)."""
+    reward_b: float = 0.1
+    """Weight of B (how much the response raises the teacher's log-prob of the answer); 0 skips its forwards."""
+    reward_clip: float = 2.0
+    """C, the clip of A to [-C, 0] and of B to [-C, C] (the paper's 2)."""
+    pg_weight: float = 1.0
+    """Weight of the group-relative policy-gradient term (the paper adds it unweighted)."""
+    adv_eps: float = 1e-4
+    """eps of the group advantage (r - mean) / (std + eps) (not in the paper; TRL's GRPO value)."""
+    kl: float = 0.0
+    """Weight of KL(pi_theta || pi_ref), pi_ref the initial policy (the paper's weight is unknown; 0 = off)."""
+
+    def check(self) -> list[str]:
+        problems = []
+        if not 0 < self.beta_min <= self.beta_init <= self.beta_max:
+            problems.append(f"--opod-beta-min {self.beta_min}, --opod-beta-init {self.beta_init}, --opod-beta-max "
+                            f"{self.beta_max}: need 0 < min <= init <= max")
+        if self.warmup < 1 or self.reward_clip <= 0 or self.adv_eps <= 0 or self.kl < 0:
+            problems.append("--opod-warmup must be >= 1, --opod-reward-clip and --opod-adv-eps > 0, --opod-kl >= 0")
+        return problems
+
+
+class OPOD(Objective):
     """The OPOD objective (see the module docstring)."""
 
-    def __init__(self, run):
-        self.run = run
-        cfg = run.cfg
-        self.distillation = Distillation(run)
-        self.controller = GateController(run.teachers.names, cfg.opod_beta_init, cfg.opod_beta_min, cfg.opod_beta_max,
-                                         cfg.opod_eta, cfg.opod_warmup, cfg.opod_eps_floor)  # fmt: skip
-        self.reference = Teacher(run.load_frozen(run.initial_model, "--model")) if cfg.opod_kl > 0 else None
+    name = "opod"
+    Config = OPODConfig
+
+    def __init__(self, ctx: ObjectiveContext, config: OPODConfig | None = None, load_initial=None):
+        super().__init__(ctx, config or OPODConfig(), load_initial)
+        c = self.config
+        self.distillation = Distillation(ctx)
+        self.controller = GateController(ctx.teachers.names, c.beta_init, c.beta_min, c.beta_max, c.eta, c.warmup,
+                                         c.eps_floor)  # fmt: skip
+        self.reference = Teacher(load_initial()) if c.kl > 0 else None
         self.pending: dict[str, float | None] = {}
 
     @property
     def labels(self) -> list[str]:
-        t = self.run.teachers
-        extra = ("verify", "answer") if self.run.cfg.opod_reward_b else ()
+        t = self.ctx.teachers
+        extra = ("verify", "answer") if self.config.reward_b else ()
         return self.distillation.labels + [t.label(n, v) for n in t.names for v in extra]
 
     def __call__(self, batch: StepBatch) -> DistillResult:
-        run, acc, cfg = self.run, self.run.acc, self.run.cfg
-        ro, sel, names = batch.rollouts, batch.selected, self.run.teachers.names
+        ctx, c = self.ctx, self.config
+        acc = ctx.accelerator
+        ro, sel, names = batch.rollouts, batch.selected, ctx.teachers.names
         beta = torch.tensor([self.controller.beta.get(r, 0.0) if r is not None else 0.0 for r in batch.route])
         res = self.distillation(batch, row_weights=beta, sync=False)  # 1. L_tc, gated, beta per row
         res.teachers = {lab: res.teachers.get(lab, TeacherCost()) for lab in self.labels}
@@ -187,22 +229,23 @@ class OPOD:
             return res
         rows = sel.tolist()
         lengths = ro.lengths.double()
-        tok = run.processor.tokenizer
+        tok = ctx.tokenizer
         replies = {i: tok.decode(ro.response_ids[i, : int(ro.lengths[i])], skip_special_tokens=True) for i in rows}
         r_task = torch.tensor([task_reward(replies[i], batch.records[int(ro.prompt_index[i])].problem,
                                            batch.records[int(ro.prompt_index[i])].answer) for i in rows], dtype=torch.float64)  # fmt: skip
         mean_t = (res.teacher_logp_sum.double()[sel] / lengths[sel].clamp(min=1)) if rows else torch.zeros(0, dtype=torch.float64)
-        a = answer_confidence(r_task > 0.5, mean_t, cfg.opod_reward_clip)
-        b = self._verification(batch, res, replies) if cfg.opod_reward_b else torch.zeros(len(rows), dtype=torch.float64)
-        reward = verified_reward(r_task, a, b, cfg.opod_reward_a, cfg.opod_reward_b)
-        adv = group_advantages(reward, ro.prompt_index[sel], cfg.opod_adv_eps) if rows else reward
+        a = answer_confidence(r_task > 0.5, mean_t, c.reward_clip)
+        b = self._verification(batch, res, replies) if c.reward_b else torch.zeros(len(rows), dtype=torch.float64)
+        reward = verified_reward(r_task, a, b, c.reward_a, c.reward_b)
+        adv = group_advantages(reward, ro.prompt_index[sel], c.adv_eps) if rows else reward
         pg_value, kl_value = self._policy_gradient(batch, res, adv)  # 4. L_pg (+ KL), the step's synced backward
         # The controller's statistics and the metrics, summed over ranks (one collective, every rank).
         route = [batch.route[i] for i in rows]
         per_teacher = []
         for n in names:
             mine = torch.tensor([r == n for r in route], dtype=torch.bool)
-            per_teacher += [float(res.gate_sum[sel][mine].sum()) if rows else 0.0, float(ro.lengths[sel][mine].sum()) if rows else 0.0]
+            per_teacher += [float(res.token_weight_sum[sel][mine].sum()) if rows else 0.0,
+                            float(ro.lengths[sel][mine].sum()) if rows else 0.0]  # fmt: skip
         stats = [float(reward.sum()), float(r_task.sum()), float(a.sum()), float(b.sum()), len(rows), pg_value, kl_value,
                  *per_teacher]  # fmt: skip
         total = acc.reduce(torch.tensor(stats, dtype=torch.float64, device=acc.device), "sum").cpu().tolist()
@@ -220,117 +263,113 @@ class OPOD:
         """B of every row of S: the routed teacher's log-prob of the answer after the response (in the reference slot)
         minus without it; two forward kinds, counted under the views 'verify' and 'answer'. Sharded: every rank runs
         as many forwards per teacher as the busiest one (the rest on row 0, uncounted)."""
-        run = self.run
-        ro, tok = batch.rollouts, run.processor.tokenizer
+        ctx = self.ctx
+        ro, tok = batch.rollouts, ctx.tokenizer
         rows = batch.selected.tolist()
-        view = run.teacher_views[0]
+        view = ctx.teacher_views[0]
+        micro = ctx.distill.micro_batch
         answer_ids = {j: torch.tensor(tok(batch.records[j].answer, add_special_tokens=False)["input_ids"], dtype=torch.long)
                       for j in {int(ro.prompt_index[i]) for i in rows}}  # fmt: skip
         jobs = {}  # teacher -> [(kind, keys, prompts, completions)]
-        for name in run.teachers.names:
-            teacher = run.teachers.teachers[name]
+        for name in ctx.teachers.names:
+            teacher = ctx.teachers.teachers[name]
             mine = [k for k, i in enumerate(rows) if batch.route[i] == name]
             prompts_of = sorted({int(ro.prompt_index[rows[k]]) for k in mine})
             jobs[name] = [("answer", group, [batch.teacher_prompt(name, view, j) for j in group], [answer_ids[j] for j in group])
-                          for group in _chunks(prompts_of, run.cfg.micro_batch)]  # log pi_T(a* | x): once per prompt
-            for group in _chunks(mine, run.cfg.micro_batch):  # log pi_T(a* | x, z): once per row
+                          for group in _chunks(prompts_of, micro)]  # log pi_T(a* | x): once per prompt
+            for group in _chunks(mine, micro):  # log pi_T(a* | x, z): once per row
                 prompts = []
                 for k in group:
                     record = batch.records[int(ro.prompt_index[rows[k]])]
                     images, _ = get_view(view)(record)
                     text = replies[rows[k]]
                     v = View(lambda r, seed, images=images, text=text: (images, reference_prompt(r.problem, text)))
-                    prompts.append(run.encode(v, record, 0, teacher.processor))
+                    prompts.append(ctx.encode(v, record, 0, teacher.processor))
                 jobs[name].append(("verify", group, prompts, [answer_ids[int(ro.prompt_index[rows[k]])] for k in group]))
-        steps = {n: len(v) for n, v in jobs.items()}
-        if is_sharded(run.student):
-            counts = run.acc.gather(torch.tensor([[steps[n] for n in jobs]], device=run.acc.device)).max(0).values
-            steps = dict(zip(jobs, counts.tolist()))
         without, with_z = {}, {}
         pad = ("padding", [], [batch.student_prompts[int(ro.prompt_index[0])]], [ro.response_ids[0, : int(ro.lengths[0])]])
-        for name in run.teachers.names:
-            teacher = run.teachers.teachers[name]
-            for step in range(steps[name]):
-                kind, keys, prompts, completions = jobs[name][step] if step < len(jobs[name]) else pad
-                sums = self._answer_logp(teacher, name, kind, prompts, completions, res)
-                (without if kind == "answer" else with_z).update(zip(keys, sums))
-            reshard(teacher.model)
+
+        def run(name: str, job, _last: bool) -> None:  # teacher forwards only: no backward, nothing to sync
+            kind, keys, prompts, completions = job if job is not None else pad
+            sums = self._answer_logp(ctx.teachers.teachers[name], name, kind, prompts, completions, res)
+            (without if kind == "answer" else with_z).update(zip(keys, sums))
+
+        try:
+            lockstep(ctx.accelerator, ctx.student, jobs, run, sync=False)
+        finally:
+            for teacher in ctx.teachers.teachers.values():
+                reshard(teacher.model)
         out = torch.zeros(len(rows), dtype=torch.float64)
         for k, i in enumerate(rows):
             if k in with_z:
                 out[k] = verification_gain(torch.tensor(with_z[k]), torch.tensor(without[int(ro.prompt_index[i])]),
-                                           run.cfg.opod_reward_clip)  # fmt: skip
+                                           self.config.reward_clip)  # fmt: skip
         return out
 
     @torch.no_grad()
     def _answer_logp(self, teacher, name: str, view: str, prompts, completions, res: DistillResult) -> list[float]:
         """sum over the completion's tokens of log pi_T, for each prompt + completion (one teacher forward)."""
-        run = self.run
-        device = run.acc.device
-        _sync(device)
-        t0 = time.perf_counter()
-        inputs, mask, ids, width = completion_inputs(prompts, completions, run.ids["pad"], device)
-        with run.autocast(), teacher.uncounted() if view == "padding" else nullcontext():
+        ctx = self.ctx
+        device = ctx.device
+        watch = Stopwatch(device)
+        inputs, mask, ids, width = completion_inputs(prompts, completions, ctx.ids["pad"], device)
+        with ctx.autocast(), teacher.uncounted() if view == "padding" else nullcontext():
             h = teacher.hidden(inputs, width)[mask]  # (P, H)
-            logp = sampled_logp_from_hidden(h, lm_head_weight(teacher.model), ids[mask], run.cfg.loss_chunk or max(1, h.shape[0]))
+            logp = sampled_logp_from_hidden(h, lm_head_weight(teacher.model), ids[mask], ctx.distill.loss_chunk or max(1, h.shape[0]))
         sums = torch.zeros(mask.shape, dtype=torch.float64, device=device).masked_scatter(mask, logp.double()).sum(-1)
-        _sync(device)
+        seconds = watch.seconds()
         if view == "padding":  # a sharded rank's lockstep forward: nothing counted
             return []
-        cost = res.teachers[run.teachers.label(name, view)]
-        cost.seconds += time.perf_counter() - t0
-        cost.rows += len(prompts)
-        cost.tokens += int(mask.sum()) + sum(len(p) for p in prompts)
-        cost.padded_tokens += inputs["input_ids"].numel()
+        record_forward(res.teachers[ctx.teachers.label(name, view)], inputs, mask, sum(len(p) for p in prompts), seconds)
         return sums.cpu().tolist()
 
     def _policy_gradient(self, batch: StepBatch, res: DistillResult, adv: torch.Tensor) -> tuple[float, float]:
         """Backpropagates -pg_weight sum Ahat_i log pi_theta(y_t) / N (+ the KL) on this rank's rows of S, the last
         backward synchronising DDP's gradients (a rank without rows: a zero-weighted one). Returns this rank's
         share of the PG value and of the KL value."""
-        run, acc, cfg = self.run, self.run.acc, self.run.cfg
-        ro, sel, device = batch.rollouts, batch.selected, acc.device
+        ctx, c = self.ctx, self.config
+        acc, dc = ctx.accelerator, ctx.distill
+        ro, sel, device = batch.rollouts, batch.selected, ctx.device
         scale, n_global = acc.num_processes, res.global_tokens
-        plan = [sel[g] for g in plan_micro_batches(ro.lengths[sel], cfg.micro_batch, cfg.micro_batch_tokens)] if sel.numel() else []
-        steps = len(plan)
-        if is_sharded(run.student):  # lockstep: as many micro-batches as the busiest rank, the rest zero-weighted on row 0
-            steps = int(acc.gather(torch.tensor([len(plan)], device=device)).max())
-        elif not plan:  # keep this rank in DDP's gradient all-reduce
-            dummy_backward(acc, run.student, ro, batch.student_prompts, run.ids["pad"], run.autocast)
-            return 0.0, 0.0
+        chunk = dc.loss_chunk
+        plan = [sel[g] for g in plan_micro_batches(ro.lengths[sel], dc.micro_batch, dc.micro_batch_tokens)] if sel.numel() else []
         adv_of = dict(zip(sel.tolist(), adv.tolist())) | ({} if 0 in sel.tolist() else {0: 0.0})
-        pg_value = kl_value = 0.0
-        for j in range(steps):
-            padding = j >= len(plan)
-            rows = torch.tensor([0]) if padding else plan[j]
-            with nullcontext() if j == len(plan) - 1 or padding else acc.no_sync(run.student):
+        values = [0.0, 0.0]  # this rank's PG and KL values
+
+        def run(_group, rows, last: bool) -> None:
+            padding = rows is None
+            rows = torch.tensor([0]) if padding else rows
+            with synced(acc, ctx.student, last or padding):
                 pids = ro.prompt_index[rows].tolist()
-                inputs, mask, width = micro_batch_inputs([batch.student_prompts[p] for p in pids], ro, rows, run.ids["pad"], device)
+                inputs, mask, width = micro_batch_inputs([batch.student_prompts[p] for p in pids], ro, rows, ctx.ids["pad"], device)
                 y = ro.response_ids[rows, :width].to(device)[mask]  # (P,)
                 a = torch.tensor([adv_of[i] for i in rows.tolist()], device=device).unsqueeze(-1).expand(mask.shape)[mask]
-                coef = -cfg.opod_pg_weight * a / n_global  # (P,) d L_pg / d log pi(y_t)
+                coef = -c.pg_weight * a / n_global  # (P,) d L_pg / d log pi(y_t)
                 k3 = None
                 if self.reference is not None:  # KL(pi_theta || pi_ref), k3 on the sampled tokens
-                    with run.autocast():
+                    with ctx.autocast():
                         h_r = self.reference.hidden(inputs, width)[mask]
-                        ref = sampled_logp_from_hidden(h_r, lm_head_weight(self.reference.model), y, cfg.loss_chunk or max(1, h_r.shape[0]))
+                        ref = sampled_logp_from_hidden(h_r, lm_head_weight(self.reference.model), y, chunk or max(1, h_r.shape[0]))
                     old = ro.logp[rows, :width].to(device)[mask].to(ref.dtype)  # (P,) log pi_theta at sampling
                     k3 = torch.exp(ref - old) - (ref - old) - 1.0
-                    coef = coef + cfg.opod_kl * (1.0 - torch.exp(ref - old)) / n_global  # d k3 / d log pi
+                    coef = coef + c.kl * (1.0 - torch.exp(ref - old)) / n_global  # d k3 / d log pi
                     reshard(self.reference.model)
                 if padding:
                     coef, k3 = torch.zeros_like(coef), None
-                with run.autocast():
-                    h = response_hidden(run.student, inputs, width)[mask]  # (P, H)
-                    w = lm_head_weight(getattr(run.student, "module", run.student))
-                    loss, logp = weighted_logp_from_hidden(h, w, y, coef.double() * scale, cfg.loss_chunk or max(1, h.shape[0]))
+                with ctx.autocast():
+                    h = response_hidden(ctx.student, inputs, width)[mask]  # (P, H)
+                    w = lm_head_weight(getattr(ctx.student, "module", ctx.student))
+                    loss, logp = weighted_logp_from_hidden(h, w, y, coef.double() * scale, chunk or max(1, h.shape[0]))
                 acc.backward(loss)
-                if padding:
-                    continue
-                pg_value += float((-cfg.opod_pg_weight * a.double() * logp.double()).sum()) / n_global
-                if k3 is not None:
-                    kl_value += cfg.opod_kl * float(k3.double().sum()) / n_global
-        return pg_value, kl_value
+            if padding:
+                return
+            values[0] += float((-c.pg_weight * a.double() * logp.double()).sum()) / n_global
+            if k3 is not None:
+                values[1] += c.kl * float(k3.double().sum()) / n_global
+
+        lockstep(acc, ctx.student, {"pg": plan}, run,
+                 dummy=lambda: dummy_backward(acc, ctx.student, ro, batch.student_prompts, ctx.ids["pad"], ctx.autocast))
+        return values[0], values[1]
 
     def after_update(self, step: int) -> None:
         """The controller's step on each teacher's mean gate of this step (external teachers do not move)."""
@@ -346,8 +385,3 @@ class OPOD:
 
 def _chunks(items: list, n: int) -> list[list]:
     return [items[k : k + n] for k in range(0, len(items), max(1, n))]
-
-
-def _sync(device: torch.device) -> None:
-    if device.type == "cuda":
-        torch.cuda.synchronize(device)

@@ -8,6 +8,9 @@ selected token (tokens with weight 0 count in the denominator, as in the peers' 
 Notation: y_t the student's sampled token at response position t, log pi(y_t) its log-probability.
 """
 
+from collections.abc import Callable
+from dataclasses import dataclass
+
 import torch
 
 
@@ -50,3 +53,59 @@ def teacher_gate(teacher_logp: torch.Tensor, student_logp: torch.Tensor) -> torc
     2607.20918), as transcribed in ../shared/notes/seed-family.md (no public code; medium confidence).
     """
     return torch.relu(teacher_logp - student_logp).detach()
+
+
+@dataclass
+class SampledLogp:
+    """The log-probabilities of the sampled tokens y_t at a block of valid positions (each (P,), detached)."""
+
+    student: torch.Tensor
+    """log pi_theta(y_t): the student now (the forward being trained)."""
+    teacher: torch.Tensor
+    """log pi_T(y_t): the (positive) teacher."""
+    old: torch.Tensor | None = None
+    """log pi_old(y_t): the policy that sampled y_t (the rollout's log-probs)."""
+    negative: torch.Tensor | None = None
+    """log pi_T-(y_t): OPD-V's negative teacher (the masked view); None for every other method."""
+
+
+TOKEN_WEIGHTS: dict[str, Callable[[SampledLogp], torch.Tensor] | None] = {
+    "none": None,  # w_t = 1
+    "trust_region": lambda lp: trust_region(lp.teacher, lp.negative),  # OPD-V
+    "gate": lambda lp: teacher_gate(lp.teacher, lp.student),  # OPOD
+}
+"""The methods' per-token weights by name (`opd.methods.Method.token_weight`), each a function of the sampled
+tokens' log-probs. Training applies them in one place: `TokenWeight`, called by the chunked loss
+(`opd.chunked.budgeted_loss_from_hidden`) on each chunk and by the whole-logits reference path alike."""
+
+NEGATIVE_VIEW = ("trust_region",)
+"""The weights that read a second teacher view's log-probs (`SampledLogp.negative`)."""
+
+
+def token_weight(name: str, is_clip: float = 0.0) -> Callable[[SampledLogp], torch.Tensor] | None:
+    """The method's w_t (`TOKEN_WEIGHTS[name]`) times Vision-OPD's importance ratio when is_clip > 0
+    (`importance_ratio(student, old, is_clip)`); None when w_t = 1 (nothing to compute)."""
+    if name not in TOKEN_WEIGHTS:
+        raise ValueError(f"unknown token weight {name!r}; known: {', '.join(TOKEN_WEIGHTS)}")
+    base = TOKEN_WEIGHTS[name]
+    if not is_clip:
+        return base
+    if base is None:
+        return lambda lp: importance_ratio(lp.student, lp.old, is_clip)
+    return lambda lp: base(lp) * importance_ratio(lp.student, lp.old, is_clip)
+
+
+@dataclass
+class TokenWeight:
+    """A token weight over a micro-batch's valid positions: the function (`token_weight`), the sampled ids
+    (P,) and the per-position inputs it reads besides the two sides' log-probs (old, negative; (P,) or None).
+    `at(rows, student, teacher)` is w_t for the positions `rows` given their sampled-token log-probs."""
+
+    fn: Callable[[SampledLogp], torch.Tensor]
+    ids: torch.Tensor
+    old: torch.Tensor | None = None
+    negative: torch.Tensor | None = None
+
+    def at(self, rows: slice, student: torch.Tensor, teacher: torch.Tensor) -> torch.Tensor:
+        part = lambda x: None if x is None else x[rows].to(student.dtype)  # noqa: E731
+        return self.fn(SampledLogp(student.detach(), teacher.detach(), part(self.old), part(self.negative)))

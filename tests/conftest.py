@@ -41,3 +41,12 @@ def tiny(tiny_cache):
     from opd.tiny import tiny_defaults
 
     return tiny_defaults()
+
+
+@pytest.fixture(scope="session")
+def float64_model():
+    """The tiny Qwen3.5 computes in float64 when its weights are float64 (tests/float64.py): for the tests that
+    compare two groupings of one computation with TrainConfig(dtype="float64")."""
+    from float64 import float64_model as patch
+
+    patch()

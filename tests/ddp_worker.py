@@ -6,6 +6,7 @@ global batch. With --skew, only rows of rank 0 have high entropy: the entropy po
 nothing on rank 1, which must still complete the step.
 Writes OUT/result.pt: the policy's parameters, the selections, and the ledger rows. --method applies the
 method's paper settings but its policy and rho; --teacher-model gives an external teacher (OPOD's).
+--dtype float64 (the equality test's) also runs the model's float32 casts in float64 (tests/float64.py).
 """
 
 import argparse
@@ -28,12 +29,17 @@ def main() -> None:
     p.add_argument("--skew", action="store_true")
     p.add_argument("--method", default="bas-opd")
     p.add_argument("--teacher-model", default=None)
+    p.add_argument("--dtype", default="float32")
     a = p.parse_args()
+    if a.dtype == "float64":
+        from float64 import float64_model
+
+        float64_model()
     settings = {k: v for k, v in METHODS[a.method].settings.items() if k not in ("policy", "rho")}
     cfg = TrainConfig(
         **settings, out=a.out, method=a.method, policy=a.policy, rho=a.rho, prompts_per_step=4, rollouts_per_prompt=4,
         steps=2, lr=1e-3, micro_batch=3, replay_start=4, replay_batch=16, max_prompt_len=512, max_response_len=10,
-        teacher_model=a.teacher_model,
+        teacher_model=a.teacher_model, dtype=a.dtype,
     )  # fmt: skip
     run = Run(cfg)
     if a.method == "dapd":  # the policy moved off its anchors (as after training), so that every pair's KL and gradient

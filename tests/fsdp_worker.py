@@ -6,6 +6,7 @@ global batch whatever the number of ranks, as tests/ddp_worker.py); with --skew 
 high entropy, so the entropy policy selects nothing on rank 1. Writes OUT/<method>.pt: the full policy
 and teacher weights, the ledger rows, the selections and the teacher rows per rank and step (and per teacher
 with --teacher-model / --teachers: external teachers, sharded like the policy; --data: another training JSONL).
+--dtype float64 (the equality tests'): both runs in float64, the model's float32 casts too (tests/float64.py).
 
 --scenario resume (with --fsdp): a 3-step run (checkpoint every 2 steps) and the same run stopped after
 2 steps and resumed, both with real generation; then the final checkpoint's export (policy/, teacher/)
@@ -44,7 +45,7 @@ def steps(a) -> None:
         cfg = TrainConfig(**{**BASE, **settings}, method=method, out=f"{a.out}/{method}", policy=a.policy,
                           rho=a.rho, fsdp=a.fsdp, micro_batch_tokens=a.micro_batch_tokens,
                           grad_checkpointing=a.grad_checkpointing, teacher_model=a.teacher_model, teachers=a.teachers,
-                          data=a.data, opod_kl=a.opod_kl)  # fmt: skip
+                          data=a.data, opod_kl=a.opod_kl, dtype=a.dtype)  # fmt: skip
         run = Run(cfg)
         if method == "dapd":  # the policy moved off its anchors, so every pair's gradient is far above rounding at step 0
             perturb(run.policy)
@@ -150,8 +151,13 @@ def main() -> None:
     p.add_argument("--teachers", default=None)
     p.add_argument("--data", default=None)
     p.add_argument("--opod-kl", type=float, default=0.0)
+    p.add_argument("--dtype", default="float32")
     a = p.parse_args()
     torch.set_num_threads(1)
+    if a.dtype == "float64":  # the model's float32 casts in float64 too
+        from float64 import float64_model
+
+        float64_model()
     {"steps": steps, "resume": resume, "generate": generate}[a.scenario](a)
 
 

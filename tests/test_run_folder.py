@@ -247,18 +247,20 @@ def test_the_audits_bad_inputs_are_one_line_with_exit_code_2(tmp_path, tiny, oth
     parquet = tmp_path / "train.parquet"
     parquet.write_bytes(b"PAR1" + b"\0" * 16 + b"PAR1")
     empty_crop = write_rows(tmp_path / "empty.jsonl", rows[:3] + [rows[3] | {"teacher_images": []}] + rows[4:])
+    empty = tmp_path / "empty"
+    empty.mkdir()
     reserved = tmp_path / "reserved.json"
     reserved.write_text(json.dumps({"field": "problem", "teachers": {"a": "tiny"}, "default": "a"}))
     out = tmp_path / "o"
     cases = {
         "non-UTF-8 data": (["--data", latin1], f"{latin1}:1: not UTF-8 text (byte 0xf6"),
-        "parquet": (["--data", parquet], "not a JSONL file"),
+        "broken parquet": (["--data", parquet], "train.parquet: cannot read parquet file"),
         "negative lr": (["--lr", "-1"], "--lr -1.0: must be >= 0"),
         "unknown model_type": (["--model", other_models["unknown"]], "'qwen9_9' is not a model type"),
         "resume and overwrite": (["--resume", out, "--overwrite"], "choose one"),
         "ema tau": (["--ema-tau", "2"], "--ema-tau 2.0: the EMA rate must lie in [0, 1]"),
         "empty crop list": (["--data", empty_crop], "empty.jsonl:4: field 'teacher_images': expected exactly one image, got 0"),
-        "data folder": (["--data", tmp_path], "is a folder; give the training JSONL file"),
+        "data folder": (["--data", empty], "is a folder holding neither parquet files nor a dataset saved by"),
         "reserved route field": (["--method", "opod", "--teachers", reserved], "field 'problem' is one the records' own"),
         "flag typo": (["--polcy", "learned"], "unknown flag --polcy; did you mean --policy?"),
     }

@@ -1,4 +1,4 @@
-"""External teachers (opd/teachers.py): `--teacher-model` in place of the EMA self-teacher, `--teachers` routing a
+"""External teachers (opd/external_teachers.py): `--teacher-model` in place of the EMA self-teacher, `--teachers` routing a
 record field to teacher checkpoints (each run only on the selected rows routed to it), the tokenizer check, the
 routing file's errors, checkpoints and resume."""
 
@@ -14,7 +14,7 @@ from opd.cli import UserError
 from opd.data import load_records
 from opd.ledger import read_ledger
 from opd.synthetic import fixed_rollouts
-from opd.teachers import load_routes
+from opd.external_teachers import load_routes
 from opd.tiny import build_tiny_model
 from train import Run
 
@@ -155,7 +155,7 @@ def test_routing_files_and_unrouted_records_are_refused_in_one_line(tmp_path, ti
     (["--method", "dapd", "--teacher-model", "x"], "--method dapd anchors on the policy's own weights"),
     (["--teacher-model", "x", "--teachers", "y.json"], "--teacher-model gives one teacher and --teachers"),
     (["--ema-every", "0"], "--ema-every 0"),
-    (["--method", "dapd", "--is-clip", "2"], "--teacher-view and --is-clip do not apply"),
+    (["--method", "dapd", "--is-clip", "2"], "--method dapd: --is-clip does not apply \(its clamped KL"),
     (["--opod-beta-min", "3"], "--opod-beta-min 3.0"),
 ])  # fmt: skip
 def test_impossible_teacher_combinations_are_refused_by_name(tmp_path, flags, message):
@@ -166,7 +166,7 @@ def test_impossible_teacher_combinations_are_refused_by_name(tmp_path, flags, me
 def test_teacher_names_tiny_and_run_folders(tmp_path, tiny):
     """'tiny' is the built-in model; a train.py run folder (or a checkpoint folder) is its exported policy/; a
     checkpoint folder or hub id is kept; a run folder whose checkpoint has no policy/ is refused in one line."""
-    from opd.teachers import teacher_source
+    from opd.external_teachers import teacher_source
 
     assert teacher_source("tiny") == str(tiny[0])
     ckpt = tmp_path / "run" / "checkpoint-000002"
@@ -184,7 +184,7 @@ def test_teacher_names_tiny_and_run_folders(tmp_path, tiny):
 
 
 def test_the_tiny_defaults_route_file_routes_every_record_to_its_default(tmp_path, tiny):
-    """The route file of opd/teachers.py's docstring (and the README) on the tiny default's own data: no record has
+    """The route file of opd/external_teachers.py's docstring (and the README) on the tiny default's own data: no record has
     the field, so every record goes to the default route, the built-in model, loaded once."""
     routes = tmp_path / "route.json"
     routes.write_text('{"field": "task", "teachers": {"colour": "tiny"}, "default": "colour"}')

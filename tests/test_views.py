@@ -93,6 +93,6 @@ def test_method_table():
     assert get_method("opsd").settings["ema_tau"] == 0.0 and get_method("vision-opd").settings == {"policy": "full", "rho": 1.0}
     assert get_method("bas-opd").settings == {}
     dapd, opod = get_method("dapd"), get_method("opod")
-    assert (dapd.objective, dapd.external_teachers, dapd.teacher_views) == ("dapd", "refused", ("reference_answer",))
+    assert (dapd.objective.name, dapd.external_teachers, dapd.teacher_views) == ("dapd", "refused", ("reference_answer",))
     assert dapd.settings == {"policy": "full", "rho": 1.0, "ema_tau": 1.0, "ema_every": 100}
-    assert (opod.objective, opod.external_teachers, opod.token_weight) == ("opod", "required", "gate")
+    assert (opod.objective.name, opod.external_teachers, opod.token_weight) == ("opod", "required", "gate")

@@ -41,7 +41,7 @@ import torch
 
 from opd.chat import collate, encode_prompt
 from opd.model import quiet_kernel_warnings
-from opd.teacher import response_logits
+from opd.ema_teacher import response_logits
 from opd.tiny import tiny_config, tiny_processor
 from opd.toy.world import WorldConfig, sample
 

@@ -52,7 +52,7 @@ class Teacher:
     """A frozen teacher: a model that scores the student's responses after its own prompt, detached, and
     counts every row and batch it is asked about (the budget audit). `update` leaves it as it is.
 
-    An external teacher (`--teacher-model`, `--teachers`, `opd.teachers`) is one; so is DAPD's `base`
+    An external teacher (`--teacher-model`, `--teachers`, `opd.external_teachers`) is one; so is DAPD's `base`
     anchor. `processor` encodes its prompts (None: the policy's)."""
 
     def __init__(self, model: torch.nn.Module, processor=None):

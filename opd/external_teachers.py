@@ -19,7 +19,7 @@ tiny default's data has no field to route by: a table with one route and `"defau
 
       {"field": "task", "teachers": {"colour": "tiny"}, "default": "colour"}
 
-Each teacher is loaded once, frozen (`opd.teacher.Teacher`: no update, no gradient), and run only on the
+Each teacher is loaded once, frozen (`opd.ema_teacher.Teacher`: no update, no gradient), and run only on the
 selected rows routed to it (`opd.distill` plans micro-batches per teacher). A record whose value has no
 route and no default is refused before training, in one line naming the file, line, field and value.
 
@@ -145,7 +145,7 @@ def teacher_source(path: str) -> str:
 def load_teacher(path: str, what: str, policy_processor, policy_vocab: int, load_model, load_processor):
     """A frozen `Teacher` from a checkpoint (any name `teacher_source` takes): its processor (checked against the
     policy's tokenizer first, so a wrong teacher is refused before its weights load), then `load_model(path)`."""
-    from opd.teacher import Teacher, lm_head_weight
+    from opd.ema_teacher import Teacher, lm_head_weight
 
     path = teacher_source(path)
     processor = load_processor(path)
@@ -160,7 +160,7 @@ class TeacherSet:
     """The run's teachers by name, in a fixed order (every rank the same), and the route of each record."""
 
     teachers: dict = field(default_factory=dict)
-    """name -> opd.teacher.Teacher (or EMATeacher)."""
+    """name -> opd.ema_teacher.Teacher (or EMATeacher)."""
     routes: Routes | None = None
     """None: every record goes to the first (and only) teacher."""
 

@@ -1,0 +1,163 @@
+"""The objective boundary: what the loop hands a method's objective, and what the objective gives back.
+
+`train.Run.step` samples rollouts, selects S (Eq. 4, Algorithm 1 lines 4-9), then calls the method's objective
+once with the step's `StepBatch`; the objective runs the teacher(s) on S only, backpropagates its share of the
+loss and returns a `DistillResult` (its sums, the utility labels of S, its teacher costs, its metrics). After a
+valid optimizer step the loop calls `after_update` (the teachers' update: the EMA, DAPD's snapshot). That is the
+whole seam: an objective never sees the run, only
+
+- `ObjectiveContext`, built once per run: the accelerator, the policy being trained, the teacher set, the prompt
+  encoder, the mixed-precision context, the views and the shared loss settings (`DistillConfig`);
+- its own config dataclass (`Objective.Config`, flags `--<name>-<field>`, e.g. DAPD's `--dapd-clip`), with
+  field docstrings and its own `check()`;
+- `load_initial()`, a frozen copy of the run's initial weights, for objectives that anchor on them.
+
+An objective with teachers of its own (DAPD's `snapshot` and `base` anchors) says so in `build_teachers`, which
+returns the run's teacher set before the context is built: nothing changes the run from outside.
+
+The method table (`opd.methods.METHODS`) names each method's objective class: one registry. docs/EXTENDING.md
+walks through adding a method.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass, field
+
+import torch
+
+from opd.rollout import Rollouts
+from opd.schedule import TeacherCost
+
+
+@dataclass
+class StepBatch:
+    """What the loop hands an objective for one step: this rank's part of it."""
+
+    step: int
+    records: list
+    """This rank's records of the step (local prompt j is records[j])."""
+    record_ids: list[int]
+    rollouts: Rollouts
+    student_prompts: list
+    """The student's encoded prompts (opd.chat.EncodedPrompt), one per local prompt."""
+    selected: torch.Tensor
+    """Local row ids of S."""
+    teacher_prompt: Callable
+    """(teacher name, view, j) -> local prompt j in a teacher's view, encoded once per step with that teacher's
+    processor; a view's randomness (the mask) is seeded by (seed, step, record id)."""
+    route: list
+    """Per local row: the name of its teacher (None outside C)."""
+
+
+@dataclass
+class DistillResult:
+    """What an objective returns for one step on this rank."""
+
+    loss_sum: float = 0.0
+    """sum over this rank's selected valid tokens of w D (Eq. 11's numerator, local part)."""
+    tokens: int = 0
+    """this rank's selected valid tokens (Eq. 11's denominator, local part)."""
+    global_tokens: int = 0
+    """Eq. 11's denominator over all ranks."""
+    utility: torch.Tensor = field(default_factory=lambda: torch.zeros(0))
+    """(N_local,) u_i for selected rows, NaN for unselected rows (they get no label)."""
+    teachers: dict[str, TeacherCost] = field(default_factory=dict)
+    """Per ledger label (teacher view, or teacher:view): rows, prompt + valid response tokens, input tokens
+    with padding, seconds."""
+    student_s: float = 0.0
+    token_weight_sum: torch.Tensor = field(default_factory=lambda: torch.zeros(0))
+    """(N_local,) with a token weight: sum over the row's valid tokens of w_t (0 outside S; OPOD's gate)."""
+    teacher_logp_sum: torch.Tensor = field(default_factory=lambda: torch.zeros(0))
+    """(N_local,) with a token weight: sum over the row's valid tokens of log pi_T(y_t) (0 outside S)."""
+    loss_share: float | None = None
+    """This rank's share of the step's loss (summed over ranks: the loss); None: loss_sum / global_tokens."""
+    metrics: dict = field(default_factory=dict)
+    """Extra ledger fields of the objective (already the same on every rank)."""
+
+    @property
+    def teacher_s(self) -> float:
+        return sum(c.seconds for c in self.teachers.values())
+
+    @property
+    def share(self) -> float:
+        """This rank's share of the step's loss."""
+        return self.loss_share if self.loss_share is not None else self.loss_sum / max(1, self.global_tokens)
+
+
+@dataclass
+class ObjectiveContext:
+    """Everything an objective may use, built once per run by the loop."""
+
+    accelerator: object
+    student: torch.nn.Module
+    """The policy as trained (DDP-wrapped, or FSDP2-sharded): its forwards and backwards."""
+    policy: Callable[[], torch.nn.Module]
+    """The policy unwrapped (its config, its weights for the teachers' update)."""
+    teachers: object
+    """The run's teachers (`opd.external_teachers.TeacherSet`), in a fixed order."""
+    encode: Callable
+    """(view or View, record, seed=0, processor=None) -> EncodedPrompt, with the run's thinking flag and
+    --max-prompt-len; a prompt that does not fit is a one-line error naming its record."""
+    processor: object
+    """The policy's processor (its tokenizer decodes rollouts)."""
+    ids: dict
+    """The policy's special ids (`opd.model.special_ids`): eos, pad, vision."""
+    autocast: Callable
+    """() -> the mixed-precision context of the forwards."""
+    student_view: str
+    teacher_views: tuple[str, ...]
+    """The teacher views of a scored row, the positive one first (OPD-V: crop, then masked)."""
+    distill: object
+    """The shared loss settings (`opd.distill.DistillConfig`): top-k, alpha, support, divergence, token weight,
+    micro-batch and chunk sizes, utility ablations."""
+    max_response_len: int
+    ema_tau: float
+    """The teachers' update rate after a valid step (0: fixed; 1: a copy)."""
+    ema_every: int
+    """Apply the teachers' update every N steps."""
+
+    @property
+    def device(self) -> torch.device:
+        return self.accelerator.device
+
+    @property
+    def tokenizer(self):
+        return self.processor.tokenizer
+
+
+class Objective:
+    """The interface of an objective (`opd.distill.Distillation`, `opd.dapd.DAPD`, `opd.opod.OPOD`).
+
+    Class attributes: `name` (the prefix of its flags), `Config` (its config dataclass, or None), `refuses` (the
+    run's flags that do not apply to it, each with the reason: refused by name when given)."""
+
+    name: str = ""
+    Config: type | None = None
+    refuses: dict[str, str] = {}
+
+    @classmethod
+    def build_teachers(cls, teachers, load_initial: Callable[[], torch.nn.Module]):
+        """The run's teacher set for this objective, from the loop's default (the EMA self-teacher or the external
+        ones); the default is kept."""
+        return teachers
+
+    def __init__(self, ctx: ObjectiveContext, config=None, load_initial: Callable[[], torch.nn.Module] | None = None):
+        self.ctx, self.config, self.load_initial = ctx, config, load_initial
+
+    @property
+    def labels(self) -> list[str]:
+        """The ledger labels of every teacher forward this objective can run, in a fixed order."""
+        raise NotImplementedError
+
+    def __call__(self, batch: StepBatch) -> DistillResult:
+        raise NotImplementedError
+
+    def after_update(self, step: int) -> None:
+        """After a valid optimizer step (step index `step`)."""
+
+    def state_dict(self) -> dict:
+        return {}
+
+    def load_state_dict(self, state: dict) -> None:
+        pass
