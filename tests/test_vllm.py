@@ -1,0 +1,351 @@
+"""The optional vLLM engine (opd/engine.py) against one real server on this CPU (tests/vllm_fixtures.py).
+
+The engine computes in bf16, the trainer's reference in float32. The log-prob bound is derived from bf16
+itself: the same HF model cast to bf16 scores the same tokens, and its gap to float32 measures what bf16
+rounding alone does to these log-probs (8 significant bits: each rounding is off by up to 2^-9 relative,
+and log-softmax passes a logit error e through as at most 2e). The engine rounds at other places (its own
+kernels, linear-attention states kept in float32, another reduction order): two bf16 computations with
+independent rounding, each off float32 by about the same, so the engine's gap must stay within twice HF-bf16's
+plus a floor: max gap <= 2 x HF-bf16's max gap + 0.05, mean gap <= 2 x HF-bf16's mean gap + 0.01.
+Greedy decoding is compared the same way: a greedy token may differ from float32's argmax only at a near-tie,
+where float32's top two logits are closer than twice the largest logit change bf16 rounding makes.
+"""
+
+import os
+import signal
+import stat
+import sys
+import time
+from pathlib import Path
+
+import pytest
+import torch
+from vllm_fixtures import (
+    Ref,
+    bf16_logit_error,
+    common_prefix,
+    engine_score,
+    hf,
+    hf_greedy_ids,
+    hf_response_logp,
+    hf_score,
+    start_engine,
+    teacher_forced_argmax,
+    tiny_prompts,
+)
+
+from opd.cli import UserError
+from opd.engine import (
+    MARKER,
+    EngineRollouts,
+    VLLMServer,
+    check_venv,
+    generate_greedy_ids,
+    generate_rollouts_vllm,
+    generate_text,
+)
+from opd.rollout import Rollouts, response_mask
+
+MAX_NEW = 24
+
+
+def say(msg: str) -> None:
+    sys.__stdout__.write(f"\n[vllm] {msg}\n")
+
+
+@pytest.fixture(scope="session")
+def vllm_engine(tmp_path_factory):
+    """The session's one server (tests/vllm_fixtures.py: skipped when the vLLM venv is not built)."""
+    yield from start_engine(tmp_path_factory)
+
+
+@pytest.fixture(scope="module")
+def ref(vllm_engine):
+    """HF float32 model A, its processor and special ids, and 8 prompts of the tiny dataset."""
+    model, processor, ids = hf(vllm_engine.model_a)
+    prompts, images = tiny_prompts(processor, vllm_engine.data, 8)
+    return Ref(model, processor, ids, prompts, images)
+
+
+def test_rollouts_shapes_masks_and_prompt_ids(vllm_engine, ref):
+    ids, prompts, images = ref.ids, ref.prompts, ref.images
+    server = vllm_engine.server
+    n = 4
+    r = generate_rollouts_vllm(server, prompts, images, n, MAX_NEW, **ids, seed=0, step=3, rank=0)
+    assert isinstance(r, Rollouts) and isinstance(r, EngineRollouts) and not r.entropy_available
+    N = len(prompts) * n
+    assert r.response_ids.shape[0] == N and 1 <= r.response_ids.shape[1] <= MAX_NEW
+    for name in ("response_mask", "logp", "entropy"):
+        assert getattr(r, name).shape == r.response_ids.shape, name
+    assert r.prompt_index.tolist() == [j for j in range(len(prompts)) for _ in range(n)]
+    assert r.prompt_len.tolist() == [len(prompts[j]) for j in r.prompt_index.tolist()]
+    assert torch.equal(r.response_mask, response_mask(r.response_ids, ids["eos"]))
+    assert r.response_mask[:, 0].all()  # every response has at least one token
+    # after EOS: pad, mask false, log-prob 0; within the mask: log-probs of real tokens (<= 0, finite)
+    assert (r.response_ids[~r.response_mask] == ids["pad"]).all()
+    assert (r.logp[~r.response_mask] == 0).all() and (r.entropy == 0).all()
+    assert torch.isfinite(r.logp).all() and (r.logp[r.response_mask] <= 0).all()
+    ended = torch.isin(r.response_ids, torch.tensor(ids["eos"])).any(-1)
+    assert ((r.lengths == r.response_ids.shape[1]) | ended).all()  # a short row ended with EOS
+    assert r.valid.all(), "vision tokens are suppressed"
+    assert not torch.isin(r.response_ids[r.response_mask], torch.tensor(ids["vision"])).any()
+    # same (seed, step, rank): the same samples; another step: other samples; the n samples differ
+    again = generate_rollouts_vllm(server, prompts, images, n, MAX_NEW, **ids, seed=0, step=3, rank=0)
+    assert torch.equal(again.response_ids, r.response_ids)
+    other = generate_rollouts_vllm(server, prompts, images, n, MAX_NEW, **ids, seed=0, step=4, rank=0)
+    assert not torch.equal(other.response_ids, r.response_ids)
+    assert len({tuple(row) for row in r.response_ids[:n].tolist()}) > 1
+
+
+def test_prompt_token_ids_equal_hf(vllm_engine, ref):
+    """The server's final prompt (after its own image-token expansion) is the trainer's, image tokens included."""
+    from opd.chat import encode_prompt
+    from opd.engine import _generate_one
+
+    model, processor, prompts, images = ref.model, ref.processor, ref.prompts, ref.images
+    image_id = model.config.image_token_id
+    for p, ims in zip(prompts, images):
+        out = _generate_one(vllm_engine.server, p, ims, {"n": 1, "max_tokens": 1}, image_id, 120.0)
+        assert out["prompt_token_ids"] == p.input_ids.tolist()
+        n_image = int((p.input_ids == image_id).sum())
+        assert n_image > 1 and [r["length"] for r in out["mm_placeholders"]["image"]] == [n_image]
+    text_only = encode_prompt(processor, [], "Name a colour.")
+    out = _generate_one(vllm_engine.server, text_only, [], {"n": 1, "max_tokens": 1}, image_id, 120.0)
+    assert out["prompt_token_ids"] == text_only.input_ids.tolist()
+
+
+def test_logprobs_close_to_hf_float32(vllm_engine, ref):
+    model, ids, prompts, images = ref.model, ref.ids, ref.prompts, ref.images
+    r = generate_rollouts_vllm(vllm_engine.server, prompts, images, 4, MAX_NEW, **ids, seed=1, step=0, rank=0)
+    rows = r.prompt_index.tolist()
+    fp32 = hf_response_logp(model, prompts, rows, r.response_ids, r.response_mask, ids)
+    bf16_model, _, _ = hf(vllm_engine.model_a, dtype="bfloat16")
+    bf16 = hf_response_logp(bf16_model, prompts, rows, r.response_ids, r.response_mask, ids)
+    m = r.response_mask
+    gap = (r.logp - fp32).abs()[m]
+    ref_gap = (bf16 - fp32).abs()[m]
+    say(
+        f"log-prob gap engine vs HF float32 over {int(m.sum())} sampled tokens: max {gap.max():.4f}, mean "
+        f"{gap.mean():.4f}; HF bf16 vs float32: max {ref_gap.max():.4f}, mean {ref_gap.mean():.4f}"
+    )
+    assert gap.max() <= 2 * ref_gap.max() + 0.05
+    assert gap.mean() <= 2 * ref_gap.mean() + 0.01
+
+
+def test_engine_sees_the_trainers_images(vllm_engine, ref):
+    """The image changes the log-probs of a response in the engine as it does in HF. In the tiny model an image
+    moves log-probs by less than bf16 noise (mean 0.016 vs 0.05), so the check is on differences: for the same
+    tokens, engine(own image) - engine(another prompt's image) correlates with HF's same difference."""
+    from opd.chat import EncodedPrompt
+
+    model, ids, prompts, images = ref.model, ref.ids, ref.prompts, ref.images
+    r = generate_rollouts_vllm(vllm_engine.server, prompts, images, 1, MAX_NEW, **ids, seed=5)
+    d_engine, d_hf = [], []
+    for j, p in enumerate(prompts):
+        k = (j + 1) % len(prompts)
+        resp = r.response_ids[j][r.response_mask[j]].tolist()
+        other = EncodedPrompt(p.input_ids, p.mm_token_type_ids, prompts[k].pixel_values, prompts[k].image_grid_thw)
+        e1, e2 = (
+            engine_score(vllm_engine.server, p, images[j], resp),
+            engine_score(vllm_engine.server, p, images[k], resp),
+        )
+        h1, h2 = hf_score(model, p, resp), hf_score(model, other, resp)
+        d_engine += [a - b for a, b in zip(e1, e2)]
+        d_hf += [a - b for a, b in zip(h1, h2)]
+    corr = float(torch.corrcoef(torch.tensor([d_engine, d_hf]))[0, 1])
+    say(
+        f"image effect on {len(d_hf)} log-probs: mean |HF| {torch.tensor(d_hf).abs().mean():.4f}, "
+        f"correlation engine vs HF {corr:.3f}"
+    )
+    assert corr >= 0.6
+
+
+def test_rollout_throughput(vllm_engine, ref):
+    """8 prompts x 8 samples x up to 64 tokens: reports tokens/s (not asserted beyond finishing)."""
+    ids, prompts, images = ref.ids, ref.prompts, ref.images
+    t0 = time.perf_counter()
+    r = generate_rollouts_vllm(vllm_engine.server, prompts, images, 8, 64, **ids, seed=2, step=0, rank=0)
+    dt = time.perf_counter() - t0
+    tokens = int(r.lengths.sum())
+    say(f"rollouts 8 prompts x 8 samples x <=64 tokens: {tokens} tokens in {dt:.2f} s = {tokens / dt:.0f} tokens/s")
+    assert len(r) == 64
+
+
+def test_push_weights_a_b_a(vllm_engine, ref):
+    """A -> B (the trainer's in-memory model) -> A (a folder): after the push the engine's greedy tokens are
+    HF model B's argmax (teacher-forced, every disagreement a bf16 near-tie), and A's greedy output comes back
+    exactly."""
+    ids, prompts, images = ref.ids, ref.prompts, ref.images
+    server = vllm_engine.server
+    greedy_a = generate_greedy_ids(server, prompts, images, MAX_NEW, **ids)
+    model_b, _, _ = hf(vllm_engine.model_b)
+    try:
+        seconds = server.push_weights(model_b)
+        greedy_b = generate_greedy_ids(server, prompts, images, MAX_NEW, **ids)
+    finally:
+        seconds_a = server.push_weights(vllm_engine.model_a)
+    back = generate_greedy_ids(server, prompts, images, MAX_NEW, **ids)
+    agree_b, margins, _ = teacher_forced_argmax(model_b, prompts, greedy_b, ids)
+    agree_a, _, _ = teacher_forced_argmax(model_b, prompts, greedy_a, ids)
+    tie = 2 * bf16_logit_error(vllm_engine.model_b, prompts, greedy_b, ids)
+    say(
+        f"push_weights: in-memory model {seconds:.2f} s, folder {seconds_a:.2f} s; HF B's argmax on the engine's "
+        f"greedy tokens after the push {agree_b:.3f} (before: {agree_a:.3f}); disagreement margins "
+        f"{[round(float(m), 3) for m in margins]} (near-tie bound {tie:.3f})"
+    )
+    assert greedy_b != greedy_a
+    assert agree_b >= 0.9 and agree_a < agree_b - 0.3
+    assert (margins <= tie).all()
+    assert back == greedy_a
+
+
+def test_greedy_tokens_are_hf_argmax(vllm_engine, ref):
+    """The engine's greedy tokens are HF float32's argmax given the same prefix, except at near-ties (HF's top
+    two logits closer than twice what bf16 rounding moves a logit)."""
+    model, ids, prompts, images = ref.model, ref.ids, ref.prompts, ref.images
+    greedy = generate_greedy_ids(vllm_engine.server, prompts, images, MAX_NEW, **ids)
+    agree, margins, _ = teacher_forced_argmax(model, prompts, greedy, ids)
+    tie = 2 * bf16_logit_error(vllm_engine.model_a, prompts, greedy, ids)
+    say(
+        f"greedy: {agree:.3f} of the engine's tokens are HF float32's argmax; margins at the others "
+        f"{[round(float(m), 3) for m in margins]} (near-tie bound {tie:.3f})"
+    )
+    assert agree >= 0.9 and (margins <= tie).all()
+
+
+def test_generate_text_equals_hf_greedy(vllm_engine, ref):
+    """Greedy replies equal eval's HF replies on every item whose tokens agree. Free-running greedy sequences part
+    at the first near-tie (tests above), so the budget is the shortest common prefix of the two (at least 1)."""
+    from opd.eval.inference import generate_replies
+
+    model, processor, ids, prompts, images = ref.model, ref.processor, ref.ids, ref.prompts, ref.images
+    engine_ids = generate_greedy_ids(vllm_engine.server, prompts, images, MAX_NEW, **ids)
+    hf_ids = hf_greedy_ids(model, prompts, MAX_NEW, ids)
+    prefix = [common_prefix(e, h) for e, h in zip(engine_ids, hf_ids)]
+    budget = max(1, min(prefix))
+    texts = generate_text(vllm_engine.server, prompts, images, budget, processor, **ids)
+    hf_texts = generate_replies(model, processor, prompts, budget)
+    same = [e[:budget] == h[:budget] for e, h in zip(engine_ids, hf_ids)]
+    say(
+        f"greedy text: common token prefixes {prefix} of {MAX_NEW}; with {budget} new tokens {sum(same)}/"
+        f"{len(same)} items token-identical, texts {texts[:3]}"
+    )
+    assert sum(same) >= len(same) // 2
+    for ok, t, h in zip(same, texts, hf_texts):
+        if ok:
+            assert t == h
+
+
+# ---- errors, without the real server ---------------------------------------------------------------------
+
+
+def test_missing_venv_names_the_install_command(tmp_path):
+    with pytest.raises(UserError, match="scripts/install_vllm.sh"):
+        check_venv(tmp_path / "no-venv")
+    (tmp_path / "half" / "bin").mkdir(parents=True)
+    (tmp_path / "half" / "bin" / "python").write_text("")
+    with pytest.raises(UserError, match="incomplete"):
+        check_venv(tmp_path / "half")
+    with pytest.raises(UserError, match="no vLLM server answers"):
+        VLLMServer.connect("http://127.0.0.1:9", timeout=1)
+
+
+FAKE_SERVER = r"""
+import http.server, os, sys
+port = int(sys.argv[sys.argv.index("--port") + 1])
+mode = os.environ["FAKE_MODE"]  # fail: exit while starting; die: exit on the first request; serve: keep serving
+if mode == "fail":
+    print("INFO loading model", flush=True)
+    print("ValueError: head_dim 16 is not supported by the CPU attention backend", flush=True)
+    sys.exit(1)
+class H(http.server.BaseHTTPRequestHandler):
+    def do_GET(self):
+        self.send_response(200); self.end_headers()
+    def do_POST(self):
+        print("RuntimeError: Encoder cache miss", flush=True)
+        if mode == "die":
+            os._exit(3)
+    def log_message(self, *a):
+        pass
+http.server.HTTPServer(("127.0.0.1", port), H).serve_forever()
+"""
+
+
+def fake_venv(tmp_path: Path) -> Path:
+    """A venv whose `python` runs a stand-in server: it fails to start, or dies on the first request."""
+    venv = tmp_path / "fake-venv"
+    (venv / "bin").mkdir(parents=True)
+    (tmp_path / "fake_server.py").write_text(FAKE_SERVER)
+    python = venv / "bin" / "python"
+    python.write_text(  # `-c LAUNCH`: the real launcher (it execs this script again); `-m vllm...`: the stand-in
+        f'#!/bin/sh\n[ "$1" = "-c" ] && exec "{sys.executable}" "$@"\n'
+        f'shift 2\nexec "{sys.executable}" "{tmp_path / "fake_server.py"}" "$@"\n'
+    )
+    python.chmod(python.stat().st_mode | stat.S_IEXEC)
+    (venv / MARKER).write_text("fake")
+    return venv
+
+
+def test_start_failure_quotes_the_last_log_line(tmp_path, vllm_model_dir):
+    venv = fake_venv(tmp_path)
+    with pytest.raises(UserError, match="exited with code 1 while starting.*head_dim 16 is not supported"):
+        VLLMServer.start(vllm_model_dir, venv, env={"FAKE_MODE": "fail"}, timeout=30)
+
+
+def test_death_mid_run_quotes_the_last_log_line(tmp_path, vllm_model_dir):
+    from opd.chat import EncodedPrompt
+
+    venv = fake_venv(tmp_path)
+    with VLLMServer.start(vllm_model_dir, venv, env={"FAKE_MODE": "die"}, timeout=30) as server:
+        prompt = EncodedPrompt(torch.tensor([1, 2, 3]), torch.zeros(3, dtype=torch.long), None, None)
+        with pytest.raises(UserError, match="died during /inference/v1/generate.*Encoder cache miss"):
+            generate_rollouts_vllm(server, [prompt], None, 2, 4, eos=[2], pad=0, vision=[5])
+        assert server.process.poll() is not None
+    assert server.process is None
+
+
+@pytest.fixture
+def vllm_model_dir(tmp_path):
+    """A folder that looks like a model to `VLLMServer.start` (the stand-in server never reads it)."""
+    (tmp_path / "model").mkdir()
+    (tmp_path / "model" / "config.json").write_text("{}")
+    return tmp_path / "model"
+
+
+ORPHAN = """
+import sys, time
+sys.path.insert(0, "tests")
+from pathlib import Path
+from test_vllm import fake_venv
+from opd.engine import VLLMServer
+tmp = Path(sys.argv[1])
+(tmp / "model").mkdir()
+(tmp / "model" / "config.json").write_text("{}")
+server = VLLMServer.start(tmp / "model", fake_venv(tmp), env={"FAKE_MODE": "serve"}, timeout=60)
+print(server.pid, flush=True)
+time.sleep(300)
+"""
+
+
+def test_server_dies_with_a_killed_trainer(tmp_path):
+    """A trainer killed by SIGKILL runs no atexit handler: the kernel's parent-death signal stops its server."""
+    import subprocess
+
+    root = Path(__file__).resolve().parents[1]
+    env = {**os.environ, "PYTHONPATH": str(root)}
+    parent = subprocess.Popen([sys.executable, "-c", ORPHAN, str(tmp_path)], stdout=subprocess.PIPE, cwd=root, env=env)
+    try:
+        pid = int(parent.stdout.readline())
+        os.kill(pid, 0)  # the server runs
+    finally:
+        parent.kill()
+        parent.wait(10)
+    for _ in range(50):
+        try:
+            os.kill(pid, 0)
+        except ProcessLookupError:
+            break
+        time.sleep(0.1)
+    else:
+        os.kill(pid, signal.SIGKILL)
+        pytest.fail("the server outlived the process that started it")
