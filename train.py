@@ -73,8 +73,8 @@ class RunConfig:
     overwrite: bool = False
     """Start over in an --out folder that holds a run, deleting its ledger, summary and checkpoints."""
     method: str = "bas-opd"
-    """Method of the family (opd/methods.py): bas-opd, vision-opd, rp-opsd, opd-v, opsd, dapd or opod; sets its
-    views, support, divergence, token weight (DAPD, OPOD: their own objective) and its paper's settings (under
+    """Method of the family (opd/methods.py): bas-opd, vision-opd, rp-opsd, opd-v, opsd, dapd, opod or gkd; sets
+    its views, support, divergence, token weight (DAPD, OPOD: their own objective) and its paper's settings (under
     the flags given)."""
     policy: str = "learned"
     """Selection policy: full, random, entropy or learned."""

@@ -51,6 +51,10 @@ Teacher top-k renormalised (support 'teacher_renorm'; OPSD): s = z_I - lse(z_I),
 
     dD/dz_v = [v in I] (g_v - P_v G)            (zero outside I).
 
+Full vocabulary (support 'full'; GKD, OPSD's full-vocabulary recipe): s = z - lse(z), so
+
+    dD/dz_v = g_v - p_v G                       for every v (g is (C, V): O(C V) memory per chunk).
+
 g comes from autograd on the (C, k + 1) support only: generalized_jsd with alpha (divergence 'jsd')
 or bias_corrected_reverse_kl ('bc_rkl'). The importance ratio is detached and only scales a row's g.
 
@@ -72,6 +76,8 @@ def _support_(z, z_t, lse, lse_t, top, support: str):
     """The support of one block (C, V) from its top-k: ids (C, k), the student's and teacher's log-probs
     s, t (C, k + 1) with the tail or (C, k) without, and the shift of `_logit_grad` (C, 1) or None.
     'student_tail' masks the top-k in z and z_t (their own buffers, no copy)."""
+    if support == "full":  # the whole vocabulary: no ids, no tail
+        return None, z - lse, z_t - lse_t, None  # (C, V) each
     if support == "student_tail":
         ids = top.indices  # (C, k) the student's top-k
         t_k = z_t.gather(-1, ids) - lse_t  # (C, k) the teacher at the student's ids
@@ -119,8 +125,11 @@ def _logit_grad(z: torch.Tensor, ids, s_sup, g, shift, support: str, inplace: bo
     z may have its top-k entries masked to -inf (they are overwritten). shift (C, 1): lse(z_{not I})
     for 'student_tail', lse(z) for 'teacher', unused for 'teacher_renorm'.
     """
-    k = ids.shape[-1]
     G = g.sum(-1, keepdim=True)  # (C, 1)
+    if support == "full":  # dD/dz_v = g_v - p_v G over every v
+        out = z if inplace else torch.empty_like(z)
+        return torch.sub(g, s_sup.exp().mul_(G), out=out)
+    k = ids.shape[-1]
     if support == "teacher_renorm":
         dz = z.zero_() if inplace else torch.zeros_like(z)  # (C, V) nothing outside I
     else:
@@ -182,7 +191,8 @@ class _FromLogits(torch.autograd.Function):
         for j in range(0, z_s.shape[0], ctx.chunk):
             c = slice(j, j + ctx.chunk)
             shift_c = None if shift is None else shift[c]
-            dz[c] = _logit_grad(upcast(z_s[c]), ids[c], s_sup[c], g[c], shift_c, ctx.support)
+            ids_c = None if ids is None else ids[c]
+            dz[c] = _logit_grad(upcast(z_s[c]), ids_c, s_sup[c], g[c], shift_c, ctx.support)
         return dz, None, None, None, None, None, None
 
 

@@ -243,8 +243,9 @@ def distill(
         return res
     scale = accelerator.num_processes  # DDP and FSDP average gradients over ranks
     weights = torch.ones(len(rollouts)) if row_weights is None else row_weights.float().cpu()
+    float64 = next(student.parameters()).dtype == torch.float64  # Eq. 11's weights in float64 for a float64 policy
     ctx = _Context(accelerator, student, rollouts, student_prompts, prompt, cfg, pad_id, autocast, teacher_views,
-                   res, scale, weights, label)  # fmt: skip
+                   res, scale, weights, label, torch.float64 if float64 else torch.float32)  # fmt: skip
     plans = {n: _plan(rollouts, ctx.prompt_of(n), selected[[route[i] == n for i in selected.tolist()]] if selected.numel()
                       else selected, cfg, teacher_views[0]) for n in names}  # fmt: skip
 
@@ -290,6 +291,7 @@ class _Context:
     scale: int
     row_weights: torch.Tensor
     label: Callable
+    weight_dtype: torch.dtype = torch.float32
 
     def prompt_of(self, name: str):
         return lambda view, j: self.teacher_prompt(name, view, j)
@@ -321,7 +323,7 @@ def _run_micro_batch(ctx: _Context, name: str, teacher: Teacher, rows: torch.Ten
         if not padding:
             record_forward(res.teachers[ctx.label(name, view)], inputs, mask, sum(len(p) for p in prompts))
     s_inputs, _, _ = micro_batch_inputs([ctx.student_prompts[p] for p in prompt_ids], rollouts, rows, ctx.pad_id, device)
-    weights = budgeted_weights(ctx.row_weights[rows].to(device), mask, res.global_tokens) * ctx.scale  # Eq. 11
+    weights = budgeted_weights(ctx.row_weights[rows].to(device), mask, res.global_tokens, ctx.weight_dtype) * ctx.scale  # Eq. 11
     if padding:
         weights = torch.zeros_like(weights)
     response = rollouts.response_ids[rows, :width].to(device)  # (n, T)

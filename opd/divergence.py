@@ -154,7 +154,7 @@ def bias_corrected_reverse_kl(student_logp: torch.Tensor, teacher_logp: torch.Te
     return kl_divergence(student_logp, teacher_logp) + (teacher_logp.exp() - student_logp.exp()).sum(-1)
 
 
-SUPPORTS = ("student_tail", "teacher", "teacher_renorm")  # BAS-OPD / Vision-OPD, RP-OPSD, OPSD
+SUPPORTS = ("student_tail", "teacher", "teacher_renorm", "full")  # BAS-OPD / Vision-OPD, RP-OPSD, OPSD, GKD
 DIVERGENCES = ("jsd", "bc_rkl")  # generalized_jsd (Eq. 3), bias_corrected_reverse_kl
 
 
@@ -176,9 +176,12 @@ def support_logp(
     student_logits: torch.Tensor, teacher_logits: torch.Tensor, k: int = 100, support: str = "student_tail"
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """(student_logp, teacher_logp) on the named support: 'student_tail' = `topk_support` with its tail
-    (..., k + 1); 'teacher' / 'teacher_renorm' = `teacher_topk_support` (..., k)."""
+    (..., k + 1); 'teacher' / 'teacher_renorm' = `teacher_topk_support` (..., k); 'full' = both sides'
+    log_softmax over the whole vocabulary (..., V), k unused (GKD's and OPSD's full-vocabulary loss)."""
     if support == "student_tail":
         return topk_support(student_logits, teacher_logits, k, tail=True)
+    if support == "full":
+        return torch.log_softmax(upcast(student_logits), -1), torch.log_softmax(upcast(teacher_logits), -1)
     return teacher_topk_support(student_logits, teacher_logits, k, renormalize=support == "teacher_renorm")
 
 
@@ -207,6 +210,7 @@ def topk_divergence(
         BAS-OPD, Vision-OPD  support='student_tail', divergence='jsd'
         RP-OPSD              support='teacher',      divergence='bc_rkl'
         OPSD                 support='teacher_renorm', divergence='jsd'
+        GKD                  support='full',         divergence='jsd' (alpha = GKD's beta)
     """
     check_loss(support, divergence)
     return token_divergence(*support_logp(student_logits, teacher_logits, k, support), divergence, alpha)

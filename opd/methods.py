@@ -17,6 +17,7 @@ over `--preset` and under the flags given.
 | opsd | OPSD | full | full + reference answer text | teacher top-k, renormalised | JSD_alpha | 1 |
 | dapd | DAPD | full (+ reference or own rollout as context) | anchors base / snapshot, six pairs | full vocabulary | clamped forward KL at tau 1.1 | pair weights (sum 2) |
 | opod | OPOD | full | routed external teachers, full | student top-k + tail | JSD_alpha + group-relative PG | beta_m ReLU(log pi_T - log pi_theta) |
+| gkd | GKD (TRL's GKDTrainer) | full | an external teacher (`--teacher-model`), full | full vocabulary | JSD_beta (`--alpha` is GKD's beta) | 1 |
 
 Each method names its objective class (`opd.objective`): `opd.distill.Distillation` for every method that is a
 loss and a view, `opd.dapd.DAPD` (six KL pairs against two anchors) and `opd.opod.OPOD` (the gated distillation,
@@ -103,6 +104,11 @@ METHODS: dict[str, Method] = {
             "dapd", "DAPD (arXiv 2608.01735; uanu2002/DAPD, dapd/objective.py, dapd/trainer.py)",
             teacher_view="reference_answer", support="full", divergence="clamped_kl", objective=DAPD,
             external_teachers="refused", settings=dict(FULL_QUERY, ema_tau=1.0, ema_every=100),
+        ),  # fmt: skip
+        Method(
+            "gkd", "GKD (Agarwal et al. 2024, arXiv 2306.13649; TRL's GKDTrainer): on-policy distillation from a "
+            "separate teacher checkpoint", teacher_view="full", support="full", external_teachers="required",
+            settings=dict(FULL_QUERY, alpha=0.5),
         ),  # fmt: skip
         Method(
             "opod", "OPOD (arXiv 2607.20918; no public code, formulas transcribed: medium confidence)",
