@@ -127,7 +127,13 @@ class RunConfig:
     share_prefill: bool = True
     """Encode and prefill each prompt once for its rollouts (when the model's cache can be expanded)."""
     explore: float = 0.10
-    """Exploration ratio eps of the learned selector: K_e = ceil(eps K)."""
+    """Exploration ratio eps of the learned selector: K_e = ceil(eps K); with --unbiased the uniform share of the
+    inclusion probabilities."""
+    unbiased: bool = False
+    """Sample S with inclusion probabilities that grow with the score (learned: predicted utility; entropy: mean
+    entropy) instead of taking the top K, and weigh each row's loss by 1 / pi (Eq. 11's Hajek form; opd/selectors.py)."""
+    max_per_prompt: int = 0
+    """At most N rows of S per prompt (top-K and uniform policies); 0 = no cap."""
     selector_seed: int = 0
     """Seed of the selector's initialisation and of every selection/replay draw."""
     selector_lr: float = 1e-3
@@ -266,6 +272,14 @@ def check_config(cfg: TrainConfig, world: int) -> None:
         problems.append(f"--topk {cfg.topk}: must be at least 2")
     if not 0.0 <= cfg.explore < 1.0:
         problems.append(f"--explore {cfg.explore}: must lie in [0, 1)")
+    if cfg.unbiased and cfg.policy == "random":
+        problems.append("--unbiased with --policy random: uniform selection is already unbiased (every row has pi = K / |C|)")
+    elif cfg.unbiased and cfg.policy not in ("entropy", "learned"):
+        problems.append(f"--unbiased samples by a score: it needs --policy entropy or learned, not {cfg.policy}")
+    if cfg.max_per_prompt < 0:
+        problems.append(f"--max-per-prompt {cfg.max_per_prompt}: must be at least 1 (0 = no cap)")
+    if cfg.unbiased and cfg.max_per_prompt:
+        problems.append("--unbiased and --max-per-prompt: a cap would change the inclusion probabilities; choose one")
     for name in ("micro_batch", "rollouts_per_prompt", "prompts_per_step", "max_response_len", "keep_checkpoints"):
         if getattr(cfg, name) < 1:
             problems.append(f"--{name.replace('_', '-')} {getattr(cfg, name)}: must be at least 1")
@@ -414,7 +428,8 @@ class Run:
         if cfg.fsdp and state is not None:
             load_sharded(ckpt, self.student, self.teacher.model if self.teacher.trainable else None, self.optimizer)
         self.ids = special_ids(self.policy)
-        self.selector = Selector(cfg.policy, 0.0 if cfg.no_exploration else cfg.explore, cfg.predictor())
+        self.selector = Selector(cfg.policy, 0.0 if cfg.no_exploration else cfg.explore, cfg.predictor(), cfg.unbiased,
+                                 cfg.max_per_prompt)  # fmt: skip
         self.student_view = get_view(self.method.student_view)
         self.warned_no_eligible = False
         self.context = ObjectiveContext(
@@ -582,7 +597,7 @@ class Run:
         return [self.encode(self.student_view, r) for r in records]
 
     def step_batch(self, step: int, record_ids: list[int], rollouts: Rollouts, student_prompts: list,
-                   selected: torch.Tensor) -> StepBatch:
+                   selected: torch.Tensor, weights: torch.Tensor | None = None) -> StepBatch:
         """What the objective gets for one step on this rank (opd.objective.StepBatch): its records, rollouts and
         prompts, the local rows of S, the teachers' prompts (encoded once per step, each with its teacher's
         processor; a view's randomness seeded by (seed, step, record id)) and each row's teacher."""
@@ -597,7 +612,7 @@ class Run:
             return cache[key]
 
         route = [self.teachers.route(records[j]) for j in rollouts.prompt_index.tolist()]
-        return StepBatch(step, records, list(record_ids), rollouts, student_prompts, selected, teacher_prompt, route)
+        return StepBatch(step, records, list(record_ids), rollouts, student_prompts, selected, teacher_prompt, route, weights)
 
     def step(self, step: int, rollouts: Rollouts | None = None) -> dict:
         """One iteration of Algorithm 1; `rollouts` may stand in for sampling (tests). Returns the ledger row."""
@@ -637,12 +652,18 @@ class Run:
 
         # Lines 5-9: S from the global candidates, before any teacher computation.
         with timer("select"):
-            selected = self.selector.select(phi, eligible, budget, step)  # global row ids
+            selected = self.selector.select(phi, eligible, budget, step, prompt_of=prompt_of)  # global row ids
+            pi = self.selector.last_pi  # unbiased selection: S's inclusion probabilities (else None)
         offset = acc.process_index * len(rollouts)
-        local = selected[(selected >= offset) & (selected < offset + len(rollouts))] - offset
+        mine = (selected >= offset) & (selected < offset + len(rollouts))
+        local = selected[mine] - offset
+        weights = None
+        if pi is not None:  # unbiased selection: row i of S weighs 1 / pi_i in every objective's loss
+            weights = torch.ones(len(rollouts), dtype=torch.float64)
+            weights[local] = 1.0 / pi[mine]
 
         # Lines 11-13: teacher only on S; the method's objective backpropagated; AdamW; teacher update after a valid one.
-        batch = self.step_batch(step, record_ids, rollouts, student_prompts, local)
+        batch = self.step_batch(step, record_ids, rollouts, student_prompts, local, weights)
         teachers = list(dict.fromkeys(self.teachers.teachers.values()))
         rows_before = sum(t.rows_scored for t in teachers)
         t0 = time.perf_counter()
@@ -703,6 +724,8 @@ class Run:
             "grad_norm": float(grad_norm),
             "skipped": not valid,
             "utility_mean": float(utility[selected].nanmean()) if selected.numel() else float("nan"),
+            **({"min_pi": float(pi.min()) if pi.numel() else float("nan"),
+                "max_weight": float(1.0 / pi.min()) if pi.numel() else float("nan")} if pi is not None else {}),  # fmt: skip
             **{f"{p}_s": float(v) for p, v in zip(PHASES, phases)},
             **{k.split("/")[-1]: v for k, v in sel_metrics.items()},
         }

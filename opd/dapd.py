@@ -179,16 +179,23 @@ class DAPD(Objective):
         res = DistillResult(utility=torch.full((len(ro),), float("nan")), teachers={lab: TeacherCost() for lab in self.labels})
         refs = {j: reference_completion(ctx.tokenizer, batch.records[j].reference, eos, ctx.max_response_len)
                 for j in {*ro.prompt_index[sel].tolist(), int(ro.prompt_index[0])}}  # fmt: skip (row 0: padding)
+        w = batch.weights  # unbiased selection's 1 / pi_i (None: 1): every pair's token mean in its Hajek form
+        row_w = (lambda i: float(w[i])) if w is not None else (lambda i: 1.0)  # noqa: E731
         n_roll = int(ro.lengths[sel].sum()) if sel.numel() else 0
         n_ref = sum(len(refs[int(ro.prompt_index[i])]) for i in sel.tolist())
-        totals = acc.reduce(torch.tensor([n_roll, n_ref], device=device, dtype=torch.float64), "sum").cpu()
-        res.tokens, res.global_tokens = n_roll, int(totals[0])
+        if w is not None:
+            weighted = [sum(row_w(i) * int(ro.lengths[i]) for i in sel.tolist()),
+                        sum(row_w(i) * len(refs[int(ro.prompt_index[i])]) for i in sel.tolist())]  # fmt: skip
+        totals = acc.reduce(torch.tensor(weighted if w is not None else [n_roll, n_ref], device=device,
+                                         dtype=torch.float64), "sum").cpu()  # fmt: skip
+        res.tokens = n_roll
+        res.global_tokens = int(totals[0]) if w is None else float(totals[0])
         sums = torch.zeros(len(PAIRS), dtype=torch.float64)  # this rank's sum of D per pair
         res.loss_share = 0.0
         if res.global_tokens == 0:  # S is empty everywhere: no anchor forward, zero loss
             res.metrics = {f"kl_{p.name}": 0.0 for p in PAIRS}
             return res
-        denominators = {"rollout": float(totals[0]), "reference": max(1.0, float(totals[1]))}
+        denominators = {"rollout": float(totals[0]), "reference": max(1.0 if w is None else 1e-300, float(totals[1]))}
         scale = acc.num_processes
         lengths = torch.tensor([len(batch.student_prompts[int(ro.prompt_index[i])]) for i in sel.tolist()], dtype=torch.long)
         lengths = lengths + ro.lengths[sel] + torch.tensor([len(refs[int(ro.prompt_index[i])]) for i in sel.tolist()],
@@ -267,6 +274,10 @@ class DAPD(Objective):
                     h_s = response_hidden(ctx.student, inputs, width)[mask]  # (P, H)
                     w_s = lm_head_weight(getattr(ctx.student, "module", ctx.student))
                     weight = torch.ones(h_s.shape[0], device=device) * (0.0 if padding else scale / denominators[completion])
+                    if batch.weights is not None and not padding:  # each position times its row's 1 / pi_i
+                        w_rows = batch.weights[rows].to(device=device, dtype=weight.dtype).unsqueeze(-1)
+                        w_pos = w_rows.expand(mask.shape)[mask]  # (P,)
+                        weight = weight * w_pos
                     timing: dict[str, float] = {}
                     utility = dc.k if pairs[0] is PAIRS[0] else 0
                     loss, d, terms = clamped_kl_from_hidden(
@@ -279,7 +290,8 @@ class DAPD(Objective):
             if padding:
                 continue
             for k, p in enumerate(pairs):
-                sums[PAIRS.index(p)] += float(d[k].double().sum())
+                d_k = d[k].double() if batch.weights is None else d[k].double() * w_pos.double()
+                sums[PAIRS.index(p)] += float(d_k.sum())
                 res.teachers[f"{p.anchor}:{p.name}"].seconds += timing.get("teacher_s", 0.0) / len(pairs)
             if terms is not None:  # pair 1 (the OPSD pair): Eq. 7-9
                 flat = torch.zeros((*mask.shape, 3), dtype=terms.dtype, device=device)

@@ -213,6 +213,7 @@ def distill(
     row_weights: torch.Tensor | None = None,
     sync: bool = True,
     label: Callable[[str, str], str] | None = None,
+    sample_weights: torch.Tensor | None = None,
 ) -> DistillResult:
     """Backpropagates this rank's share of Eq. 11 and returns its sums and utility labels.
 
@@ -221,9 +222,11 @@ def distill(
     same order on every rank), with teacher_prompt(name, view, j) and route[i] = the teacher name of local
     row i. teacher_prompt is called only for prompts with a selected row. teacher_views: the positive
     teacher's view first, then OPD-V's negative one. autocast() -> the mixed precision context of the
-    forwards. row_weights (N_local,): multiplies each row's Eq. 11 weights. sync=False: no backward
-    synchronises DDP gradients (a later pass of the caller does). label(name, view) -> the ledger label
-    of a teacher's view (default: the view with one teacher, name:view with several).
+    forwards. row_weights (N_local,): multiplies each row's Eq. 11 weights (OPOD's beta). sample_weights
+    (N_local,): unbiased selection's w_i = 1 / pi_i, Eq. 11 in its Hajek form (numerator and the global
+    denominator weighted, `divergence.budgeted_weights`). sync=False: no backward synchronises DDP gradients (a
+    later pass of the caller does). label(name, view) -> the ledger label of a teacher's view (default: the view
+    with one teacher, name:view with several).
     """
     if isinstance(teacher, dict):
         teachers, prompt = teacher, teacher_prompt
@@ -238,14 +241,14 @@ def distill(
     if cfg.token_weight != "none" or cfg.is_clip:
         res.token_weight_sum, res.teacher_logp_sum = torch.zeros(len(rollouts)), torch.zeros(len(rollouts))
     res.tokens = int(rollouts.lengths[selected].sum()) if selected.numel() else 0
-    res.global_tokens = int(accelerator.reduce(torch.tensor(res.tokens, device=device), "sum").item())
+    res.global_tokens = global_denominator(accelerator, rollouts.lengths, selected, sample_weights)
     if res.global_tokens == 0:  # S is empty everywhere: no teacher call, zero distillation term
         return res
     scale = accelerator.num_processes  # DDP and FSDP average gradients over ranks
     weights = torch.ones(len(rollouts)) if row_weights is None else row_weights.float().cpu()
     float64 = next(student.parameters()).dtype == torch.float64  # Eq. 11's weights in float64 for a float64 policy
     ctx = _Context(accelerator, student, rollouts, student_prompts, prompt, cfg, pad_id, autocast, teacher_views,
-                   res, scale, weights, label, torch.float64 if float64 else torch.float32)  # fmt: skip
+                   res, scale, weights, label, torch.float64 if float64 else torch.float32, sample_weights)  # fmt: skip
     plans = {n: _plan(rollouts, ctx.prompt_of(n), selected[[route[i] == n for i in selected.tolist()]] if selected.numel()
                       else selected, cfg, teacher_views[0]) for n in names}  # fmt: skip
 
@@ -261,6 +264,17 @@ def distill(
         for t in teachers.values():
             reshard(t.model)
     return res
+
+
+def global_denominator(accelerator, lengths: torch.Tensor, selected: torch.Tensor, sample_weights=None) -> float | int:
+    """Eq. 11's denominator over all ranks (one all-reduce, run by every rank): the selected valid tokens, or with
+    unbiased selection's weights the Hajek form's sum_i w_i T_i (a float)."""
+    device = accelerator.device
+    if sample_weights is None:
+        tokens = int(lengths[selected].sum()) if selected.numel() else 0
+        return int(accelerator.reduce(torch.tensor(tokens, device=device), "sum").item())
+    local = (lengths[selected].double() * sample_weights[selected].double()).sum() if selected.numel() else 0.0
+    return float(accelerator.reduce(torch.tensor(float(local), device=device, dtype=torch.float64), "sum").item())
 
 
 def dummy_backward(accelerator, student, rollouts: Rollouts, student_prompts, pad_id: int, autocast) -> None:
@@ -292,6 +306,7 @@ class _Context:
     row_weights: torch.Tensor
     label: Callable
     weight_dtype: torch.dtype = torch.float32
+    sample_weights: torch.Tensor | None = None
 
     def prompt_of(self, name: str):
         return lambda view, j: self.teacher_prompt(name, view, j)
@@ -323,7 +338,9 @@ def _run_micro_batch(ctx: _Context, name: str, teacher: Teacher, rows: torch.Ten
         if not padding:
             record_forward(res.teachers[ctx.label(name, view)], inputs, mask, sum(len(p) for p in prompts))
     s_inputs, _, _ = micro_batch_inputs([ctx.student_prompts[p] for p in prompt_ids], rollouts, rows, ctx.pad_id, device)
-    weights = budgeted_weights(ctx.row_weights[rows].to(device), mask, res.global_tokens, ctx.weight_dtype) * ctx.scale  # Eq. 11
+    w_i = None if ctx.sample_weights is None else ctx.sample_weights[rows].to(device)  # (n,) 1 / pi_i
+    weights = budgeted_weights(ctx.row_weights[rows].to(device), mask, res.global_tokens, ctx.weight_dtype, w_i)  # Eq. 11
+    weights = weights * ctx.scale  # DDP and FSDP average gradients over ranks
     if padding:
         weights = torch.zeros_like(weights)
     response = rollouts.response_ids[rows, :width].to(device)  # (n, T)
@@ -368,6 +385,7 @@ class Distillation(Objective):
             ctx.accelerator, ctx.student, ctx.teachers.teachers, batch.rollouts, batch.student_prompts,
             batch.teacher_prompt, batch.selected, ctx.distill, ctx.ids["pad"], ctx.autocast, ctx.teacher_views,
             route=batch.route, row_weights=row_weights, sync=sync, label=ctx.teachers.label,
+            sample_weights=batch.weights,
         )  # fmt: skip
         for lab in self.labels:  # every label on every rank, in order (the ledger's all-reduce)
             res.teachers.setdefault(lab, TeacherCost())

@@ -48,6 +48,9 @@ class StepBatch:
     processor; a view's randomness (the mask) is seeded by (seed, step, record id)."""
     route: list
     """Per local row: the name of its teacher (None outside C)."""
+    weights: torch.Tensor | None = None
+    """(N_local,) unbiased selection's w_i = 1 / pi_i for the rows of S (`opd.selectors`), which every objective
+    applies to its per-row terms (Eq. 11's Hajek form); None: every row 1 (top-K, uniform, full)."""
 
 
 @dataclass
@@ -58,8 +61,9 @@ class DistillResult:
     """sum over this rank's selected valid tokens of w D (Eq. 11's numerator, local part)."""
     tokens: int = 0
     """this rank's selected valid tokens (Eq. 11's denominator, local part)."""
-    global_tokens: int = 0
-    """Eq. 11's denominator over all ranks."""
+    global_tokens: float = 0
+    """Eq. 11's denominator over all ranks: the selected valid tokens (an int), or sum_i w_i T_i with unbiased
+    selection's weights."""
     utility: torch.Tensor = field(default_factory=lambda: torch.zeros(0))
     """(N_local,) u_i for selected rows, NaN for unselected rows (they get no label)."""
     teachers: dict[str, TeacherCost] = field(default_factory=dict)

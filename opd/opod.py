@@ -334,6 +334,8 @@ class OPOD(Objective):
         chunk = dc.loss_chunk
         plan = [sel[g] for g in plan_micro_batches(ro.lengths[sel], dc.micro_batch, dc.micro_batch_tokens)] if sel.numel() else []
         adv_of = dict(zip(sel.tolist(), adv.tolist())) | ({} if 0 in sel.tolist() else {0: 0.0})
+        if batch.weights is not None:  # unbiased selection: each row's term times 1 / pi_i (Hajek, with n_global)
+            adv_of = {i: a * float(batch.weights[i]) for i, a in adv_of.items()}
         values = [0.0, 0.0]  # this rank's PG and KL values
 
         def run(_group, rows, last: bool) -> None:

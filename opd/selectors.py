@@ -11,6 +11,17 @@ global row indices; it uses no per-rank randomness, so all ranks make the same s
   entropy is unavailable. Ties go to the lower row index.
 - learned (Algorithm 1, lines 5-9): uniform until f_psi's first update; then the top K - K_e rows by
   predicted utility plus K_e = ceil(eps K) uniform picks from the remaining candidates.
+
+Unbiased (`unbiased=True`, `--unbiased`; entropy or learned): a top-K by a score is a biased sample of the
+on-policy gradient (docs/TOY_COLLAPSE.md). Instead S is *sampled*: inclusion probabilities pi_i grow with the
+score, mixed with the uniform distribution (weight eps, the exploration ratio), sum to K and are capped at 1
+(`inclusion_probabilities`); exactly K distinct rows are drawn with those probabilities (`sample_with_probabilities`,
+systematic sampling over a random order), and the loss weighs row i by w_i = 1 / pi_i (Eq. 11 in its Hajek form,
+`opd.divergence.budgeted_weights`). The budget is unchanged. Before f_psi's first update the learned scores are
+uniform (pi = K / |C|, every w_i equal: plain Eq. 11).
+
+A per-prompt cap (`max_per_prompt`, `--max-per-prompt N`): at most N rows of S per prompt, for the top-K and
+uniform policies (spreading the supervision over prompts; `capped`); with fewer than K rows allowed, S is smaller.
 """
 
 import math
@@ -59,42 +70,153 @@ def learned_subset(
     return torch.cat([exploit, uniform_subset(rest, n_explore, generator)])
 
 
+def capped(order: torch.Tensor, n: int, prompt_of: torch.Tensor | None, cap: int) -> torch.Tensor:
+    """The first n rows of `order` (global row ids, in preference order) taking at most `cap` rows of any one
+    prompt (`prompt_of`: each row's prompt id); cap 0 or no prompt ids: simply the first n."""
+    if not cap or prompt_of is None:
+        return order[:n]
+    taken: dict[int, int] = {}
+    keep = []
+    for i in order.tolist():
+        p = int(prompt_of[i])
+        if taken.get(p, 0) < cap:
+            taken[p] = taken.get(p, 0) + 1
+            keep.append(i)
+            if len(keep) == n:
+                break
+    return torch.tensor(keep, dtype=order.dtype)
+
+
+def inclusion_probabilities(scores: torch.Tensor, k: int, uniform_mix: float = 0.0) -> torch.Tensor:
+    """pi (n,) for sampling exactly k of n rows: proportional to the score mixed with the uniform distribution,
+
+        p_i = (1 - m) s_i / sum_j s_j + m / n,    s_i = max(score_i, 0),    m = uniform_mix,
+        pi_i = min(1, c p_i),  c such that sum_i pi_i = k,
+
+    the rows that reach 1 capped and their excess spread over the others in proportion to p (repeated until no
+    row exceeds 1). All non-positive scores give the uniform pi = k / n. pi is non-decreasing in the score. float64."""
+    n = scores.numel()
+    if not 0 <= k <= n:
+        raise ValueError(f"cannot sample {k} of {n} rows")
+    if not 0.0 <= uniform_mix <= 1.0:
+        raise ValueError(f"uniform_mix must lie in [0, 1], got {uniform_mix}")
+    if n == 0 or k == 0:
+        return torch.zeros(n, dtype=torch.float64)
+    s = scores.double().clamp(min=0.0)  # (n,)
+    total = s.sum()
+    if not torch.isfinite(total):
+        raise ValueError("scores must be finite")
+    p = torch.full((n,), 1.0 / n, dtype=torch.float64) if total <= 0 else (1 - uniform_mix) * s / total + uniform_mix / n
+    pi = torch.zeros(n, dtype=torch.float64)
+    full = torch.zeros(n, dtype=torch.bool)
+    for _ in range(n):  # each pass caps at least one more row, or ends
+        free = ~full
+        remaining = k - int(full.sum())
+        mass = p[free].sum()
+        if remaining == 0 or mass <= 0:  # the rest share what is left uniformly (or nothing)
+            pi[free] = remaining / max(1, int(free.sum()))
+            break
+        pi[free] = remaining * p[free] / mass
+        over = free & (pi >= 1.0)
+        if not over.any():
+            break
+        full |= over
+        pi[full] = 1.0
+    return pi
+
+
+def sample_with_probabilities(pi: torch.Tensor, generator: torch.Generator) -> torch.Tensor:
+    """Exactly k = sum(pi) distinct row indices, row i included with probability pi_i: systematic sampling over a
+    random permutation. The rows, in a random order, are laid end to end on [0, k) with lengths pi_i; one uniform
+    u in [0, 1) picks the rows covering u, u + 1, ..., u + k - 1. A row's interval has length pi_i <= 1, so it holds
+    at most one of the points and holds one with probability exactly pi_i, whatever the order (first-order inclusion
+    probabilities exact, size exactly k). The random order makes every pair of rows possible together. Chosen over
+    conditional Poisson sampling: exact pi without an iterative fit, O(n), two draws of the generator. pi (n,)
+    float64 with an integer sum (`inclusion_probabilities`)."""
+    k = int(round(float(pi.sum())))
+    if k == 0:
+        return torch.zeros(0, dtype=torch.long)
+    perm = torch.randperm(pi.numel(), generator=generator)  # (n,)
+    ends = torch.cumsum(pi[perm].double(), 0)  # (n,) the right end of each row's interval
+    ends[-1] = float(k)  # the exact total (cumsum rounding)
+    points = torch.rand(1, generator=generator, dtype=torch.float64) + torch.arange(k, dtype=torch.float64)  # (k,)
+    positions = torch.searchsorted(ends, points, right=True).clamp(max=pi.numel() - 1)  # (k,)
+    return perm[positions]
+
+
 def entropy_scores(phi: torch.Tensor, has_entropy: bool) -> torch.Tensor:
     """Entropy-25's score: mean token entropy (phi[:, 2]), else mean sampled-token NLL (phi[:, 0])."""
     return phi[:, 2] if has_entropy else phi[:, 0]
 
 
 class Selector:
-    """One selection policy. `select` returns sorted global indices of S; `observe` takes the labels."""
+    """One selection policy. `select` returns sorted global indices of S and keeps their inclusion probabilities in
+    `last_pi` when unbiased (the loss weighs row i by 1 / pi_i; None otherwise); `observe` takes the labels."""
 
-    def __init__(self, policy: str, epsilon: float = 0.10, predictor: PredictorConfig | None = None):
+    def __init__(self, policy: str, epsilon: float = 0.10, predictor: PredictorConfig | None = None,
+                 unbiased: bool = False, max_per_prompt: int = 0):  # fmt: skip
         if policy not in POLICIES:
             raise ValueError(f"unknown selection policy {policy!r}; known: {', '.join(POLICIES)}")
+        if unbiased and policy not in ("entropy", "learned"):
+            raise ValueError(f"unbiased selection samples by a score: entropy or learned, not {policy!r}")
+        if unbiased and max_per_prompt:
+            raise ValueError("a per-prompt cap would change the inclusion probabilities of unbiased selection")
         self.policy = policy
         self.epsilon = epsilon
+        self.unbiased = unbiased
+        self.max_per_prompt = max_per_prompt
         self.cfg = predictor or PredictorConfig()
         self.model = OnlineUtilityModel(self.cfg) if policy == "learned" else None
+        self.last_pi: torch.Tensor | None = None
 
-    def select(self, phi: torch.Tensor, eligible: torch.Tensor, budget: int, step: int, has_entropy: bool = True):
-        """S for one step. phi (N, 6) global features (Eq. 5), eligible (N,) bool, budget K (Eq. 4)."""
-        candidates = eligible.nonzero().squeeze(-1)  # (|C|,)
-        if self.policy == "full":
-            chosen = candidates
-        elif self.policy == "random":
-            chosen = uniform_subset(candidates, budget, seeded_generator(self.cfg.seed, step))
-        elif self.policy == "entropy":
-            chosen = top_subset(entropy_scores(phi, has_entropy), candidates, budget)
-        else:
-            self.model.normalizer.update(phi[candidates])  # Algorithm 1, line 4: update on C
-            generator = seeded_generator(self.cfg.seed, step)
-            if not self.model.trained:  # lines 5-6
-                chosen = uniform_subset(candidates, budget, generator)
-            else:  # lines 8-9
-                n_explore = exploration_count(budget, self.epsilon)
-                chosen = learned_subset(self.model.predict(phi), candidates, budget, n_explore, generator)
-        chosen = chosen.sort().values
-        assert chosen.numel() <= budget, f"the query budget was exceeded: |S| = {chosen.numel()} > K = {budget}"
+    def select(self, phi: torch.Tensor, eligible: torch.Tensor, budget: int, step: int, has_entropy: bool = True,
+               prompt_of: torch.Tensor | None = None) -> torch.Tensor:  # fmt: skip
+        """S for one step, sorted global row ids. phi (N, 6) global features (Eq. 5), eligible (N,) bool, budget K
+        (Eq. 4), prompt_of (N,) each row's prompt (for the per-prompt cap). Unbiased: `last_pi` (|S|,) holds the
+        inclusion probabilities of S's rows, in S's order."""
+        chosen, self.last_pi = self._select(phi, eligible, budget, step, has_entropy, prompt_of)
         return chosen
+
+    def _select(self, phi, eligible, budget, step, has_entropy, prompt_of):
+        candidates = eligible.nonzero().squeeze(-1)  # (|C|,)
+        cap = self.max_per_prompt
+        generator = seeded_generator(self.cfg.seed, step)
+        pi = None
+        if self.policy == "learned":
+            self.model.normalizer.update(phi[candidates])  # Algorithm 1, line 4: update on C
+        if self.unbiased:
+            if self.policy == "entropy":
+                scores = entropy_scores(phi, has_entropy)[candidates]
+            elif self.model.trained:
+                scores = self.model.predict(phi)[candidates]
+            else:  # before f_psi's first update: uniform
+                scores = torch.ones(candidates.numel())
+            pi_c = inclusion_probabilities(scores, budget, self.epsilon)  # (|C|,)
+            picked = sample_with_probabilities(pi_c, generator)
+            chosen, pi = candidates[picked], pi_c[picked]
+        elif self.policy == "full":
+            chosen = capped(candidates, candidates.numel(), prompt_of, cap)
+        elif self.policy == "random":
+            chosen = capped(candidates[torch.randperm(candidates.numel(), generator=generator)], budget, prompt_of, cap)
+        elif self.policy == "entropy":
+            order = torch.sort(entropy_scores(phi, has_entropy)[candidates].double(), descending=True, stable=True).indices
+            chosen = capped(candidates[order], budget, prompt_of, cap)
+        elif not self.model.trained:  # lines 5-6
+            chosen = capped(candidates[torch.randperm(candidates.numel(), generator=generator)], budget, prompt_of, cap)
+        elif not cap:  # lines 8-9
+            n_explore = exploration_count(budget, self.epsilon)
+            chosen = learned_subset(self.model.predict(phi), candidates, budget, n_explore, generator)
+        else:  # lines 8-9 under the cap: the exploit part by u^, then uniform picks, both within the cap
+            n_explore = min(exploration_count(budget, self.epsilon), budget)
+            order = torch.sort(self.model.predict(phi)[candidates].double(), descending=True, stable=True).indices
+            exploit = capped(candidates[order], budget - n_explore, prompt_of, cap)
+            rest = candidates[~torch.isin(candidates, exploit)]
+            rest = rest[torch.randperm(rest.numel(), generator=generator)]
+            chosen = capped(torch.cat([exploit, rest]), exploit.numel() + n_explore, prompt_of, cap)
+        chosen, order = chosen.sort()
+        pi = pi[order] if pi is not None else None
+        assert chosen.numel() <= budget, f"the query budget was exceeded: |S| = {chosen.numel()} > K = {budget}"
+        return chosen, pi
 
     def predict(self, phi: torch.Tensor) -> torch.Tensor | None:
         """u^ for logging and audits (learned policy only)."""

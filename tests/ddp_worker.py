@@ -30,6 +30,7 @@ def main() -> None:
     p.add_argument("--method", default="bas-opd")
     p.add_argument("--teacher-model", default=None)
     p.add_argument("--dtype", default="float32")
+    p.add_argument("--unbiased", action="store_true")
     a = p.parse_args()
     if a.dtype == "float64":
         from float64 import float64_model
@@ -39,7 +40,7 @@ def main() -> None:
     cfg = TrainConfig(
         **settings, out=a.out, method=a.method, policy=a.policy, rho=a.rho, prompts_per_step=4, rollouts_per_prompt=4,
         steps=2, lr=1e-3, micro_batch=3, replay_start=4, replay_batch=16, max_prompt_len=512, max_response_len=10,
-        teacher_model=a.teacher_model, dtype=a.dtype,
+        teacher_model=a.teacher_model, dtype=a.dtype, unbiased=a.unbiased,
     )  # fmt: skip
     run = Run(cfg)
     if a.method == "dapd":  # the policy moved off its anchors (as after training), so that every pair's KL and gradient
@@ -47,7 +48,7 @@ def main() -> None:
 
         perturb(run.policy)
     selected, select = [], run.selector.select
-    run.selector.select = lambda *args, **kw: selected.append(select(*args, **kw)) or selected[-1]
+    run.selector.select = lambda *args, **kw: selected.append((select(*args, **kw), run.selector.last_pi)) or selected[-1][0]
     rows, teacher_rows = [], []
     teachers = list(dict.fromkeys(run.teachers.teachers.values()))  # every teacher (DAPD: both anchors)
     for step in range(2):
@@ -59,8 +60,8 @@ def main() -> None:
     if run.acc.is_main_process:
         params = {k: v.detach().clone() for k, v in run.policy.state_dict().items()}
         teacher = {k: v.detach().clone() for k, v in run.teacher.model.state_dict().items()}
-        torch.save({"params": params, "teacher": teacher, "rows": rows, "teacher_rows": counts, "selected": selected},
-                   Path(a.out) / "result.pt")  # fmt: skip
+        torch.save({"params": params, "teacher": teacher, "rows": rows, "teacher_rows": counts,
+                    "selected": [s for s, _ in selected], "pi": [p for _, p in selected]}, Path(a.out) / "result.pt")  # fmt: skip
     run.acc.wait_for_everyone()
 
 
