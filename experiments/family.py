@@ -40,7 +40,10 @@ if str(ROOT) not in sys.path:
 
 import numpy as np  # noqa: E402
 
-from opd.toy.experiment import Timing, parse, quiet, run_folder, run_jobs, say  # noqa: E402
+from opd.ledger import write_atomic  # noqa: E402
+from opd.toy.entry import Entry, sft_config, world_config  # noqa: E402
+from opd.toy.experiment import run_folder, say  # noqa: E402
+from opd.toy.report import _pyplot, save_figure, write_report  # noqa: E402
 from opd.toy.report import mean_std as _ms  # noqa: E402
 
 METHODS = ("bas-opd", "opd-v", "rp-opsd", "opsd", "dapd", "opod")
@@ -133,18 +136,11 @@ PRESETS = {"default": {}, "smoke": SMOKE}
 # ----------------------------------------------------------------------------- world and bases
 
 
-def world_config(cfg: FamilyConfig):
-    from opd.toy.world import WorldConfig
-
-    return WorldConfig(seed=cfg.world_seed, n_opd=cfg.n_opd, n_audit=cfg.n_audit, n_eval=cfg.n_eval)  # the toy's world
-
-
 def base_configs(cfg: FamilyConfig) -> dict:
     """(SFTConfig, task) of each privileged signal's base."""
     from opd.toy.family import HINT
-    from opd.toy.sft import SFTConfig
 
-    sft = SFTConfig(steps=cfg.sft_steps, batch=cfg.sft_batch)
+    sft = sft_config(cfg)
     signal = dataclasses.replace(sft, steps=cfg.signal_sft_steps)
     return {
         "crop": (sft, None),
@@ -168,7 +164,7 @@ def base_gaps(root: Path, cfg: FamilyConfig) -> dict:
         model, processor = load_model(str(root / f"base-{signal}")), load_processor(str(root / f"base-{signal}"))
         gaps[signal] = {v: view_accuracy(model, processor, records, v, cfg.eval_batch) for v in views}
         say(f"base {signal}: " + ", ".join(f"{v} {a:.1f}%" for v, a in gaps[signal].items()))
-    path.write_text(json.dumps(gaps, indent=1) + "\n")
+    write_atomic(path, json.dumps(gaps, indent=1) + "\n")
     return gaps
 
 
@@ -177,7 +173,7 @@ def opod_routes(root: Path) -> Path:
     base checkpoints of OPOD_ROUTES (paths relative to OUT)."""
     path = root / "opod_route.json"
     spec = {"field": "shape", "teachers": {shape: f"base-{base}" for shape, base in OPOD_ROUTES.items()}}
-    path.write_text(json.dumps(spec, indent=1) + "\n")
+    write_atomic(path, json.dumps(spec, indent=1) + "\n")
     return path
 
 
@@ -204,7 +200,7 @@ def route_gaps(root: Path, cfg: FamilyConfig) -> dict:
         for shape in OPOD_ROUTES:
             group = [r for r in records if shape_of(r.problem) == shape]
             out[shape][base] = view_accuracy(model, processor, group, "full", cfg.eval_batch) if group else float("nan")
-    path.write_text(json.dumps(out, indent=1) + "\n")
+    write_atomic(path, json.dumps(out, indent=1) + "\n")
     return out
 
 
@@ -251,7 +247,7 @@ def trust_region_profile(root: Path, cfg: FamilyConfig, prompts: int = 16) -> di
         profile[name] = {"n": int(sel.sum()), "positive": float((x > 0).float().mean()), "mean": float(x.mean())}
     x = w[~letter]
     profile["end of message"] = {"n": int(x.numel()), "positive": float((x > 0).float().mean()), "mean": float(x.mean())}
-    path.write_text(json.dumps(profile, indent=1) + "\n")
+    write_atomic(path, json.dumps(profile, indent=1) + "\n")
     shutil.rmtree(root / "trust_region_run", ignore_errors=True)
     return profile
 
@@ -308,7 +304,7 @@ def trained_views(root: Path, cfg: FamilyConfig) -> None:
         policy = str(find_checkpoint(folder) / "policy")
         model, processor = load_model(policy), load_processor(policy)
         acc = {v: view_accuracy(model, processor, records, v, cfg.eval_batch) for v in views}
-        (folder / "views.json").write_text(json.dumps(acc) + "\n")
+        write_atomic(folder / "views.json", json.dumps(acc) + "\n")
 
 
 def teacher_rows_problem(r: dict, method: str, views: int) -> str | None:
@@ -397,11 +393,7 @@ def kind_label(method: str, kind: str) -> str:
 
 
 def plots(root: Path, runs: dict, gaps: dict) -> list[str]:
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
+    plt = _pyplot()
     methods = [m for m in METHODS if m in runs]
     if not methods:
         return []
@@ -433,8 +425,7 @@ def plots(root: Path, runs: dict, gaps: dict) -> list[str]:
         row[0].set_ylabel("accuracy on the full canvas (%)")
     fig.suptitle("The seed family in the toy world: accuracy after training (mean ± std over seeds)", fontsize=9)
     fig.tight_layout()
-    fig.savefig(root / "family_accuracy.png", dpi=130)
-    plt.close(fig)
+    save_figure(fig, root / "family_accuracy.png", dpi=130)
 
     fig, ax = plt.subplots(figsize=(8.6, 4.2))
     for m in methods:
@@ -450,8 +441,7 @@ def plots(root: Path, runs: dict, gaps: dict) -> list[str]:
     ax.legend(fontsize=6, loc="center left", bbox_to_anchor=(1.01, 0.5))  # outside: 20 runs' labels
     ax.set_title("Accuracy vs teacher time", fontsize=9)
     fig.tight_layout()
-    fig.savefig(root / "family_cost.png", dpi=130)
-    plt.close(fig)
+    save_figure(fig, root / "family_cost.png", dpi=130)
     return ["family_accuracy.png", "family_cost.png"]
 
 
@@ -573,47 +563,33 @@ def report(root: Path, cfg: FamilyConfig, timing: dict, command: str) -> str:
         lines += ["", f"Not trained (left out by --skip or unfinished): {', '.join(missing)}."]
     lines += ["", "## Plots", ""]
     lines += [f"![{f}]({f})" for f in files]
-    text = "\n".join(lines) + "\n"
-    (root / "report.md").write_text(text)
-    (root / "report.json").write_text(json.dumps({"gaps": gaps, "timing": timing, "runs": runs}, indent=1, default=str) + "\n")
-    return text
+    return write_report(root, "\n".join(lines) + "\n", {"gaps": gaps, "timing": timing, "runs": runs})
 
 
 # ----------------------------------------------------------------------------- main
 
 
 def main(argv: list[str] | None = None) -> str:
-    cfg = parse(FamilyConfig, PRESETS, __doc__.split("\n")[0], argv)
-    quiet()
-    from opd.toy.sft import train_base
-    from opd.toy.world import export_world
-
-    root = Path(cfg.out)
-    root.mkdir(parents=True, exist_ok=True)
-    command = ".venv/bin/python experiments/family.py " + " ".join(sys.argv[1:] if argv is None else argv)
-    timing = Timing(root)
-    with timing.phase("bases_s"):
-        say(f"world -> {root / 'world'}")
-        export_world(root / "world", world_config(cfg))
-        for signal, (sft, task) in base_configs(cfg).items():
-            say(f"base '{signal}' ({sft.steps} supervised steps) -> {root / f'base-{signal}'}")
-            train_base(root / f"base-{signal}", world_config(cfg), sft, log=lambda msg: say(msg), task=task)
+    entry = Entry.start(FamilyConfig, PRESETS, argv, __doc__, ".venv/bin/python experiments/family.py")
+    cfg, root = entry.cfg, entry.root
+    entry.world(world_config(cfg), phase="bases_s")
+    for signal, (sft, task) in base_configs(cfg).items():
+        entry.base(world_config(cfg), sft, folder=f"base-{signal}", task=task, phase="bases_s",
+                   what=f"base '{signal}' ({sft.steps} supervised steps)")
+    with entry.phase("bases_s"):
         base_gaps(root, cfg)
         trust_region_profile(root, cfg)
         opod_routes(root)
         route_gaps(root, cfg)
-    with timing.phase("runs_s"):
-        specs = run_specs(cfg)
-        skip = {n.strip() for n in cfg.skip.split(",") if n.strip()}
-        todo = [s for s in specs if not (run_folder(root, s) / "done.json").exists()
-                and not {s["name"], f"{s['name']}/seed{s['seed']}"} & skip]
-        say(f"{len(specs)} OPD runs, {len(specs) - len(todo)} already done or skipped, {cfg.jobs} at a time")
-        run_jobs([job(cfg, s, root) for s in todo], cfg.jobs)
+    skip = {n.strip() for n in cfg.skip.split(",") if n.strip()}
+    entry.runs([job(cfg, s, root) for s in run_specs(cfg)], cfg.jobs, reused="already done or skipped",
+               skip=lambda j: bool({j["spec"]["name"], f"{j['spec']['name']}/seed{j['spec']['seed']}"} & skip))
+    with entry.phase("runs_s"):
         trained_views(root, cfg)
-    text = report(root, cfg, timing.save(), command)
-    say(f"report -> {root / 'report.md'} ({timing.total['total_s']:.0f} s in all)")
-    return text
+    return entry.finish(report)
 
 
 if __name__ == "__main__":
-    main()
+    from opd.cli import run_cli
+
+    run_cli(main, sys.argv[1:], "family.py")

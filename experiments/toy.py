@@ -18,7 +18,8 @@
 Resumable: the world, the base, the base's evaluation and every finished run (its done.json) are
 reused; an unfinished run starts over. `--jobs 2` trains two runs at a time (one thread each).
 Running a run, reading results back and the report's tables and plots are shared with
-experiments/toy_explain.py (`opd.toy.experiment`, `opd.toy.report`).
+experiments/toy_explain.py (`opd.toy.experiment`, `opd.toy.report`), the steps of `main()` with every
+experiment script (`opd.toy.entry`).
 """
 
 from __future__ import annotations
@@ -33,11 +34,11 @@ ROOT = Path(__file__).resolve().parents[1]
 if str(ROOT) not in sys.path:
     sys.path.insert(0, str(ROOT))
 
-from opd.toy.experiment import (  # noqa: E402
-    Timing, check_ledger, collect, evaluate, machine, order, parse, quiet, run_folder, run_jobs, say,
-)
+from opd.toy.entry import Entry, sft_config, world_config  # noqa: E402
+from opd.toy.experiment import check_ledger, collect, machine, order, run_folder  # noqa: E402
 from opd.toy.report import (  # noqa: E402
     audit_section, gap_section, geometry_section, ledger_line, plots, table3, table7, table8, world_figure,
+    write_report,
 )
 
 __all__ = ["ToyConfig", "check_ledger", "main"]
@@ -115,18 +116,6 @@ def run_specs(cfg: ToyConfig) -> list[dict]:
     return sorted(specs, key=lambda s: (-s["pct"], s["seed"]))
 
 
-def world_config(cfg: ToyConfig):
-    from opd.toy.world import WorldConfig
-
-    return WorldConfig(seed=cfg.world_seed, n_opd=cfg.n_opd, n_audit=cfg.n_audit, n_eval=cfg.n_eval)
-
-
-def sft_config(cfg: ToyConfig):
-    from opd.toy.sft import SFTConfig
-
-    return SFTConfig(steps=cfg.sft_steps, batch=cfg.sft_batch)
-
-
 def train_fields(cfg: ToyConfig, spec: dict, base: Path, data: Path) -> dict:
     """The run's `train.TrainConfig` fields (its --out is the run folder)."""
     return dict(
@@ -190,54 +179,24 @@ def report(root: Path, cfg: ToyConfig, timing: dict, command: str) -> str:
     geometry = geometry_section(runs)
     lines += ([""] + geometry if geometry else [])
     lines += ["", "## Plots", ""] + [f"![{f}]({f})" for f in files]
-    text = "\n".join(lines) + "\n"
-    (root / "report.md").write_text(text)
-    (root / "report.json").write_text(json.dumps({"base": base, "timing": timing, "runs": {
-        n: [{k: v for k, v in r.items() if k not in ("audit", "geometry")} for r in rs] for n, rs in runs.items()}},
-        indent=1, default=str) + "\n")
-    return text
+    return write_report(root, "\n".join(lines) + "\n", {"base": base, "timing": timing, "runs": {
+        n: [{k: v for k, v in r.items() if k not in ("audit", "geometry")} for r in rs] for n, rs in runs.items()}})
 
 
 # ----------------------------------------------------------------------------- main
 
 
 def main(argv: list[str] | None = None) -> str:
-    cfg = parse(ToyConfig, PRESETS, __doc__.split("\n")[0], argv)
-    quiet()
-    from opd.toy.sft import train_base
-    from opd.toy.world import export_world
-
-    root = Path(cfg.out)
-    root.mkdir(parents=True, exist_ok=True)
-    command = "python experiments/toy.py " + " ".join(sys.argv[1:] if argv is None else argv)
-    timing = Timing(root)
-
-    with timing.phase("world_s"):
-        say(f"world -> {root / 'world'}")
-        export_world(root / "world", world_config(cfg))
-
-    with timing.phase("sft_s"):
-        say(f"base model ({cfg.sft_steps} supervised steps on crops) -> {root / 'base'}")
-        train_base(root / "base", world_config(cfg), sft_config(cfg), log=lambda m: say(m))
-
-    with timing.phase("base_eval_s"):
-        if not (root / "base_eval.json").exists():
-            say("evaluating the base with eval.py (full image and crop)")
-            base = evaluate(root / "base", root / "world" / "bench", root / "base_eval", cfg.eval_batch, 4, "base")
-            (root / "base_eval.json").write_text(json.dumps(base, indent=1) + "\n")
-        base = json.loads((root / "base_eval.json").read_text())
-        say(f"base: full image {base['full']:.1f}%, crop {base['crop']:.1f}%, gap {base['gap']:+.1f} points")
-
-    with timing.phase("runs_s"):
-        specs = run_specs(cfg)
-        todo = [s for s in specs if not (run_folder(root, s) / "done.json").exists()]
-        say(f"{len(specs)} OPD runs, {len(specs) - len(todo)} already done, {cfg.jobs} at a time")
-        run_jobs([job(cfg, s, root) for s in todo], cfg.jobs)
-    total = timing.save()
-    text = report(root, cfg, total, command)
-    say(f"report -> {root / 'report.md'} ({total['total_s']:.0f} s in all)")
-    return text
+    entry = Entry.start(ToyConfig, PRESETS, argv, __doc__, "python experiments/toy.py")
+    cfg, root = entry.cfg, entry.root
+    entry.world(world_config(cfg))
+    entry.base(world_config(cfg), sft_config(cfg), what=f"base model ({cfg.sft_steps} supervised steps on crops)")
+    entry.base_eval(cfg.eval_batch, 4)
+    entry.runs([job(cfg, s, root) for s in run_specs(cfg)], cfg.jobs)
+    return entry.finish(report)
 
 
 if __name__ == "__main__":
-    main()
+    from opd.cli import run_cli
+
+    run_cli(main, sys.argv[1:], "toy.py")

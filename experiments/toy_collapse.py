@@ -33,7 +33,9 @@ if str(ROOT) not in sys.path:
 
 import numpy as np  # noqa: E402
 
-from opd.toy.experiment import Timing, evaluate, machine, parse, quiet, run_jobs, say  # noqa: E402
+from opd.toy.entry import Entry, sft_config, world_config  # noqa: E402
+from opd.toy.experiment import machine  # noqa: E402
+from opd.toy.report import save_figure, write_report  # noqa: E402
 
 __all__ = ["CollapseConfig", "main"]
 
@@ -94,12 +96,6 @@ def specs(cfg: CollapseConfig) -> list[dict]:
     if cfg.low_lr:
         out += [{"policy": "learned", "lr": cfg.low_lr, "seed": s, "name": "learned-25-low-lr"} for s in seeds]
     return out
-
-
-def world_config(cfg: CollapseConfig):
-    from opd.toy.world import WorldConfig
-
-    return WorldConfig(n_opd=cfg.n_opd, n_audit=cfg.n_audit, n_eval=cfg.n_eval)
 
 
 def job(cfg: CollapseConfig, spec: dict, root: Path) -> dict:
@@ -315,10 +311,7 @@ def report(root: Path, cfg: CollapseConfig, timing: dict, command: str) -> str:
                      + " ".join(f"{100 * v:.0f}" for v in pr["rate"]) + " | " + " ".join(f"{100 * v:.0f}" for v in pr["teacher"]) + " |")
     png = probe_plot(root, rows)
     lines += ["", "## Plots", "", f"![{png}]({png})"] if png else []
-    text = "\n".join(lines) + "\n"
-    (root / "report.md").write_text(text)
-    (root / "report.json").write_text(json.dumps({"base": base, "timing": timing, "runs": rows}, indent=1, default=str) + "\n")
-    return text
+    return write_report(root, "\n".join(lines) + "\n", {"base": base, "timing": timing, "runs": rows})
 
 
 def probe_plot(root: Path, rows: list[dict]) -> str | None:
@@ -344,8 +337,7 @@ def probe_plot(root: Path, rows: list[dict]) -> str | None:
     a2.set_title("(b) the student's full image", fontsize=9)
     a2.legend(fontsize=5, ncol=2)
     fig.tight_layout()
-    fig.savefig(root / "fig_collapse.png", dpi=130)
-    plt.close(fig)
+    save_figure(fig, root / "fig_collapse.png", dpi=130)
     return "fig_collapse.png"
 
 
@@ -353,37 +345,20 @@ def probe_plot(root: Path, rows: list[dict]) -> str | None:
 
 
 def main(argv: list[str] | None = None) -> str:
-    cfg = parse(CollapseConfig, PRESETS, __doc__.split("\n")[0], argv)
-    quiet()
-    from opd.toy.diagnose import diagnose_one
-    from opd.toy.sft import SFTConfig, train_base
-    from opd.toy.world import export_world
-
-    root = Path(cfg.out)
-    root.mkdir(parents=True, exist_ok=True)
-    command = "python experiments/toy_collapse.py " + " ".join(sys.argv[1:] if argv is None else argv)
+    entry = Entry.start(CollapseConfig, PRESETS, argv, __doc__, "python experiments/toy_collapse.py")
+    cfg, root = entry.cfg, entry.root
     if cfg.report_only:
-        timing = json.loads((root / "timing.json").read_text()) if (root / "timing.json").exists() else {}
-        text = report(root, cfg, timing, command)
-        say(f"report (finished runs only, nothing trained) -> {root / 'report.md'}")
-        return text
-    timing = Timing(root)
-    with timing.phase("setup_s"):
-        export_world(root / "world", world_config(cfg))
-        train_base(root / "base", world_config(cfg), SFTConfig(steps=cfg.sft_steps, batch=cfg.sft_batch), log=lambda m: say(m))
-        if not (root / "base_eval.json").exists():
-            base = evaluate(root / "base", root / "world" / "bench", root / "base_eval", cfg.eval_batch, 4, "base")
-            (root / "base_eval.json").write_text(json.dumps(base, indent=1) + "\n")
-    with timing.phase("runs_s"):
-        jobs = [job(cfg, s, root) for s in specs(cfg)]
-        todo = [j for j in jobs if not (Path(j["folder"]) / "done.json").exists()]
-        say(f"{len(jobs)} diagnosed runs, {len(jobs) - len(todo)} already done, {cfg.jobs} at a time")
-        run_jobs(todo, cfg.jobs, diagnose_one)
-    total = timing.save()
-    text = report(root, cfg, total, command)
-    say(f"report -> {root / 'report.md'}")
-    return text
+        return entry.report_only(report)
+    from opd.toy.diagnose import diagnose_one
+
+    entry.world(world_config(cfg), announce=False, phase="setup_s")
+    entry.base(world_config(cfg), sft_config(cfg), phase="setup_s")
+    entry.base_eval(cfg.eval_batch, 4, announce=False, phase="setup_s")
+    entry.runs([job(cfg, s, root) for s in specs(cfg)], cfg.jobs, diagnose_one, noun="diagnosed runs")
+    return entry.finish(report, seconds=False)
 
 
 if __name__ == "__main__":
-    main()
+    from opd.cli import run_cli
+
+    run_cli(main, sys.argv[1:], "toy_collapse.py")

@@ -38,13 +38,14 @@ if str(ROOT) not in sys.path:
 
 import numpy as np  # noqa: E402
 
+from opd.ledger import write_atomic  # noqa: E402
+from opd.toy.entry import Entry, sft_config, world_config  # noqa: E402
 from opd.toy.experiment import (  # noqa: E402
-    ABLATIONS, Timing, check_ledger, collect, evaluate, label, machine, order, parse, quiet, run_folder, run_jobs,
-    say, split_name,
+    ABLATIONS, check_ledger, collect, label, machine, order, run_folder, split_name,
 )
 from opd.toy.report import (  # noqa: E402
-    audit_section, gap_section, geometry_section, ledger_line, mean_std, plots, spearman, table3, table7, table8,
-    world_figure,
+    audit_section, gap_section, geometry_section, ledger_line, mean_std, plots, save_figure, spearman, table3, table7,
+    table8, world_figure, write_report,
 )
 
 __all__ = ["ExplainConfig", "check_ledger", "main"]
@@ -135,18 +136,6 @@ def run_specs(cfg: ExplainConfig) -> list[dict]:
     return sorted(specs, key=lambda s: (-s["pct"], s["seed"]))
 
 
-def world_config(cfg: ExplainConfig):
-    from opd.toy.world import WorldConfig
-
-    return WorldConfig(seed=cfg.world_seed, n_opd=cfg.n_opd, n_audit=cfg.n_audit, n_eval=cfg.n_eval)
-
-
-def sft_config(cfg: ExplainConfig):
-    from opd.toy.sft import SFTConfig
-
-    return SFTConfig(steps=cfg.sft_steps, batch=cfg.sft_batch)
-
-
 def job(cfg: ExplainConfig, spec: dict, root: Path) -> dict:
     """One run for `opd.toy.experiment.train_one` (traced; Learned-25 audited, seed 0's geometry)."""
     world = root / "world"
@@ -199,7 +188,7 @@ def base_samples(root: Path, cfg: ExplainConfig) -> list[dict]:
         text = processor.tokenizer.decode([t for t in ids if t not in eos])
         out.append({"prompt": int(ro.prompt_index[i]), "answer": records[int(ro.prompt_index[i])].answer, "text": text,
                     "tokens": int(ro.lengths[i]), "style": style_of(text)})
-    path.write_text(json.dumps(out, indent=1) + "\n")
+    write_atomic(path, json.dumps(out, indent=1) + "\n")
     return out
 
 
@@ -365,8 +354,7 @@ def selection_plot(root: Path, runs: dict, names: list[str], cfg: ExplainConfig)
     a2.set_ylabel(f"distinct prompts in S (of {cfg.prompts_per_step})")
     a2.set_title("(b) prompt coverage of S", fontsize=9)
     fig.tight_layout()
-    fig.savefig(root / "fig6_selection.png", dpi=130)
-    plt.close(fig)
+    save_figure(fig, root / "fig6_selection.png", dpi=130)
     return "fig6_selection.png"
 
 
@@ -421,56 +409,30 @@ def report(root: Path, cfg: ExplainConfig, timing: dict, command: str) -> str:
     geometry = geometry_section(runs)
     lines += ([""] + geometry if geometry else [])
     lines += ["", "## Plots", ""] + [f"![{f}]({f})" for f in files]
-    text = "\n".join(lines) + "\n"
-    (root / "report.md").write_text(text)
-    (root / "report.json").write_text(json.dumps({"base": base, "timing": timing, "runs": {
-        n: [{k: v for k, v in r.items() if k not in ("audit", "geometry", "trace")} for r in rs] for n, rs in runs.items()}},
-        indent=1, default=str) + "\n")
-    return text
+    return write_report(root, "\n".join(lines) + "\n", {"base": base, "timing": timing, "runs": {
+        n: [{k: v for k, v in r.items() if k not in ("audit", "geometry", "trace")} for r in rs] for n, rs in runs.items()}})
 
 
 # ----------------------------------------------------------------------------- main
 
 
 def main(argv: list[str] | None = None) -> str:
-    cfg = parse(ExplainConfig, PRESETS, __doc__.split("\n")[0], argv)
-    quiet()
+    entry = Entry.start(ExplainConfig, PRESETS, argv, __doc__, "python experiments/toy_explain.py")
+    cfg, root = entry.cfg, entry.root
     from opd.toy.explain import EXPLAIN
-    from opd.toy.sft import train_base
-    from opd.toy.world import export_world
 
-    root = Path(cfg.out)
-    root.mkdir(parents=True, exist_ok=True)
-    command = "python experiments/toy_explain.py " + " ".join(sys.argv[1:] if argv is None else argv)
-    timing = Timing(root)
     specs = run_specs(cfg)
-
-    with timing.phase("world_s"):
-        say(f"world -> {root / 'world'}")
-        export_world(root / "world", world_config(cfg))
-
-    with timing.phase("sft_s"):
-        say(f"base model ({cfg.sft_steps} supervised steps of explained answers on crops) -> {root / 'base'}")
-        train_base(root / "base", world_config(cfg), sft_config(cfg), log=lambda m: say(m), task=EXPLAIN)
-
-    with timing.phase("base_eval_s"):
-        if not (root / "base_eval.json").exists():
-            say("evaluating the base with eval.py (full image and crop)")
-            base = evaluate(root / "base", root / "world" / "bench", root / "base_eval", cfg.eval_batch, cfg.eval_tokens, "base")
-            (root / "base_eval.json").write_text(json.dumps(base, indent=1) + "\n")
-        base = json.loads((root / "base_eval.json").read_text())
-        say(f"base: full image {base['full']:.1f}%, crop {base['crop']:.1f}%, gap {base['gap']:+.1f} points")
+    entry.world(world_config(cfg))
+    entry.base(world_config(cfg), sft_config(cfg), task=EXPLAIN,
+               what=f"base model ({cfg.sft_steps} supervised steps of explained answers on crops)")
+    entry.base_eval(cfg.eval_batch, cfg.eval_tokens)
+    with entry.phase("base_eval_s"):
         base_samples(root, cfg)
-
-    with timing.phase("runs_s"):
-        todo = [s for s in specs if not (run_folder(root, s) / "done.json").exists()]
-        say(f"{len(specs)} OPD runs, {len(specs) - len(todo)} already done, {cfg.jobs} at a time")
-        run_jobs([job(cfg, s, root) for s in todo], cfg.jobs)
-    total = timing.save()
-    text = report(root, cfg, total, command)
-    say(f"report -> {root / 'report.md'} ({total['total_s']:.0f} s in all)")
-    return text
+    entry.runs([job(cfg, s, root) for s in specs], cfg.jobs)
+    return entry.finish(report)
 
 
 if __name__ == "__main__":
-    main()
+    from opd.cli import run_cli
+
+    run_cli(main, sys.argv[1:], "toy_explain.py")

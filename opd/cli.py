@@ -126,15 +126,19 @@ class Parser(argparse.ArgumentParser):
         raise UserError(f"{message} ({self.prog} --help lists the flags)")
 
 
-def build_parser(cls, presets: dict[str, dict], description: str) -> argparse.ArgumentParser:
+def build_parser(cls, presets: dict[str, dict], description: str, preset_flags: dict[str, str] | None = None):
+    """The flags of `cls` (one per field, help from its docstring); `preset_flags` {flag: preset}: shorthands that
+    select a preset (an experiment's --smoke)."""
     parser = Parser(description=description, allow_abbrev=False)  # a flag is spelled out (given_flags)
+    for flag, preset in (preset_flags or {}).items():
+        parser.add_argument(flag, dest="preset", action="store_const", const=preset, help=f"the same as --preset {preset}")
     docs = field_docs(cls)
     hints = typing.get_type_hints(cls)
     for f in dataclasses.fields(cls):
         flag = "--" + f.name.replace("_", "-")
         kind = _base_type(hints[f.name])
         overrides = "".join(f"; {name}: {p[f.name]!r}" for name, p in presets.items() if p.get(f.name, f.default) != f.default)
-        help_text = f"{docs.get(f.name, '')} (default: {f.default!r}{overrides})"
+        help_text = f"{docs.get(f.name, '')} (default: {f.default!r}{overrides})".replace("%", "%%")  # argparse formats
         if f.name == "preset":
             parser.add_argument(flag, choices=sorted(presets), default=f.default, help=help_text)
         elif kind is bool and f.name.startswith("no_"):  # an ablation switch: --no-overlap, not --no-no-overlap
@@ -146,18 +150,24 @@ def build_parser(cls, presets: dict[str, dict], description: str) -> argparse.Ar
     return parser
 
 
-def given_flags(cls, presets: dict[str, dict], argv: list[str] | None = None, description: str = "") -> dict:
-    """The fields set on the command line, by field name ('preset' only when given)."""
-    args = vars(build_parser(cls, presets, description).parse_args(argv))
-    return {k: v for k, v in args.items() if v is not None and (k != "preset" or _flag_given("--preset", argv))}
+def given_flags(cls, presets: dict[str, dict], argv: list[str] | None = None, description: str = "",
+                preset_flags: dict[str, str] | None = None) -> dict:  # fmt: skip
+    """The fields set on the command line, by field name ('preset' only when given, or a preset flag)."""
+    args = vars(build_parser(cls, presets, description, preset_flags).parse_args(argv))
+    for flag, preset in (preset_flags or {}).items():  # a preset flag wins over --preset, wherever it stands
+        if _flag_given(flag, argv):
+            args["preset"] = preset
+    flags = ("--preset", *(preset_flags or {}))
+    return {k: v for k, v in args.items() if v is not None and (k != "preset" or any(_flag_given(f, argv) for f in flags))}
 
 
 def _flag_given(flag: str, argv: list[str] | None) -> bool:
     return any(a == flag or a.startswith(flag + "=") for a in (sys.argv[1:] if argv is None else argv))
 
 
-def parse_config(cls, presets: dict[str, dict], argv: list[str] | None = None, description: str = ""):
+def parse_config(cls, presets: dict[str, dict], argv: list[str] | None = None, description: str = "",
+                 preset_flags: dict[str, str] | None = None):  # fmt: skip
     """Builds `cls` from a preset (the `preset` field) and the flags given in argv."""
-    given = given_flags(cls, presets, argv, description)
+    given = given_flags(cls, presets, argv, description, preset_flags)
     preset = given.pop("preset", cls.preset)
     return dataclasses.replace(cls(preset=preset, **presets[preset]), **given)

@@ -235,7 +235,6 @@ def distill(
     names = list(teachers)
     label = label or (lambda name, view: view if len(names) == 1 else f"{name}:{view}")
     route = route if route is not None else [names[0]] * len(rollouts)
-    device = accelerator.device
     res = DistillResult(utility=torch.full((len(rollouts),), float("nan")),
                         teachers={label(n, v): TeacherCost() for n in names for v in teacher_views})  # fmt: skip
     if cfg.token_weight != "none" or cfg.is_clip:

@@ -8,8 +8,10 @@ against hand-computed values.
 import importlib.util
 import json
 import math
+import os
 import re
 import sys
+from dataclasses import dataclass
 from pathlib import Path
 
 import numpy as np
@@ -240,3 +242,106 @@ def test_smoke_reproduction_report_and_ledgers(tmp_path):
     assert driver.main(["--smoke", "--out", str(out)]).split("- Finished")[1].split("\n", 1)[1] == \
         text.split("- Finished")[1].split("\n", 1)[1]
     assert {p: p.stat().st_mtime_ns for p in out.glob("runs/*/seed0/done.json")} == stamps
+
+
+# ----------------------------------------------------------------------------- the scripts' entry (opd/toy/entry.py)
+
+
+@dataclass
+class TinyConfig:
+    preset: str = "default"
+    """Starting values: 'default' or 'smoke' (--smoke)."""
+    out: str = "runs/tiny"
+    """Output folder."""
+    steps: int = 10
+    """Units of work."""
+
+
+TINY_PRESETS = {"default": {}, "smoke": {"steps": 2, "out": "runs/tiny-smoke"}}
+
+
+def test_entry_parses_times_runs_and_reports_atomically(tmp_path, monkeypatch, capfd):
+    """A trivial experiment through `opd.toy.entry.Entry`: the flags (opd.cli.parse_config, --smoke), the output
+    folder, OUT/timing.json over two invocations and a --report-only one, the runs left to do, and a report and a
+    plot written whole (a write that fails before its os.replace leaves the earlier file as it was)."""
+    from opd.cli import UserError
+    from opd.toy.entry import Entry, parse
+    from opd.toy.report import _pyplot, save_figure, write_report
+
+    smoke = TinyConfig(preset="smoke", steps=2, out="runs/tiny-smoke")
+    def parsed(*argv):
+        return parse(TinyConfig, TINY_PRESETS, list(argv), "d")
+
+    assert parsed() == TinyConfig()
+    assert parsed("--smoke") == parsed("--preset", "smoke") == smoke
+    # --smoke wins over a --preset given with it; a flag wins over the preset
+    assert parsed("--smoke", "--preset", "default", "--steps", "3") == TinyConfig("smoke", "runs/tiny-smoke", 3)
+    with pytest.raises(UserError, match="unknown flag --stesp; did you mean --steps"):
+        parsed("--stesp", "1")
+
+    def report(root, cfg, timing, command):
+        plt = _pyplot()
+        fig, ax = plt.subplots(figsize=(1, 1))
+        ax.plot([0, cfg.steps])
+        save_figure(fig, root / "plot.png", dpi=40)
+        return write_report(root, f"# {cfg.steps} steps, {timing.get('invocations', 0)} invocation(s)\n\n`{command}`\n",
+                            {"timing": timing})  # fmt: skip
+
+    out = tmp_path / "a" / "b"
+    threads = torch.get_num_threads()
+    try:
+        entry = Entry.start(TinyConfig, TINY_PRESETS, ["--smoke", "--out", str(out)], "A trivial experiment.\n\nMore.",
+                            "python tiny.py")  # fmt: skip
+        assert entry.cfg == TinyConfig("smoke", str(out), 2) and entry.root == out and out.is_dir()
+        assert torch.get_num_threads() == 1  # quiet()
+        runs = [{"folder": str(out / "runs" / name)} for name in ("done", "skipped", "todo")]
+        (out / "runs" / "done").mkdir(parents=True)
+        (out / "runs" / "done" / "done.json").write_text("{}")
+        trained = []
+        entry.runs(runs, 1, trained.append, skip=lambda j: j["folder"].endswith("skipped"), reused="done or skipped")
+        assert trained == runs[2:]
+        with entry.phase("work_s"):
+            sum(range(1000))
+        text = entry.finish(report)
+        printed = capfd.readouterr().out
+        assert "3 OPD runs, 2 done or skipped, 1 at a time" in printed
+        assert re.search(rf"\d\d:\d\d:\d\d report -> {re.escape(str(out / 'report.md'))} \(\d+ s in all\)\n", printed)
+        assert text == (out / "report.md").read_text()
+        assert text == f"# 2 steps, 1 invocation(s)\n\n`python tiny.py --smoke --out {out}`\n"
+        timing = json.loads((out / "timing.json").read_text())
+        assert timing["invocations"] == 1
+        assert {"runs_s", "cpu_runs_s", "work_s", "cpu_work_s", "total_s", "cpu_s"} <= set(timing)
+        assert json.loads((out / "report.json").read_text()) == {"timing": timing}
+        assert (out / "plot.png").read_bytes()[:4] == b"\x89PNG"
+        assert sorted(p.name for p in out.iterdir()) == ["plot.png", "report.json", "report.md", "runs", "timing.json"]
+
+        # a second invocation adds its time; --report-only adds none
+        def invocation():
+            return Entry.start(TinyConfig, TINY_PRESETS, ["--smoke", "--out", str(out)], "d", "python tiny.py")
+
+        def invocations():
+            return json.loads((out / "timing.json").read_text())["invocations"]
+
+        again = invocation().finish(report)
+        assert again.startswith("# 2 steps, 2 invocation(s)") and invocations() == 2
+        only = invocation().report_only(report)
+        assert only == again and invocations() == 2
+        assert "report (finished runs only, nothing trained) -> " in capfd.readouterr().out
+    finally:
+        torch.set_num_threads(threads)
+
+    png = (out / "plot.png").read_bytes()
+
+    def no_replace(src, dst):
+        raise OSError("disk full")
+
+    monkeypatch.setattr(os, "replace", no_replace)
+    with pytest.raises(OSError, match="disk full"):
+        write_report(out, "half", {})
+    plt = _pyplot()
+    fig = plt.figure(figsize=(1, 1))
+    with pytest.raises(OSError, match="disk full"):
+        save_figure(fig, out / "plot.png", dpi=40)
+    monkeypatch.undo()
+    assert (out / "report.md").read_text() == only and (out / "plot.png").read_bytes() == png
+    assert not (out / ".plot.png.tmp").exists() and fig.number not in plt.get_fignums()  # closed, no temp file left

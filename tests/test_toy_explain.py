@@ -17,7 +17,6 @@ from pathlib import Path
 
 import numpy as np
 import pytest
-import torch
 
 from opd.eval.answers import parse_choice
 from opd.ledger import read_ledger, summarize

@@ -1,5 +1,6 @@
 """Running a toy experiment: one OPD run (train.Run, audits, eval.py), the runs in parallel, the ledger
-checks and reading the results back. Shared by experiments/toy.py and experiments/toy_explain.py.
+checks and reading the results back. Shared by the experiment scripts (experiments/toy.py, toy_explain.py,
+toy_collapse.py, family.py), whose `main()` starts with `opd.toy.entry.Entry`.
 
 A run is described by a job, a plain dict (it travels to a worker process):
 
@@ -40,21 +41,6 @@ def quiet() -> None:
 
 def say(*parts) -> None:
     print(time.strftime("%H:%M:%S"), *parts, file=sys.__stdout__, flush=True)
-
-
-def parse(cls, presets: dict[str, dict], description: str, argv: list[str] | None):
-    """`cls` from a preset and the flags given; --smoke is --preset smoke."""
-    import dataclasses
-
-    from opd.cli import build_parser
-
-    parser = build_parser(cls, presets, description)
-    parser.add_argument("--smoke", action="store_true", help="Same as --preset smoke: one seed, a few steps.")
-    args = vars(parser.parse_args(argv))
-    preset = "smoke" if args.pop("smoke") else args.pop("preset")
-    args.pop("preset", None)
-    given = {k: v for k, v in args.items() if v is not None}
-    return dataclasses.replace(cls(preset=preset, **presets[preset]), **given)
 
 
 def machine() -> str:
@@ -162,9 +148,9 @@ def train_one(job: dict) -> dict:
             audit = audit_utility(run, audit_records, n_batches=job["audit_batches"])
     train_s = time.perf_counter() - t0
     if geometry:
-        (out / "geometry.json").write_text(json.dumps(geometry, indent=1) + "\n")
+        write_atomic(out / "geometry.json", json.dumps(geometry, indent=1) + "\n")
     if audit is not None:
-        (out / "audit.json").write_text(json.dumps(audit, indent=1) + "\n")
+        write_atomic(out / "audit.json", json.dumps(audit, indent=1) + "\n")
     del run
     t1 = time.perf_counter()
     ev = job["eval"]
@@ -234,7 +220,7 @@ class Timing:
         self.total["total_s"] = self.total.get("total_s", 0.0) + time.perf_counter() - self.t_start
         self.total["cpu_s"] = self.total.get("cpu_s", 0.0) + cpu_seconds() - self.cpu_start
         self.total["invocations"] = self.total.get("invocations", 0) + 1
-        self.path.write_text(json.dumps(self.total, indent=1) + "\n")
+        write_atomic(self.path, json.dumps(self.total, indent=1) + "\n")
         return self.total
 
 

@@ -29,6 +29,7 @@ import torch
 
 from opd.chat import collate, encode_prompt
 from opd.eval.answers import parse_choice
+from opd.ledger import write_atomic
 from opd.views import get_view, reference_prompt
 
 
@@ -65,7 +66,7 @@ def write_eval_records(world_dir: Path, world, out: Path) -> Path:
         rows.append({"image": str((world_dir / "bench" / "zoombench" / "images" / f"{i:05d}.png").resolve()),
                      "bbox": list(s.bbox), "problem": s.problem, "answer": s.answer})  # fmt: skip
     out.parent.mkdir(parents=True, exist_ok=True)
-    out.write_text("".join(json.dumps(r) + "\n" for r in rows))
+    write_atomic(out, "".join(json.dumps(r) + "\n" for r in rows))
     return out
 
 

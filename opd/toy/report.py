@@ -2,13 +2,49 @@
 (Figures 2-5 analogues, the world), built from the results that `opd.toy.experiment.collect` reads
 back from the run folders. Each section function returns its Markdown lines; shared by
 experiments/toy.py and experiments/toy_explain.py.
+
+Every file is written whole or not at all, as the rest of the project writes: the report through
+`write_report` (`opd.ledger.write_atomic`), each plot through `save_figure` (a temporary sibling, then
+os.replace), so a reader or an interrupted run never sees half a report or a truncated PNG. All four
+experiment scripts write their reports and plots through these two.
 """
 
 from __future__ import annotations
 
+import json
+import os
+from pathlib import Path
+
 import numpy as np
 
+from opd.ledger import write_atomic
 from opd.toy.experiment import label, order
+
+
+def write_report(root, text: str, data: dict) -> str:
+    """OUT/report.md (`text`) and OUT/report.json (`data`, non-JSON values as their str), each written atomically;
+    returns `text`."""
+    write_atomic(Path(root) / "report.md", text)
+    write_atomic(Path(root) / "report.json", json.dumps(data, indent=1, default=str) + "\n")
+    return text
+
+
+def save_figure(fig, path, dpi: int) -> None:
+    """Saves a matplotlib figure atomically (to a temporary sibling, flushed to disk, then os.replace; the format is
+    the path's suffix) and closes it."""
+    import matplotlib.pyplot as plt
+
+    path = Path(path)
+    tmp = path.with_name(f".{path.name}.tmp")
+    try:
+        with tmp.open("wb") as f:
+            fig.savefig(f, format=path.suffix.lstrip(".") or None, dpi=dpi)
+            f.flush()
+            os.fsync(f.fileno())
+        os.replace(tmp, path)
+    finally:
+        tmp.unlink(missing_ok=True)
+        plt.close(fig)
 
 
 def mean_std(values) -> str:
@@ -201,8 +237,7 @@ def world_figure(root, world, n: int = 6) -> str:
         axes[row, 0].set_ylabel(name, fontsize=8)
     fig.suptitle("Toy world: the canvas with the crop's bbox, and what the model sees", fontsize=9)
     fig.tight_layout()
-    fig.savefig(root / "world.png", dpi=110)
-    plt.close(fig)
+    save_figure(fig, root / "world.png", dpi=110)
     return "world.png"
 
 
@@ -242,8 +277,7 @@ def plots(root, runs: dict, base: dict) -> list[str]:
     ax.legend(fontsize=7, loc="lower right")
     ax.set_title("Figure 2 analogue: accuracy vs budget", fontsize=9)
     fig.tight_layout()
-    fig.savefig(root / "fig2_budget.png", dpi=130)
-    plt.close(fig)
+    save_figure(fig, root / "fig2_budget.png", dpi=130)
     files.append("fig2_budget.png")
 
     # Figure 5: accuracy vs cost
@@ -259,8 +293,7 @@ def plots(root, runs: dict, base: dict) -> list[str]:
     ax.legend(fontsize=7, loc="lower right")
     ax.set_title("Figure 5 analogue: accuracy vs teacher cost", fontsize=9)
     fig.tight_layout()
-    fig.savefig(root / "fig5_cost.png", dpi=130)
-    plt.close(fig)
+    save_figure(fig, root / "fig5_cost.png", dpi=130)
     files.append("fig5_cost.png")
 
     audits = [r["audit"] for r in runs.get("learned-25", []) if r.get("audit")]
@@ -285,8 +318,7 @@ def plots(root, runs: dict, base: dict) -> list[str]:
         p = audits[0]["bands"]["tests"][0]["p_holm"]
         a2.set_title(f"(b) utility by rank band, 95% bootstrap CI\n(seed 0; top vs next: p_Holm = {p:.3f})", fontsize=8)
         fig.tight_layout()
-        fig.savefig(root / "fig3_audit.png", dpi=130)
-        plt.close(fig)
+        save_figure(fig, root / "fig3_audit.png", dpi=130)
         files.append("fig3_audit.png")
 
     geometry = [r["geometry"] for r in runs.get("learned-25", []) if r.get("geometry")]
@@ -310,7 +342,6 @@ def plots(root, runs: dict, base: dict) -> list[str]:
         a2.set_ylabel("cos(g_S, g_U)")
         a2.set_title("(b) cosine of selected and unselected gradients", fontsize=9)
         fig.tight_layout()
-        fig.savefig(root / "fig4_geometry.png", dpi=130)
-        plt.close(fig)
+        save_figure(fig, root / "fig4_geometry.png", dpi=130)
         files.append("fig4_geometry.png")
     return files
