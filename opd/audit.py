@@ -350,21 +350,26 @@ def prompt_coverage(batches: list[HeldBatch], fraction: float = 0.25, seed: int 
 # ----------------------------------------------------------------------------- gradient geometry
 
 
-def opd_gradient(run, batch: HeldBatch, rows: torch.Tensor) -> torch.Tensor:
+def opd_gradient(run, batch: HeldBatch, rows: torch.Tensor, row_weights: torch.Tensor | None = None) -> torch.Tensor:
     """Flat gradient of Eq. 11's token mean over `rows` (global row ids of the batch) w.r.t. the policy.
 
     Uses the training path (`opd.distill.micro_batch_loss` with Eq. 11's weights: the teacher on the
     crop prompt, the student on the full image, top-k JSD); nothing is stepped and no .grad is written.
+    `row_weights` (len(rows),): Eq. 11's Hajek form with these w_i (unbiased selection's 1 / pi_i).
     """
     cfg, device, ro = run.cfg.distill(), run.acc.device, batch.rollouts
     params = [p for p in run.policy.parameters() if p.requires_grad]
     total = [torch.zeros_like(p) for p in params]
+    w_of = None if row_weights is None else dict(zip(rows.tolist(), row_weights.double().tolist()))
     tokens = int(ro.lengths[rows].sum())
+    if w_of is not None:
+        tokens = float(sum(w_of[i] * int(ro.lengths[i]) for i in rows.tolist()))
     if tokens == 0:
         return torch.cat([t.flatten() for t in total])
     with _preserved(run):
         for sel, s_inputs, t_inputs, mask, width, response, old_logp in _micro_batches(run, batch, rows):
-            weights = budgeted_weights(torch.ones(len(sel), device=device), mask, tokens)  # Eq. 11 over `rows`
+            w = None if w_of is None else torch.tensor([w_of[i] for i in sel.tolist()], device=device)
+            weights = budgeted_weights(torch.ones(len(sel), device=device), mask, tokens, row_weights=w)  # Eq. 11 over `rows`
             with run.autocast():
                 loss, _, _, _ = micro_batch_loss(run.policy, run.teacher, s_inputs, t_inputs, mask, width, weights, cfg,
                                                  response, old_logp)  # fmt: skip
@@ -396,3 +401,46 @@ def gradient_geometry(run, records: list[Record], rho: float = 0.25, n_batches: 
                      "norm_selected": float(g_s.norm()), "norm_unselected": float(g_u.norm()),
                      "cosine": cosine(g_s, g_u), "by": "learned" if batch.predicted is not None else "entropy"})
     return {"rho": rho, "rows": rows, "summary": geometry_summary(rows)}
+
+
+def selection_audit(run, records: list[Record], n_batches: int = 5, draws: int = 4, seed: int = 4321) -> dict:
+    """What the run's own selection does to the gradient, at its current state, on held batches.
+
+    Per batch: the full-query gradient g_C (Eq. 11 over every candidate) and, for `draws` draws of the run's
+    selector as it trains (a copy of it, so the run's selector is untouched; top-K, uniform, capped or sampled
+    with its inclusion probabilities), the budgeted gradient g_S (with unbiased selection's 1 / pi_i weights,
+    Eq. 11's Hajek form). Reports cos(g_S, g_C) per draw (bias and noise), cos(mean over draws of g_S, g_C)
+    (mostly the bias: the noise averages out over draws), and the utility S captures: sum_S u_i / sum_C u_i with
+    every candidate's true utility (Eq. 9, the teacher on all of C)."""
+    import copy
+
+    check_auditable(run)
+    rows = []
+    for b, recs in enumerate(held_records(records, run.cfg.prompts_per_step, n_batches, seed)):
+        batch = sample_batch(run, recs, mix_seed(seed, b))
+        candidates = batch.eligible.nonzero().squeeze(-1)
+        if candidates.numel() == 0:
+            continue
+        u = score_utility(run, batch).double()
+        g_c = opd_gradient(run, batch, candidates)
+        budget = query_budget(run.cfg.rho, candidates.numel())
+        prompt_of = batch.rollouts.prompt_index
+        grads, cos, captured = [], [], []
+        for d in range(draws):
+            selector = copy.deepcopy(run.selector)
+            chosen = selector.select(batch.phi, batch.eligible, budget, 10**6 + b * draws + d, prompt_of=prompt_of)
+            w = None if selector.last_pi is None else 1.0 / selector.last_pi
+            g = opd_gradient(run, batch, chosen, w)
+            grads.append(g)
+            cos.append(cosine(g, g_c))
+            total = float(u[candidates].sum())
+            captured.append(float(u[chosen].sum()) / total if total > 0 else float("nan"))
+        mean_g = torch.stack(grads).mean(0)
+        rows.append({"batch": b, "candidates": int(candidates.numel()), "budget": budget,
+                     "cosine": float(np.mean(cos)), "cosine_of_mean": cosine(mean_g, g_c),
+                     "norm_ratio": float(mean_g.norm() / g_c.norm()) if g_c.norm() > 0 else float("nan"),
+                     "captured": float(np.nanmean(captured))})  # fmt: skip
+    keys = ("cosine", "cosine_of_mean", "norm_ratio", "captured")
+    summary = {k: float(np.nanmean([r[k] for r in rows])) if rows else float("nan") for k in keys}
+    return {"draws": draws, "rows": rows, "summary": summary}
+

@@ -239,3 +239,25 @@ def test_two_ranks_equal_one_rank_with_unbiased_selection(tmp_path, tiny):
             assert r1[key] == r2[key], key
         assert r1["loss"] == pytest.approx(r2["loss"], rel=1e-9)
     assert_same_weights(one["params"], two["params"], lr=1e-3, steps=2, what="params")
+
+
+def test_the_selection_experiment_smoke(tmp_path, tiny):
+    """experiments/selection.py --smoke on one task and two variants: both run, their ledgers hold, the report has
+    the audit's columns (the full experiment: docs/SELECTION.md)."""
+    import importlib.util
+    import sys
+    from pathlib import Path
+
+    path = Path(__file__).resolve().parents[1] / "experiments" / "selection.py"
+    spec = importlib.util.spec_from_file_location("selection_experiment", path)
+    driver = importlib.util.module_from_spec(spec)
+    sys.modules[spec.name] = driver  # dataclasses resolve string annotations through sys.modules
+    spec.loader.exec_module(driver)
+    out = tmp_path / "sel"
+    text = driver.main(["--smoke", "--tasks", "letter", "--variants", "learned-25-unbiased,learned-25-cap", "--out", str(out)])
+    assert "all hold." in text and "| Learned-25 unbiased |" in text and "| Learned-25 capped per prompt |" in text
+    data = json.loads((out / "report.json").read_text())
+    unbiased = data["runs"]["letter"]["learned-25-unbiased"][0]
+    assert unbiased["selection"]["cosine"] <= 1 and 0 <= unbiased["selection"]["captured"] <= 1
+    capped_rows = read_ledger(out / "runs" / "letter" / "learned-25-cap" / "seed0" / "ledger.jsonl")
+    assert all(r["selected_prompts"] == r["selected"] for r in capped_rows)  # K = 16 of 32 prompts: one row each

@@ -7,6 +7,7 @@ A run is described by a job, a plain dict (it travels to a worker process):
 - `spec`: {"policy", "pct", "seed", "name"} (and "ablation" for a Table 4 variant), copied into done.json;
 - `folder`: the run's output folder; `train`: the `train.TrainConfig` fields (without `out`);
 - `audit_data`: the held JSONL of the audits; `audit_batches`: Figure 3 batches at the end (0: none);
+  `selection_batches` / `selection_draws`: `opd.audit.selection_audit` at the end (0: none);
   `geometry_steps`: steps after which Figure 4's gradient geometry is measured; `grad_batches`;
 - `eval`: {"bench", "batch", "max_new_tokens"} of eval.py; `trace`: whether to write trace.jsonl.
 
@@ -146,11 +147,18 @@ def train_one(job: dict) -> dict:
         audit = None
         if job.get("audit_batches"):
             audit = audit_utility(run, audit_records, n_batches=job["audit_batches"])
+        selection = None
+        if job.get("selection_batches"):  # the run's own selection against the full-query gradient (opd.audit)
+            from opd.audit import selection_audit
+
+            selection = selection_audit(run, audit_records, job["selection_batches"], job.get("selection_draws", 4))
     train_s = time.perf_counter() - t0
     if geometry:
         write_atomic(out / "geometry.json", json.dumps(geometry, indent=1) + "\n")
     if audit is not None:
         write_atomic(out / "audit.json", json.dumps(audit, indent=1) + "\n")
+    if selection is not None:
+        write_atomic(out / "selection.json", json.dumps(selection, indent=1) + "\n")
     del run
     t1 = time.perf_counter()
     ev = job["eval"]
@@ -266,7 +274,7 @@ def collect(root: Path, specs: list[dict]) -> dict:
         rec["ledger"] = summarize(rows)
         rec["ledger_problems"] = check_ledger(rows, spec["pct"] / 100, spec["policy"])
         rec["ledger_rows"] = len(rows)
-        for name in ("audit", "geometry"):
+        for name in ("audit", "geometry", "selection"):
             path = folder / f"{name}.json"
             rec[name] = json.loads(path.read_text()) if path.exists() else None
         trace = folder / "trace.jsonl"
