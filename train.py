@@ -33,7 +33,7 @@ from opd.checkpoint import (
 )
 from opd.chat import encode_prompt, prompt_length
 from opd.cli import UserError, given_flags, run_cli, section_config, with_sections
-from opd.data import Record, load_records, shard, step_prompt_indices
+from opd.data import Record, load_records, parse_columns, shard, step_prompt_indices
 from opd.distill import DistillConfig
 from opd.external_teachers import TeacherSet, build_routed, load_routes, load_teacher, teacher_source
 from opd.features import rollout_features
@@ -48,6 +48,7 @@ from opd.sharding import GENERATION, full_tensor, generation, load_sharded_model
 from opd.ema_teacher import EMATeacher, lm_head_weight
 from opd.objective import ObjectiveContext, StepBatch
 from opd.tiny import tiny_defaults
+from opd.tracking import Trackers, parse_report_to
 from opd.methods import METHODS, get_method
 from opd.views import VIEWS, get_view
 
@@ -65,7 +66,13 @@ class RunConfig:
     model: str | None = None
     """HF image-text-to-text checkpoint (folder or hub id); none with --preset tiny: the built-in tiny model."""
     data: str | None = None
-    """Training JSONL (Vision-OPD or bbox form); none with --preset tiny: the built-in tiny dataset."""
+    """Training data (Vision-OPD or bbox form): a JSONL file, a parquet file or folder, a `datasets` save_to_disk
+    folder, or a hub id org/name (opd/data.py); none with --preset tiny: the built-in tiny dataset."""
+    data_split: str | None = None
+    """The split of --data when it has several (a DatasetDict folder, a hub id, a parquet folder of split files)."""
+    data_columns: str | None = None
+    """Column renames of --data, "COLUMN=FIELD,..." (e.g. "question=problem,img=images"); unmapped columns keep
+    their names."""
     out: str = "runs/tiny"
     """Output folder: ledger.jsonl, summary.md, checkpoints, TensorBoard logs."""
     resume: str | None = None
@@ -178,6 +185,11 @@ class RunConfig:
     fsdp_generation: str = "gathered"
     """With --fsdp: 'gathered' all-gathers the policy once per generate() call; 'layerwise' gathers it layer
     by layer at every generated token (less memory, far more communication)."""
+    report_to: str = "tensorboard"
+    """Experiment trackers through accelerate, comma-separated: tensorboard (DIR/tb), wandb, mlflow (DIR/mlruns),
+    trackio, comet_ml, aim, clearml, dvclive, swanlab; none for none (opd/tracking.py)."""
+    run_label: str | None = None
+    """The run's name in the trackers (default: the --out folder's name and the policy, e.g. 'tiny learned-25')."""
     save_every: int = 0
     """Checkpoint every N steps (0: only at the end)."""
     keep_checkpoints: int = 1
@@ -227,14 +239,15 @@ PRESETS: dict[str, dict] = {
 
 
 RESUMABLE = (
-    "resume", "out", "steps", "save_every", "keep_checkpoints",
+    "resume", "out", "steps", "save_every", "keep_checkpoints", "report_to", "run_label",
     "micro_batch", "micro_batch_tokens", "loss_chunk", "rollout_batch", "share_prefill", "grad_checkpointing",
     "fsdp_generation",
 )  # fmt: skip
 """The fields a resumed run may change: its length, its checkpointing, and memory/speed settings that
 leave the method's results unchanged. Every other field is the run's own, read from its checkpoint."""
 
-RUN_FILES = ("ledger.jsonl", "summary.json", "summary.md", "latest", "tb", ".summary.json.tmp", ".summary.md.tmp")
+RUN_FILES = ("ledger.jsonl", "summary.json", "summary.md", "latest", "tb", "mlruns", "wandb", "trackers.json",
+             ".summary.json.tmp", ".summary.md.tmp")  # fmt: skip
 """What a training run writes into its --out folder, besides checkpoint-NNNNNN/ (and a kill's leftovers)."""
 DIGESTS = ".digests.json"
 """DIR/.digests.json: the digest cache of the frozen models a run loads (`opd.identity.DigestCache`); kept by
@@ -332,6 +345,8 @@ def check_config(cfg: TrainConfig, world: int) -> None:
         problems += section_config(cfg, prefix, config).check()
     if problems:
         raise UserError("; ".join(problems))
+    parse_columns(cfg.data_columns)  # a bad mapping: one line before anything loads
+    parse_report_to(cfg.report_to)  # an unknown or uninstalled tracker too
 
 
 class Run:
@@ -374,7 +389,7 @@ class Run:
             model_path, data_path = model_path or str(tiny_model), data_path or str(tiny_data)
         model_path = model_source(model_path, f"--model {model_path}")  # a train.py run folder: its policy/
         resolve_model_source(model_path)
-        self.records: list[Record] = load_records(data_path)
+        self.records: list[Record] = load_records(data_path, cfg.data_split, parse_columns(cfg.data_columns))
         self._check_records(data_path)
         found = self._check_out_folder()
         self.steps = cfg.steps or len(self.records) // cfg.prompts_per_step
@@ -451,8 +466,11 @@ class Run:
         self._empty_out_folder(found)  # --overwrite: only now, with every input built
         if self.acc.is_main_process:
             self.digests.save()
+        self.trackers = Trackers(self.acc, parse_report_to(cfg.report_to), self.out, "bas-opd",
+                                 cfg.run_label or f"{self.out.name} {self.run_name}", dataclasses.asdict(cfg),
+                                 resume=bool(cfg.resume))  # fmt: skip
         self.ledger = Ledger(self.out / "ledger.jsonl", self.start if cfg.resume else None) if self.acc.is_main_process else None
-        self.writer = tensorboard_writer(self.out / "tb") if self.acc.is_main_process else None
+        self.objective_keys: list[str] = []  # the objective's own ledger fields (its tracker namespace)
 
     def _lock_out_folder(self) -> None:
         """Rank 0 takes --out's lock (`opd.runlock`); every rank refuses alike when another run holds it."""
@@ -732,6 +750,7 @@ class Run:
         for lab, (rows_v, tokens_v, _), sec in zip(labels, per_view.tolist(), view_s.tolist()):
             row |= {f"teacher_rows_{lab}": rows_v, f"teacher_tokens_{lab}": tokens_v, f"teacher_forward_s_{lab}": sec}
         row |= res.metrics
+        self.objective_keys = list(res.metrics)
         row["world_size"] = acc.num_processes
         row["step_s"] = time.perf_counter() - t_step
         return row
@@ -760,25 +779,14 @@ class Run:
         if row["step"] == self.start:  # the first row of this launch says what ran
             row = {**row, "launch": self.launch}
         self.ledger.append(row)
-        if self.writer is not None:
-            scalars = {
-                "loss/distill": row["loss"], "loss/grad_norm": row["grad_norm"],
-                "select/selected": row["selected"], "select/budget": row["budget"],
-                "select/utility_mean": row["utility_mean"], "cost/scored_tokens": row["scored_tokens"],
-                "select/prompt_coverage": row["selected_prompts"] / max(1, row["candidate_prompts"]),
-                "cost/teacher_forward_s": row["teacher_forward_s"], "cost/step_s": row["step_s"],
-                "cost/generation_s": row["generation_s"],
-            }  # fmt: skip
-            if "selector" in row:
-                scalars["loss/selector"] = row["selector"]
-            for key, value in scalars.items():
-                self.writer.add_scalar(key, value, row["step"])
+        self.trackers.log(row, self.objective.name, self.objective_keys)
 
     def train(self) -> dict:
         """Runs steps start..steps-1, checkpoints, and returns the Table 7/8 summary."""
         try:
             return self._train()
         finally:
+            self.trackers.finish()
             runlock.release(self.out)
 
     def _train(self) -> dict:
@@ -858,19 +866,8 @@ class Run:
             latest = self.out / "latest"
             ckpt = f" and {latest.read_text().strip()}/ (evaluate it with: eval.py --model {self.out})" if latest.is_file() else ""
             print(f"\ntrain.py: wrote {self.out}/ledger.jsonl, summary.md, summary.json{ckpt}", flush=True)
-            if self.writer is not None:
-                self.writer.close()
         self.acc.wait_for_everyone()
         return summary
-
-
-def tensorboard_writer(path: Path):
-    """A TensorBoard SummaryWriter when tensorboard is installed, else None."""
-    try:
-        from torch.utils.tensorboard import SummaryWriter
-    except ImportError:
-        return None
-    return SummaryWriter(str(path))
 
 
 def checkpoint_of(path: str) -> Path:

@@ -1,0 +1,136 @@
+"""Experiment trackers through accelerate: TensorBoard, Weights & Biases, MLflow, trackio, Comet, Aim, ClearML,
+DVCLive, SwanLab (`--report-to`, accelerate's names, comma-separated; `none` for none).
+
+Every tracker is accelerate's own (`accelerate.tracking`), started by `Accelerator.init_trackers` on the main
+process only, with the run's settings as its configuration and each ledger row logged at its step under fixed
+namespaces (`metrics`): `loss/` (Eq. 11, the gradient norm, the selector's loss), `select/` (budget, |S|,
+utility, prompt coverage, inclusion probabilities), `cost/` (teacher rows, tokens, seconds, the step's phases)
+and the objective's own under its name (`dapd/kl_*`, `opod/beta_*`, ...).
+
+Where things go: TensorBoard writes DIR/tb; MLflow a local file store DIR/mlruns unless MLFLOW_TRACKING_URI says
+otherwise (MLflow 3 keeps its file store behind MLFLOW_ALLOW_FILE_STORE, which is then set); W&B its files under DIR/wandb (WANDB_MODE=offline keeps them there). A resumed run continues the same
+tracker run where the tracker allows: DIR/trackers.json keeps W&B's run id (resume "allow") and MLflow's run id;
+TensorBoard appends to DIR/tb. Trackers are optional installs (requirements-trackers.txt) but TensorBoard
+(requirements.txt): a tracker that is not installed is a one-line error naming its pip package.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+import uuid
+from pathlib import Path
+
+from opd.cli import UserError
+from opd.ledger import write_atomic
+
+PACKAGES = {"tensorboard": "tensorboard", "wandb": "wandb", "mlflow": "mlflow", "trackio": "trackio",
+            "comet_ml": "comet_ml", "aim": "aim", "clearml": "clearml", "dvclive": "dvclive", "swanlab": "swanlab"}  # fmt: skip
+"""accelerate's tracker names -> the pip package that provides each."""
+STATE = "trackers.json"
+
+
+def parse_report_to(text: str | None) -> list[str]:
+    """The tracker names of --report-to ('none' or '' -> []); one line for an unknown or uninstalled one."""
+    from accelerate.tracking import LOGGER_TYPE_TO_CLASS, get_available_trackers
+
+    names = [n.strip().lower() for n in (text or "").split(",") if n.strip()]
+    if names in ([], ["none"]):
+        return []
+    unknown = [n for n in names if n not in LOGGER_TYPE_TO_CLASS]
+    if unknown or "none" in names:
+        raise UserError(f"--report-to {text}: unknown tracker {', '.join(unknown) or 'none with others'}; "
+                        f"choose from {', '.join(LOGGER_TYPE_TO_CLASS)} or none")
+    available = {str(t) for t in get_available_trackers()}
+    missing = [n for n in names if n not in available]
+    if missing:
+        raise UserError(f"--report-to {text}: {', '.join(missing)} not installed (pip install "
+                        f"{' '.join(PACKAGES.get(n, n) for n in missing)}, or see requirements-trackers.txt)")
+    return list(dict.fromkeys(names))
+
+
+def _scalar(value):
+    return value if isinstance(value, (int, float)) and not isinstance(value, bool) else None
+
+
+TIMES = ("prompt_s", "generation_s", "select_s", "teacher_forward_s", "student_s", "optimizer_s", "ema_s",
+         "selector_s", "wait_s", "step_s")  # fmt: skip
+SELECT = ("rollouts", "candidates", "budget", "selected", "overrun", "utility_mean", "candidate_prompts",
+          "selected_prompts", "min_pi", "max_weight", "replay_size", "labels_added")  # fmt: skip
+COST = ("teacher_rows", "scored_tokens", "candidate_tokens", "teacher_tokens", "teacher_padded_tokens")
+
+
+def metrics(row: dict, objective: str = "", objective_keys=()) -> dict[str, float]:
+    """A ledger row as tracker scalars in the fixed namespaces (non-finite and non-numeric values left out)."""
+    out = {"loss/distill": row.get("loss"), "loss/grad_norm": row.get("grad_norm"), "loss/selector": row.get("selector"),
+           "loss/skipped": float(row.get("skipped", False))}  # fmt: skip
+    out |= {f"select/{k}": row.get(k) for k in SELECT}
+    if row.get("candidate_prompts"):
+        out["select/prompt_coverage"] = row["selected_prompts"] / row["candidate_prompts"]
+    out |= {f"cost/{k}": row.get(k) for k in (*COST, *TIMES)}
+    for key, value in row.items():
+        if key.startswith(("teacher_rows_", "teacher_tokens_", "teacher_forward_s_")):
+            out[f"cost/{key}"] = value
+    prefix = objective or "objective"
+    out |= {f"{prefix}/{k}": row.get(k) for k in objective_keys}
+    return {k: float(v) for k, v in out.items() if _scalar(v) is not None and math.isfinite(float(v))}
+
+
+class Trackers:
+    """The run's trackers (none when `names` is empty): started on the main process, resumed where they can be."""
+
+    def __init__(self, accelerator, names: list[str], out: Path, project: str, run_name: str, config: dict,
+                 resume: bool):  # fmt: skip
+        self.acc, self.names, self.out = accelerator, names, Path(out)
+        self.state: dict = {}
+        if not names:
+            return
+        from accelerate.tracking import LOGGER_TYPE_TO_CLASS
+
+        path = self.out / STATE
+        if resume and path.is_file():
+            self.state = json.loads(path.read_text())
+        trackers = []
+        for name in names:
+            cls = LOGGER_TYPE_TO_CLASS[name]
+            if name == "tensorboard":
+                trackers.append(cls("tb", str(self.out)))  # DIR/tb
+            elif name == "mlflow":
+                if "MLFLOW_TRACKING_URI" not in os.environ and accelerator.is_main_process:
+                    import mlflow
+
+                    os.environ.setdefault("MLFLOW_ALLOW_FILE_STORE", "true")  # MLflow 3 keeps the file store opt-in
+                    mlflow.set_tracking_uri((self.out / "mlruns").resolve().as_uri())
+                trackers.append(cls(experiment_name=project, run_id=self.state.get("mlflow"), run_name=run_name))
+            elif name == "wandb":
+                run_id = self.state.get("wandb") or uuid.uuid4().hex[:12]  # kept in DIR/trackers.json for a resume
+                (self.out / "wandb").mkdir(parents=True, exist_ok=True)
+                trackers.append(cls(project, id=run_id, resume="allow", name=run_name, dir=str(self.out)))
+                self.state["wandb"] = run_id
+            elif cls.requires_logging_directory:
+                trackers.append(cls(project, str(self.out)))
+            else:
+                trackers.append(cls(project))
+        accelerator.log_with = trackers
+        accelerator.init_trackers(project, config=None if resume else _config(config))  # logged once, at the start
+        if accelerator.is_main_process:
+            if "mlflow" in names:
+                self.state["mlflow"] = accelerator.get_tracker("mlflow").tracker.info.run_id
+            write_atomic(path, json.dumps(self.state, indent=1) + "\n")
+
+    def log(self, row: dict, objective: str = "", objective_keys=()) -> None:
+        if self.names:
+            self.acc.log(metrics(row, objective, objective_keys), step=int(row["step"]))
+
+    def finish(self) -> None:
+        """Ends the tracker runs (not `Accelerator.end_training`, which also destroys the process group)."""
+        if self.names and self.acc.is_main_process:
+            for tracker in self.acc.trackers:
+                tracker.finish()
+            self.acc.trackers = []
+
+
+def _config(config: dict) -> dict:
+    """The run's settings as tracker hyperparameters (bool, str, float, int; None as '')."""
+    return {k: ("" if v is None else v) for k, v in config.items() if isinstance(v, (bool, str, float, int)) or v is None}
