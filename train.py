@@ -34,18 +34,21 @@ from opd.checkpoint import (
 from opd.chat import encode_prompt, prompt_length
 from opd.cli import UserError, given_flags, run_cli, section_config, with_sections
 from opd.data import Record, load_records, parse_columns, shard, step_prompt_indices
-from opd.distill import DistillConfig
+from opd.distill import AGGREGATIONS, DistillConfig
+from opd.divergence import check_loss
 from opd.external_teachers import TeacherSet, build_routed, load_routes, load_teacher, teacher_source
 from opd.features import rollout_features
 from opd.identity import DigestCache, model_identity
+from opd import lora as lora_mod
+from opd.lora import DEFAULT_TARGETS, LoRASettings
 from opd.ledger import PHASES, Ledger, PhaseTimer, format_summary, summarize, write_atomic
 from opd.model import DTYPES, autocast, load_model, load_processor, resolve_model_source, special_ids
 from opd.predictor import PredictorConfig
 from opd.rollout import Rollouts, generate_rollouts
 from opd.seeding import mix_seed
 from opd.selectors import POLICIES, Selector, query_budget
-from opd.sharding import GENERATION, full_tensor, generation, load_sharded_model
-from opd.ema_teacher import EMATeacher, lm_head_weight
+from opd.sharding import GENERATION, full_tensor, generation, load_sharded_model, shard_model
+from opd.ema_teacher import AdapterTeacher, EMATeacher, Teacher, lm_head_weight
 from opd.objective import ObjectiveContext, StepBatch
 from opd.tiny import tiny_defaults
 from opd.tracking import Trackers, parse_report_to
@@ -108,7 +111,38 @@ class RunConfig:
     """A routing table (JSON, opd/external_teachers.py): a record field's values mapped to teacher checkpoints, each loaded
     once, frozen and run only on the selected rows routed to it."""
     lr: float = 2e-6
-    """AdamW learning rate of the policy."""
+    """AdamW learning rate of the policy (the peak of --lr-schedule)."""
+    lr_schedule: str = "constant"
+    """The learning rate over the steps (transformers' schedulers): constant, linear (to 0) or cosine (to 0), each
+    after --warmup-steps of linear warm-up from 0."""
+    warmup_steps: int = 0
+    """Steps of linear warm-up (Vision-OPD, OPD-V, RP-OPSD: 10)."""
+    schedule_steps: int = 0
+    """Steps the schedule spans (its decay reaches 0 there); 0 = --steps (DAPD: a 500-step schedule)."""
+    lora_r: int = 0
+    """LoRA rank (peft; opd/lora.py): 0 = full fine-tuning (BAS-OPD's); else the policy trains an adapter on a frozen
+    base and its teachers are that base with another adapter (EMA) or none (fixed, DAPD's base)."""
+    lora_alpha: float = 0.0
+    """LoRA alpha: the adapter's output times alpha / r; 0 = 2 r."""
+    lora_dropout: float = 0.0
+    """Dropout on the adapter's input in the student's forwards."""
+    lora_targets: str = DEFAULT_TARGETS
+    """Modules LoRA adapts: a regex over module names, or comma-separated module names (default: the language
+    model's attention, MLP and linear-attention projections)."""
+    sample_temperature: float = 1.0
+    """Rollout sampling temperature (OPSD, DAPD: 1.1); Eq. 5's features and the ledger describe the distribution
+    actually sampled."""
+    sample_top_p: float = 1.0
+    """Rollout nucleus sampling: the smallest top set of probability >= p (OPSD, DAPD: 0.95); 1 = off."""
+    sample_top_k: int = 0
+    """Rollout sampling among the k most likely tokens (OPSD, DAPD: 20); 0 = off."""
+    loss_temperature: float = 1.0
+    """Both sides' logits divided by it before the divergence (OPSD: 1.1); the utility labels use it too."""
+    loss_agg: str = "token-mean"
+    """Eq. 11's aggregation: token-mean (one mean over S's tokens, BAS-OPD), sequence-mean (each row's token mean,
+    averaged over rows: OPSD) or micro-batch (a token mean per micro-batch, summed weighted by rows: verl's)."""
+    support: str | None = None
+    """The divergence's support (opd/divergence.py: student_tail, teacher, teacher_renorm, full); none = the method's."""
     weight_decay: float = 0.01
     """AdamW weight decay of the policy."""
     grad_clip: float = 1.0
@@ -207,9 +241,19 @@ class RunConfig:
         method = get_method(self.method)
         return DistillConfig(
             self.topk, self.alpha, self.micro_batch, self.micro_batch_tokens, self.loss_chunk,
-            not self.no_overlap, not self.no_confidence, method.support, method.divergence,
-            method.token_weight, self.is_clip,
+            not self.no_overlap, not self.no_confidence, self.support or method.support, method.divergence,
+            method.token_weight, self.is_clip, self.loss_temperature, self.loss_agg,
         )  # fmt: skip
+
+    def lora(self) -> LoRASettings | None:
+        """LoRA's settings (opd/lora.py), or None for full fine-tuning."""
+        if not self.lora_r:
+            return None
+        return LoRASettings(self.lora_r, self.lora_alpha, self.lora_dropout, self.lora_targets)
+
+    def sampling(self) -> dict:
+        """The rollouts' sampling distribution (opd.rollout.generate_rollouts)."""
+        return dict(temperature=self.sample_temperature, top_p=self.sample_top_p, top_k=self.sample_top_k)
 
     def objective(self):
         """The method's objective's own config (e.g. `opd.dapd.DAPDConfig`), or None when it has none."""
@@ -237,6 +281,9 @@ PRESETS: dict[str, dict] = {
     "paper-9b": dict(PAPER, model="Qwen/Qwen3.5-9B", out="runs/paper-9b"),
 }
 
+
+LR_SCHEDULES = ("constant", "linear", "cosine")
+"""--lr-schedule's names (transformers.get_scheduler's, 'constant' becoming 'constant_with_warmup' with a warm-up)."""
 
 RESUMABLE = (
     "resume", "out", "steps", "save_every", "keep_checkpoints", "report_to", "run_label",
@@ -289,6 +336,36 @@ def check_config(cfg: TrainConfig, world: int) -> None:
         problems.append("--unbiased with --policy random: uniform selection is already unbiased (every row has pi = K / |C|)")
     elif cfg.unbiased and cfg.policy not in ("entropy", "learned"):
         problems.append(f"--unbiased samples by a score: it needs --policy entropy or learned, not {cfg.policy}")
+    if cfg.lora_r < 0:
+        problems.append(f"--lora-r {cfg.lora_r}: must be >= 0 (0 = full fine-tuning)")
+    if cfg.lora_alpha < 0 or not 0 <= cfg.lora_dropout < 1:
+        problems.append(f"--lora-alpha {cfg.lora_alpha} must be >= 0 and --lora-dropout {cfg.lora_dropout} in [0, 1)")
+    if cfg.lr_schedule not in LR_SCHEDULES:
+        problems.append(f"--lr-schedule {cfg.lr_schedule!r}: choose one of {', '.join(LR_SCHEDULES)}")
+    if cfg.warmup_steps < 0 or cfg.schedule_steps < 0:
+        problems.append("--warmup-steps and --schedule-steps must be >= 0")
+    elif cfg.warmup_steps and cfg.warmup_steps > (cfg.schedule_steps or cfg.steps or cfg.warmup_steps):
+        problems.append(f"--warmup-steps {cfg.warmup_steps}: beyond the schedule's {cfg.schedule_steps or cfg.steps} steps")
+    if not cfg.sample_temperature > 0:
+        problems.append(f"--sample-temperature {cfg.sample_temperature}: must be > 0")
+    if not 0 < cfg.sample_top_p <= 1:
+        problems.append(f"--sample-top-p {cfg.sample_top_p}: must lie in (0, 1]")
+    if cfg.sample_top_k < 0:
+        problems.append(f"--sample-top-k {cfg.sample_top_k}: must be >= 0 (0 = off)")
+    if not cfg.loss_temperature > 0:
+        problems.append(f"--loss-temperature {cfg.loss_temperature}: must be > 0")
+    if cfg.loss_agg not in AGGREGATIONS:
+        problems.append(f"--loss-agg {cfg.loss_agg!r}: choose one of {', '.join(AGGREGATIONS)}")
+    elif cfg.unbiased and cfg.loss_agg != "token-mean":
+        problems.append("--unbiased weighs Eq. 11's token mean (its Hajek form): it needs --loss-agg token-mean")
+    if cfg.is_clip and (cfg.sample_top_p < 1 or cfg.sample_top_k):
+        problems.append("--is-clip's ratio compares the student with the sampling distribution: it needs untruncated "
+                        "sampling (--sample-top-p 1 --sample-top-k 0)")
+    if cfg.support is not None:
+        try:
+            check_loss(cfg.support, get_method(cfg.method).divergence if cfg.method in METHODS else "jsd")
+        except ValueError as exc:
+            problems.append(f"--support {cfg.support!r}: {exc}")
     if cfg.max_per_prompt < 0:
         problems.append(f"--max-per-prompt {cfg.max_per_prompt}: must be at least 1 (0 = no cap)")
     if cfg.unbiased and cfg.max_per_prompt:
@@ -338,8 +415,9 @@ def check_config(cfg: TrainConfig, world: int) -> None:
         if method.external_teachers == "required" and not external:
             problems.append(f"--method {cfg.method} routes each response to a separate teacher checkpoint: give "
                             "--teachers route.json or --teacher-model PATH")
+        defaults = {f.name: f.default for f in dataclasses.fields(TrainConfig)}
         for flag, reason in method.objective.refuses.items():
-            if getattr(cfg, flag):
+            if getattr(cfg, flag) != defaults[flag]:
                 problems.append(f"--method {cfg.method}: --{flag.replace('_', '-')} does not apply ({reason})")
     for prefix, config in SECTIONS.items():  # every objective's own checks (its flags are checked whatever the method)
         problems += section_config(cfg, prefix, config).check()
@@ -415,10 +493,16 @@ class Run:
             self._note_world_size(ckpt, state)
         self.processor = load_processor(model_path)
         external = bool(cfg.teacher_model or cfg.teachers)
-        if cfg.fsdp:  # opd/sharding.py: every rank holds 1/world of the policy, its optimizer state and the teacher
-            shard = dict(dtype=cfg.dtype, device=self.acc.device, mixed_precision=cfg.mixed_precision)
-            student = load_sharded_model(model_path, grad_checkpointing=cfg.grad_checkpointing, **shard)
+        shard = dict(dtype=cfg.dtype, device=self.acc.device, mixed_precision=cfg.mixed_precision)
+        if cfg.fsdp:
             self.load_frozen = lambda path, role: load_sharded_model(self._identify(path, role), **shard).eval()
+        else:
+            self.load_frozen = lambda path, role: load_model(self._identify(path, role), cfg.dtype, self.acc.device)
+        initial_teacher = lambda: Teacher(self.load_frozen(self.initial_model, "--model"))  # noqa: E731 (DAPD, OPOD)
+        if cfg.lora_r:  # opd/lora.py: a frozen base with the trained adapter; the teachers share the base
+            initial_teacher = self._build_lora(external, ckpt if cfg.resume else None, shard)
+        elif cfg.fsdp:  # opd/sharding.py: every rank holds 1/world of the policy, its optimizer state and the teacher
+            student = load_sharded_model(model_path, grad_checkpointing=cfg.grad_checkpointing, **shard)
             if not external:
                 self.teacher = EMATeacher(load_sharded_model(model_path, **shard), copy_weights=False)
                 self.teacher.copy_from(student)  # Algorithm 1, line 1, shard by shard
@@ -426,7 +510,6 @@ class Run:
             self.optimizer = torch.optim.AdamW(student.parameters(), lr=cfg.lr, weight_decay=cfg.weight_decay)
         else:
             student = load_model(model_path, cfg.dtype, self.acc.device).train()  # from_pretrained returns eval mode
-            self.load_frozen = lambda path, role: load_model(self._identify(path, role), cfg.dtype, self.acc.device)
             if cfg.grad_checkpointing:
                 # non-reentrant: the reentrant variant marks DDP parameters ready twice
                 student.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
@@ -437,8 +520,7 @@ class Run:
             optimizer = torch.optim.AdamW(student.parameters(), lr=cfg.lr, weight_decay=cfg.weight_decay)
             self.student, self.optimizer = self.acc.prepare(student, optimizer)
         default = self._external_teachers() if external else TeacherSet({"teacher": self.teacher})
-        load_initial = lambda: self.load_frozen(self.initial_model, "--model")  # noqa: E731 (DAPD's base, OPOD's KL)
-        self.teachers = self.method.objective.build_teachers(default, load_initial)  # DAPD: its two anchors
+        self.teachers = self.method.objective.build_teachers(default, initial_teacher)  # DAPD: its two anchors
         self.teacher = next(iter(self.teachers.teachers.values()))  # the first (the only one, but with routes)
         if cfg.fsdp and state is not None:
             load_sharded(ckpt, self.student, self.teacher.model if self.teacher.trainable else None, self.optimizer)
@@ -453,13 +535,16 @@ class Run:
             student_view=self.method.student_view, teacher_views=self.teacher_views, distill=cfg.distill(),
             max_response_len=cfg.max_response_len, ema_tau=cfg.ema_tau, ema_every=cfg.ema_every,
         )  # fmt: skip
-        self.objective = self.method.objective(self.context, cfg.objective(), load_initial)
+        self.objective = self.method.objective(self.context, cfg.objective(), initial_teacher)
+        self.scheduler = lr_scheduler(self.optimizer, cfg, self.steps)
         if self.teachers.routes is not None:
             self.teachers.routes.check_records(self.records)
         self._check_prompts()
         if state is not None:
             if not cfg.fsdp:
                 self.optimizer.load_state_dict(state["optimizer"])
+            if "scheduler" in state:
+                self.scheduler.load_state_dict(state["scheduler"])
             self.selector.load_state_dict(state["selector"])
             self.objective.load_state_dict(state.get("objective", {}))
             self.warned_no_eligible = state.get("warned_no_eligible", False)
@@ -471,6 +556,40 @@ class Run:
                                  resume=bool(cfg.resume))  # fmt: skip
         self.ledger = Ledger(self.out / "ledger.jsonl", self.start if cfg.resume else None) if self.acc.is_main_process else None
         self.objective_keys: list[str] = []  # the objective's own ledger fields (its tracker namespace)
+
+    def _build_lora(self, external: bool, ckpt: Path | None, shard: dict):
+        """The LoRA policy (opd/lora.py): the run's initial --model, frozen, with the trained adapter `default`; the
+        EMA teacher is the adapter `teacher` on the same base (a fixed one, --ema-tau 0: the base alone); a resume
+        loads both adapters from the checkpoint (sharded: from its shards). Returns the initial-weights teacher
+        (the base with the adapter disabled) for DAPD's base and OPOD's reference."""
+        cfg = self.cfg
+        settings = cfg.lora()
+        ema = not external and cfg.ema_tau > 0
+        adapters = ("teacher",) if ema else ()
+        device = self.acc.device
+        with torch.random.fork_rng(devices=[]):  # the adapters' initialisation: one seed, the same on every rank
+            torch.manual_seed(cfg.seed)
+            base = load_model(self._identify(self.initial_model, "--model"), cfg.dtype, "cpu" if cfg.fsdp else device)
+            if not lora_mod.matched_modules(base, settings.targets):
+                raise UserError(f"--lora-targets {settings.targets!r}: matches no linear module of {self.initial_model}")
+            student = lora_mod.wrap(base, settings, adapters).train()
+        if cfg.grad_checkpointing:
+            student.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+            student.enable_input_require_grads()  # the frozen embeddings' outputs feed checkpointed layers
+        if ckpt is not None and not cfg.fsdp:
+            lora_mod.load_adapter(student, lora_mod.STUDENT, ckpt / "policy")
+            if ema:
+                lora_mod.load_adapter(student, "teacher", ckpt / "teacher")
+        trainable = lambda m: [p for p in m.parameters() if p.requires_grad]  # noqa: E731 (the adapter's)
+        if cfg.fsdp:
+            self.student = shard_model(student, device, cfg.mixed_precision)
+            self.optimizer = torch.optim.AdamW(trainable(self.student), lr=cfg.lr, weight_decay=cfg.weight_decay)
+        else:
+            optimizer = torch.optim.AdamW(trainable(student), lr=cfg.lr, weight_decay=cfg.weight_decay)
+            self.student, self.optimizer = self.acc.prepare(student, optimizer)
+        if not external:
+            self.teacher = AdapterTeacher(self.policy, "teacher" if ema else None)
+        return lambda: AdapterTeacher(self.policy, None)
 
     def _lock_out_folder(self) -> None:
         """Rank 0 takes --out's lock (`opd.runlock`); every rank refuses alike when another run holds it."""
@@ -649,7 +768,7 @@ class Run:
                 with self.autocast(), generation(self.policy, cfg.fsdp_generation):  # a sharded policy: gathered
                     rollouts = generate_rollouts(
                         self.policy, student_prompts, cfg.rollouts_per_prompt, cfg.max_response_len,
-                        cfg.rollout_batch, cfg.share_prefill,
+                        cfg.rollout_batch, cfg.share_prefill, **cfg.sampling(),
                     )  # fmt: skip
         rows = rollouts.prompt_index.tolist()
         eligible_local = torch.tensor([self.eligible(records[j]) for j in rows], dtype=torch.bool) & rollouts.valid
@@ -713,6 +832,8 @@ class Run:
         else:
             warnings.warn(f"step {step}: non-finite loss or gradient ({loss}, {float(grad_norm)}); update and EMA skipped")
         self.optimizer.zero_grad(set_to_none=True)
+        lr = self.scheduler.get_last_lr()[0]  # the rate this step's update used
+        self.scheduler.step()
 
         # Line 14: labels of S (gathered), replay, selector update on every rank alike.
         with timer("wait"):
@@ -740,6 +861,7 @@ class Run:
             "teacher_padded_tokens": int(per_view[:, 2].sum()),
             "loss": loss,
             "grad_norm": float(grad_norm),
+            "lr": lr,
             "skipped": not valid,
             "utility_mean": float(utility[selected].nanmean()) if selected.numel() else float("nan"),
             **({"min_pi": float(pi.min()) if pi.numel() else float("nan"),
@@ -763,14 +885,20 @@ class Run:
             "objective": self.objective.state_dict(),
             "identities": self.identities,
             "world_size": self.acc.num_processes,
+            "scheduler": self.scheduler.state_dict(),
         }
         teacher = self.teacher.model if self.teacher.trainable else None  # a frozen teacher is reloaded from its path
+        adapters = None
+        if self.cfg.lora_r:  # the adapters, not the base (opd/lora.py); an EMA teacher is an adapter of the policy
+            adapters = {"policy": lora_mod.STUDENT, "teacher": getattr(self.teacher, "adapter", None)}
+            teacher = None
         if self.cfg.fsdp:  # every rank writes its shards; the last checkpoint is also exported for eval.py
             save_sharded(self.out, next_step, self.student, teacher, self.optimizer, state,
-                         self.cfg.keep_checkpoints, self.processor if next_step == self.steps else None)
+                         self.cfg.keep_checkpoints, self.processor if next_step == self.steps else None, adapters)
         elif self.acc.is_main_process:
             state["optimizer"] = self.optimizer.state_dict()
-            save_checkpoint(self.out, next_step, self.policy, self.processor, teacher, state, self.cfg.keep_checkpoints)
+            save_checkpoint(self.out, next_step, self.policy, self.processor, teacher, state, self.cfg.keep_checkpoints,
+                            adapters)  # fmt: skip
         self.acc.wait_for_everyone()
 
     def log(self, row: dict) -> None:
@@ -868,6 +996,17 @@ class Run:
             print(f"\ntrain.py: wrote {self.out}/ledger.jsonl, summary.md, summary.json{ckpt}", flush=True)
         self.acc.wait_for_everyone()
         return summary
+
+
+def lr_scheduler(optimizer, cfg, steps: int):
+    """--lr-schedule as transformers' scheduler over --schedule-steps (0: the run's steps), --warmup-steps first."""
+    from transformers import get_scheduler
+
+    name = cfg.lr_schedule
+    if name == "constant" and cfg.warmup_steps:
+        name = "constant_with_warmup"
+    return get_scheduler(name, optimizer, num_warmup_steps=cfg.warmup_steps,
+                         num_training_steps=max(1, cfg.schedule_steps or steps))  # fmt: skip
 
 
 def checkpoint_of(path: str) -> Path:

@@ -50,13 +50,23 @@ def set_rng_state(state: dict) -> None:
         torch.cuda.set_rng_state_all(state["cuda"])
 
 
-def save_checkpoint(out_dir: str | Path, step: int, policy, processor, teacher, state: dict, keep: int = 1) -> Path:
-    """Writes checkpoint-{step} (step = the next step to run) and points DIR/latest at it."""
+def save_checkpoint(out_dir: str | Path, step: int, policy, processor, teacher, state: dict, keep: int = 1,
+                    adapters: dict | None = None) -> Path:  # fmt: skip
+    """Writes checkpoint-{step} (step = the next step to run) and points DIR/latest at it. `adapters` (LoRA,
+    `opd.lora`): {"policy": adapter, "teacher": adapter or None}: policy/ and teacher/ hold those adapters of
+    `policy` instead of whole models."""
     out_dir = Path(out_dir)
     final = out_dir / f"checkpoint-{step:06d}"
     tmp = out_dir / f".checkpoint-{step:06d}.tmp"
     shutil.rmtree(tmp, ignore_errors=True)
-    policy.save_pretrained(tmp / "policy")
+    if adapters is not None:
+        from opd.lora import save_adapter
+
+        save_adapter(policy, adapters["policy"], tmp / "policy")
+        if adapters.get("teacher"):
+            save_adapter(policy, adapters["teacher"], tmp / "teacher")
+    else:
+        policy.save_pretrained(tmp / "policy")
     processor.save_pretrained(tmp / "policy")
     if teacher is not None:  # None: a frozen external teacher, reloaded from its own checkpoint on resume
         teacher.save_pretrained(tmp / "teacher")
@@ -87,18 +97,24 @@ def _sharded_state(policy, teacher, optimizer) -> dict:
     return state
 
 
-def export_pretrained(model, folder: Path, processor=None) -> None:
+def export_pretrained(model, folder: Path, processor=None, adapter: str | None = None) -> None:
     """`save_pretrained` of a sharded model: the full weights gathered to rank 0's CPU memory (a collective,
-    run by every rank) and written there by rank 0, with the processor when given."""
+    run by every rank) and written there by rank 0, with the processor when given; `adapter` (LoRA): that adapter
+    of the model only (`opd.lora.save_adapter`)."""
     full = full_state_dict(model)
     if dist.get_rank() == 0:
-        model.save_pretrained(folder, state_dict=full)
+        if adapter is not None:
+            from opd.lora import save_adapter
+
+            save_adapter(model, adapter, folder, state_dict=full)
+        else:
+            model.save_pretrained(folder, state_dict=full)
         if processor is not None:
             processor.save_pretrained(folder)
 
 
 def save_sharded(out_dir: str | Path, step: int, policy, teacher, optimizer, state: dict, keep: int = 1,
-                 processor=None) -> Path:
+                 processor=None, adapters: dict | None = None) -> Path:
     """Every rank: checkpoint-{step} with sharded/ (DCP: policy, teacher, AdamW), state.pt and
     train_config.json written by rank 0; with `processor` also the policy/ and teacher/ export. Renamed into
     place by rank 0 once every rank has written; returns the final folder."""
@@ -112,9 +128,14 @@ def save_sharded(out_dir: str | Path, step: int, policy, teacher, optimizer, sta
     dist.barrier()
     dcp.save(_sharded_state(policy, teacher, optimizer), checkpoint_id=tmp / "sharded")
     if processor is not None:
-        export_pretrained(policy, tmp / "policy", processor)
-        if teacher is not None:
-            export_pretrained(teacher, tmp / "teacher")
+        if adapters is not None:  # LoRA: the adapters (the teacher's is an adapter of the policy)
+            export_pretrained(policy, tmp / "policy", processor, adapters["policy"])
+            if adapters.get("teacher"):
+                export_pretrained(policy, tmp / "teacher", None, adapters["teacher"])
+        else:
+            export_pretrained(policy, tmp / "policy", processor)
+            if teacher is not None:
+                export_pretrained(teacher, tmp / "teacher")
     if main:
         torch.save({**state, "step": step, "rng": rng_state()}, tmp / "state.pt")
         _publish(out_dir, tmp, final, state, keep)

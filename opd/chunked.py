@@ -150,13 +150,15 @@ def _owned(x: torch.Tensor) -> torch.Tensor:
     return x.float() if x.dtype not in (torch.float32, torch.float64) else x.clone()
 
 
-def _teacher_logits(h_t: torch.Tensor, w_t: torch.Tensor, timing: dict | None):
-    """The teacher's logits z_t = h_t W_t^T (C, V) and lse(z_t) (C, 1); with `timing`, their seconds are
+def _teacher_logits(h_t: torch.Tensor, w_t: torch.Tensor, timing: dict | None, temperature: float = 1.0):
+    """The teacher's logits z_t = h_t W_t^T / T (C, V) and lse(z_t) (C, 1); with `timing`, their seconds are
     added to timing['teacher_s'] (the device synchronised before and after)."""
     if timing is not None:
         _sync(h_t.device)
         t0 = time.perf_counter()
     z_t = upcast(h_t @ w_t.T)  # (C, V)
+    if temperature != 1.0:
+        z_t = z_t.div_(temperature)
     lse_t = torch.logsumexp(z_t, dim=-1, keepdim=True)  # (C, 1)
     if timing is not None:
         _sync(h_t.device)
@@ -228,7 +230,8 @@ topk_jsd_from_logits = topk_divergence_from_logits  # the name before the seed f
 
 class _FromHidden(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, h_s, w_s, h_t, w_t, weights, k, alpha, chunk, support, divergence, tokens, timing, extras):
+    def forward(ctx, h_s, w_s, h_t, w_t, weights, k, alpha, chunk, support, divergence, tokens, timing, extras,
+                temperature):  # fmt: skip
         w = w_s.to(h_s.dtype)  # one cast per call under mixed precision (a no-op otherwise)
         w_t = w_t.to(h_t.dtype)
         grad_h = torch.empty_like(h_s)  # (P, H) dL/dh, one row per position
@@ -239,7 +242,9 @@ class _FromHidden(torch.autograd.Function):
         for j in range(0, h_s.shape[0], chunk):
             h_c = h_s[j : j + chunk]  # (C, H)
             z = upcast(h_c @ w.T)  # (C, V) student logits
-            z_t, lse_t = _teacher_logits(h_t[j : j + chunk], w_t, timing)  # (C, V) teacher logits, (C, 1)
+            z_t, lse_t = _teacher_logits(h_t[j : j + chunk], w_t, timing, temperature)  # (C, V), (C, 1)
+            if temperature != 1.0:  # the loss temperature: both sides' logits divided (dz below divided again)
+                z = z.div_(temperature)
             w_c = weights[j : j + chunk].to(z.dtype)  # (C,) Eq. 11's weights
             if tokens is not None:  # times the method's token weight w_t (opd.weights), detached
                 y = tokens.ids[j : j + chunk].unsqueeze(-1)  # (C, 1)
@@ -251,7 +256,10 @@ class _FromHidden(torch.autograd.Function):
                 extras.setdefault("teacher_logp", []).append(t_y)
             d, g, ids, s_sup, shift, terms = _loss_parts(z, z_t, lse_t, k, alpha, support, divergence)  # overwrites z
             del z_t
-            dz = _logit_grad(z, ids, s_sup, g * w_c.unsqueeze(-1), shift, support, inplace=True).to(h_s.dtype)  # (C, V)
+            dz = _logit_grad(z, ids, s_sup, g * w_c.unsqueeze(-1), shift, support, inplace=True)  # (C, V) dL/d(z / T)
+            if temperature != 1.0:
+                dz = dz.div_(temperature)  # dL/dz = dL/d(z / T) / T
+            dz = dz.to(h_s.dtype)
             del z
             grad_h[j : j + chunk] = dz @ w  # (C, H)
             grad_w = _accumulate(grad_w, dz, h_c, acc_dtype)  # (V, H)
@@ -267,7 +275,7 @@ class _FromHidden(torch.autograd.Function):
     @staticmethod
     def backward(ctx, grad_loss, _grad_d, _grad_terms):
         grad_h, grad_w = _saved_grads(ctx, grad_loss)
-        return (grad_h, grad_w) + (None,) * 11
+        return (grad_h, grad_w) + (None,) * 12
 
 
 def budgeted_loss_from_hidden(
@@ -285,6 +293,7 @@ def budgeted_loss_from_hidden(
     tokens: TokenWeight | None = None,
     timing: dict | None = None,
     extras: dict | None = None,
+    temperature: float = 1.0,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """Eq. 11 from hidden states: sum_p weights_p w_p D(p) (`divergence.weighted_sum` of `divergence.budgeted_weights`
     times the method's token weights; D per position as `divergence.topk_divergence` with this support and
@@ -299,6 +308,8 @@ def budgeted_loss_from_hidden(
     once per call; dL/dW is accumulated in fp32. `timing` (a dict): timing['teacher_s'] gains the seconds of the
     teacher's LM-head products and log-softmax normalisers (its top-k and gathers, O(C V) each, are not counted).
     `extras` (a dict), with `tokens`: receives 'token_weight' (w_p) and 'teacher_logp' (log pi_T(y_p)), (P,).
+    `temperature` T: both sides' logits divided by T before everything (D, the token weights, the utility terms),
+    the gradient chained through the division (OPSD's loss temperature).
     """
     check_loss(support, divergence)
     if h_s.shape[0] == 0:
@@ -309,7 +320,7 @@ def budgeted_loss_from_hidden(
     parts: dict = {}
     out = _FromHidden.apply(
         h_s, w_s, h_t.detach(), w_t.detach(), weights.detach(), k, alpha, chunk, support, divergence, tokens, timing,
-        parts,
+        parts, float(temperature),
     )
     if extras is not None and tokens is not None:
         extras.update({key: torch.cat(v) for key, v in parts.items()})

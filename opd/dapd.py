@@ -67,7 +67,7 @@ import torch
 
 from opd.chunked import clamped_kl_from_hidden
 from opd.distill import completion_inputs, dummy_backward
-from opd.ema_teacher import EMATeacher, Teacher, lm_head_weight, response_hidden
+from opd.ema_teacher import lm_head_weight, response_hidden
 from opd.external_teachers import TeacherSet
 from opd.objective import DistillResult, Objective, ObjectiveContext, StepBatch
 from opd.schedule import Stopwatch, TeacherCost, lockstep, plan_micro_batches, record_forward, synced
@@ -152,19 +152,22 @@ class DAPD(Objective):
     name = "dapd"
     Config = DAPDConfig
     refuses = {"teacher_view": "its contexts are fixed: none, reference, rollout",
-               "is_clip": "its clamped KL has no importance ratio"}  # fmt: skip
+               "is_clip": "its clamped KL has no importance ratio",
+               "loss_agg": "each pair is a token mean over its completion's tokens",
+               "loss_temperature": "its clamped KL has its own temperature (--dapd-temperature)",
+               "support": "its KL is over the full vocabulary"}  # fmt: skip
 
     @classmethod
-    def build_teachers(cls, teachers: TeacherSet, load_initial) -> TeacherSet:
+    def build_teachers(cls, teachers: TeacherSet, initial_teacher) -> TeacherSet:
         """The two anchors: `snapshot`, the run's EMA teacher, and `base`, the initial weights (frozen, reloaded on
         resume)."""
         snapshot = teachers.teachers.get("teacher")
-        if not isinstance(snapshot, EMATeacher):
+        if snapshot is None or not snapshot.trainable:
             raise TypeError("DAPD's snapshot is the run's EMA teacher")
-        return TeacherSet({"snapshot": snapshot, "base": Teacher(load_initial())})
+        return TeacherSet({"snapshot": snapshot, "base": initial_teacher()})
 
-    def __init__(self, ctx: ObjectiveContext, config: DAPDConfig | None = None, load_initial=None):
-        super().__init__(ctx, config or DAPDConfig(), load_initial)
+    def __init__(self, ctx: ObjectiveContext, config: DAPDConfig | None = None, initial_teacher=None):
+        super().__init__(ctx, config or DAPDConfig(), initial_teacher)
         self.anchors = {name: ctx.teachers.teachers[name] for name in ANCHORS}
 
     @property

@@ -69,7 +69,18 @@ from opd.sharding import reshard
 from opd.utility import sample_utility
 from opd.weights import SampledLogp, TokenWeight, token_weight
 
-__all__ = ["DistillConfig", "Distillation", "DistillResult", "StepBatch", "TeacherCost", "distill", "plan_micro_batches"]
+AGGREGATIONS = ("token-mean", "sequence-mean", "micro-batch")
+"""How Eq. 11 averages over S (`DistillConfig.aggregation`, `--loss-agg`):
+
+    token-mean     sum_{i,t} z_i m_it D_it / sum_{i,t} z_i m_it                          (Eq. 11; BAS-OPD)
+    sequence-mean  (1 / |S|) sum_{i in S} (1 / T_i) sum_t m_it D_it                        (OPSD's per-sequence mean)
+    micro-batch    sum_b (n_b / |S|) sum_{i in b, t} m_it D_it / sum_{i in b, t} m_it      (verl: a token mean per
+                                                                                          micro-batch b, weighted by rows)
+
+|S| counts the selected rows with at least one valid token, over all ranks; the micro-batches are this loop's
+(grouped by length, `plan_micro_batches`), not verl's."""
+
+__all__ = ["AGGREGATIONS", "DistillConfig", "Distillation", "DistillResult", "StepBatch", "TeacherCost", "distill", "plan_micro_batches"]
 
 
 @dataclass
@@ -93,6 +104,10 @@ class DistillConfig:
     'gate' (OPOD's teacher gate)."""
     is_clip: float = 0.0
     """Importance-ratio clip c; 0 = no ratio."""
+    temperature: float = 1.0
+    """Both sides' logits divided by it before the divergence (OPSD's 1.1)."""
+    aggregation: str = "token-mean"
+    """Eq. 11's aggregation over S (`AGGREGATIONS`)."""
 
 
 def micro_batch_inputs(
@@ -147,12 +162,17 @@ def micro_batch_loss(student, teacher: Teacher, s_inputs, t_inputs: list, mask, 
         seconds[j] += watch.seconds()
         return out
 
+    temp = cfg.temperature
     if cfg.loss_chunk == 0:  # whole micro-batch logits: the reference path
         t_logits = teacher_forward(0, lambda: teacher.logits(t_inputs[0], width))  # (n, T, V) Eq. 2
+        if temp != 1.0:  # the loss temperature: both sides' logits divided
+            t_logits = t_logits.float() / temp
         negative = None
         if len(t_inputs) > 1:  # OPD-V's negative teacher: its sampled-token log-probs only
             negative = teacher_forward(1, lambda: _sampled(teacher.logits(t_inputs[1], width), response))  # (n, T)
         s_logits = response_logits(student, s_inputs, width)  # (n, T, V) Eq. 1
+        if temp != 1.0:
+            s_logits = s_logits.float() / temp
         per_token, terms = topk_divergence_from_logits(
             s_logits, t_logits, cfg.k, cfg.alpha, support=cfg.support, divergence=cfg.divergence
         )  # (n, T) Eq. 3 (or the method's D), (n, T, 3)
@@ -181,7 +201,7 @@ def micro_batch_loss(student, teacher: Teacher, s_inputs, t_inputs: list, mask, 
         flat: dict = {}
         loss, d_alpha, flat_terms = budgeted_loss_from_hidden(
             h_s, w_s, h_t, w_t, weights[mask], cfg.k, cfg.alpha, cfg.loss_chunk, support=cfg.support,
-            divergence=cfg.divergence, tokens=tokens, timing=timing, extras=flat,
+            divergence=cfg.divergence, tokens=tokens, timing=timing, extras=flat, temperature=temp,
         )  # Eq. 11 of Eq. 3 (or the method's D)
         seconds[0] += timing.get("teacher_s", 0.0)  # the teacher's LM head inside the fused loss
         if tokens is not None and extras is not None:
@@ -240,7 +260,11 @@ def distill(
     if cfg.token_weight != "none" or cfg.is_clip:
         res.token_weight_sum, res.teacher_logp_sum = torch.zeros(len(rollouts)), torch.zeros(len(rollouts))
     res.tokens = int(rollouts.lengths[selected].sum()) if selected.numel() else 0
-    res.global_tokens = global_denominator(accelerator, rollouts.lengths, selected, sample_weights)
+    if cfg.aggregation == "token-mean":
+        res.global_tokens = global_denominator(accelerator, rollouts.lengths, selected, sample_weights)
+    else:  # the selected rows with a valid token (sequence-mean, micro-batch): |S|
+        rows = int((rollouts.lengths[selected] > 0).sum()) if selected.numel() else 0
+        res.global_tokens = int(accelerator.reduce(torch.tensor(rows, device=accelerator.device), "sum").item())
     if res.global_tokens == 0:  # S is empty everywhere: no teacher call, zero distillation term
         return res
     scale = accelerator.num_processes  # DDP and FSDP average gradients over ranks
@@ -263,6 +287,22 @@ def distill(
         for t in teachers.values():
             reshard(t.model)
     return res
+
+
+def aggregation_weights(aggregation: str, row_weights: torch.Tensor, mask: torch.Tensor, denominator, dtype,
+                        sample_weights: torch.Tensor | None = None) -> torch.Tensor:  # fmt: skip
+    """One micro-batch's per-token weights (n, T) of the loss's aggregation (`AGGREGATIONS`): Eq. 11's
+    `budgeted_weights` with the global token count (token-mean; with `sample_weights` its Hajek form), each row's
+    1 / T_i over the global |S| (sequence-mean), or the micro-batch's own token mean times its rows / |S|
+    (micro-batch). `row_weights` (n,) multiplies each row's (OPOD's beta)."""
+    if aggregation == "token-mean":
+        return budgeted_weights(row_weights, mask, denominator, dtype, sample_weights)
+    lengths = mask.sum(-1).to(dtype).clamp(min=1)  # (n,) T_i
+    if aggregation == "sequence-mean":
+        return budgeted_weights(row_weights.to(dtype) / lengths, mask, denominator, dtype)
+    rows = float((mask.sum(-1) > 0).sum())  # micro-batch: n_b / |S| times the micro-batch's token mean
+    tokens = float(mask.sum())
+    return budgeted_weights(row_weights, mask, max(1.0, tokens), dtype) * (rows / max(1, denominator))
 
 
 def global_denominator(accelerator, lengths: torch.Tensor, selected: torch.Tensor, sample_weights=None) -> float | int:
@@ -338,7 +378,8 @@ def _run_micro_batch(ctx: _Context, name: str, teacher: Teacher, rows: torch.Ten
             record_forward(res.teachers[ctx.label(name, view)], inputs, mask, sum(len(p) for p in prompts))
     s_inputs, _, _ = micro_batch_inputs([ctx.student_prompts[p] for p in prompt_ids], rollouts, rows, ctx.pad_id, device)
     w_i = None if ctx.sample_weights is None else ctx.sample_weights[rows].to(device)  # (n,) 1 / pi_i
-    weights = budgeted_weights(ctx.row_weights[rows].to(device), mask, res.global_tokens, ctx.weight_dtype, w_i)  # Eq. 11
+    weights = aggregation_weights(cfg.aggregation, ctx.row_weights[rows].to(device), mask, res.global_tokens,
+                                  ctx.weight_dtype, w_i)  # (n, T) Eq. 11's (or the method's aggregation)
     weights = weights * ctx.scale  # DDP and FSDP average gradients over ranks
     if padding:
         weights = torch.zeros_like(weights)

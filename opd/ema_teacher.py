@@ -126,3 +126,54 @@ class EMATeacher(Teacher):
                 t.lerp_(s.detach().to(t.dtype), tau)
         for t, s in zip(self.model.buffers(), student.buffers(), strict=True):
             t.copy_(s)
+
+
+class AdapterTeacher(Teacher):
+    """A teacher that is the policy's own base with one of its adapters, or with none (`opd.lora`): one base in
+    memory. `adapter` None: the base alone (a fixed teacher; DAPD's `base` anchor), frozen; else that adapter (the
+    EMA teacher, DAPD's snapshot), updated by `update` on the adapters' parameters only. Forwards run in eval mode
+    (no LoRA dropout) with the adapter active and no gradient, then the policy's own adapter and mode come back."""
+
+    def __init__(self, model: torch.nn.Module, adapter: str | None, processor=None):
+        self.model = model  # the policy's peft model, unwrapped: nothing is frozen or copied here
+        self.adapter = adapter
+        self.processor = processor
+        self.rows_scored = 0
+        self.batches: list[int] = []
+        self._counting = True
+
+    @property
+    def trainable(self) -> bool:
+        return self.adapter is not None
+
+    @contextlib.contextmanager
+    def _active(self):
+        from opd.lora import active_adapter
+
+        was_training = self.model.training
+        self.model.eval()
+        try:
+            with active_adapter(self.model, self.adapter), torch.no_grad():
+                yield
+        finally:
+            self.model.train(was_training)
+
+    @torch.no_grad()
+    def logits(self, inputs: dict[str, torch.Tensor], n_response: int) -> torch.Tensor:
+        self._record(inputs)
+        with self._active():
+            return response_logits(self.model, inputs, n_response).detach()
+
+    @torch.no_grad()
+    def hidden(self, inputs: dict[str, torch.Tensor], n_response: int) -> torch.Tensor:
+        self._record(inputs)
+        with self._active():
+            return response_hidden(self.model, inputs, n_response).detach()
+
+    def update(self, student: torch.nn.Module, tau: float) -> None:
+        """Algorithm 1, line 13 on the adapter: theta-bar <- (1 - tau) theta-bar + tau theta (the base is shared)."""
+        if self.adapter is not None:
+            from opd.lora import ema_adapter
+
+            ema_adapter(self.model, self.adapter, tau)
+

@@ -116,6 +116,10 @@ def resolve_model_source(path: str) -> str:
     """
     expanded = os.path.expanduser(path)
     if os.path.isdir(expanded):
+        if os.path.isfile(os.path.join(expanded, "adapter_config.json")) and not os.path.isfile(
+            os.path.join(expanded, "config.json")
+        ):
+            return expanded  # a LoRA adapter folder (opd.lora): load_model merges it into its base
         if not os.path.isfile(os.path.join(expanded, "config.json")):
             raise UserError(f"model folder {path} has no config.json (not a Hugging Face checkpoint folder)")
         check_model_type(os.path.join(expanded, "config.json"))
@@ -205,11 +209,16 @@ def load_processor(path: str):
 
 
 def load_model(path: str, dtype: str = "float32", device: torch.device | str = "cpu"):
-    """An image-text-to-text model from a local folder or hub id (`resolve_model_source`), on `device`."""
+    """An image-text-to-text model from a local folder or hub id (`resolve_model_source`), on `device`; a LoRA adapter
+    folder (adapter_config.json, no config.json) is its base with the adapter merged (`opd.lora.merged`)."""
     if dtype not in DTYPES:
         raise ValueError(f"unknown dtype {dtype!r}; known: {', '.join(DTYPES)}")
     source = resolve_model_source(path)
     quiet_kernel_warnings(device)
+    from opd.lora import is_adapter_folder, merged
+
+    if is_adapter_folder(source):  # a LoRA run's policy: its base with the adapter merged in
+        return merged(source, lambda base: load_model(base, dtype, "cpu")).to(device)
     try:
         model = AutoModelForImageTextToText.from_pretrained(
             source, dtype=DTYPES[dtype], attn_implementation=attn_implementation(device)

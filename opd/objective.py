@@ -10,7 +10,8 @@ whole seam: an objective never sees the run, only
   encoder, the mixed-precision context, the views and the shared loss settings (`DistillConfig`);
 - its own config dataclass (`Objective.Config`, flags `--<name>-<field>`, e.g. DAPD's `--dapd-clip`), with
   field docstrings and its own `check()`;
-- `load_initial()`, a frozen copy of the run's initial weights, for objectives that anchor on them.
+- `initial_teacher()`, a frozen teacher of the run's initial weights (a separate copy; with LoRA the policy's own
+  base with its adapter disabled), for objectives that anchor on them.
 
 An objective with teachers of its own (DAPD's `snapshot` and `base` anchors) says so in `build_teachers`, which
 returns the run's teacher set before the context is built: nothing changes the run from outside.
@@ -141,13 +142,13 @@ class Objective:
     refuses: dict[str, str] = {}
 
     @classmethod
-    def build_teachers(cls, teachers, load_initial: Callable[[], torch.nn.Module]):
+    def build_teachers(cls, teachers, initial_teacher: Callable[[], object]):
         """The run's teacher set for this objective, from the loop's default (the EMA self-teacher or the external
         ones); the default is kept."""
         return teachers
 
-    def __init__(self, ctx: ObjectiveContext, config=None, load_initial: Callable[[], torch.nn.Module] | None = None):
-        self.ctx, self.config, self.load_initial = ctx, config, load_initial
+    def __init__(self, ctx: ObjectiveContext, config=None, initial_teacher: Callable[[], object] | None = None):
+        self.ctx, self.config, self.initial_teacher = ctx, config, initial_teacher
 
     @property
     def labels(self) -> list[str]:

@@ -66,7 +66,7 @@ import torch
 
 from opd.chunked import sampled_logp_from_hidden, weighted_logp_from_hidden
 from opd.distill import Distillation, completion_inputs, dummy_backward, micro_batch_inputs
-from opd.ema_teacher import Teacher, lm_head_weight, response_hidden
+from opd.ema_teacher import lm_head_weight, response_hidden
 from opd.eval.answers import exact_match, parse_choice, parse_yes_no
 from opd.eval.benchmarks import split_options
 from opd.objective import DistillResult, Objective, ObjectiveContext, StepBatch
@@ -200,14 +200,15 @@ class OPOD(Objective):
 
     name = "opod"
     Config = OPODConfig
+    refuses = {"loss_agg": "its gated term and policy gradient share one token mean"}
 
-    def __init__(self, ctx: ObjectiveContext, config: OPODConfig | None = None, load_initial=None):
-        super().__init__(ctx, config or OPODConfig(), load_initial)
+    def __init__(self, ctx: ObjectiveContext, config: OPODConfig | None = None, initial_teacher=None):
+        super().__init__(ctx, config or OPODConfig(), initial_teacher)
         c = self.config
         self.distillation = Distillation(ctx)
         self.controller = GateController(ctx.teachers.names, c.beta_init, c.beta_min, c.beta_max, c.eta, c.warmup,
                                          c.eps_floor)  # fmt: skip
-        self.reference = Teacher(load_initial()) if c.kl > 0 else None
+        self.reference = initial_teacher() if c.kl > 0 else None
         self.pending: dict[str, float | None] = {}
 
     @property

@@ -1,7 +1,9 @@
 """On-policy rollouts with plain Hugging Face `generate` (Algorithm 1, line 3).
 
-y_i ~ p_theta(. | x_i, q_i): n rollouts per prompt, temperature 1, top_p 1, no top-k truncation,
-left padding, responses masked after EOS. The sampled-token log-probs log p_old(y_{i,t} | ...) and the
+y_i ~ p_theta(. | x_i, q_i): n rollouts per prompt, left padding, responses masked after EOS. Sampling is the
+paper's (temperature 1, no truncation) unless a method's recipe asks for a temperature, top-k or top-p (OPSD,
+DAPD: 1.1, 20, 0.95): `RolloutStats` then applies them itself (HF's order: temperature, top-k, top-p), so that the
+log-probs and entropies it records are those of the distribution actually sampled from. The sampled-token log-probs log p_old(y_{i,t} | ...) and the
 token entropies H_{i,t} that Eq. 5 needs are computed step by step inside `generate` by a logits
 processor that keeps one step of (rows, V) log-probs at a time: storing every step's full-vocabulary
 scores (1,024 steps x 224 rows x 248,320 ids) does not fit. Everything returned is detached.
@@ -22,14 +24,20 @@ class RolloutStats(LogitsProcessor):
     At step t the processor sees the scores of step t and the tokens sampled up to t - 1, so it
     gathers the previous step's log-prob at the token just sampled and keeps only one step of
     log-probs. It must see the final distribution: generate() runs it after the suppression
-    processors and before the temperature/top-k/top-p warpers, which are identities at temperature 1,
-    top_k 0, top_p 1 (the only settings `generate_rollouts` uses).
+    processors and before generate's own temperature/top-k/top-p warpers, which are identities at temperature 1,
+    top_k 0, top_p 1 (the only settings `generate_rollouts` gives generate). The run's own warping (`temperature`,
+    `top_k`, `top_p`) is applied here, before the statistics, and the warped scores are returned: generate samples
+    from exactly the distribution recorded.
     """
 
-    def __init__(self):
+    def __init__(self, temperature: float = 1.0, top_k: int = 0, top_p: float = 1.0):
+        from transformers import TemperatureLogitsWarper, TopKLogitsWarper, TopPLogitsWarper
+
         self.logp: list[torch.Tensor] = []
         self.entropy: list[torch.Tensor] = []
         self._prev: torch.Tensor | None = None
+        self.warpers = ([TemperatureLogitsWarper(temperature)] if temperature != 1.0 else []) + (
+            [TopKLogitsWarper(top_k)] if top_k else []) + ([TopPLogitsWarper(top_p)] if top_p < 1.0 else [])  # fmt: skip
 
     def _gather_prev(self, tokens: torch.Tensor) -> None:
         self.logp.append(self._prev.gather(-1, tokens.unsqueeze(-1)).squeeze(-1))  # (N,)
@@ -37,7 +45,9 @@ class RolloutStats(LogitsProcessor):
     def __call__(self, input_ids: torch.Tensor, scores: torch.Tensor) -> torch.Tensor:
         if self._prev is not None:
             self._gather_prev(input_ids[:, -1])
-        logp = torch.log_softmax(scores.float(), dim=-1)  # (N, V)
+        for warp in self.warpers:  # temperature, top-k, top-p: the distribution sampled from
+            scores = warp(input_ids, scores)
+        logp = torch.log_softmax(scores if scores.dtype == torch.float64 else scores.float(), dim=-1)  # (N, V)
         p = logp.exp()
         # H_t = -sum_v p_v log p_v, with 0 log 0 = 0 for suppressed ids (logit -inf)
         self.entropy.append(-torch.where(p > 0, p * logp, torch.zeros_like(p)).sum(-1))  # (N,)
@@ -94,7 +104,8 @@ def prefill_shared_cache(model, batch: dict[str, torch.Tensor], n: int):
     if cache is None or not hasattr(cache, "reorder_cache"):
         return None
     cache.reorder_cache(torch.arange(batch["input_ids"].shape[0], device=batch["input_ids"].device).repeat_interleave(n))
-    inner = getattr(model, "model", None)
+    core = model.get_base_model() if hasattr(model, "get_base_model") else model  # a LoRA policy: peft's base model
+    inner = getattr(core, "model", None)
     if getattr(inner, "rope_deltas", None) is not None:
         inner.rope_deltas = inner.rope_deltas.repeat_interleave(n, dim=0)
     return cache
@@ -108,13 +119,17 @@ def generate_rollouts(
     max_new_tokens: int,
     batch_rows: int = 0,
     share_prefill: bool = True,
+    temperature: float = 1.0,
+    top_k: int = 0,
+    top_p: float = 1.0,
 ) -> Rollouts:
     """Samples `n_per_prompt` responses to each prompt; about `batch_rows` rows per generate() call (0: all).
 
     With `share_prefill`, each prompt (and its image) is encoded and prefilled once for its n rollouts
     (`prefill_shared_cache`); the sampled tokens are the same as without it (a test checks it).
     Randomness comes from the global torch generator: the caller seeds it per step and rank, which
-    makes a resumed run sample the same responses as an uninterrupted one.
+    makes a resumed run sample the same responses as an uninterrupted one. `temperature`, `top_k`, `top_p`: the
+    sampling distribution (`RolloutStats`); the defaults are the paper's (plain sampling).
     """
     ids = special_ids(model)
     device = next(model.parameters()).device
@@ -135,7 +150,7 @@ def generate_rollouts(
                 batch["cache"] = cache
             else:
                 batch = {k: v.to(device) for k, v in collate([p for p in group for _ in range(n)], ids["pad"]).items()}
-            stats = RolloutStats()
+            stats = RolloutStats(temperature, top_k, top_p)
             out = model.generate(**batch, **sampling, logits_processor=LogitsProcessorList([stats]))
             response = out[:, unique["input_ids"].shape[1] :]  # (rows, T)
             logp, entropy = stats.finish(response[:, -1])

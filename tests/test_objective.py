@@ -114,7 +114,7 @@ def test_dapd_builds_its_teachers_and_runs_with_the_context_alone(tiny):
 
     def teachers(student, path):
         loads.append(path)
-        return DAPD.build_teachers(TeacherSet({"teacher": EMATeacher(student)}), lambda: load_model(path, "float64"))
+        return DAPD.build_teachers(TeacherSet({"teacher": EMATeacher(student)}), lambda: Teacher(load_model(path, "float64")))
 
     ctx = context(tiny, teachers, teacher_views=("reference_answer",))
     assert ctx.teachers.names == ["snapshot", "base"] and isinstance(ctx.teachers.teachers["base"], Teacher)
