@@ -344,8 +344,6 @@ def check_config(cfg: TrainConfig, world: int) -> None:
         problems.append(f"--lr-schedule {cfg.lr_schedule!r}: choose one of {', '.join(LR_SCHEDULES)}")
     if cfg.warmup_steps < 0 or cfg.schedule_steps < 0:
         problems.append("--warmup-steps and --schedule-steps must be >= 0")
-    elif cfg.warmup_steps and cfg.warmup_steps > (cfg.schedule_steps or cfg.steps or cfg.warmup_steps):
-        problems.append(f"--warmup-steps {cfg.warmup_steps}: beyond the schedule's {cfg.schedule_steps or cfg.steps} steps")
     if not cfg.sample_temperature > 0:
         problems.append(f"--sample-temperature {cfg.sample_temperature}: must be > 0")
     if not 0 < cfg.sample_top_p <= 1:
@@ -720,12 +718,13 @@ class Run:
         """This rank's records of step `step`."""
         return [self.records[i] for i in self.prompt_ids(step)]
 
-    def encode(self, view, record: Record, seed: int = 0, processor=None):
+    def encode(self, view, record: Record, seed: int = 0, processor=None, thinking: bool | None = None):
         """One prompt of `view` (a View or its name); `seed` draws the view's randomness (the mask); `processor`:
-        an external teacher's (default: the policy's)."""
+        an external teacher's (default: the policy's); `thinking`: the thinking prompt (default: --enable-thinking)."""
         images, problem = get_view(view)(record, seed) if isinstance(view, str) else view(record, seed)
+        thinking = self.cfg.enable_thinking if thinking is None else thinking
         try:
-            return encode_prompt(processor or self.processor, images, problem, self.cfg.enable_thinking, self.cfg.max_prompt_len)
+            return encode_prompt(processor or self.processor, images, problem, thinking, self.cfg.max_prompt_len)
         except ValueError as exc:  # a context built at step time (DAPD's rollout, OPOD's verification) too long
             raise UserError(f"{record.source}: {exc}", local=True) from None
 
@@ -1063,8 +1062,12 @@ def main(argv: list[str] | None = None) -> dict:
     else:
         preset = given.pop("preset", TrainConfig.preset)
         method = given.get("method", TrainConfig.method)
-        settings = METHODS[method].settings if method in METHODS else {}  # an unknown one is refused by name later
+        # the method's paper settings and published recipe (an unknown method is refused by name later)
+        settings = {**METHODS[method].settings, **METHODS[method].recipe} if method in METHODS else {}
         cfg = TrainConfig(preset=preset, **{**PRESETS[preset], **settings, **given})
+        span = cfg.schedule_steps or cfg.steps
+        if "warmup_steps" in given and span and cfg.warmup_steps > span:  # a recipe's own warm-up may outlast a short run
+            raise UserError(f"--warmup-steps {cfg.warmup_steps}: beyond the schedule's {span} steps (--steps, --schedule-steps)")
     hf_logging.disable_progress_bar()  # weight loading/saving bars would break the training bar
     return Run(cfg).train()
 

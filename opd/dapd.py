@@ -140,6 +140,9 @@ class DAPDConfig:
     """Temperature of both sides of the clamped forward KL (DAPD's 1.1)."""
     clip: float = 0.05
     """Upper clamp of each vocabulary entry's KL contribution (DAPD's 0.05)."""
+    context_thinking: bool = False
+    """The reference and rollout contexts with the thinking generation prompt (enable_thinking=True), the plain one
+    without (DAPD's code: dapd/data.py); off: every context with the run's --enable-thinking."""
 
     def check(self) -> list[str]:
         return [] if self.temperature > 0 and self.clip > 0 else ["--dapd-temperature and --dapd-clip must be positive"]
@@ -228,16 +231,19 @@ class DAPD(Objective):
         prompts = []
         for i in rows.tolist():
             j = int(ro.prompt_index[i])
+            thinking = True if self.config.context_thinking else None
             if context == "none":
                 prompts.append(batch.student_prompts[j])
-            elif context == "reference":
+            elif context == "reference" and not self.config.context_thinking:
                 prompts.append(batch.teacher_prompt("snapshot", "reference_answer", j))
+            elif context == "reference":
+                prompts.append(ctx.encode("reference_answer", batch.records[j], 0, None, thinking))
             else:
                 record = batch.records[j]
                 text = ctx.tokenizer.decode(ro.response_ids[i, : int(ro.lengths[i])], skip_special_tokens=True)
                 images, _ = get_view(ctx.student_view)(record)
                 view = View(lambda r, seed, images=images, text=text: (images, context_text(r.problem, "rollout", "", text)))
-                prompts.append(ctx.encode(view, record))
+                prompts.append(ctx.encode(view, record, 0, None, thinking))
         if completion == "rollout":
             completions = [ro.response_ids[i, : int(ro.lengths[i])] for i in rows.tolist()]
         else:

@@ -62,7 +62,12 @@ class Method:
     """'allowed' (--teacher-model / --teachers replace the EMA self-teacher), 'required' (OPOD: its teachers
     are separate checkpoints) or 'refused' (DAPD: its anchors are the policy's own weights)."""
     settings: dict = field(default_factory=dict)
-    """TrainConfig fields the method's paper sets (e.g. full querying), applied over the preset."""
+    """TrainConfig fields the method's paper sets for what it is (full querying, its teacher's update, alpha),
+    applied over the preset and under the flags given; the toy-world family comparison uses these alone."""
+    recipe: dict = field(default_factory=dict)
+    """TrainConfig fields of the method's published training recipe around its loss (LoRA, learning-rate schedule,
+    rollout sampling, loss temperature, aggregation; docs/FAMILY.md cites each): `--method M` applies them too, so
+    that M alone runs as published; flags given still win."""
 
     @property
     def teacher_views(self) -> tuple[str, ...]:
@@ -81,35 +86,46 @@ class Method:
 
 
 FULL_QUERY = dict(policy="full", rho=1.0)
+VERL = dict(warmup_steps=10, loss_agg="micro-batch")
+"""Vision-OPD, OPD-V, RP-OPSD on verl: 10 warm-up steps (lr_warmup_steps / warmup_steps: 10), verl's aggregation."""
+TRL_SAMPLING = dict(sample_temperature=1.1, sample_top_p=0.95, sample_top_k=20)
+"""OPSD's (scripts/run_opsd.sh) and DAPD's rollout sampling."""
 
 METHODS: dict[str, Method] = {
     m.name: m
     for m in (
         Method("bas-opd", "BAS-OPD (arXiv 2609.25891): Vision-OPD with a budgeted teacher"),
-        Method("vision-opd", "Vision-OPD (arXiv 2605.18740; VisionOPD/Vision-OPD)", settings=FULL_QUERY),
+        Method("vision-opd", "Vision-OPD (arXiv 2605.18740; VisionOPD/Vision-OPD)", settings=FULL_QUERY, recipe=VERL),
         Method(
             "rp-opsd", "RP-OPSD (arXiv 2607.24447; wmm7777/RP-OPSD, config/best.yaml)",
             student_view="half_resolution", teacher_view="full", support="teacher", divergence="bc_rkl",
-            settings=dict(FULL_QUERY, alpha=1.0),
+            settings=dict(FULL_QUERY, alpha=1.0), recipe=VERL,
         ),  # fmt: skip
         Method(
             "opd-v", "OPD-V (arXiv 2608.05131; aniri15/OPD-V, random-mask negative, trust-region)",
-            negative_view="masked", token_weight="trust_region", settings=FULL_QUERY,
+            negative_view="masked", token_weight="trust_region", settings=FULL_QUERY, recipe=VERL,
         ),  # fmt: skip
         Method(
             "opsd", "OPSD (arXiv 2601.18734; siyan-zhao/OPSD, fixed teacher, top-k loss)",
             teacher_view="reference_answer", support="teacher_renorm", settings=dict(FULL_QUERY, ema_tau=0.0),
+            recipe=dict(
+                TRL_SAMPLING, lora_r=64, lora_alpha=128.0, lora_dropout=0.05,
+                lora_targets="q_proj,k_proj,v_proj,o_proj,gate_proj,up_proj,down_proj", lr=2e-4,
+                loss_temperature=1.1, support="full", loss_agg="sequence-mean",
+            ),  # scripts/run_opsd.sh (commit d75fcc7); its main loss is the full-vocabulary JSD (--top_k_loss 0)
         ),  # fmt: skip
         Method(
             "dapd", "DAPD (arXiv 2608.01735; uanu2002/DAPD, dapd/objective.py, dapd/trainer.py)",
             teacher_view="reference_answer", support="full", divergence="clamped_kl", objective=DAPD,
             external_teachers="refused", settings=dict(FULL_QUERY, ema_tau=1.0, ema_every=100),
+            recipe=dict(TRL_SAMPLING, lora_r=64, lora_alpha=128.0, lr=5e-6, grad_clip=0.1, lr_schedule="linear",
+                        schedule_steps=500, dapd_context_thinking=True),  # fmt: skip
         ),  # fmt: skip
         Method(
             "gkd", "GKD (Agarwal et al. 2024, arXiv 2306.13649; TRL's GKDTrainer): on-policy distillation from a "
             "separate teacher checkpoint", teacher_view="full", support="full", external_teachers="required",
-            settings=dict(FULL_QUERY, alpha=0.5),
-        ),  # fmt: skip
+            settings=dict(FULL_QUERY, alpha=0.5), recipe=dict(sample_temperature=0.9, loss_temperature=0.9),
+        ),  # fmt: skip  (TRL's GKDConfig: beta 0.5, temperature 0.9 for sampling and in the loss)
         Method(
             "opod", "OPOD (arXiv 2607.20918; no public code, formulas transcribed: medium confidence)",
             teacher_view="full", token_weight="gate", objective=OPOD, external_teachers="required",

@@ -102,8 +102,9 @@ class ObjectiveContext:
     teachers: object
     """The run's teachers (`opd.external_teachers.TeacherSet`), in a fixed order."""
     encode: Callable
-    """(view or View, record, seed=0, processor=None) -> EncodedPrompt, with the run's thinking flag and
-    --max-prompt-len; a prompt that does not fit is a one-line error naming its record."""
+    """(view or View, record, seed=0, processor=None, thinking=None) -> EncodedPrompt, with the run's thinking flag
+    (unless `thinking` says otherwise) and --max-prompt-len; a prompt that does not fit is a one-line error naming
+    its record."""
     processor: object
     """The policy's processor (its tokenizer decodes rollouts)."""
     ids: dict

@@ -38,9 +38,9 @@ def context(tiny, teachers, **kw) -> ObjectiveContext:
     processor = load_processor(model_dir)
     acc = Accelerator(cpu=True)
 
-    def encode(view, record, seed=0, processor_=None):
+    def encode(view, record, seed=0, processor_=None, thinking=None):
         images, question = (get_view(view) if isinstance(view, str) else view)(record, seed)
-        return encode_prompt(processor_ or processor, images, question, False, 512)
+        return encode_prompt(processor_ or processor, images, question, bool(thinking), 512)
 
     base = dict(accelerator=acc, student=student, policy=lambda: student, teachers=teachers(student, model_dir),
                 encode=encode, processor=processor, ids=special_ids(student), autocast=nullcontext, student_view="full",
