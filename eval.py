@@ -3,6 +3,8 @@
     python eval.py --model runs/paper-4b --data-dir data/eval --out runs/paper-4b/eval
     python eval.py --model Qwen/Qwen3.5-4B --benchmarks zoombench --view crop --data-dir data/eval --out runs/base
     python eval.py --compare runs/base runs/paper-4b/eval
+    torchrun --nproc_per_node 8 eval.py --model runs/paper-4b --data-dir data/eval --out runs/paper-4b/eval
+    python eval.py --backend openai --base-url http://127.0.0.1:8000/v1 --model runs/paper-4b --data-dir data/eval
 
 Greedy decoding (temperature 0, seed 42) with plain Hugging Face `generate`, the model and processor
 loaded as in training, the non-thinking prompt unless --enable-thinking. Predictions are appended to
@@ -10,6 +12,11 @@ OUT/<benchmark>/predictions.jsonl as they come, so a stopped run resumes where i
 same model: its files' digest, not its path, is the resume key); the scores go to OUT/results.json and
 OUT/results.md (Table 1 order, unweighted average). docs/EVAL.md lists the files each benchmark needs
 and where scoring departs from the paper. Errors the user can fix are one line and exit code 2.
+
+A sharded (--fsdp) training checkpoint without a policy/ export is exported first (`opd.export`). Under a
+launcher (torchrun, accelerate launch) each process answers its share of every benchmark
+(`opd.eval.parallel`); rank 0 merges and scores. --backend openai / vllm answer through a server
+(`opd.eval.backends`) with the same prompts, parsers and aggregates.
 """
 
 import sys
@@ -18,6 +25,7 @@ from dataclasses import asdict, dataclass
 from pathlib import Path
 
 from opd.cli import UserError, build_parser, run_cli
+from opd.eval.backends import BACKENDS
 from opd.eval.benchmarks import LOADERS, BenchmarkDataError, expected_files, has_files, load_benchmark
 
 ALL_BENCHMARKS = ",".join(LOADERS)  # Table 1 order
@@ -28,8 +36,26 @@ class EvalConfig:
     preset: str = "default"
     """Starting values (only 'default'; flags set everything)."""
     model: str | None = None
-    """HF image-text-to-text checkpoint (folder or hub id), a train.py run or checkpoint folder (its policy/),
-    or 'tiny' for the built-in tiny model."""
+    """HF image-text-to-text checkpoint (folder or hub id), a train.py run or checkpoint folder (its policy/;
+    a sharded --fsdp checkpoint is exported there first), or 'tiny' for the built-in tiny model. With
+    --backend openai optional: it identifies the served weights (the resume key) and gives the vision and
+    end-of-sequence token ids."""
+    backend: str = "hf"
+    """Who answers: hf (Hugging Face generate in this process), openai (an OpenAI-compatible server at
+    --base-url: vLLM, SGLang, transformers serve, ...) or vllm (a vLLM server for --model from the vLLM venv,
+    scripts/install_vllm.sh, or the one at --vllm-url)."""
+    base_url: str | None = None
+    """--backend openai: the server's base URL, e.g. http://127.0.0.1:8000/v1 (it must answer /v1/models
+    within 5 s)."""
+    served_model: str | None = None
+    """--backend openai: the model name sent to the server (default: the first one its /v1/models lists)."""
+    api_key_env: str = "EVAL_API_KEY"
+    """--backend openai: environment variable holding the server's API key (sent as a Bearer token when set)."""
+    request_timeout: float = 600.0
+    """--backend openai / vllm: seconds to wait for one reply."""
+    vllm_url: str | None = None
+    """--backend vllm: a vLLM server already running on --model (started with opd.engine.server_command's
+    flags) instead of starting one."""
     benchmarks: str = ALL_BENCHMARKS
     """Comma-separated benchmarks: vstar, zoombench, hrbench4k, mmvp, cvbench, mmstar, pope."""
     data_dir: str | None = None
@@ -40,7 +66,7 @@ class EvalConfig:
     """'full' (the paper's protocol) or 'crop': also answer from the crop images (ZoomBench) as <name>@crop
     and report the crop-minus-full gap."""
     batch_size: int = 8
-    """Prompts per generate() call."""
+    """Prompts per generate() call (--backend openai / vllm: requests in flight)."""
     max_new_tokens: int = 0
     """Most new tokens per answer; 0 = 64 without thinking (a letter, yes/no or a short phrase), 1024 with
     --enable-thinking (the training response length)."""
@@ -101,7 +127,17 @@ def check_config(cfg: EvalConfig) -> list[str]:
                         f"known: {', '.join(LOADERS)}")
     if not names:
         problems.append(f"--benchmarks is empty; known: {', '.join(LOADERS)}")
-    if cfg.model is None:
+    if cfg.backend not in BACKENDS:
+        problems.append(f"--backend {cfg.backend!r}: choose {', '.join(BACKENDS[:-1])} or {BACKENDS[-1]}")
+    elif cfg.backend == "openai" and not cfg.base_url:
+        problems.append("--backend openai needs --base-url (the server's base URL, e.g. http://127.0.0.1:8000/v1)")
+    if cfg.base_url and cfg.backend != "openai":
+        problems.append("--base-url is for --backend openai")
+    if cfg.served_model and cfg.backend != "openai":
+        problems.append("--served-model is for --backend openai")
+    if cfg.vllm_url and cfg.backend != "vllm":
+        problems.append("--vllm-url is for --backend vllm")
+    if cfg.model is None and cfg.backend != "openai":
         problems.append("--model is required (a checkpoint folder, hub id, train.py run folder, or 'tiny')")
     if cfg.data_dir is None:
         problems.append("--data-dir is required (a folder with one sub-folder per benchmark; see docs/EVAL.md)")
@@ -119,6 +155,12 @@ def check_config(cfg: EvalConfig) -> list[str]:
         problems.append(f"--out {cfg.out}: is a file; give a folder (it holds one sub-folder per benchmark)")
     if cfg.judge_url and not cfg.judge_model:
         problems.append("--judge-url needs --judge-model (the model name the endpoint serves)")
+    for flag in ("base_url", "vllm_url"):
+        url = getattr(cfg, flag)
+        if url and not url.strip().startswith(("http://", "https://")):
+            problems.append(f"--{flag.replace('_', '-')} {url!r}: expected an http:// or https:// URL")
+    if cfg.request_timeout <= 0:
+        problems.append(f"--request-timeout {cfg.request_timeout}: must be > 0")
     if cfg.judge_url and not cfg.judge_url.strip().startswith(("http://", "https://")):
         problems.append(f"--judge-url {cfg.judge_url!r}: expected an http:// or https:// URL")
     if problems:
@@ -144,22 +186,35 @@ def check_data(names: list[str], data_dir: str) -> None:
     raise UserError("\n".join(lines))
 
 
-def resolve_model(path: str) -> str:
+def resolve_model(path: str, ranks=None) -> str:
     """What to load for --model (`opd.checkpoint.model_source`: 'tiny', a train.py run or checkpoint folder's
-    policy/), then `opd.model.resolve_model_source` (a checkpoint folder, made absolute, or a hub id)."""
+    policy/), then `opd.model.resolve_model_source` (a checkpoint folder, made absolute, or a hub id). A sharded
+    (--fsdp) checkpoint without policy/ is exported to its policy/ first (`opd.export.ensure_export`, one line
+    saying so; by rank 0 alone under a launcher)."""
     from opd.checkpoint import model_source
+    from opd.eval.parallel import Ranks
+    from opd.export import ensure_export
     from opd.model import resolve_model_source
 
+    (ranks or Ranks()).on_main(ensure_export, path, "--model", lambda line: print(f"eval.py: {line}", flush=True))
     source = resolve_model_source(model_source(path, f"--model {path}"))
     return str(Path(source).resolve()) if Path(source).is_dir() else source
 
 
-def runtime(cfg: EvalConfig) -> tuple[str, str]:
+def runtime(cfg: EvalConfig, ranks=None) -> tuple[str, str]:
+    """(device, dtype) of this process: under a launcher a bare cuda is cuda:<local rank>. A server backend
+    computes where and how its server does: ('server', 'server') for openai, the engine's dtype for vllm."""
     import torch
 
+    from opd.eval.parallel import Ranks, rank_device
+
+    if cfg.backend == "openai":
+        return "server", "server"
+    if cfg.backend == "vllm":
+        return "server", cfg.dtype if cfg.dtype != "auto" else "bfloat16"
     device = cfg.device if cfg.device != "auto" else ("cuda" if torch.cuda.is_available() else "cpu")
     dtype = cfg.dtype if cfg.dtype != "auto" else ("bfloat16" if device.startswith("cuda") else "float32")
-    return device, dtype
+    return rank_device(device, ranks or Ranks()), dtype
 
 
 def main(argv: list[str] | None = None) -> dict:
@@ -175,6 +230,42 @@ def main(argv: list[str] | None = None) -> dict:
         return {"compare": text}
     names = check_config(cfg)
 
+    from opd.eval.parallel import init_ranks
+
+    ranks = init_ranks()
+    try:
+        return evaluate(cfg, names, ranks)
+    finally:
+        ranks.close()
+
+
+def model_setup(cfg: EvalConfig, ranks) -> tuple[str | None, object | None]:
+    """(the model folder or hub id, an OpenAIBackend or None), before anything is written. --backend openai: the
+    server is asked first (/v1/models within 5 s; an unreachable one is refused); without --model the served
+    name is the identity. --backend vllm: the vLLM venv must be there unless --vllm-url names a server."""
+    server = None
+    if cfg.backend == "openai":  # first: an unreachable server is refused in seconds
+        import os
+
+        from opd.eval.backends import OpenAIBackend
+
+        server = OpenAIBackend.connect(cfg.base_url, cfg.served_model, None, os.environ.get(cfg.api_key_env) or None,
+                                       cfg.request_timeout, cfg.seed)
+    if cfg.backend == "vllm" and not cfg.vllm_url:
+        from opd.engine import check_venv
+
+        check_venv()  # a one-line error naming scripts/install_vllm.sh
+    model_path = resolve_model(cfg.model, ranks) if cfg.model is not None else None
+    if server is not None and model_path is not None:
+        from opd.eval.backends import config_special_ids
+
+        server.ids = config_special_ids(model_path)  # vision ids to suppress, EOS and pad
+    return model_path, server
+
+
+def evaluate(cfg: EvalConfig, names: list[str], ranks) -> dict:
+    model_path, server = model_setup(cfg, ranks)  # first: a server that does not answer is refused in seconds
+
     from transformers import set_seed
 
     from opd.eval.evaluate import DigestCache, model_identity, predict, score_view, write_jsonl_atomic
@@ -183,61 +274,95 @@ def main(argv: list[str] | None = None) -> dict:
 
     set_seed(cfg.seed)
     out = Path(cfg.out)
-    device, dtype = runtime(cfg)
-    model_path = resolve_model(cfg.model)
+    device, dtype = runtime(cfg, ranks)
     max_new = cfg.max_new_tokens or (1024 if cfg.enable_thinking else 64)
     digests = DigestCache(out / "model_digests.json")
-    identity = model_identity(model_path, digests)  # the resume key: the model's files, not its path
+    if model_path is not None:  # the resume key: the model's files, not its path (hashed by rank 0 alone)
+        identity = ranks.on_main(model_identity, model_path, digests)
+    else:
+        identity = {"model": f"served:{server.served_model}", "model_revision": None, "model_path": None}
+    extra = {} if cfg.backend == "hf" else {"backend": cfg.backend}  # hf: the settings.json of earlier runs
+    if server is not None:
+        extra |= {"base_url": server.base, "served_model": server.served_model}
     cache: dict = {}
+
+    timing = {"load_s": 0.0, "answer_s": {}}  # model load (or server start) and each key's answering, rank 0's view
 
     def get_model():
         if not cache:
-            from opd.model import load_model, load_processor
+            t0 = time.perf_counter()
+            if cfg.backend == "openai":
+                cache["engine"] = server
+            elif cfg.backend == "vllm":
+                from opd.eval.backends import VLLMBackend
 
-            cache["pair"] = (load_model(model_path, dtype, device), load_processor(model_path))
+                env = None
+                if ranks.world > 1 and not cfg.vllm_url:  # one engine per process, each on its own GPU
+                    env = {"CUDA_VISIBLE_DEVICES": str(ranks.local_rank)}
+                cache["engine"] = VLLMBackend.open(
+                    model_path, cfg.vllm_url, dtype, cfg.seed,
+                    cfg.max_prompt_len + max_new if cfg.max_prompt_len else None,
+                    out / f"vllm-server{'' if ranks.main else f'-rank{ranks.rank}'}.log", env, cfg.request_timeout)
+            else:
+                from opd.model import load_model, load_processor
+
+                cache["engine"] = (load_model(model_path, dtype, device), load_processor(model_path))
             if identity["model"].startswith("hf:"):  # a hub model downloaded just now: its commit is known
                 identity.update(model_identity(model_path, digests))
-            digests.save()
-        return cache["pair"]
+            if ranks.main:
+                digests.save()
+            timing["load_s"] = round(time.perf_counter() - t0, 3)
+        return cache["engine"]
 
     def view_settings(view: str):
         """What one view's predictions depend on, read when called (a hub model's commit may arrive later)."""
         return lambda: {**identity, "view": view, "enable_thinking": cfg.enable_thinking, "max_new_tokens": max_new,
-                        "dtype": dtype}
+                        "dtype": dtype, **extra}
 
     judge = None
-    if cfg.judge_url:
+    if cfg.judge_url and ranks.main:
         from opd.eval.judge import judge_from_env
 
         judge = judge_from_env(cfg.judge_url, cfg.judge_model, out / "judge_cache.jsonl", cfg.judge_key_env,
                                cfg.judge_timeout)
     results, notes, no_crop = {}, [], []
-    for name in names:
-        try:
-            items = load_benchmark(name, cfg.data_dir)
-        except (BenchmarkDataError, ImportError) as exc:  # a bad file (named with row and field); no pyarrow
-            raise UserError(f"benchmark '{name}': {exc}") from exc
-        try:
-            views = ["full"] + (["crop"] if cfg.view == "crop" and any(i.crop is not None for i in items) else [])
-            if cfg.view == "crop" and len(views) == 1:
-                no_crop.append(name)
-            by_view = {}
-            for view in views:
-                subset = [item for item in items if view == "full" or item.crop is not None]
-                subset = subset[: cfg.limit] if cfg.limit else subset
-                key = name if view == "full" else f"{name}@crop"
-                stored = predict(key, subset, out / key, view_settings(view), get_model, cfg.batch_size, cfg.progress,
-                                 cfg.max_prompt_len or None, cfg.overwrite)
-                results[key], by_view[view] = score_view(name, subset, stored, judge)
-                write_jsonl_atomic(out / key / "scored.jsonl", by_view[view])
-        except BenchmarkDataError as exc:  # a missing/corrupt file or image, named with its row and field
-            raise UserError(f"benchmark '{name}': {exc}") from exc
-        if "crop" in by_view:
-            gap = results[f"{name}@crop"]["zoom_gap"] = zoom_gap(by_view["full"], by_view["crop"])
-            notes.append(f"{name} zoom gap (crop - full, {gap['n']} items): {gap['gap']:+.2f} points "
-                         f"(full {gap['full']:.2f}, crop {gap['crop']:.2f})" if gap["n"] else
-                         f"{name} zoom gap: no item answered in both views (raise --limit)")
-        del items
+    try:
+        for name in names:
+            try:
+                items = load_benchmark(name, cfg.data_dir)
+            except (BenchmarkDataError, ImportError) as exc:  # a bad file (named with row and field); no pyarrow
+                raise UserError(f"benchmark '{name}': {exc}") from exc
+            try:
+                views = ["full"] + (["crop"] if cfg.view == "crop" and any(i.crop is not None for i in items) else [])
+                if cfg.view == "crop" and len(views) == 1:
+                    no_crop.append(name)
+                by_view = {}
+                for view in views:
+                    subset = [item for item in items if view == "full" or item.crop is not None]
+                    subset = subset[: cfg.limit] if cfg.limit else subset
+                    key = name if view == "full" else f"{name}@crop"
+                    t0, loaded = time.perf_counter(), bool(cache)
+                    stored = predict(key, subset, out / key, view_settings(view), get_model, cfg.batch_size,
+                                     cfg.progress, cfg.max_prompt_len or None, cfg.overwrite, ranks)
+                    load = timing["load_s"] if cache and not loaded else 0.0  # loaded in this call
+                    timing["answer_s"][key] = round(time.perf_counter() - t0 - load, 3)
+                    if ranks.main:  # rank 0 scores (and asks the judge) alone
+                        results[key], by_view[view] = score_view(name, subset, stored, judge)
+                        write_jsonl_atomic(out / key / "scored.jsonl", by_view[view])
+            except BenchmarkDataError as exc:  # a missing/corrupt file or image, named with its row and field
+                raise UserError(f"benchmark '{name}': {exc}") from exc
+            if "crop" in by_view:
+                gap = results[f"{name}@crop"]["zoom_gap"] = zoom_gap(by_view["full"], by_view["crop"])
+                notes.append(f"{name} zoom gap (crop - full, {gap['n']} items): {gap['gap']:+.2f} points "
+                             f"(full {gap['full']:.2f}, crop {gap['crop']:.2f})" if gap["n"] else
+                             f"{name} zoom gap: no item answered in both views (raise --limit)")
+            del items
+    finally:
+        engine = cache.get("engine")
+        if engine is not None and hasattr(engine, "close"):
+            engine.close()  # a vLLM server this run started
+    if not ranks.main:
+        return {"rank": ranks.rank, "world_size": ranks.world}
     if no_crop:
         notes.append(f"--view crop: no crop images in {', '.join(no_crop)}; full view only there.")
     label = cfg.label or out.resolve().name
@@ -245,7 +370,11 @@ def main(argv: list[str] | None = None) -> dict:
     meta = {**asdict(cfg), "label": label, "model_path": model_path, "model_identity": identity["model"],
             "model_revision": identity["model_revision"], "device": device, "dtype": dtype,
             "max_new_tokens": max_new, "scoring": f"judge {cfg.judge_model} at {cfg.judge_url}" if judge else
-            "free-form answers by normalised exact match", "finished": time.strftime("%Y-%m-%d %H:%M:%S")}
+            "free-form answers by normalised exact match", "world_size": ranks.world, **timing,
+            "finished": time.strftime("%Y-%m-%d %H:%M:%S")}
+    if server is not None:
+        meta |= {"base_url": server.base, "served_model": server.served_model, "server_kind": server.kind,
+                 "requests": server.requests}
     if judge is not None:
         meta["judge_requests"] = judge.requests
     write_results(out / "results.json", results, meta)

@@ -528,13 +528,14 @@ def test_user_errors_are_one_line_with_exit_code_2(tiny, tmp_path):
     assert missing.stderr.count("\n") == 8 and "--benchmarks vstar" in missing.stderr
 
 
-def test_an_intermediate_sharded_checkpoint_is_named_as_such(tmp_path):
-    """Only a --fsdp run's last checkpoint is exported; an earlier one is refused in one line, not as a missing folder."""
+def test_an_incomplete_sharded_checkpoint_is_named_as_such(tmp_path):
+    """A --fsdp checkpoint without policy/ is exported first (tests/test_export.py); one whose sharded/ lacks DCP's
+    .metadata (a write that never finished) is refused in one line, not as a missing folder."""
     import eval as eval_py
     from opd.cli import UserError
 
     ckpt = tmp_path / "run" / "checkpoint-000004"
     (ckpt / "sharded").mkdir(parents=True)
     (ckpt / "state.pt").write_bytes(b"")
-    with pytest.raises(UserError, match="sharded .* training checkpoint without an export"):
+    with pytest.raises(UserError, match="sharded has no .metadata: an incomplete --fsdp checkpoint"):
         eval_py.resolve_model(str(ckpt))

@@ -12,6 +12,9 @@ For each benchmark (and view) ``OUT/<key>/`` holds, with ``key`` the benchmark n
   max new tokens, dtype. A resume with different settings is refused instead of mixing two runs in
   one file. It is written only once the model has loaded, just before the first reply is stored, so
   a start that fails leaves the folder untouched.
+* ``predictions.rank<r>.jsonl``: under a launcher (`opd.eval.parallel`), process r's replies as they come;
+  rank 0 moves them into predictions.jsonl in item order once every process is done (`merge_parts`), and a
+  later run merges what a stopped one left before deciding what is unanswered.
 * ``scored.jsonl``: the final records of the last scoring: every reply re-graded with the current
   parsers and, for free-form answers, the judge's verdict when a judge is used.
 
@@ -37,7 +40,7 @@ from opd.eval.benchmarks import BenchItem
 from opd.eval.metrics import score
 from opd.identity import DigestCache, file_sha256, hub_snapshot, model_identity  # noqa: F401 (eval.py's resume key)
 
-NOTES = ("model_path",)  # settings recorded but not compared
+NOTES = ("model_path", "base_url", "served_model")  # settings recorded but not compared
 SOFT = ("model_revision",)  # compared only when known on both sides
 
 
@@ -150,13 +153,42 @@ def start_folder(folder: Path, settings: dict, overwrite: bool) -> None:
     (folder / "settings.json").write_text(json.dumps(settings, indent=2, sort_keys=True) + "\n", encoding="utf-8")
 
 
-def load_predictions(folder: Path) -> dict[str, dict]:
-    """index -> stored record from ``folder/predictions.jsonl`` (repairing a torn last line)."""
-    rows = read_jsonl(Path(folder) / "predictions.jsonl", repair=True)
+def load_predictions(folder: Path, repair: bool = True) -> dict[str, dict]:
+    """index -> stored record from ``folder/predictions.jsonl`` (repairing a torn last line unless ``repair``
+    is False: then it is only left out)."""
+    rows = read_jsonl(Path(folder) / "predictions.jsonl", repair=repair)
     by_index: dict[str, dict] = {}
     for row in rows:
         by_index.setdefault(str(row["index"]), row)
     return by_index
+
+
+PART = "predictions.rank{}.jsonl"  # one process's replies under a launcher (opd.eval.parallel)
+
+
+def merge_parts(folder: Path, order: list[str] | None = None) -> dict[str, dict]:
+    """Moves the replies of the per-process part files (``predictions.rank<r>.jsonl``, a multi-process run's,
+    finished or stopped) that predictions.jsonl lacks into it, in ``order`` (item indexes; the parts' order
+    otherwise), then deletes the parts; returns index -> record of everything stored. A torn last line of a
+    part (a process killed mid-write) is left out: that item is answered again."""
+    folder = Path(folder)
+    stored = load_predictions(folder)
+    parts = sorted(folder.glob(PART.format("*")))
+    new: dict[str, dict] = {}
+    for part in parts:
+        for row in read_jsonl(part):
+            index = str(row["index"])
+            if index not in stored:
+                new.setdefault(index, row)
+    if new:
+        rank = {index: n for n, index in enumerate(order or [])}
+        rows = sorted(new.values(), key=lambda r: rank.get(str(r["index"]), len(rank)))
+        append_jsonl(folder / "predictions.jsonl", rows)  # before the parts go: a kill in between loses nothing
+        for row in rows:
+            stored[str(row["index"])] = row
+    for part in parts:
+        part.unlink()
+    return stored
 
 
 def predict(
@@ -169,34 +201,51 @@ def predict(
     progress: bool = True,
     max_prompt_len: int | None = None,
     overwrite: bool = False,
+    ranks=None,
 ) -> dict[str, dict]:
     """Answers the items of ``folder`` not yet answered and returns index -> record for all stored.
 
-    ``get_model()`` is called only when something is left to answer (rescoring loads no model).
-    ``settings()`` is checked against the folder's settings.json before anything loads, and called
-    again after ``get_model()`` (a hub model's revision is known once it is downloaded) to write
-    settings.json just before the first reply: a start that fails writes nothing. ``overwrite``
-    answers every item again, deleting the folder's stored replies once the model has loaded.
+    ``get_model()`` is called only when something is left to answer (rescoring loads no model); it returns
+    (model, processor) for Hugging Face `generate` (`inference.answer_items`) or a server backend with its
+    own ``answer_items`` (`opd.eval.backends`). ``settings()`` is checked against the folder's settings.json
+    before anything loads, and called again after ``get_model()`` (a hub model's revision is known once it is
+    downloaded) to write settings.json just before the first reply: a start that fails writes nothing.
+    ``overwrite`` answers every item again, deleting the folder's stored replies once the model has loaded.
+
+    ``ranks`` (`opd.eval.parallel.Ranks`, under a launcher): each process answers its share of the unanswered
+    items into its own part file, and rank 0 merges them (`merge_parts`); every process returns the same
+    records.
     """
     from tqdm.auto import tqdm
 
+    from opd.eval.parallel import Ranks
+
+    ranks = ranks or Ranks()
     folder = Path(folder)
+    order = [item.index for item in items]
     stored = {}
     if not overwrite:
         check_settings(folder, settings())
-        stored = load_predictions(folder)
+        stored = ranks.on_main(merge_parts, folder, order) if ranks.world > 1 or any(
+            folder.glob(PART.format("*"))) else load_predictions(folder)
     pending = [item for item in items if item.index not in stored]
     if not pending:
         return stored
-    model, processor = get_model()
+    engine = get_model()
     final = settings()
-    start_folder(folder, final, overwrite)
-    bar = tqdm(total=len(items), initial=len(items) - len(pending), desc=key, unit="item", disable=not progress)
-    replies: Iterator = inference.answer_items(
-        model, processor, pending, batch_size=batch_size, max_new_tokens=final["max_new_tokens"],
-        enable_thinking=final["enable_thinking"], view=final["view"], max_prompt_len=max_prompt_len,
-    )  # fmt: skip
-    path = folder / "predictions.jsonl"
+    ranks.on_main(start_folder, folder, final, overwrite)
+    mine = ranks.share(pending)
+    kwargs = {"batch_size": batch_size, "max_new_tokens": final["max_new_tokens"],
+              "enable_thinking": final["enable_thinking"], "view": final["view"], "max_prompt_len": max_prompt_len}
+    if hasattr(engine, "answer_items"):  # a server backend
+        replies: Iterator = engine.answer_items(mine, **kwargs)
+    else:
+        model, processor = engine
+        replies = inference.answer_items(model, processor, mine, **kwargs)
+    path = folder / ("predictions.jsonl" if ranks.world == 1 else PART.format(ranks.rank))
+    done = len(items) - len(pending)
+    desc = key if ranks.world == 1 else f"{key} [rank 0 of {ranks.world}]"
+    bar = tqdm(total=done + len(mine), initial=done, desc=desc, unit="item", disable=not progress or not ranks.main)
     try:
         with open(path, "a", encoding="utf-8") as fh:
             for item, reply in replies:
@@ -207,6 +256,9 @@ def predict(
                 bar.update(1)
     finally:
         bar.close()
+    if ranks.world > 1:
+        ranks.barrier()  # every part complete
+        stored = ranks.on_main(merge_parts, folder, order)
     return stored
 
 
