@@ -534,7 +534,9 @@ class Run:
             max_response_len=cfg.max_response_len, ema_tau=cfg.ema_tau, ema_every=cfg.ema_every,
         )  # fmt: skip
         self.objective = self.method.objective(self.context, cfg.objective(), initial_teacher)
-        self.scheduler = lr_scheduler(self.optimizer, cfg, self.steps)
+        # the schedule's span is fixed when the run starts (--schedule-steps, else its --steps); a resume keeps it
+        self.schedule_span = (state or {}).get("schedule_span") or cfg.schedule_steps or self.steps
+        self.scheduler = lr_scheduler(self.optimizer, cfg, self.schedule_span)
         if self.teachers.routes is not None:
             self.teachers.routes.check_records(self.records)
         self._check_prompts()
@@ -885,6 +887,7 @@ class Run:
             "identities": self.identities,
             "world_size": self.acc.num_processes,
             "scheduler": self.scheduler.state_dict(),
+            "schedule_span": self.schedule_span,
         }
         teacher = self.teacher.model if self.teacher.trainable else None  # a frozen teacher is reloaded from its path
         adapters = None
@@ -997,15 +1000,14 @@ class Run:
         return summary
 
 
-def lr_scheduler(optimizer, cfg, steps: int):
-    """--lr-schedule as transformers' scheduler over --schedule-steps (0: the run's steps), --warmup-steps first."""
+def lr_scheduler(optimizer, cfg, span: int):
+    """--lr-schedule as transformers' scheduler over `span` steps (its decay reaches 0 there), --warmup-steps first."""
     from transformers import get_scheduler
 
     name = cfg.lr_schedule
     if name == "constant" and cfg.warmup_steps:
         name = "constant_with_warmup"
-    return get_scheduler(name, optimizer, num_warmup_steps=cfg.warmup_steps,
-                         num_training_steps=max(1, cfg.schedule_steps or steps))  # fmt: skip
+    return get_scheduler(name, optimizer, num_warmup_steps=cfg.warmup_steps, num_training_steps=max(1, span))
 
 
 def checkpoint_of(path: str) -> Path:
