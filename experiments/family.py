@@ -58,12 +58,16 @@ PLAIN = {"bas-opd": "full", "opd-v": "full", "rp-opsd": "half_resolution", "opsd
 OPOD_ROUTES = {"square": "resolution", "triangle": "resolution", "diamond": "crop"}
 """OPOD's routing table: a record's `shape` -> the base whose checkpoint is that route's teacher (`opod_routes`)."""
 KINDS = (("full", 100, ""), ("random", 25, ""), ("learned", 25, ""))
-VARIANTS = {"rp-opsd": (("full", 100, "frozen"),), "opod": (("full", 100, "no-pg"),)}
+VARIANTS = {"rp-opsd": (("full", 100, "frozen"),), "opod": (("full", 100, "no-pg"),),
+            "opsd": (("full", 100, "recipe"),), "dapd": (("full", 100, "recipe"),)}  # fmt: skip
 """Extra runs of a method: RP-OPSD with a fixed teacher, which tells the EMA teacher's drift from the rest; OPOD
-without its policy-gradient term, which tells its teachers' share from the reward's (r_task reads the answer)."""
+without its policy-gradient term, which tells its teachers' share from the reward's (r_task reads the answer); OPSD
+and DAPD with their published recipes (`opd.methods.Method.recipe`: LoRA r 64, their sampling, learning rate and
+schedule), where every other run here keeps the family's full fine-tuning at one learning rate for comparability."""
 VARIANT_SETTINGS = {"frozen": {"ema_tau": 0.0}, "no-pg": {"opod_pg_weight": 0.0}}
 VARIANT_LABELS = {"frozen": ("Full, fixed teacher (--ema-tau 0)", "Full,\nfixed teacher"),
-                  "no-pg": ("Full, no policy gradient (--opod-pg-weight 0)", "Full,\nno PG")}  # fmt: skip
+                  "no-pg": ("Full, no policy gradient (--opod-pg-weight 0)", "Full,\nno PG"),
+                  "recipe": ("Full, the published recipe (LoRA r 64, its sampling, lr and schedule)", "Full,\nits recipe")}  # fmt: skip
 """(table label, plot tick) of each variant."""
 
 
@@ -125,6 +129,9 @@ class FamilyConfig:
     skip: str = ""
     """Runs not trained by this invocation, comma-separated: a name (`dapd/learned-25`, every seed) or one seed
     (`dapd/learned-25/seed1`); their finished runs are still reported (what a time limit cut, said in the report)."""
+    only: str = ""
+    """When set, the only runs this invocation trains, comma-separated names or name/seedK as for --skip (the rest is
+    reported if finished): e.g. `opsd/full-100-recipe,dapd/full-100-recipe`."""
 
 
 SMOKE = dict(seeds=1, steps=2, prompts_per_step=2, rollouts_per_prompt=4, replay_start=4, replay_batch=16, jobs=1,
@@ -277,6 +284,7 @@ def job(cfg: FamilyConfig, spec: dict, root: Path) -> dict:
         "seed": spec["seed"], "selector_seed": spec["seed"], "replay_start": cfg.replay_start,
         "replay_batch": cfg.replay_batch, "save_every": 0, "keep_checkpoints": 1,
         **VARIANT_SETTINGS.get(spec.get("variant", ""), {}),
+        **(TABLE[spec["method"]].recipe if spec.get("variant") == "recipe" else {}),  # its lr too, over the family's
         **({"teachers": str(root / "opod_route.json")} if spec["method"] == "opod" else {}),
     }  # fmt: skip
     return {"spec": spec, "folder": str(run_folder(root, spec)), "train": train, "audit_data": str(world / "audit.jsonl"),
@@ -528,7 +536,10 @@ def report(root: Path, cfg: FamilyConfig, timing: dict, command: str) -> str:
     lines += ["", "## Accuracy after training and teacher cost", "",
               "Accuracy: eval.py on the held-out benchmark in the student's view at the original resolution (the full "
               "canvas), mean ± std over seeds. Teacher calls = |S| summed over steps (rows, the budget's unit); "
-              "forwards = teacher forward rows over all teacher views; scored tokens = sum of T_i over S.", "",
+              "forwards = teacher forward rows over all teacher views; scored tokens = sum of T_i over S. Every run keeps "
+              "the family's full fine-tuning, learning rate and plain sampling for comparability (each method's paper "
+              "settings, `opd.methods.Method.settings`), but the 'published recipe' runs, which add the method's own "
+              "recipe (`Method.recipe`: LoRA, sampling, lr, schedule).", "",
               "| Method | Run | Accuracy (%) | Crop view (%) | Other views (%) | Teacher calls | Teacher forwards | "
               "Scored tokens | Tokens vs Full | Teacher forward (s) | Step (s) |",
               "| --- | --- | ---: | ---: | --- | ---: | ---: | ---: | ---: | ---: | ---: |"]  # fmt: skip
@@ -582,8 +593,13 @@ def main(argv: list[str] | None = None) -> str:
         opod_routes(root)
         route_gaps(root, cfg)
     skip = {n.strip() for n in cfg.skip.split(",") if n.strip()}
-    entry.runs([job(cfg, s, root) for s in run_specs(cfg)], cfg.jobs, reused="already done or skipped",
-               skip=lambda j: bool({j["spec"]["name"], f"{j['spec']['name']}/seed{j['spec']['seed']}"} & skip))
+    only = {n.strip() for n in cfg.only.split(",") if n.strip()}
+
+    def left_out(j) -> bool:
+        names = {j["spec"]["name"], f"{j['spec']['name']}/seed{j['spec']['seed']}"}
+        return bool(names & skip) or bool(only and not names & only)
+
+    entry.runs([job(cfg, s, root) for s in run_specs(cfg)], cfg.jobs, reused="already done or skipped", skip=left_out)
     with entry.phase("runs_s"):
         trained_views(root, cfg)
     return entry.finish(report)

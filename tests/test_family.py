@@ -71,7 +71,12 @@ def test_smoke_comparison_writes_the_report_and_resumes(tmp_path, tiny):
         assert f"| {name} | Full" in text and f"| {name} | Learned-25" in text
     assert "| RP-OPSD | Full, fixed teacher (--ema-tau 0) |" in text
     assert "| OPOD | Full, no policy gradient (--opod-pg-weight 0) |" in text
-    assert "Ledger arithmetic checked on 40 rows: all hold." in text  # 20 runs x 2 steps
+    for name in ("OPSD", "DAPD"):  # the published recipes: LoRA adapters in their checkpoints
+        assert f"| {name} | Full, the published recipe (LoRA r 64, its sampling, lr and schedule) |" in text
+    recipe = out / "runs" / "dapd" / "full-100-recipe" / "seed0"
+    config = json.loads((recipe / "checkpoint-000002" / "train_config.json").read_text())
+    assert config["lora_r"] == 64 and config["lr"] == 5e-6 and config["sample_top_k"] == 20
+    assert "Ledger arithmetic checked on 44 rows: all hold." in text  # 22 runs x 2 steps (OPSD and DAPD with their recipes too)
     for heading in ("## The privilege illusion: OPSD and DAPD on the hint base", "## OPOD's routes"):
         assert heading in text
     assert "| square | resolution base |" in text and "| diamond | crop base (the student's own base) |" in text
