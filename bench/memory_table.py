@@ -31,6 +31,13 @@ below (bytes, per GPU; s = the number of shards: the GPUs under FSDP2, 1 under D
   prompts x 8 rollouts, capped by --rollout-batch (the table uses 64, which the 1-GPU runs need).
   The prefill's own working set is not counted.
 
+LoRA rows (`--lora-r`, 1 GPU, no sharding; opd/lora.py): the base frozen in bf16 (2P: no float32 master weights,
+no gradients, no AdamW state for it, and no separate teacher: the EMA teacher is a second adapter on the same base),
+the adapters in float32: the student's A parameters (r (in + out) per adapted linear layer of DEFAULT_TARGETS),
+its gradients and AdamW moments and the teacher's copy (4A + 4A + 8A + 4A). The forward computes in the weights'
+own bf16 (nothing gathered or cast: no weights for compute), the activations and loss are the others' (the
+adapters' r-wide activations are small beside them), generation reads the same bf16 base (the cache only).
+
 peak = persistent + max(training transient, generation transient). Not counted: the CUDA context and
 NCCL buffers (1-3 GB), allocator fragmentation, the processor's pixel tensors, the selector (KBs).
 These are estimates for planning; `bench/gpu_check.py` measures the real peak of paper-4b shapes when a
@@ -77,6 +84,7 @@ class Shape:
     vision_hidden: int
     vision_intermediate: int
     tied: bool
+    lora_per_rank: int = 0  # adapter parameters per unit of rank: sum of (in + out) over the adapted layers
 
 
 @dataclass
@@ -111,6 +119,10 @@ def model_shape(config) -> Shape:
 
     with torch.device("meta"):
         model = AutoModelForImageTextToText.from_config(config)
+    from opd.lora import DEFAULT_TARGETS, matched_modules
+
+    adapted = [model.get_submodule(n) for n in matched_modules(model, DEFAULT_TARGETS)]
+    lora_per_rank = sum(m.in_features + m.out_features for m in adapted)
     units = shard_units(model)
     in_units = {id(p) for u in units for p in u.parameters()}
     params = {id(p): p.numel() for p in model.parameters()}  # tied weights counted once
@@ -124,7 +136,7 @@ def model_shape(config) -> Shape:
         lin_v_dim=text.linear_value_head_dim, conv_kernel=text.linear_conv_kernel_dim,
         layer_types=list(text.layer_types), vision_depth=vision.depth, vision_hidden=vision.hidden_size,
         vision_intermediate=vision.intermediate_size,
-        tied=model.lm_head.weight is model.model.language_model.embed_tokens.weight,
+        tied=model.lm_head.weight is model.model.language_model.embed_tokens.weight, lora_per_rank=lora_per_rank,
     )  # fmt: skip
 
 
@@ -161,6 +173,21 @@ def cache_per_row(m: Shape, s: Settings) -> float:
     return kv + state
 
 
+def estimate_lora(m: Shape, s: Settings, r: int) -> dict:
+    """Bytes on one GPU of a LoRA run of rank r (see the module docstring)."""
+    A = r * m.lora_per_rank
+    persistent = {"policy": 2 * m.params + 4 * A, "gradients": 4 * A, "adamw": 8 * A, "teacher": 4 * A,
+                  "ddp_buckets": 0.0}  # fmt: skip
+    act = activations(m, s)
+    training = act["saved"] + act["recompute"] + act["loss"]
+    rows = min(s.prompts_per_step * s.rollouts_per_prompt, s.rollout_batch)
+    gen = rows * cache_per_row(m, s)
+    total = sum(persistent.values()) + max(training, gen)
+    return {**persistent, "compute_weights": 0.0, "activations": act["saved"] + act["recompute"], "loss": act["loss"],
+            "training_transient": training, "generation": gen, "generation_rows": rows, "peak": total,
+            "adapter_params": A}  # fmt: skip
+
+
 def estimate(m: Shape, s: Settings, strategy: str, gpus: int, generation: str = "gathered") -> dict:
     """Bytes per GPU of each term and the peak (see the module docstring)."""
     shards = gpus if strategy == "fsdp2" else 1
@@ -187,25 +214,30 @@ def estimate(m: Shape, s: Settings, strategy: str, gpus: int, generation: str = 
             "peak": total}  # fmt: skip
 
 
-def table(shapes: dict[str, Shape], s: Settings, gpu_gb: float, gpus=(1, 4, 8)) -> tuple[str, list[dict]]:
+def table(shapes: dict[str, Shape], s: Settings, gpu_gb: float, gpus=(1, 4, 8), lora_r: int = 64,
+          small_gb: tuple = (24, 48)) -> tuple[str, list[dict]]:  # fmt: skip
     head = ["model", "strategy", "GPUs", "parameters", "gradients", "AdamW", "EMA teacher", "weights for compute",
-            "activations + loss", "generation", "peak per GPU", f"fits {gpu_gb:g} GB"]  # fmt: skip
+            "activations + loss", "generation", "peak per GPU", f"fits {gpu_gb:g} GB",
+            *(f"fits {g:g} GB" for g in small_gb)]  # fmt: skip
     rows, records = [], []
     for name, m in shapes.items():
-        for strategy in ("ddp", "fsdp2"):
-            for n in gpus:
-                e = estimate(m, s, strategy, n)
-                records.append({"model": name, "strategy": strategy, "gpus": n, **e})
+        for strategy in ("ddp", "fsdp2", "lora"):
+            for n in gpus if strategy != "lora" else (1,):
+                e = estimate_lora(m, s, lora_r) if strategy == "lora" else estimate(m, s, strategy, n)
+                records.append({"model": name, "strategy": strategy if strategy != "lora" else f"lora-r{lora_r}",
+                                "gpus": n, **e})  # fmt: skip
+                label = {"ddp": "DDP", "fsdp2": "FSDP2", "lora": f"LoRA r {lora_r} (bf16 base)"}[strategy]
+                fits = ["yes" if e["peak"] <= g * GB else "no" for g in (gpu_gb, *small_gb)]
                 grads = f"{e['gradients'] / GB:.1f}" + (f" + {e['ddp_buckets'] / GB:.1f}" if e["ddp_buckets"] else "")
                 rows.append([
-                    f"Qwen3.5-{name.upper()}", "DDP" if strategy == "ddp" else "FSDP2", n, f"{e['policy'] / GB:.1f}",
+                    f"Qwen3.5-{name.upper()}", label, n, f"{e['policy'] / GB:.1f}",
                     grads, f"{e['adamw'] / GB:.1f}", f"{e['teacher'] / GB:.1f}", f"{e['compute_weights'] / GB:.1f}",
                     f"{(e['activations'] + e['loss']) / GB:.1f}", f"{e['generation'] / GB:.1f} ({e['generation_rows']} rows)",
-                    f"**{e['peak'] / GB:.1f}**", "yes" if e["peak"] <= gpu_gb * GB else "no",
+                    f"**{e['peak'] / GB:.1f}**", *fits,
                 ])  # fmt: skip
     from bench._util import markdown_table
 
-    return markdown_table(head, rows, "lllrrrrrrrrl"), records
+    return markdown_table(head, rows, "lllrrrrrrrrl" + "l" * len(small_gb)), records
 
 
 def main(argv=None) -> dict:
@@ -216,14 +248,15 @@ def main(argv=None) -> dict:
     p.add_argument("--rollout-batch", type=int, default=Settings.rollout_batch, help="most rows per generate() call (default: 64)")
     p.add_argument("--image-tokens", type=int, default=Settings.image_tokens,
                    help="image tokens of a prompt (default: 7,936, all but 256 of the 8,192-token maximum)")
+    p.add_argument("--lora-r", type=int, default=64, help="LoRA rank of the LoRA rows (default: 64, OPSD's and DAPD's)")
     p.add_argument("--out", default=None, help="write the numbers to this JSON file")
     a = p.parse_args(argv)
     s = Settings(micro_batch=a.micro_batch, rollout_batch=a.rollout_batch, image_tokens=a.image_tokens)
     shapes = {name: model_shape(load_config(name)) for name in a.models.split(",")}
-    markdown, records = table(shapes, s, a.gpu_gb)
+    markdown, records = table(shapes, s, a.gpu_gb, lora_r=a.lora_r)
     counts = "; ".join(f"Qwen3.5-{n.upper()}: P = {m.params / 1e9:.3f} B parameters, root group R = {m.root / 1e9:.3f} B, "
-                       f"largest block U = {m.block / 1e6:.0f} M, {'tied' if m.tied else 'untied'} embeddings"
-                       for n, m in shapes.items())  # fmt: skip
+                       f"largest block U = {m.block / 1e6:.0f} M, {'tied' if m.tied else 'untied'} embeddings, "
+                       f"LoRA r {a.lora_r} adapter {a.lora_r * m.lora_per_rank / 1e6:.1f} M" for n, m in shapes.items())  # fmt: skip
     per_row = "; ".join(f"{n.upper()} {cache_per_row(m, s) / GB:.2f} GB" for n, m in shapes.items())
     text = (f"{counts}. Generation cache per rollout at {s.prompt_len + s.response_len:,} tokens: {per_row}. "
             f"Micro-batch {s.micro_batch}, image tokens {s.image_tokens:,}, --rollout-batch {s.rollout_batch}; "

@@ -231,7 +231,15 @@ def test_memory_table_counts_and_terms(tmp_path):
     assert shape.block == max(sum(p.numel() for p in u.parameters()) for u in layers)
     report = mt.main(["--micro-batch", "1", "--rollout-batch", "16", "--out", str(tmp_path / "m.json")])
     rows = {(r["model"], r["strategy"], r["gpus"]): r for r in report["rows"]}
-    assert len(rows) == 12
+    assert len(rows) == 14  # DDP and FSDP2 on 1, 4, 8 GPUs, and LoRA r 64 on one, per model
+    for name in ("4b", "9b"):  # LoRA: a bf16 base (2P) and float32 adapters of r (in + out) per adapted layer
+        r, m = rows[name, "lora-r64", 1], report["shapes"][name]
+        A = 64 * m.lora_per_rank
+        assert r["adapter_params"] == A and r["policy"] == 2 * m.params + 4 * A and r["adamw"] == 8 * A
+        assert r["peak"] == pytest.approx(r["policy"] + r["gradients"] + r["adamw"] + r["teacher"]
+                                          + max(r["training_transient"], r["generation"]))  # fmt: skip
+    assert rows["4b", "lora-r64", 1]["peak"] <= 24e9 and rows["9b", "lora-r64", 1]["peak"] <= 48e9
+    rows = {k: v for k, v in rows.items() if not k[1].startswith("lora")}
     for (name, strategy, gpus), r in rows.items():
         P = report["shapes"][name].params
         shards = gpus if strategy == "fsdp2" else 1
