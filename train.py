@@ -35,6 +35,7 @@ from opd.chat import encode_prompt, prompt_length
 from opd.cli import UserError, given_flags, run_cli, section_config, with_sections
 from opd.data import Record, load_records, parse_columns, shard, step_prompt_indices
 from opd.distill import AGGREGATIONS, DistillConfig
+from opd.eval.live import LiveEval, LiveEvalSettings
 from opd.divergence import check_loss
 from opd.external_teachers import TeacherSet, build_routed, load_routes, load_teacher, teacher_source
 from opd.features import rollout_features
@@ -224,6 +225,20 @@ class RunConfig:
     trackio, comet_ml, aim, clearml, dvclive, swanlab; none for none (opd/tracking.py)."""
     run_label: str | None = None
     """The run's name in the trackers (default: the --out folder's name and the policy, e.g. 'tiny learned-25')."""
+    eval_every: int = 0
+    """Score the policy on held benchmark items every N steps and at the last (opd/eval/live.py); 0 = never."""
+    eval_data: str | None = None
+    """The benchmark folder of --eval-every (eval.py's --data-dir)."""
+    eval_benchmarks: str = "zoombench"
+    """Benchmarks of --eval-every, comma-separated (eval.py's names)."""
+    eval_limit: int = 100
+    """Items per benchmark of --eval-every (each benchmark's first; 0 = all)."""
+    eval_views: str = "full"
+    """Views of --eval-every: full, or full,crop (the crop view: the collapse warning sign)."""
+    eval_max_new_tokens: int = 64
+    """Most new tokens per answer of --eval-every."""
+    eval_batch: int = 8
+    """Prompts per generate() call of --eval-every."""
     save_every: int = 0
     """Checkpoint every N steps (0: only at the end)."""
     keep_checkpoints: int = 1
@@ -250,6 +265,11 @@ class RunConfig:
         if not self.lora_r:
             return None
         return LoRASettings(self.lora_r, self.lora_alpha, self.lora_dropout, self.lora_targets)
+
+    def live_eval(self) -> LiveEvalSettings:
+        """--eval-* (opd/eval/live.py)."""
+        return LiveEvalSettings(self.eval_every, self.eval_data, self.eval_benchmarks, self.eval_limit, self.eval_views,
+                                self.eval_max_new_tokens, self.eval_batch)  # fmt: skip
 
     def sampling(self) -> dict:
         """The rollouts' sampling distribution (opd.rollout.generate_rollouts)."""
@@ -287,6 +307,7 @@ LR_SCHEDULES = ("constant", "linear", "cosine")
 
 RESUMABLE = (
     "resume", "out", "steps", "save_every", "keep_checkpoints", "report_to", "run_label",
+    "eval_every", "eval_data", "eval_benchmarks", "eval_limit", "eval_views", "eval_max_new_tokens", "eval_batch",
     "micro_batch", "micro_batch_tokens", "loss_chunk", "rollout_batch", "share_prefill", "grad_checkpointing",
     "fsdp_generation",
 )  # fmt: skip
@@ -423,6 +444,9 @@ def check_config(cfg: TrainConfig, world: int) -> None:
         raise UserError("; ".join(problems))
     parse_columns(cfg.data_columns)  # a bad mapping: one line before anything loads
     parse_report_to(cfg.report_to)  # an unknown or uninstalled tracker too
+    live = cfg.live_eval().check()
+    if live:
+        raise UserError("; ".join(live))
 
 
 class Run:
@@ -540,6 +564,7 @@ class Run:
         if self.teachers.routes is not None:
             self.teachers.routes.check_records(self.records)
         self._check_prompts()
+        self.live = LiveEval(cfg.live_eval(), self.steps) if cfg.eval_every else None  # the held items, loaded once
         if state is not None:
             if not cfg.fsdp:
                 self.optimizer.load_state_dict(state["optimizer"])
@@ -936,6 +961,12 @@ class Run:
         try:
             for step in range(self.start, self.steps):
                 row = self.step(step)
+                if self.live is not None and self.live.due(step):  # every rank: each answers its share
+                    t0 = time.perf_counter()
+                    with self.autocast():
+                        row |= self.live(self.acc, self.policy, self.processor, self.cfg.enable_thinking,
+                                         lambda: generation(self.policy, self.cfg.fsdp_generation))  # fmt: skip
+                    row["eval_s"] = time.perf_counter() - t0
                 self.log(row)
                 bar.update(1)
                 bar.set_postfix(loss=f"{row['loss']:.3e}", queried=f"{row['selected']}/{row['budget']}", utility=f"{row['utility_mean']:.2e}")

@@ -72,6 +72,8 @@ def metrics(row: dict, objective: str = "", objective_keys=()) -> dict[str, floa
     for key, value in row.items():
         if key.startswith(("teacher_rows_", "teacher_tokens_", "teacher_forward_s_")):
             out[f"cost/{key}"] = value
+    out |= {key: row[key] for key in row if key.startswith("eval/")}  # opd.eval.live's scores
+    out["cost/eval_s"] = row.get("eval_s")
     prefix = objective or "objective"
     out |= {f"{prefix}/{k}": row.get(k) for k in objective_keys}
     return {k: float(v) for k, v in out.items() if _scalar(v) is not None and math.isfinite(float(v))}

@@ -1,0 +1,125 @@
+"""Evaluation while training (`train.py --eval-every N --eval-data DIR`): the current policy scored on a held subset
+of the paper's benchmarks with eval.py's protocol, logged to the ledger and the trackers as `eval/<benchmark>`.
+
+Every N steps (after the step's update) and at the last step, each benchmark's first `--eval-limit` items (those with
+a crop, in the crop view) are answered greedily (`opd.eval.inference.answer_items`: the model's own chat template,
+the non-thinking prompt unless --enable-thinking, a neutral generation config) in each of `--eval-views` (full; crop:
+the collapse warning sign, the teacher's pathway), and graded and scored as eval.py does (`opd.eval.evaluate.score_view`,
+`opd.eval.metrics`). Every rank takes part: it answers its share of the items (items r, r + N, ...), padded to the
+longest share so that every rank runs the same number of `generate` calls (a sharded policy gathers collectively),
+and the replies are gathered to every rank; rank 0's scores go into the row. Nothing is written besides the ledger
+row and the trackers: eval.py stays the tool for the reported numbers (its own resumable folder).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from opd.cli import UserError
+
+
+@dataclass
+class LiveEvalSettings:
+    """train.py's --eval-* flags."""
+
+    every: int = 0
+    """Score the policy every N steps (and at the last); 0 = never."""
+    data: str | None = None
+    """Benchmark folder (eval.py's --data-dir: one sub-folder per benchmark)."""
+    benchmarks: str = "zoombench"
+    """Comma-separated benchmarks (eval.py's names)."""
+    limit: int = 100
+    """Items of each benchmark (its first ones; 0 = all)."""
+    views: str = "full"
+    """full, or full,crop (the crop view too, on the items with a crop)."""
+    max_new_tokens: int = 64
+    """Most new tokens per answer."""
+    batch: int = 8
+    """Prompts per generate() call."""
+
+    def names(self) -> list[str]:
+        return [n.strip().lower() for n in self.benchmarks.split(",") if n.strip()]
+
+    def view_list(self) -> list[str]:
+        return [v.strip() for v in self.views.split(",") if v.strip()]
+
+    def check(self) -> list[str]:
+        """Problems with the flags, each naming its flag (the data folder is checked too)."""
+        from opd.eval.benchmarks import LOADERS, expected_files, has_files
+
+        if not self.every:
+            return []
+        problems = []
+        if self.every < 0:
+            problems.append(f"--eval-every {self.every}: must be >= 0")
+        if not self.data:
+            return problems + ["--eval-every needs --eval-data (a folder with one sub-folder per benchmark, as eval.py's "
+                               "--data-dir)"]
+        unknown = [n for n in self.names() if n not in LOADERS]
+        if unknown or not self.names():
+            problems.append(f"--eval-benchmarks {self.benchmarks!r}: choose from {', '.join(LOADERS)}")
+        elif not all(has_files(n, self.data) for n in self.names()):
+            missing = [n for n in self.names() if not has_files(n, self.data)]
+            problems.append(f"--eval-data {self.data}: no files for {', '.join(missing)} (expected "
+                            f"{'; '.join(f'{n}/ with {expected_files(n)}' for n in missing)})")
+        if not set(self.view_list()) <= {"full", "crop"} or "full" not in self.view_list():
+            problems.append(f"--eval-views {self.views!r}: full, or full,crop")
+        if self.limit < 0 or self.max_new_tokens < 1 or self.batch < 1:
+            problems.append("--eval-limit must be >= 0, --eval-max-new-tokens and --eval-batch >= 1")
+        return problems
+
+
+class LiveEval:
+    """The held subsets, loaded once; `due(step)` and `__call__` (every rank alike)."""
+
+    def __init__(self, settings: LiveEvalSettings, steps: int):
+        from opd.eval.benchmarks import BenchmarkDataError, load_benchmark
+
+        self.settings, self.steps = settings, steps
+        self.replies: dict[tuple[str, str], dict[str, str]] = {}  # the last evaluation's replies by (benchmark, view)
+        self.items = {}
+        for name in settings.names():
+            try:
+                items = load_benchmark(name, settings.data)
+            except BenchmarkDataError as exc:
+                raise UserError(f"--eval-data: benchmark '{name}': {exc}") from None
+            for view in settings.view_list():
+                subset = [i for i in items if view == "full" or i.crop is not None]
+                subset = subset[: settings.limit] if settings.limit else subset
+                if subset:
+                    self.items[name, view] = subset
+
+    def due(self, step: int) -> bool:
+        """After step index `step`: every --eval-every steps and at the last step."""
+        every = self.settings.every
+        return bool(every) and ((step + 1) % every == 0 or step + 1 == self.steps)
+
+    def __call__(self, accelerator, policy, processor, enable_thinking: bool, generation) -> dict[str, float]:
+        """{'eval/<name>' (the full view) or 'eval/<name>@crop': score, 'eval/<name>@crop_gap': crop - full} on every
+        rank; `generation()` is the policy's generation context (a sharded one gathers there)."""
+        from accelerate.utils import gather_object
+
+        from opd.eval.evaluate import score_view
+        from opd.eval.inference import answer_items
+
+        s = self.settings
+        rank, world = accelerator.process_index, accelerator.num_processes
+        out: dict[str, float] = {}
+        for (name, view), items in self.items.items():
+            share = items[rank::world]
+            longest = -(-len(items) // world)
+            padded = share + [items[0]] * (longest - len(share))  # the same number of generate() calls everywhere
+            with generation():
+                replies = [reply for _, reply in answer_items(policy, processor, padded, s.batch, s.max_new_tokens,
+                                                              enable_thinking, view)][: len(share)]  # fmt: skip
+            pairs = [(item.index, reply) for item, reply in zip(share, replies)]
+            gathered = gather_object(pairs) if world > 1 else pairs
+            stored = {index: {"reply": reply, "view": view} for index, reply in gathered}
+            self.replies[name, view] = {index: reply for index, reply in gathered}
+            result, _ = score_view(name, items, stored)
+            key = f"eval/{name}" + ("" if view == "full" else "@crop")
+            out[key] = float(result["score"]) if result.get("score") is not None else float("nan")
+        for name in s.names():
+            if f"eval/{name}@crop" in out and f"eval/{name}" in out:
+                out[f"eval/{name}@crop_gap"] = out[f"eval/{name}@crop"] - out[f"eval/{name}"]
+        return out

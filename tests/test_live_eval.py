@@ -1,0 +1,84 @@
+"""Evaluation while training (opd/eval/live.py): eval/<benchmark> rows in the ledger and the trackers, the same
+scores eval.py gives the step's checkpoint, every rank taking part (no hang), and one-line errors."""
+
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+from bench_fixtures import write_all_fixtures
+
+import eval as eval_py
+import train
+from opd.cli import UserError
+from opd.ledger import read_ledger
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+@pytest.fixture(scope="module")
+def bench(tmp_path_factory):
+    root = tmp_path_factory.mktemp("bench")
+    write_all_fixtures(root)
+    return root
+
+
+def test_eval_rows_are_logged_and_equal_eval_py_on_the_checkpoint(tmp_path, tiny, bench):
+    """--eval-every 2 on 4 steps: rows 1 and 3 hold eval/pope (and zoombench in both views); the scores at step 2
+    equal eval.py's on checkpoint-000002 with the same items and protocol."""
+    out = tmp_path / "run"
+    flags = ["--steps", "2", "--save-every", "2", "--keep-checkpoints", "2", "--eval-every", "2", "--eval-data", str(bench), "--eval-benchmarks",
+             "pope,zoombench", "--eval-limit", "20", "--eval-views", "full,crop", "--eval-max-new-tokens", "6"]  # fmt: skip
+    run = train.Run(train.TrainConfig(**{**train.PRESETS["tiny"], **train.given_flags(train.TrainConfig, train.PRESETS,
+                                                                                      flags + ["--out", str(out)])}))  # fmt: skip
+    run.train()
+    at_step_2 = dict(run.live.replies)
+    train.main(["--resume", str(out), "--steps", "4"])
+    rows = read_ledger(out / "ledger.jsonl")
+    evaluated = [r["step"] for r in rows if "eval/pope" in r]
+    assert evaluated == [1, 3] and all(r["eval_s"] > 0 for r in rows if "eval/pope" in r)
+    assert {"eval/zoombench", "eval/zoombench@crop", "eval/zoombench@crop_gap"} <= set(rows[1])
+    res = eval_py.main(["--model", str(out / "checkpoint-000002"), "--benchmarks", "pope,zoombench", "--view", "crop",
+                        "--data-dir", str(bench), "--out", str(tmp_path / "eval"), "--limit", "20", "--max-new-tokens",
+                        "6", "--batch-size", "8", "--device", "cpu", "--no-progress"])["results"]  # fmt: skip
+    import json
+
+    for (name, view), replies in at_step_2.items():  # the same replies, item by item, as eval.py's
+        key = name if view == "full" else f"{name}@crop"
+        stored = [json.loads(x) for x in (tmp_path / "eval" / key / "predictions.jsonl").read_text().splitlines() if x]
+        assert len(replies) == len(stored) > 0 and {r["index"]: r["reply"] for r in stored} == replies, key
+    assert rows[1]["eval/pope"] == pytest.approx(res["pope"]["score"])
+    assert rows[1]["eval/zoombench"] == pytest.approx(res["zoombench"]["score"])
+    assert rows[1]["eval/zoombench@crop"] == pytest.approx(res["zoombench@crop"]["score"])
+    from test_tracking import tensorboard_scalars
+
+    assert [s for s, _ in tensorboard_scalars(out / "tb")["eval/pope"]] == [1, 3]
+
+
+@pytest.mark.parametrize("flags,message", [
+    (["--eval-every", "2"], "--eval-every needs --eval-data"),
+    (["--eval-every", "2", "--eval-data", "{bench}", "--eval-benchmarks", "popes"], "--eval-benchmarks 'popes': choose from"),
+    (["--eval-every", "2", "--eval-data", "{tmp}"], "no files for zoombench"),
+    (["--eval-every", "2", "--eval-data", "{bench}", "--eval-views", "crop"], "--eval-views 'crop': full, or full,crop"),
+])  # fmt: skip
+def test_bad_eval_flags_are_one_line(tmp_path, tiny, bench, flags, message):
+    flags = [f.format(bench=bench, tmp=tmp_path) for f in flags]
+    with pytest.raises(UserError, match=message):
+        train.main(flags + ["--out", str(tmp_path / "r")])
+
+
+@pytest.mark.slow
+def test_two_ranks_evaluate_their_shares_without_hanging(tmp_path, tiny, bench):
+    """torchrun 2 ranks with --eval-every 2 (and --fsdp, whose sharded generation needs every rank): both finish,
+    the ledger has eval/pope on steps 1 and 3."""
+    for fsdp in ([], ["--fsdp"]):
+        out = tmp_path / ("fsdp" if fsdp else "ddp")
+        cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", "2", str(ROOT / "train.py"),
+               "--steps", "4", "--eval-every", "2", "--eval-data", str(bench), "--eval-benchmarks", "pope",
+               "--eval-limit", "20", "--eval-max-new-tokens", "4", "--out", str(out), *fsdp]  # fmt: skip
+        proc = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=600,
+                              env={**os.environ, "OMP_NUM_THREADS": "1"})  # fmt: skip
+        assert proc.returncode == 0, proc.stderr[-3000:]
+        rows = read_ledger(out / "ledger.jsonl")
+        assert [r["step"] for r in rows if "eval/pope" in r] == [1, 3]
