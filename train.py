@@ -17,6 +17,7 @@ import os
 import shlex
 import shutil
 import sys
+import tempfile
 import time
 import warnings
 from dataclasses import dataclass
@@ -166,6 +167,14 @@ class RunConfig:
     """Response positions per LM-head chunk in the loss (logits never held beyond it); 0 = whole micro-batch logits."""
     rollout_batch: int = 0
     """Rows per generate() call, in whole prompts; 0 = all of a rank's rows at once."""
+    rollout_engine: str = "hf"
+    """Who samples the rollouts: hf (Hugging Face generate, the default and the reference) or vllm (a vLLM server in
+    its own venv, scripts/install_vllm.sh; the policy's weights pushed to it before each step's generation;
+    opd/engine.py). With vllm the token entropy is unavailable: Eq. 5's entropy feature is 0 and Entropy-25 ranks
+    by the mean sampled-token NLL (the paper's fallback)."""
+    vllm_url: str | None = None
+    """A vLLM server already running (http://127.0.0.1:PORT, started with opd.engine.server_command's flags) for
+    --rollout-engine vllm; none: the run starts its own on rank 0 and stops it at the end."""
     share_prefill: bool = True
     """Encode and prefill each prompt once for its rollouts (when the model's cache can be expanded)."""
     explore: float = 0.10
@@ -308,7 +317,7 @@ LR_SCHEDULES = ("constant", "linear", "cosine")
 RESUMABLE = (
     "resume", "out", "steps", "save_every", "keep_checkpoints", "report_to", "run_label",
     "eval_every", "eval_data", "eval_benchmarks", "eval_limit", "eval_views", "eval_max_new_tokens", "eval_batch",
-    "micro_batch", "micro_batch_tokens", "loss_chunk", "rollout_batch", "share_prefill", "grad_checkpointing",
+    "micro_batch", "micro_batch_tokens", "loss_chunk", "rollout_batch", "share_prefill", "grad_checkpointing", "vllm_url",
     "fsdp_generation",
 )  # fmt: skip
 """The fields a resumed run may change: its length, its checkpointing, and memory/speed settings that
@@ -385,6 +394,11 @@ def check_config(cfg: TrainConfig, world: int) -> None:
             check_loss(cfg.support, get_method(cfg.method).divergence if cfg.method in METHODS else "jsd")
         except ValueError as exc:
             problems.append(f"--support {cfg.support!r}: {exc}")
+    if cfg.rollout_engine not in ("hf", "vllm"):
+        problems.append(f"--rollout-engine {cfg.rollout_engine!r}: choose hf or vllm")
+    elif cfg.rollout_engine == "vllm" and cfg.lora_r:
+        problems.append("--rollout-engine vllm pushes whole weights: with --lora-r use --rollout-engine hf (an adapter "
+                        "push is a documented next step)")
     if cfg.max_per_prompt < 0:
         problems.append(f"--max-per-prompt {cfg.max_per_prompt}: must be at least 1 (0 = no cap)")
     if cfg.unbiased and cfg.max_per_prompt:
@@ -565,6 +579,7 @@ class Run:
             self.teachers.routes.check_records(self.records)
         self._check_prompts()
         self.live = LiveEval(cfg.live_eval(), self.steps) if cfg.eval_every else None  # the held items, loaded once
+        self.engine = self._start_engine() if cfg.rollout_engine == "vllm" else None
         if state is not None:
             if not cfg.fsdp:
                 self.optimizer.load_state_dict(state["optimizer"])
@@ -615,6 +630,44 @@ class Run:
         if not external:
             self.teacher = AdapterTeacher(self.policy, "teacher" if ema else None)
         return lambda: AdapterTeacher(self.policy, None)
+
+    def _start_engine(self):
+        """The vLLM engine (opd/engine.py): --vllm-url's, or one started by rank 0 for the run's initial weights (its
+        URL handed to every rank); a missing venv or a model the engine cannot serve is one line before anything is
+        written. The weights of a resumed run are pushed before the first step (`_push_weights`)."""
+        from accelerate.utils import broadcast_object_list
+
+        from opd.engine import VLLMServer, check_venv
+
+        cfg = self.cfg
+        self.engine_stale = True  # push the policy's weights before the first generation
+        if cfg.vllm_url:
+            return VLLMServer.connect(cfg.vllm_url)
+        url = [None]
+        if self.acc.is_main_process:
+            check_venv()
+            length = cfg.max_prompt_len + cfg.max_response_len + 16
+            server = VLLMServer.start(self.initial_model, seed=cfg.seed, max_model_len=length,
+                                      log_path=Path(tempfile.gettempdir()) / f"vllm-{os.getpid()}.log")  # fmt: skip
+            self._own_engine = server
+            url = [server.url]
+        if self.acc.num_processes > 1:
+            broadcast_object_list(url)
+        return self._own_engine if self.acc.is_main_process else VLLMServer.connect(url[0])
+
+    def _push_weights(self) -> None:
+        """The policy's current weights into the engine (rank 0; sharded: gathered by every rank first)."""
+        if self.cfg.fsdp:
+            from opd.checkpoint import export_pretrained
+
+            folder = Path(tempfile.gettempdir()) / f"opd-vllm-push-{os.getppid()}"
+            export_pretrained(self.student, folder)
+            if self.acc.is_main_process:
+                self.engine.push_weights(folder)
+        elif self.acc.is_main_process:
+            self.engine.push_weights(self.policy)
+        self.acc.wait_for_everyone()
+        self.engine_stale = False
 
     def _lock_out_folder(self) -> None:
         """Rank 0 takes --out's lock (`opd.runlock`); every rank refuses alike when another run holds it."""
@@ -788,8 +841,20 @@ class Run:
             student_prompts = self.student_prompts(records)
 
         # Line 3: y_i ~ p_theta(. | x_i, q_i) for every prompt of this rank; C = rows with a crop.
+        has_entropy = True
         with timer("generation"):
-            if rollouts is None:
+            if rollouts is None and self.engine is not None:  # vLLM: the policy's weights, then the engine samples
+                from opd.engine import generate_rollouts_vllm
+
+                if self.engine_stale:
+                    self._push_weights()
+                images = [self.student_view(r)[0] for r in records]
+                rollouts = generate_rollouts_vllm(
+                    self.engine, student_prompts, images, cfg.rollouts_per_prompt, cfg.max_response_len,
+                    **special_ids(self.policy), **cfg.sampling(), seed=cfg.seed, step=step, rank=acc.process_index,
+                )  # fmt: skip
+                has_entropy = False  # Eq. 5's entropy feature is 0 (unavailable); Entropy-25 ranks by the mean NLL
+            elif rollouts is None:
                 torch.manual_seed(mix_seed(cfg.seed, step, acc.process_index))
                 with self.autocast(), generation(self.policy, cfg.fsdp_generation):  # a sharded policy: gathered
                     rollouts = generate_rollouts(
@@ -815,7 +880,7 @@ class Run:
 
         # Lines 5-9: S from the global candidates, before any teacher computation.
         with timer("select"):
-            selected = self.selector.select(phi, eligible, budget, step, prompt_of=prompt_of)  # global row ids
+            selected = self.selector.select(phi, eligible, budget, step, has_entropy, prompt_of)  # global row ids
             pi = self.selector.last_pi  # unbiased selection: S's inclusion probabilities (else None)
         offset = acc.process_index * len(rollouts)
         mine = (selected >= offset) & (selected < offset + len(rollouts))
@@ -855,6 +920,8 @@ class Run:
                 self.optimizer.step()
             with timer("ema"):
                 self.objective.after_update(step)
+            if self.engine is not None:
+                self.engine_stale = True  # the next generation pushes the updated weights first
         else:
             warnings.warn(f"step {step}: non-finite loss or gradient ({loss}, {float(grad_norm)}); update and EMA skipped")
         self.optimizer.zero_grad(set_to_none=True)
@@ -942,6 +1009,8 @@ class Run:
             return self._train()
         finally:
             self.trackers.finish()
+            if getattr(self, "_own_engine", None) is not None:
+                self._own_engine.stop()
             runlock.release(self.out)
 
     def _train(self) -> dict:

@@ -349,3 +349,46 @@ def test_server_dies_with_a_killed_trainer(tmp_path):
     else:
         os.kill(pid, signal.SIGKILL)
         pytest.fail("the server outlived the process that started it")
+
+
+def test_a_vllm_engine_run_trains_and_resumes(vllm_engine, tmp_path, monkeypatch):
+    """train.py --rollout-engine vllm on the tiny vLLM variant (the session's server, --vllm-url): 3 steps whose
+    ledger obeys Eq. 4, the engine's weights pushed before each step's generation (the first one too: a resumed
+    policy's), the entropy feature unavailable; --resume continues to step 4. The server gets model A back."""
+    import json as json_
+
+    import train
+    from opd.ledger import read_ledger
+
+    out = tmp_path / "vllm-run"
+    common = ["--rollout-engine", "vllm", "--vllm-url", vllm_engine.server.url, "--model", str(vllm_engine.model_a),
+              "--data", str(vllm_engine.data), "--policy", "learned", "--rho", "0.25"]  # fmt: skip
+    from opd.engine import VLLMServer
+
+    pushes = []
+    push = VLLMServer.push_weights
+    monkeypatch.setattr(VLLMServer, "push_weights", lambda self, *a, **k: pushes.append(1) or push(self, *a, **k))
+    try:
+        train.main([*common, "--steps", "3", "--save-every", "2", "--out", str(out)])
+        assert len(pushes) == 3  # before steps 0, 1 and 2
+        train.main(["--resume", str(out), "--steps", "4"])
+        assert len(pushes) == 4  # the resumed policy's weights before step 3
+    finally:
+        push(vllm_engine.server, vllm_engine.model_a)
+    rows = read_ledger(out / "ledger.jsonl")
+    assert [r["step"] for r in rows] == [0, 1, 2, 3]
+    for r in rows:
+        assert r["budget"] == int(0.25 * r["candidates"] + 1e-9) and r["selected"] <= r["budget"]
+        assert r["teacher_rows"] == r["selected"] and r["generation_s"] > 0
+    config = json_.loads((out / "checkpoint-000004" / "train_config.json").read_text())
+    assert config["rollout_engine"] == "vllm"
+
+
+def test_a_vllm_engine_run_without_the_venv_is_one_line_before_anything_is_written(tmp_path, monkeypatch):
+    import train
+    from opd.cli import UserError
+
+    monkeypatch.setenv("BAS_OPD_VLLM_VENV", str(tmp_path / "no-venv"))
+    with pytest.raises(UserError, match="scripts/install_vllm.sh"):
+        train.main(["--rollout-engine", "vllm", "--steps", "1", "--out", str(tmp_path / "r")])
+    assert not (tmp_path / "r").exists()
