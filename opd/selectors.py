@@ -1,5 +1,8 @@
 """Choosing S before any teacher computation: Eq. 4 and the four policies (Algorithm 1, lines 4-9).
 
+(Inside opd/: a top-level selectors.py would shadow the standard library's `selectors` module and break
+`import torch`.)
+
 Every selector sees the *global* candidate batch (features all-gathered from every rank) and returns
 global row indices; it uses no per-rank randomness, so all ranks make the same selection.
 |S| <= K always holds; `select` asserts it.
