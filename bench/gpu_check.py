@@ -59,6 +59,9 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--mixed-precision", default="auto", help="bf16, no, or auto: bf16 on cuda, no on cpu (CPU bf16 is slow)")
     p.add_argument("--peak-tflops", type=float, default=0.0, help="the device's dense bf16 peak for MFU (default: by name)")
     p.add_argument("--tolerance", type=float, default=2e-2, help="relative loss / gradient-norm tolerance of the match")
+    p.add_argument("--engine", action="store_true",
+                   help="also time a step with --rollout-engine vllm beside HF generate (bench/engine_step.py: a vLLM "
+                        "venv from scripts/install_vllm.sh; on a GPU that is `pip install vllm`)")  # fmt: skip
     p.add_argument("--out", default=None, help="write the measured numbers to this JSON file")
     a = p.parse_args(argv)
     import torch
@@ -312,6 +315,12 @@ def main(argv=None) -> dict:
         if {"ddp", "fsdp"} <= done.keys():
             match = compare(done["ddp"], done["fsdp"], initial, a.tolerance)
     report = summarize(results, match, info, a, peak)
+    if a.engine:  # the rollout engines side by side (issue 22)
+        from bench import engine_step
+
+        engines = engine_step.main(["--steps", str(max(2, a.steps + 1)), "--max-response-len", str(a.response_len)])
+        info["engines"] = engines["results"]
+        report += "\n\nRollout engines (bench/engine_step.py):\n\n" + engines["markdown"]
     print(report)
     for r in results:
         r.pop("params_after_match", None)

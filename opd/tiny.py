@@ -194,16 +194,17 @@ def tiny_defaults() -> tuple[Path, Path]:
     return build_tiny_model(root / f"tiny-model-v{TINY_VERSION}"), build_tiny_dataset(root / f"tiny-data-v{TINY_VERSION}")
 
 
-def build_tiny_vllm_model(out_dir: str | Path, seed: int = 0, max_pixels: int = 64 * 64) -> Path:
+def build_tiny_vllm_model(out_dir: str | Path, seed: int = 0, max_pixels: int = 64 * 64, **config_kwargs) -> Path:
     """The tiny Qwen3.5 reshaped for vLLM's CPU backend (opd.engine and tests/test_vllm.py only; the default
     above is unchanged): attention head_dim 32 instead of 16 and linear-attention key/value head dims 64
     instead of 16, the smallest sizes whose attention kernels that backend has (head_dim 16 does not load).
-    The rest is `tiny_config`: hidden 64, 4 layers (one full attention), vision depth 2, init range 0.2."""
+    The rest is `tiny_config` (`config_kwargs`: hidden, layers, vision_depth; default hidden 64, 4 layers (one
+    full attention), vision depth 2, init range 0.2)."""
     from transformers import Qwen3_5ForConditionalGeneration
 
     def write(tmp: Path):
         processor = tiny_processor(max_pixels=max_pixels)
-        config = tiny_config(processor.tokenizer)
+        config = tiny_config(processor.tokenizer, **config_kwargs)
         config.text_config.head_dim = 32
         config.text_config.linear_key_head_dim = 64
         config.text_config.linear_value_head_dim = 64
