@@ -781,9 +781,10 @@ class Run:
 
     @property
     def run_name(self) -> str:
-        """The table label: policy-percent, e.g. learned-25, prefixed by the method unless it is bas-opd."""
+        """The table label: policy-percent, e.g. learned-25, prefixed by the method's label (none for bas-opd)."""
         name = f"{self.cfg.policy}-{round(100 * self.cfg.rho)}"
-        return name if self.cfg.method == "bas-opd" else f"{self.cfg.method} {name}"
+        prefix = self.method.name if self.method.label is None else self.method.label
+        return f"{prefix} {name}".strip()
 
     @property
     def policy(self):

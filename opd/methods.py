@@ -61,6 +61,8 @@ class Method:
     external_teachers: str = "allowed"
     """'allowed' (--teacher-model / --teachers replace the EMA self-teacher), 'required' (OPOD: its teachers
     are separate checkpoints) or 'refused' (DAPD: its anchors are the policy's own weights)."""
+    label: str | None = None
+    """The prefix of a run's table label (`learned-25` -> `opsd learned-25`); None: the method's name."""
     settings: dict = field(default_factory=dict)
     """TrainConfig fields the method's paper sets for what it is (full querying, its teacher's update, alpha),
     applied over the preset and under the flags given; the toy-world family comparison uses these alone."""
@@ -94,7 +96,7 @@ TRL_SAMPLING = dict(sample_temperature=1.1, sample_top_p=0.95, sample_top_k=20)
 METHODS: dict[str, Method] = {
     m.name: m
     for m in (
-        Method("bas-opd", "BAS-OPD (arXiv 2609.25891): Vision-OPD with a budgeted teacher"),
+        Method("bas-opd", "BAS-OPD (arXiv 2609.25891): Vision-OPD with a budgeted teacher", label=""),
         Method("vision-opd", "Vision-OPD (arXiv 2605.18740; VisionOPD/Vision-OPD)", settings=FULL_QUERY, recipe=VERL),
         Method(
             "rp-opsd", "RP-OPSD (arXiv 2607.24447; wmm7777/RP-OPSD, config/best.yaml)",
