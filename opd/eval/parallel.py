@@ -80,11 +80,16 @@ class Ranks:
         return outcome[1]
 
     def close(self) -> None:
+        """Ends the group once every rank got here (a rank that tears gloo down while another still writes can
+        abort: seen under load), then destroys it."""
         if self.world > 1:
             import torch.distributed as dist
 
             if dist.is_initialized():
-                dist.destroy_process_group()
+                try:
+                    dist.barrier()
+                finally:
+                    dist.destroy_process_group()
 
 
 def init_ranks() -> Ranks:
