@@ -446,8 +446,8 @@ def check_config(cfg: TrainConfig, world: int) -> None:
             problems.append(f"--method {cfg.method} anchors on the policy's own weights (base and snapshot): "
                             "--teacher-model and --teachers do not apply")
         if method.external_teachers == "required" and not external:
-            problems.append(f"--method {cfg.method} routes each response to a separate teacher checkpoint: give "
-                            "--teachers route.json or --teacher-model PATH")
+            problems.append(f"--method {cfg.method} distils from a separate teacher checkpoint: give --teacher-model "
+                            "PATH or --teachers route.json")
         defaults = {f.name: f.default for f in dataclasses.fields(TrainConfig)}
         for flag, reason in method.objective.refuses.items():
             if getattr(cfg, flag) != defaults[flag]:

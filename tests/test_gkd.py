@@ -131,5 +131,5 @@ def test_gkd_runs_with_a_budget_and_needs_a_teacher(tmp_path, tiny, gkd_teacher)
     rows = read_ledger(tmp_path / "g" / "ledger.jsonl")
     assert len(rows) == 2 and all(r["selected"] == r["budget"] == r["candidates"] // 4 for r in rows)
     assert all(r["teacher_rows"] == r["selected"] and r["teacher_rows_full"] == r["selected"] for r in rows)
-    with pytest.raises(train.UserError, match="--method gkd routes each response to a separate teacher checkpoint"):
+    with pytest.raises(train.UserError, match="--method gkd distils from a separate teacher checkpoint"):
         train.main(["--method", "gkd", "--out", str(tmp_path / "none")])

@@ -151,7 +151,7 @@ def test_routing_files_and_unrouted_records_are_refused_in_one_line(tmp_path, ti
 
 
 @pytest.mark.parametrize("flags,message", [
-    (["--method", "opod"], "--method opod routes each response to a separate teacher checkpoint"),
+    (["--method", "opod"], "--method opod distils from a separate teacher checkpoint"),
     (["--method", "dapd", "--teacher-model", "x"], "--method dapd anchors on the policy's own weights"),
     (["--teacher-model", "x", "--teachers", "y.json"], "--teacher-model gives one teacher and --teachers"),
     (["--ema-every", "0"], "--ema-every 0"),
