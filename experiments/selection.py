@@ -182,7 +182,7 @@ def collect(root: Path, all_specs: list[dict]) -> dict:
 
 def task_table(task: str, runs: dict, base: dict) -> list[str]:
     full_tokens = np.mean([r["ledger"]["scored_tokens"] for r in runs.get("full-100", [])]) if runs.get("full-100") else None
-    lines = [f"| Policy | Full-image accuracy | Per seed | Crop view (end) | Collapsed seeds | Tokens vs Full | "
+    lines = ["| Policy | Full-image accuracy | Per seed | Crop view (end) | Collapsed seeds | Tokens vs Full | "
              "Utility captured | cos(g_S, g_C) | cos(mean g_S, g_C) | Largest 1/pi |", "| --- | ---: | --- | ---: | ---: | ---: | ---: | ---: | ---: | ---: |"]  # fmt: skip
     for name in VARIANTS:
         rs = runs.get(name)
