@@ -34,7 +34,7 @@ if str(ROOT) not in sys.path:
 import numpy as np  # noqa: E402
 
 from opd.toy.entry import Entry  # noqa: E402
-from opd.toy.experiment import check_ledger, evaluate, machine, run_folder, say  # noqa: E402
+from opd.toy.experiment import evaluate, machine, read_run, run_folder, say  # noqa: E402
 from opd.toy.report import mean_std, save_figure, write_report  # noqa: E402
 
 __all__ = ["SelectionConfig", "main"]
@@ -161,22 +161,12 @@ def job(cfg: SelectionConfig, spec: dict, root: Path) -> dict:
 
 
 def collect(root: Path, all_specs: list[dict]) -> dict:
-    """{task: {variant: [record per seed]}} from the finished run folders (done.json, ledger, selection.json)."""
-    from opd.ledger import read_ledger, summarize
-
+    """{task: {variant: [record per seed]}} from the finished run folders (opd.toy.experiment.read_run)."""
     runs: dict = {}
     for spec in all_specs:
-        folder = run_folder(root, spec)
-        if not (folder / "done.json").exists():
-            continue
-        rec = json.loads((folder / "done.json").read_text())
-        rows = read_ledger(folder / "ledger.jsonl")
-        rec["ledger"] = summarize(rows)
-        rec["ledger_problems"] = check_ledger(rows, spec["pct"] / 100, spec["policy"])
-        rec["max_weight"] = max((r.get("max_weight", 1.0) for r in rows), default=1.0)
-        sel = folder / "selection.json"
-        rec["selection"] = json.loads(sel.read_text())["summary"] if sel.exists() else None
-        runs.setdefault(spec["task"], {}).setdefault(spec["variant"], []).append(rec)
+        if (rec := read_run(root, spec)) is not None:
+            rec["selection"] = rec["selection"]["summary"] if rec["selection"] else None
+            runs.setdefault(spec["task"], {}).setdefault(spec["variant"], []).append(rec)
     return runs
 
 

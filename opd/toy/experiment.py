@@ -259,27 +259,35 @@ def run_folder(root: Path, spec: dict) -> Path:
     return root / "runs" / spec["name"] / f"seed{spec['seed']}"
 
 
-def collect(root: Path, specs: list[dict]) -> dict:
-    """Everything the report needs, read back from the finished run folders: {name: [record per seed]}."""
+def read_run(root: Path, spec: dict) -> dict | None:
+    """One finished run read back (done.json, the ledger's summary and problems, audit/geometry/selection
+    JSON, the trace), or None while it has not finished."""
     from opd.ledger import read_ledger, summarize
 
+    folder = run_folder(root, spec)
+    if not (folder / "done.json").exists():
+        return None
+    rec = json.loads((folder / "done.json").read_text())
+    rows = read_ledger(folder / "ledger.jsonl")
+    rec["ledger"] = summarize(rows)
+    rec["ledger_problems"] = check_ledger(rows, spec["pct"] / 100, spec["policy"])
+    rec["ledger_rows"] = len(rows)
+    rec["max_weight"] = max((r.get("max_weight", 1.0) for r in rows), default=1.0)
+    for name in ("audit", "geometry", "selection"):
+        path = folder / f"{name}.json"
+        rec[name] = json.loads(path.read_text()) if path.exists() else None
+    trace = folder / "trace.jsonl"
+    if trace.exists():
+        rec["trace"] = [json.loads(line) for line in trace.read_text().splitlines() if line.strip()]
+    return rec
+
+
+def collect(root: Path, specs: list[dict]) -> dict:
+    """Everything the report needs, read back from the finished run folders: {name: [record per seed]}."""
     runs = {}
     for spec in specs:
-        folder = run_folder(root, spec)
-        if not (folder / "done.json").exists():
-            continue
-        rec = json.loads((folder / "done.json").read_text())
-        rows = read_ledger(folder / "ledger.jsonl")
-        rec["ledger"] = summarize(rows)
-        rec["ledger_problems"] = check_ledger(rows, spec["pct"] / 100, spec["policy"])
-        rec["ledger_rows"] = len(rows)
-        for name in ("audit", "geometry", "selection"):
-            path = folder / f"{name}.json"
-            rec[name] = json.loads(path.read_text()) if path.exists() else None
-        trace = folder / "trace.jsonl"
-        if trace.exists():
-            rec["trace"] = [json.loads(line) for line in trace.read_text().splitlines() if line.strip()]
-        runs.setdefault(spec["name"], []).append(rec)
+        if (rec := read_run(root, spec)) is not None:
+            runs.setdefault(spec["name"], []).append(rec)
     return runs
 
 
