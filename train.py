@@ -234,20 +234,6 @@ class RunConfig:
     trackio, comet_ml, aim, clearml, dvclive, swanlab; none for none (opd/tracking.py)."""
     run_label: str | None = None
     """The run's name in the trackers (default: the --out folder's name and the policy, e.g. 'tiny learned-25')."""
-    eval_every: int = 0
-    """Score the policy on held benchmark items every N steps and at the last (opd/eval/live.py); 0 = never."""
-    eval_data: str | None = None
-    """The benchmark folder of --eval-every (eval.py's --data-dir)."""
-    eval_benchmarks: str = "zoombench"
-    """Benchmarks of --eval-every, comma-separated (eval.py's names)."""
-    eval_limit: int = 100
-    """Items per benchmark of --eval-every (each benchmark's first; 0 = all)."""
-    eval_views: str = "full"
-    """Views of --eval-every: full, or full,crop (the crop view: the collapse warning sign)."""
-    eval_max_new_tokens: int = 64
-    """Most new tokens per answer of --eval-every."""
-    eval_batch: int = 8
-    """Prompts per generate() call of --eval-every."""
     save_every: int = 0
     """Checkpoint every N steps (0: only at the end)."""
     keep_checkpoints: int = 1
@@ -276,9 +262,8 @@ class RunConfig:
         return LoRASettings(self.lora_r, self.lora_alpha, self.lora_dropout, self.lora_targets)
 
     def live_eval(self) -> LiveEvalSettings:
-        """--eval-* (opd/eval/live.py)."""
-        return LiveEvalSettings(self.eval_every, self.eval_data, self.eval_benchmarks, self.eval_limit, self.eval_views,
-                                self.eval_max_new_tokens, self.eval_batch)  # fmt: skip
+        """--eval-* (opd/eval/live.py's section of TrainConfig)."""
+        return section_config(self, "eval", LiveEvalSettings)
 
     def sampling(self) -> dict:
         """The rollouts' sampling distribution (opd.rollout.generate_rollouts)."""
@@ -290,9 +275,9 @@ class RunConfig:
         return section_config(self, cls.name, cls.Config) if cls.Config is not None else None
 
 
-TrainConfig = with_sections(RunConfig, SECTIONS, "TrainConfig")
+TrainConfig = with_sections(RunConfig, {**SECTIONS, "eval": LiveEvalSettings}, "TrainConfig")
 """RunConfig's fields plus each objective's (`--dapd-clip` is field dapd_clip; `TrainConfig.objective()` builds
-the method's own config from them)."""
+the method's own config from them) and the live evaluation's (`--eval-every` is field eval_every)."""
 
 
 PAPER = dict(

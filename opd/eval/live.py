@@ -20,22 +20,22 @@ from opd.cli import UserError
 
 @dataclass
 class LiveEvalSettings:
-    """train.py's --eval-* flags."""
+    """train.py's --eval-* flags (a section of its TrainConfig: field f is flag --eval-f)."""
 
     every: int = 0
-    """Score the policy every N steps (and at the last); 0 = never."""
+    """Score the policy on held benchmark items every N steps and at the last (opd/eval/live.py); 0 = never."""
     data: str | None = None
-    """Benchmark folder (eval.py's --data-dir: one sub-folder per benchmark)."""
+    """The benchmark folder of --eval-every (eval.py's --data-dir: one sub-folder per benchmark)."""
     benchmarks: str = "zoombench"
-    """Comma-separated benchmarks (eval.py's names)."""
+    """Benchmarks of --eval-every, comma-separated (eval.py's names)."""
     limit: int = 100
-    """Items of each benchmark (its first ones; 0 = all)."""
+    """Items per benchmark of --eval-every (each benchmark's first; 0 = all)."""
     views: str = "full"
-    """full, or full,crop (the crop view too, on the items with a crop)."""
+    """Views of --eval-every: full, or full,crop (the crop view: the collapse warning sign)."""
     max_new_tokens: int = 64
-    """Most new tokens per answer."""
+    """Most new tokens per answer of --eval-every."""
     batch: int = 8
-    """Prompts per generate() call."""
+    """Prompts per generate() call of --eval-every."""
 
     def names(self) -> list[str]:
         return [n.strip().lower() for n in self.benchmarks.split(",") if n.strip()]
