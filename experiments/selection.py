@@ -195,24 +195,40 @@ def task_table(task: str, runs: dict, base: dict) -> list[str]:
 
 
 def plot(root: Path, runs: dict) -> str:
+    """selection_accuracy.png: per task, the full-image accuracy (bars: mean, dots: seeds) above the gradient's
+    cosine to the full-query gradient (one draw of S, and the mean of the draws) of each budgeted policy."""
+    import textwrap
+
     import matplotlib
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    tasks = list(runs)
-    fig, axes = plt.subplots(1, max(1, len(tasks)), figsize=(6.5 * max(1, len(tasks)), 4.2), squeeze=False)
-    for ax, task in zip(axes[0], tasks):
+    tasks = [t for t in TASKS if t in runs]
+    fig, axes = plt.subplots(2, max(1, len(tasks)), figsize=(6.5 * max(1, len(tasks)), 7.6), squeeze=False)
+    for col, task in enumerate(tasks):
+        ax, cx = axes[0][col], axes[1][col]
         names = [n for n in VARIANTS if runs[task].get(n)]
+        labels = [textwrap.fill(LABELS[n], 11) for n in names]
         means = [np.mean([r["full"] for r in runs[task][n]]) for n in names]
         for j, n in enumerate(names):
             ax.scatter([j] * len(runs[task][n]), [r["full"] for r in runs[task][n]], color="0.3", s=12, zorder=3)
         ax.bar(range(len(names)), means, color=["0.6" if "unbiased" not in n and "cap" not in n else "tab:blue" for n in names])
-        ax.set_xticks(range(len(names)), [LABELS[n].replace(" ", "\n", 1) for n in names], fontsize=7)
+        ax.set_xticks(range(len(names)), labels, fontsize=7)
         ax.set_ylabel("full-image accuracy (%)")
         ax.set_title(f"{task}: accuracy per seed (dots) and mean (bars)")
         lo = min(min(r["full"] for r in runs[task][n]) for n in names)
         ax.set_ylim(max(0, lo - 10), 100)
+        scored = [n for n in names if all(r.get("selection") for r in runs[task][n])]
+        for shift, key, label in ((-0.2, "cosine", "one draw of S"), (0.2, "cosine_of_mean", "mean of the draws")):
+            vals = [np.mean([r["selection"][key] for r in runs[task][n]]) for n in scored]
+            cx.bar(np.arange(len(scored)) + shift, vals, width=0.4, label=label)
+        cx.set_xticks(range(len(scored)), [textwrap.fill(LABELS[n], 11) for n in scored], fontsize=7)
+        cx.set_ylim(0, 1)
+        cx.set_ylabel("cos(g_S, g_C), mean of seeds")
+        cx.set_title(f"{task}: cosine to the full-query gradient (held batches)")
+        cx.legend(fontsize=7, loc="lower left")
+    fig.tight_layout()
     path = root / "selection_accuracy.png"
     save_figure(fig, path, 120)
     return path.name
