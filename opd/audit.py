@@ -12,10 +12,15 @@ and the teacher scores *every* candidate so the true utility u_i (Eq. 9) of all 
   the next over batches (`sign_flip_pvalue`), Holm-adjusted (`holm`).
 
 Figure 4 (gradient geometry). On a held batch, S = the frozen selector's top floor(rho |C|) rows (no
-exploration) and U = C \\ S; `opd_gradient` is the gradient of Eq. 11's token mean over a row set with
-respect to the policy's parameters (nothing is stepped; the optimizer and .grad are untouched);
+exploration) and U = C \\ S; `opd_gradient` is the gradient of the run's loss over a row set (Eq. 11's token
+mean, or the run's --loss-agg) with respect to the policy's parameters (nothing is stepped; the optimizer and
+.grad are untouched);
 `gradient_geometry` reports ||g_S||, ||g_U|| and cos(g_S, g_U) per batch, `geometry_summary` the
 ratio of mean norms and the mean cosine.
+
+Held batches are sampled as the run samples (its --sample-temperature / -top-k / -top-p and --share-prefill, with
+`generate`); for a vLLM run, whose engine gives no token entropy, the entropy feature is zeroed and Entropy-25
+ranks by the mean NLL, as in training (`HeldBatch.has_entropy`).
 
 The run's state is left as it was: rollouts are sampled under a forked RNG, the teacher's call
 counters are restored, and the selector is only read. On a DDP run call these on one process (they
@@ -34,7 +39,7 @@ import torch
 
 from opd.cli import UserError
 from opd.data import Record, step_prompt_indices
-from opd.distill import micro_batch_inputs, micro_batch_loss, plan_micro_batches
+from opd.distill import aggregation_weights, micro_batch_inputs, micro_batch_loss, plan_rows
 from opd.divergence import budgeted_weights
 from opd.features import rollout_features
 from opd.rollout import Rollouts, generate_rollouts
@@ -196,6 +201,7 @@ class HeldBatch:
     eligible: torch.Tensor  # (N,) bool: the candidates C
     predicted: torch.Tensor | None  # (N,) u^ of the frozen selector, None when it has no update yet
     utility: torch.Tensor | None = None  # (N,) u_i of every candidate (NaN outside C), after `score_utility`
+    has_entropy: bool = True  # False for a vLLM run: Eq. 5's entropy feature is 0, Entropy-25 ranks by NLL (training's)
 
 
 def held_records(records: list[Record], prompts: int, n_batches: int, seed: int = 1234) -> list[list[Record]]:
@@ -226,36 +232,46 @@ def check_auditable(run) -> None:
 
 
 def sample_batch(run, records: list[Record], seed: int) -> HeldBatch:
-    """Rollouts of `records` by the run's current student (as in Algorithm 1, line 3), features and u^."""
+    """Rollouts of `records` by the run's current student (as in Algorithm 1, line 3, with the run's sampling
+    distribution and prefill sharing), features and u^. A vLLM run's features have no entropy (zeros, as the
+    engine's rollouts in training), and `has_entropy` is False."""
     check_auditable(run)
     cfg = run.cfg
     with _preserved(run):
         torch.manual_seed(seed)
         prompts = run.student_prompts(records)
         with run.autocast():
-            ro = generate_rollouts(run.policy, prompts, cfg.rollouts_per_prompt, cfg.max_response_len, cfg.rollout_batch)
+            ro = generate_rollouts(run.policy, prompts, cfg.rollouts_per_prompt, cfg.max_response_len,
+                                   cfg.rollout_batch, cfg.share_prefill, **cfg.sampling())  # fmt: skip
+    has_entropy = getattr(run, "engine", None) is None  # train.Run.step: a vLLM engine's rollouts have no entropy
+    if not has_entropy:
+        ro.entropy = torch.zeros_like(ro.entropy)
     rows = ro.prompt_index.tolist()
     eligible = torch.tensor([run.eligible(records[j]) for j in rows], dtype=torch.bool) & ro.valid
     area = torch.tensor([records[j].area_ratio for j in rows])
     phi = rollout_features(ro.logp, ro.entropy, ro.response_mask, ro.prompt_len, area)
-    return HeldBatch(records, ro, prompts, phi, eligible, run.selector.predict(phi))
+    return HeldBatch(records, ro, prompts, phi, eligible, run.selector.predict(phi), has_entropy=has_entropy)
 
 
 def _micro_batches(run, batch: HeldBatch, rows: torch.Tensor):
     """(sel, student inputs, teacher inputs per teacher view, mask, width, response, old log-probs) per
-    length-grouped micro-batch of `rows`, as `opd.distill` forms them (the teachers on the run's
-    privileged views, the student on its own view; a view's randomness seeded by the record's place)."""
+    micro-batch of `rows`, as `opd.distill` forms them on one rank (`distill.plan_rows`: grouped by teacher length,
+    --micro-batch rows and --micro-batch-tokens; the teachers on the run's privileged views, the student on its
+    own view; a view's randomness seeded by the record's place)."""
     cfg, device, ro = run.cfg.distill(), run.acc.device, batch.rollouts
     teacher_prompts: dict[tuple[str, int], object] = {}
-    for group in plan_micro_batches(ro.lengths[rows], cfg.micro_batch):
-        sel = rows[group]
+
+    def teacher_prompt(view: str, j: int):
+        if (view, j) not in teacher_prompts:
+            teacher_prompts[view, j] = run.encode(view, batch.records[j], j)
+        return teacher_prompts[view, j]
+
+    for sel in plan_rows(ro, teacher_prompt, rows, cfg, run.teacher_views[0]):
         pids = ro.prompt_index[sel].tolist()
         t_inputs = []
         for view in run.teacher_views:
-            for j in pids:
-                if (view, j) not in teacher_prompts:
-                    teacher_prompts[view, j] = run.encode(view, batch.records[j], j)
-            inputs, mask, width = micro_batch_inputs([teacher_prompts[view, j] for j in pids], ro, sel, run.ids["pad"], device)
+            prompts = [teacher_prompt(view, j) for j in pids]
+            inputs, mask, width = micro_batch_inputs(prompts, ro, sel, run.ids["pad"], device)
             t_inputs.append(inputs)
         s_inputs, _, _ = micro_batch_inputs([batch.student_prompts[j] for j in pids], ro, sel, run.ids["pad"], device)
         response, old_logp = ro.response_ids[sel, :width].to(device), ro.logp[sel, :width].to(device)
@@ -300,7 +316,7 @@ def audit_utility(run, records: list[Record], n_batches: int = 10, seed: int = 1
         for batch in batches:
             c = batch.eligible
             u = batch.utility[c]
-            score = {"oracle": u, "entropy": entropy_scores(batch.phi, True)[c],
+            score = {"oracle": u, "entropy": entropy_scores(batch.phi, batch.has_entropy)[c],
                      "learned": batch.predicted[c] if batch.predicted is not None else None}[key]
             if score is None:
                 return None
@@ -336,7 +352,7 @@ def prompt_coverage(batches: list[HeldBatch], fraction: float = 0.25, seed: int 
         c = b.eligible.nonzero().squeeze(-1)
         k = top_count(c.numel(), fraction)
         prompts = b.rollouts.prompt_index[c]
-        scores = {"oracle": b.utility[c], "entropy": entropy_scores(b.phi, True)[c],
+        scores = {"oracle": b.utility[c], "entropy": entropy_scores(b.phi, b.has_entropy)[c],
                   "learned": b.predicted[c] if b.predicted is not None else None}
         for key, score in scores.items():
             if score is not None:
@@ -350,26 +366,33 @@ def prompt_coverage(batches: list[HeldBatch], fraction: float = 0.25, seed: int 
 # ----------------------------------------------------------------------------- gradient geometry
 
 
-def opd_gradient(run, batch: HeldBatch, rows: torch.Tensor, row_weights: torch.Tensor | None = None) -> torch.Tensor:
-    """Flat gradient of Eq. 11's token mean over `rows` (global row ids of the batch) w.r.t. the policy.
+def opd_gradient(run, batch: HeldBatch, rows: torch.Tensor, sample_weights: torch.Tensor | None = None) -> torch.Tensor:
+    """Flat gradient of the run's loss over `rows` (global row ids of the batch) w.r.t. the policy: Eq. 11's token
+    mean, or the run's --loss-agg (`opd.distill.aggregation_weights`, its denominator over `rows`).
 
-    Uses the training path (`opd.distill.micro_batch_loss` with Eq. 11's weights: the teacher on the
-    crop prompt, the student on the full image, top-k JSD); nothing is stepped and no .grad is written.
-    `row_weights` (len(rows),): Eq. 11's Hajek form with these w_i (unbiased selection's 1 / pi_i).
+    Uses the training path (`opd.distill.micro_batch_loss` with the aggregation's weights, the run's micro-batches:
+    the teacher on its privileged view, the student on its own, the method's divergence); nothing is stepped and
+    no .grad is written. `sample_weights` (len(rows),): Eq. 11's Hajek form with these w_i (unbiased selection's
+    1 / pi_i; token-mean only, as train.py requires).
     """
     cfg, device, ro = run.cfg.distill(), run.acc.device, batch.rollouts
     params = [p for p in run.policy.parameters() if p.requires_grad]
     total = [torch.zeros_like(p) for p in params]
-    w_of = None if row_weights is None else dict(zip(rows.tolist(), row_weights.double().tolist()))
-    tokens = int(ro.lengths[rows].sum())
-    if w_of is not None:
-        tokens = float(sum(w_of[i] * int(ro.lengths[i]) for i in rows.tolist()))
-    if tokens == 0:
+    w_of = None if sample_weights is None else dict(zip(rows.tolist(), sample_weights.double().tolist()))
+    if cfg.aggregation != "token-mean":  # sequence-mean, micro-batch: |S|, the rows with a valid token
+        denominator = int((ro.lengths[rows] > 0).sum())
+    elif w_of is not None:
+        denominator = float(sum(w_of[i] * int(ro.lengths[i]) for i in rows.tolist()))
+    else:
+        denominator = int(ro.lengths[rows].sum())
+    if denominator == 0:
         return torch.cat([t.flatten() for t in total])
+    dtype = torch.float64 if next(run.policy.parameters()).dtype == torch.float64 else torch.float32  # as distill's
     with _preserved(run):
         for sel, s_inputs, t_inputs, mask, width, response, old_logp in _micro_batches(run, batch, rows):
             w = None if w_of is None else torch.tensor([w_of[i] for i in sel.tolist()], device=device)
-            weights = budgeted_weights(torch.ones(len(sel), device=device), mask, tokens, row_weights=w)  # Eq. 11 over `rows`
+            weights = aggregation_weights(cfg.aggregation, torch.ones(len(sel), device=device), mask, denominator,
+                                          dtype, w)  # (n, T) the run's loss over `rows`  # fmt: skip
             with run.autocast():
                 loss, _, _, _ = micro_batch_loss(run.policy, run.teacher, s_inputs, t_inputs, mask, width, weights, cfg,
                                                  response, old_logp)  # fmt: skip
@@ -384,7 +407,7 @@ def frozen_selection(run, batch: HeldBatch, rho: float) -> torch.Tensor:
     """S for the geometry audit: top floor(rho |C|) by the frozen selector's u^ (entropy before its
     first update), no exploration."""
     candidates = batch.eligible.nonzero().squeeze(-1)
-    scores = batch.predicted if batch.predicted is not None else entropy_scores(batch.phi, True)
+    scores = batch.predicted if batch.predicted is not None else entropy_scores(batch.phi, batch.has_entropy)
     return top_subset(scores, candidates, query_budget(rho, candidates.numel())).sort().values
 
 
@@ -428,7 +451,8 @@ def selection_audit(run, records: list[Record], n_batches: int = 5, draws: int =
         grads, cos, captured = [], [], []
         for d in range(draws):
             selector = copy.deepcopy(run.selector)
-            chosen = selector.select(batch.phi, batch.eligible, budget, 10**6 + b * draws + d, prompt_of=prompt_of)
+            chosen = selector.select(batch.phi, batch.eligible, budget, 10**6 + b * draws + d, batch.has_entropy,
+                                     prompt_of)  # fmt: skip
             w = None if selector.last_pi is None else 1.0 / selector.last_pi
             g = opd_gradient(run, batch, chosen, w)
             grads.append(g)

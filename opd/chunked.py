@@ -14,14 +14,17 @@ stored intermediates:
   forward (dL/dW starts as the first chunk's product, not a zero-filled buffer); the chunk's logits
   are then dropped. Backward hands the buffers to autograd as they are (a scaled copy only when the
   loss was scaled after the call), so dL/dW can become .grad without a (V, H) copy. Four LM-head
-  products in all (student, teacher, dL/dh, dL/dW), the minimum; memory O(P k + V H).
+  products in all (student, teacher, dL/dh, dL/dW), the minimum; memory O(P k + V H). A frozen LM head
+  (LoRA; any weight that needs no gradient) gets no dL/dW: three products, no (V, H) buffer, memory O(P k)
+  beyond the chunk (the same for `clamped_kl_from_hidden` and `weighted_logp_from_hidden`).
   It returns the weighted sum of Eq. 11 directly (per-token weights are the Eq. 11 weights, times the
   method's token weight `opd.weights.TokenWeight` computed from the chunk's logits), and can book the
   teacher's LM-head time separately (`timing`).
 - `topk_divergence_from_logits` (alias `topk_jsd_from_logits`): the same per-position D from given
   logits, `chunk` positions at a time; backward builds the gradient in one (N, V) buffer.
-- `sampled_logp_from_hidden`: detached log p(y_t) of the sampled tokens from hidden states (OPD-V's
-  two teachers), chunk by chunk.
+- `sampled_logp_from_hidden`: detached log p(y_t) of the sampled tokens from hidden states, at a temperature,
+  chunk by chunk (OPD-V's negative teacher at the loss temperature; OPOD's answer log-probs and KL reference);
+  `sampled_logp` the same from given logits.
 - `clamped_kl_from_hidden`: DAPD's full-vocabulary clamped forward KL(anchor || student) at a temperature
   (`divergence.clamped_forward_kl`), one or several anchors against one student forward, with its own
   analytic chunk-local gradient (in its docstring).
@@ -55,19 +58,19 @@ Full vocabulary (support 'full'; GKD, OPSD's full-vocabulary recipe): s = z - ls
 
     dD/dz_v = g_v - p_v G                       for every v (g is (C, V): O(C V) memory per chunk).
 
-g comes from autograd on the (C, k + 1) support only: generalized_jsd with alpha (divergence 'jsd')
-or bias_corrected_reverse_kl ('bc_rkl'). The importance ratio is detached and only scales a row's g.
+g comes from autograd on the support only ((C, k + 1) with the tail, (C, k) without it, (C, V) for 'full'):
+generalized_jsd with alpha (divergence 'jsd') or bias_corrected_reverse_kl ('bc_rkl'). The importance ratio is
+detached and only scales a row's g.
 
 Tests compare values and gradients with `topk_divergence` on full logits (every support and
 divergence), with autograd through an exact float64 support (the endpoints alpha = 0 and 1, k = V,
 peaked logits) and with gradcheck.
 """
 
-import time
-
 import torch
 
 from opd.divergence import bias_corrected_reverse_kl, check_loss, generalized_jsd, upcast
+from opd.schedule import Stopwatch
 from opd.utility import utility_terms
 from opd.weights import TokenWeight
 
@@ -140,8 +143,10 @@ def _logit_grad(z: torch.Tensor, ids, s_sup, g, shift, support: str, inplace: bo
     return dz.scatter_(-1, ids, g[:, :k] - s_sup[:, :k].exp() * G)  # v in I: g_v - p_v G (P_v), overwritten
 
 
-def _sampled_logp(z: torch.Tensor, token_ids: torch.Tensor) -> torch.Tensor:
-    """log p(y_t) = z_{y_t} - lse(z) for logits (C, V) and sampled ids (C,) -> (C,)."""
+def sampled_logp(logits: torch.Tensor, token_ids: torch.Tensor) -> torch.Tensor:
+    """log p(y_t) = z_{y_t} - lse(z) for logits (..., V) and sampled ids (...) -> (...), in float32 (half-precision
+    logits upcast) or float64."""
+    z = upcast(logits)
     return z.gather(-1, token_ids.unsqueeze(-1)).squeeze(-1) - torch.logsumexp(z, dim=-1)
 
 
@@ -152,23 +157,15 @@ def _owned(x: torch.Tensor) -> torch.Tensor:
 
 def _teacher_logits(h_t: torch.Tensor, w_t: torch.Tensor, timing: dict | None, temperature: float = 1.0):
     """The teacher's logits z_t = h_t W_t^T / T (C, V) and lse(z_t) (C, 1); with `timing`, their seconds are
-    added to timing['teacher_s'] (the device synchronised before and after)."""
-    if timing is not None:
-        _sync(h_t.device)
-        t0 = time.perf_counter()
+    added to timing['teacher_s'] (`schedule.Stopwatch`: the device synchronised before and after)."""
+    watch = Stopwatch(h_t.device) if timing is not None else None
     z_t = upcast(h_t @ w_t.T)  # (C, V)
     if temperature != 1.0:
         z_t = z_t.div_(temperature)
     lse_t = torch.logsumexp(z_t, dim=-1, keepdim=True)  # (C, 1)
-    if timing is not None:
-        _sync(h_t.device)
-        timing["teacher_s"] = timing.get("teacher_s", 0.0) + time.perf_counter() - t0
+    if watch is not None:
+        timing["teacher_s"] = timing.get("teacher_s", 0.0) + watch.seconds()
     return z_t, lse_t
-
-
-def _sync(device: torch.device) -> None:
-    if device.type == "cuda":
-        torch.cuda.synchronize(device)
 
 
 class _FromLogits(torch.autograd.Function):
@@ -237,6 +234,7 @@ class _FromHidden(torch.autograd.Function):
         grad_h = torch.empty_like(h_s)  # (P, H) dL/dh, one row per position
         acc_dtype = torch.float32 if w_s.dtype != torch.float64 else w_s.dtype  # dL/dW accumulates in fp32 (or fp64)
         grad_w = None  # (V, H) dL/dW: the first chunk's product, later chunks added in place (no zero-filled buffer)
+        want_w = ctx.needs_input_grad[1]  # a frozen LM head (LoRA): no dL/dW at all
         loss = torch.zeros((), dtype=torch.float64, device=h_s.device)
         d_all, terms_all = [], []
         for j in range(0, h_s.shape[0], chunk):
@@ -249,7 +247,7 @@ class _FromHidden(torch.autograd.Function):
             if tokens is not None:  # times the method's token weight w_t (opd.weights), detached
                 y = tokens.ids[j : j + chunk].unsqueeze(-1)  # (C, 1)
                 t_y = (z_t.gather(-1, y) - lse_t).squeeze(-1)  # (C,) log pi_T(y_t)
-                s_y = _sampled_logp(z, y.squeeze(-1))  # (C,) log pi_theta(y_t)
+                s_y = sampled_logp(z, y.squeeze(-1))  # (C,) log pi_theta(y_t)
                 w_tok = tokens.at(slice(j, j + chunk), s_y, t_y)  # (C,)
                 w_c = w_c * w_tok
                 extras.setdefault("token_weight", []).append(w_tok)
@@ -262,12 +260,13 @@ class _FromHidden(torch.autograd.Function):
             dz = dz.to(h_s.dtype)
             del z
             grad_h[j : j + chunk] = dz @ w  # (C, H)
-            grad_w = _accumulate(grad_w, dz, h_c, acc_dtype)  # (V, H)
+            if want_w:
+                grad_w = _accumulate(grad_w, dz, h_c, acc_dtype)  # (V, H)
             del dz
             loss += (w_c * d).sum()  # Eq. 11's sum over the chunk (`divergence.weighted_sum`)
             d_all.append(d)
             terms_all.append(terms)
-        ctx.save_for_backward(grad_h, grad_w.to(w_s.dtype))
+        ctx.save_for_backward(grad_h, _as_weight(grad_w, w_s))
         d_all, terms_all = torch.cat(d_all), torch.cat(terms_all)
         ctx.mark_non_differentiable(d_all, terms_all)
         return loss, d_all, terms_all
@@ -329,22 +328,35 @@ def budgeted_loss_from_hidden(
 
 @torch.no_grad()
 def sampled_logp_from_hidden(
-    h: torch.Tensor, w: torch.Tensor, token_ids: torch.Tensor, chunk: int = 512
+    h: torch.Tensor, w: torch.Tensor, token_ids: torch.Tensor, chunk: int = 512, temperature: float = 1.0
 ) -> torch.Tensor:
-    """Detached log p(y_t) = z_{y_t} - logsumexp(z), z = h W^T, for hidden states h (P, H), an LM-head
+    """Detached log p(y_t) = z_{y_t} - logsumexp(z), z = h W^T / T, for hidden states h (P, H), an LM-head
     weight w (V, H) and sampled ids token_ids (P,) -> (P,), `chunk` positions' logits at a time
-    (OPD-V's positive and negative teachers for `weights.trust_region`; the student's for a ratio)."""
+    (OPD-V's negative teacher for `weights.trust_region`, at the loss temperature T as the positive one in
+    `budgeted_loss_from_hidden`; OPOD's answer log-probs and KL reference at T = 1)."""
     w = w.to(h.dtype)
-    out = [_sampled_logp(upcast(h[j : j + chunk] @ w.T), token_ids[j : j + chunk]) for j in range(0, h.shape[0], chunk)]
+    out = []
+    for j in range(0, h.shape[0], chunk):
+        z = upcast(h[j : j + chunk] @ w.T)  # (C, V)
+        if temperature != 1.0:
+            z = z.div_(temperature)
+        out.append(sampled_logp(z, token_ids[j : j + chunk]))
     return torch.cat(out) if out else h.new_zeros(0, dtype=upcast(h[:0]).dtype)
 
 
-def _saved_grads(ctx, grad_loss: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+def _as_weight(grad_w: torch.Tensor | None, w: torch.Tensor) -> torch.Tensor | None:
+    """The accumulated dL/dW in the weight's dtype; None when it was not computed (a frozen weight)."""
+    return None if grad_w is None else grad_w.to(w.dtype)
+
+
+def _saved_grads(ctx, grad_loss: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor | None]:
     """The (dL/dh, dL/dW) a fused forward saved, times the incoming grad_loss: a scaled copy when the loss was
-    scaled after the call, else the buffers themselves (autograd then takes dL/dW as .grad without a (V, H) copy)."""
+    scaled after the call, else the buffers themselves (autograd then takes dL/dW as .grad without a (V, H) copy).
+    dL/dW is None for a weight that needs no gradient (never computed)."""
     grad_h, grad_w = ctx.saved_tensors
     if not bool(grad_loss == 1):
-        grad_h, grad_w = grad_h * grad_loss.to(grad_h.dtype), grad_w * grad_loss.to(grad_w.dtype)
+        grad_h = grad_h * grad_loss.to(grad_h.dtype)
+        grad_w = None if grad_w is None else grad_w * grad_loss.to(grad_w.dtype)
     return grad_h, grad_w
 
 
@@ -384,6 +396,7 @@ class _ClampedKLFromHidden(torch.autograd.Function):
         grad_h = torch.empty_like(h_s)  # (P, H)
         acc_dtype = torch.float32 if w_s.dtype != torch.float64 else w_s.dtype
         grad_w = None
+        want_w = ctx.needs_input_grad[1]  # a frozen LM head (LoRA): no dL/dW at all
         loss = torch.zeros((), dtype=torch.float64, device=h_s.device)
         d_all, terms_all = [[] for _ in anchors], []
         for j in range(0, h_s.shape[0], chunk):
@@ -405,9 +418,10 @@ class _ClampedKLFromHidden(torch.autograd.Function):
                 d_all[a].append(d)
             dz_sum = dz_sum.to(h_s.dtype)
             grad_h[j : j + chunk] = dz_sum @ w  # (C, H): one pair of LM-head products for every anchor
-            grad_w = _accumulate(grad_w, dz_sum, h_c, acc_dtype)  # (V, H)
+            if want_w:
+                grad_w = _accumulate(grad_w, dz_sum, h_c, acc_dtype)  # (V, H)
             del dz_sum, z_s
-        ctx.save_for_backward(grad_h, grad_w.to(w_s.dtype))
+        ctx.save_for_backward(grad_h, _as_weight(grad_w, w_s))
         d_all = torch.stack([torch.cat(d) for d in d_all])  # (anchors, P)
         if utility_k:
             out.append(torch.cat(terms_all))
@@ -473,6 +487,7 @@ class _WeightedLogp(torch.autograd.Function):
         grad_h = torch.empty_like(h)  # (P, H)
         acc_dtype = torch.float32 if w.dtype != torch.float64 else w.dtype
         grad_w = None
+        want_w = ctx.needs_input_grad[1]  # a frozen LM head (LoRA): no dL/dW at all
         loss = torch.zeros((), dtype=torch.float64, device=h.device)
         logp_all = []
         for j in range(0, h.shape[0], chunk):
@@ -480,17 +495,18 @@ class _WeightedLogp(torch.autograd.Function):
             z = upcast(h_c @ w_c.T)  # (C, V)
             y = token_ids[j : j + chunk]  # (C,)
             a = coef[j : j + chunk].to(z.dtype)  # (C,)
-            logp = _sampled_logp(z, y)  # (C,) log p(y_t)
+            logp = sampled_logp(z, y)  # (C,) log p(y_t)
             dz = torch.softmax(z, dim=-1).mul_(-a.unsqueeze(-1))  # (C, V) -a p_v
             dz.scatter_add_(-1, y.unsqueeze(-1), a.unsqueeze(-1))  # + a at y: a (onehot(y) - p)
             dz = dz.to(h.dtype)
             del z
             grad_h[j : j + chunk] = dz @ w_c
-            grad_w = _accumulate(grad_w, dz, h_c, acc_dtype)
+            if want_w:
+                grad_w = _accumulate(grad_w, dz, h_c, acc_dtype)
             del dz
             loss += (a * logp).sum()
             logp_all.append(logp)
-        ctx.save_for_backward(grad_h, grad_w.to(w.dtype))
+        ctx.save_for_backward(grad_h, _as_weight(grad_w, w))
         logp_all = torch.cat(logp_all)
         ctx.mark_non_differentiable(logp_all)
         return loss, logp_all

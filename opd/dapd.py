@@ -48,9 +48,9 @@ disabling the adapter; here the base is a separate frozen copy (one more model i
 
 Departures from DAPD's code (each also in the README): contexts carry the student's image; the rollout
 context of a rollout completion is the reference template with the rollout in its slot (DAPD's code
-appends the rollout after the student's own prompt and rollout instead, a repeat); sampling is Vision-OPD's
-(temperature 1, no truncation) with the run's rollouts per prompt (DAPD: one rollout at temperature 1.1,
-top-p 0.95, top-k 20); each pair's token mean is over the global (all ranks) tokens of S.
+appends the rollout after the student's own prompt and rollout instead, a repeat); `--method dapd` samples as
+DAPD does (temperature 1.1, top-p 0.95, top-k 20: its recipe, `opd.methods`) but with the run's rollouts per
+prompt (DAPD: one); each pair's token mean is over the global (all ranks) tokens of S (docs/DEPARTURES.md, 36).
 
 Sharded (`--fsdp`): both anchors are sharded like the policy (the snapshot refresh runs on local shards); every
 rank runs as many micro-batches as the busiest one, the missing ones zero-weighted padding on its row 0 (six
@@ -66,7 +66,7 @@ from dataclasses import dataclass
 import torch
 
 from opd.chunked import clamped_kl_from_hidden
-from opd.distill import completion_inputs, dummy_backward
+from opd.distill import completion_inputs, dummy_backward, global_denominator
 from opd.ema_teacher import lm_head_weight, response_hidden
 from opd.external_teachers import TeacherSet
 from opd.objective import DistillResult, Objective, ObjectiveContext, StepBatch
@@ -141,8 +141,10 @@ class DAPDConfig:
     clip: float = 0.05
     """Upper clamp of each vocabulary entry's KL contribution (DAPD's 0.05)."""
     context_thinking: bool = False
-    """The reference and rollout contexts with the thinking generation prompt (enable_thinking=True), the plain one
-    without (DAPD's code: dapd/data.py); off: every context with the run's --enable-thinking."""
+    """The reference and rollout contexts with the thinking generation prompt (enable_thinking=True), as DAPD's code
+    (dapd/data.py); the none context is the student's own prompt, with the run's --enable-thinking either way (DAPD's
+    plain context has no thinking prompt: --enable-thinking off, the default, matches it). Off: every context with
+    the run's --enable-thinking."""
 
     def check(self) -> list[str]:
         return [] if self.temperature > 0 and self.clip > 0 else ["--dapd-temperature and --dapd-clip must be positive"]
@@ -159,19 +161,21 @@ class DAPD(Objective):
                "loss_agg": "each pair is a token mean over its completion's tokens",
                "loss_temperature": "its clamped KL has its own temperature (--dapd-temperature)",
                "support": "its KL is over the full vocabulary"}  # fmt: skip
+    needs_ema_teacher = "its snapshot anchor is the run's EMA teacher, refreshed by --ema-tau (DAPD's 1)"
 
     @classmethod
     def build_teachers(cls, teachers: TeacherSet, initial_teacher) -> TeacherSet:
         """The two anchors: `snapshot`, the run's EMA teacher, and `base`, the initial weights (frozen, reloaded on
         resume)."""
         snapshot = teachers.teachers.get("teacher")
-        if snapshot is None or not snapshot.trainable:
-            raise TypeError("DAPD's snapshot is the run's EMA teacher")
+        if snapshot is None or not snapshot.trainable:  # train.check_config refuses --ema-tau 0 first
+            raise TypeError(f"DAPD: {cls.needs_ema_teacher}")
         return TeacherSet({"snapshot": snapshot, "base": initial_teacher()})
 
     def __init__(self, ctx: ObjectiveContext, config: DAPDConfig | None = None, initial_teacher=None):
         super().__init__(ctx, config or DAPDConfig(), initial_teacher)
         self.anchors = {name: ctx.teachers.teachers[name] for name in ANCHORS}
+        self._prompts: dict[tuple[str, int], object] = {}  # one step's encoded contexts (`_context_prompt`)
 
     @property
     def labels(self) -> list[str]:
@@ -186,22 +190,17 @@ class DAPD(Objective):
         refs = {j: reference_completion(ctx.tokenizer, batch.records[j].reference, eos, ctx.max_response_len)
                 for j in {*ro.prompt_index[sel].tolist(), int(ro.prompt_index[0])}}  # fmt: skip (row 0: padding)
         w = batch.weights  # unbiased selection's 1 / pi_i (None: 1): every pair's token mean in its Hajek form
-        row_w = (lambda i: float(w[i])) if w is not None else (lambda i: 1.0)  # noqa: E731
-        n_roll = int(ro.lengths[sel].sum()) if sel.numel() else 0
-        n_ref = sum(len(refs[int(ro.prompt_index[i])]) for i in sel.tolist())
-        if w is not None:
-            weighted = [sum(row_w(i) * int(ro.lengths[i]) for i in sel.tolist()),
-                        sum(row_w(i) * len(refs[int(ro.prompt_index[i])]) for i in sel.tolist())]  # fmt: skip
-        totals = acc.reduce(torch.tensor(weighted if w is not None else [n_roll, n_ref], device=device,
-                                         dtype=torch.float64), "sum").cpu()  # fmt: skip
-        res.tokens = n_roll
-        res.global_tokens = int(totals[0]) if w is None else float(totals[0])
+        # Each completion's token count over all ranks (Hajek: sum_i w_i T_i), as the family's Eq. 11 denominator.
+        ref_lengths = torch.tensor([len(refs[int(j)]) if int(j) in refs else 0 for j in ro.prompt_index.tolist()])
+        n_roll = global_denominator(acc, ro.lengths, sel, w)
+        n_ref = global_denominator(acc, ref_lengths, sel, w)
+        res.global_tokens = n_roll
         sums = torch.zeros(len(PAIRS), dtype=torch.float64)  # this rank's sum of D per pair
         res.loss_share = 0.0
         if res.global_tokens == 0:  # S is empty everywhere: no anchor forward, zero loss
             res.metrics = {f"kl_{p.name}": 0.0 for p in PAIRS}
             return res
-        denominators = {"rollout": float(totals[0]), "reference": max(1.0 if w is None else 1e-300, float(totals[1]))}
+        denominators = {"rollout": float(n_roll), "reference": max(1.0 if w is None else 1e-300, float(n_ref))}
         scale = acc.num_processes
         lengths = torch.tensor([len(batch.student_prompts[int(ro.prompt_index[i])]) for i in sel.tolist()], dtype=torch.long)
         lengths = lengths + ro.lengths[sel] + torch.tensor([len(refs[int(ro.prompt_index[i])]) for i in sel.tolist()],
@@ -213,10 +212,12 @@ class DAPD(Objective):
             rows = torch.tensor([0]) if padding else rows
             self._micro_batch(batch, rows, refs, denominators, scale, res, sums, last, padding)
 
+        self._prompts = {}
         try:
             lockstep(acc, ctx.student, {"pairs": plan}, run,
                      dummy=lambda: dummy_backward(acc, ctx.student, ro, batch.student_prompts, ctx.ids["pad"], ctx.autocast))
         finally:
+            self._prompts = {}
             for anchor in self.anchors.values():
                 reshard(anchor.model)
         reduced = acc.reduce(sums.to(device), "sum").cpu()  # every rank, also with nothing to do
@@ -227,29 +228,41 @@ class DAPD(Objective):
 
     def _inputs(self, batch: StepBatch, rows: torch.Tensor, refs: dict, completion: str, context: str):
         """(inputs, mask, width) of `rows` in one (completion, context) and their prompt lengths."""
-        ctx, ro = self.ctx, batch.rollouts
-        prompts = []
-        for i in rows.tolist():
-            j = int(ro.prompt_index[i])
-            thinking = True if self.config.context_thinking else None
-            if context == "none":
-                prompts.append(batch.student_prompts[j])
-            elif context == "reference" and not self.config.context_thinking:
-                prompts.append(batch.teacher_prompt("snapshot", "reference_answer", j))
-            elif context == "reference":
-                prompts.append(ctx.encode("reference_answer", batch.records[j], 0, None, thinking))
-            else:
-                record = batch.records[j]
-                text = ctx.tokenizer.decode(ro.response_ids[i, : int(ro.lengths[i])], skip_special_tokens=True)
-                images, _ = get_view(ctx.student_view)(record)
-                view = View(lambda r, seed, images=images, text=text: (images, context_text(r.problem, "rollout", "", text)))
-                prompts.append(ctx.encode(view, record, 0, None, thinking))
+        ro = batch.rollouts
+        prompts = [self._context_prompt(batch, i, context) for i in rows.tolist()]
         if completion == "rollout":
             completions = [ro.response_ids[i, : int(ro.lengths[i])] for i in rows.tolist()]
         else:
             completions = [refs[int(ro.prompt_index[i])] for i in rows.tolist()]
-        inputs, mask, _, width = completion_inputs(prompts, completions, ctx.ids["pad"], ctx.device)
+        inputs, mask, _, width = completion_inputs(prompts, completions, self.ctx.ids["pad"], self.ctx.device)
         return inputs, mask, width, sum(len(p) for p in prompts)
+
+    def _context_prompt(self, batch: StepBatch, i: int, context: str):
+        """Row i's prompt in a context (`context_text`): none = the student's prompt; reference = the reference view
+        (with context_thinking: encoded with the thinking prompt, once per prompt of the step); rollout = the
+        reference template with the row's decoded rollout (once per row of the step). An encoding is a pure function
+        of (record, text, thinking), so the step's cache (`self._prompts`) gives the same ids as encoding again."""
+        ctx, ro = self.ctx, batch.rollouts
+        j = int(ro.prompt_index[i])
+        thinking = True if self.config.context_thinking else None
+        if context == "none":
+            return batch.student_prompts[j]
+        if context == "reference" and not self.config.context_thinking:
+            return batch.teacher_prompt("snapshot", "reference_answer", j)  # encoded once per step by the loop
+        key = ("reference", j) if context == "reference" else ("rollout", i)
+        if key in self._prompts:
+            return self._prompts[key]
+        record = batch.records[j]
+        if context == "reference":
+            prompt = ctx.encode("reference_answer", record, 0, None, thinking)
+        else:
+            text = ctx.tokenizer.decode(ro.response_ids[i, : int(ro.lengths[i])], skip_special_tokens=True)
+            images, _ = get_view(ctx.student_view)(record)
+            question = context_text(record.problem, "rollout", "", text)
+            view = View(lambda r, seed, images=images, question=question: (images, question))
+            prompt = ctx.encode(view, record, 0, None, thinking)
+        self._prompts[key] = prompt
+        return prompt
 
     def _micro_batch(self, batch, rows, refs, denominators, scale, res, sums, last: bool, padding: bool = False) -> None:
         """One micro-batch of `rows`: the six anchor forwards, then one student forward and backward per student
@@ -257,7 +270,6 @@ class DAPD(Objective):
         and backwards with zero weights, nothing counted or labelled."""
         ctx = self.ctx
         acc, dc, device = ctx.accelerator, ctx.distill, ctx.device
-        watch, teacher_before = Stopwatch(device), res.teacher_s
         cache: dict[tuple[str, str], tuple] = {}
 
         def inputs_of(completion: str, context: str):
@@ -311,8 +323,6 @@ class DAPD(Objective):
                 res.utility[rows] = sample_utility(d_, o, c, mask).float().cpu()
         for anchor in self.anchors.values():  # sharded: the anchors' gathered roots (LM heads) are freed
             reshard(anchor.model)
-        if not padding:
-            res.student_s += watch.seconds() - (res.teacher_s - teacher_before)
 
     def after_update(self, step: int) -> None:
         """The snapshot refresh: snapshot <- policy (tau = --ema-tau, 1 for DAPD) every --ema-every steps."""

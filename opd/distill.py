@@ -4,15 +4,17 @@ A rank's selected rows are grouped by length into micro-batches (at most `micro_
 set, `micro_batch_tokens` padded teacher tokens), so the teacher computes little padding. For each
 micro-batch: the teacher's detached final hidden states on the crop prompt (Eq. 2) and the student's on
 the full-image prompt (Eq. 1), both over the same sampled response tokens; then, one chunk of
-`loss_chunk` valid positions at a time, both sides' logits through the LM head, the top-k JSD per token
-(Eq. 3) and the utility terms (Eq. 7-8), without ever holding (positions x vocabulary) logits beyond a
-chunk (`opd.chunked`); its share of the budgeted loss (Eq. 11) is backpropagated at once, and the
-utility labels (Eq. 9) come from the same chunks. `loss_chunk = 0` computes whole micro-batch logits
-instead (`opd.chunked.topk_jsd_from_logits`); tests check both against `topk_support` +
-`generalized_jsd` + `utility_labels` on full logits.
+`loss_chunk` valid positions at a time, both sides' logits through the LM head, the method's per-token
+divergence (Eq. 3 by default) and the utility terms (Eq. 7-8), without ever holding (positions x vocabulary)
+logits beyond a chunk (`opd.chunked.budgeted_loss_from_hidden`); its share of the loss (Eq. 11) is
+backpropagated at once, and the utility labels (Eq. 9) come from the same chunks. `loss_chunk = 0` computes
+whole micro-batch logits instead (`opd.chunked.topk_divergence_from_logits`); tests check both against
+`divergence.topk_divergence` + `utility_labels` on full logits.
 
-Distributed: Eq. 11's denominator is the global count of selected valid tokens (one all-reduce, run
-by every rank); DDP averages gradients over ranks, so each rank's loss is scaled by the world size.
+Distributed: the loss's denominator is global (one all-reduce, run by every rank, `global_denominator`): Eq. 11's
+count of selected valid tokens (token-mean; with unbiased selection its Hajek form sum_i w_i T_i), or the count
+|S| of selected rows with a valid token (sequence-mean, micro-batch; `AGGREGATIONS`). DDP averages gradients over
+ranks, so each rank's loss is scaled by the world size.
 Gradients are synchronised on each rank's last backward only. A rank holding no selected row while
 others do runs one zero-weighted forward/backward on one of its rows so that the gradient all-reduce
 still happens on every rank; when S is empty everywhere, no rank runs a forward.
@@ -36,8 +38,9 @@ Teachers (`opd.external_teachers`): one teacher (the EMA self-teacher or a fixed
 each row routed to one (`route`, OPOD's and `--teachers`' routing by a record field). S's rows are planned
 into micro-batches per teacher, in the teachers' fixed order, so each teacher runs only on the selected
 rows routed to it; sharded, every rank runs as many micro-batches per teacher as the busiest rank.
-`row_weights` multiplies a row's Eq. 11 weights (OPOD's per-teacher strength beta); with a token weight the
-per-row sums of w_t and of log pi_T(y_t) come back (OPOD's controller and reward).
+`row_weights` multiplies a row's Eq. 11 weights in the numerator only (OPOD's per-teacher strength beta; unbiased
+selection's 1 / pi_i, in numerator and denominator, are `sample_weights`); with a token weight the per-row sums of
+w_t and of log pi_T(y_t) come back (OPOD's controller and reward).
 
 The seam of the loop (`opd.objective`): an objective receives an `ObjectiveContext` and, each step, a
 `StepBatch`; it returns a `DistillResult` after backpropagating its share of the loss. `Distillation` here is
@@ -59,12 +62,12 @@ from dataclasses import dataclass
 import torch
 
 from opd.chat import EncodedPrompt, collate
-from opd.chunked import budgeted_loss_from_hidden, sampled_logp_from_hidden, topk_divergence_from_logits
-from opd.divergence import budgeted_weights, weighted_sum
+from opd.chunked import budgeted_loss_from_hidden, sampled_logp, sampled_logp_from_hidden, topk_divergence_from_logits
+from opd.divergence import budgeted_weights, upcast, weighted_sum
 from opd.ema_teacher import Teacher, lm_head_weight, response_hidden, response_logits
 from opd.objective import DistillResult, Objective, StepBatch
 from opd.rollout import Rollouts
-from opd.schedule import Stopwatch, TeacherCost, lockstep, plan_micro_batches, record_forward, synced
+from opd.schedule import TeacherCost, lockstep, plan_micro_batches, record_forward, synced, timed
 from opd.sharding import reshard
 from opd.utility import sample_utility
 from opd.weights import SampledLogp, TokenWeight, token_weight
@@ -136,12 +139,6 @@ def completion_inputs(
     return {k: v.to(device) for k, v in inputs.items()}, mask.to(device), ids.to(device), width
 
 
-def _sampled(logits: torch.Tensor, ids: torch.Tensor) -> torch.Tensor:
-    """log p(y_t) from logits (..., V) at ids (...) -> (...), in float32 (or float64)."""
-    z = logits if logits.dtype in (torch.float32, torch.float64) else logits.float()
-    return z.gather(-1, ids.unsqueeze(-1)).squeeze(-1) - torch.logsumexp(z, dim=-1)
-
-
 def micro_batch_loss(student, teacher: Teacher, s_inputs, t_inputs: list, mask, width: int, weights, cfg: DistillConfig,
                      response=None, old_logp=None, extras: dict | None = None):
     """This micro-batch's share of Eq. 11 (differentiable), its per-token D (detached, (n, T)), the utility
@@ -153,31 +150,32 @@ def micro_batch_loss(student, teacher: Teacher, s_inputs, t_inputs: list, mask, 
     'token_weight' (w_t) and 'teacher_logp' (log pi_T(y_t)), (n, T), 0 outside the mask.
     """
     device = mask.device
-    seconds = [0.0] * len(t_inputs)
+    costs = [TeacherCost() for _ in t_inputs]  # the teacher seconds per view (`schedule.timed`)
     weight_fn = token_weight(cfg.token_weight, cfg.is_clip)  # w_t (opd.weights), None when 1
-
-    def teacher_forward(j: int, fn):
-        watch = Stopwatch(device)
-        out = fn()
-        seconds[j] += watch.seconds()
-        return out
 
     temp = cfg.temperature
     if cfg.loss_chunk == 0:  # whole micro-batch logits: the reference path
-        t_logits = teacher_forward(0, lambda: teacher.logits(t_inputs[0], width))  # (n, T, V) Eq. 2
+        with timed(costs[0], device):
+            t_logits = teacher.logits(t_inputs[0], width)  # (n, T, V) Eq. 2
         if temp != 1.0:  # the loss temperature: both sides' logits divided
-            t_logits = t_logits.float() / temp
+            t_logits = upcast(t_logits) / temp  # (float64 stays float64)
         negative = None
-        if len(t_inputs) > 1:  # OPD-V's negative teacher: its sampled-token log-probs only
-            negative = teacher_forward(1, lambda: _sampled(teacher.logits(t_inputs[1], width), response))  # (n, T)
+        if len(t_inputs) > 1:  # OPD-V's negative teacher: its sampled-token log-probs only, at the same temperature
+            with timed(costs[1], device):
+                n_logits = teacher.logits(t_inputs[1], width)  # (n, T, V)
+                if temp != 1.0:
+                    n_logits = upcast(n_logits) / temp
+                negative = sampled_logp(n_logits, response)  # (n, T)
+                del n_logits
         s_logits = response_logits(student, s_inputs, width)  # (n, T, V) Eq. 1
         if temp != 1.0:
-            s_logits = s_logits.float() / temp
+            s_logits = upcast(s_logits) / temp
         per_token, terms = topk_divergence_from_logits(
             s_logits, t_logits, cfg.k, cfg.alpha, support=cfg.support, divergence=cfg.divergence
         )  # (n, T) Eq. 3 (or the method's D), (n, T, 3)
         if weight_fn is not None:
-            sampled = SampledLogp(_sampled(s_logits.detach(), response), _sampled(t_logits, response), old_logp, negative)
+            sampled = SampledLogp(sampled_logp(s_logits.detach(), response), sampled_logp(t_logits, response), old_logp,
+                                  negative)  # fmt: skip
             w_tok = weight_fn(sampled)  # (n, T)
             weights = weights * w_tok
             if extras is not None:
@@ -185,15 +183,17 @@ def micro_batch_loss(student, teacher: Teacher, s_inputs, t_inputs: list, mask, 
         loss = weighted_sum(per_token, weights)  # Eq. 11's share of this micro-batch
         per_token = per_token.detach()
     else:  # final hidden states, LM head chunk by chunk
-        h_t = teacher_forward(0, lambda: teacher.hidden(t_inputs[0], width)[mask])  # (P, H) Eq. 2, valid positions
+        with timed(costs[0], device):
+            h_t = teacher.hidden(t_inputs[0], width)[mask]  # (P, H) Eq. 2, valid positions
         w_t = lm_head_weight(teacher.model)  # after the forward: gathered there when sharded
         tokens = None
         if weight_fn is not None:
             y = response[mask]  # (P,)
             negative = None
-            if len(t_inputs) > 1:  # OPD-V's negative teacher: its sampled-token log-probs only
-                negative = teacher_forward(1, lambda: sampled_logp_from_hidden(
-                    teacher.hidden(t_inputs[1], width)[mask], w_t, y, cfg.loss_chunk))  # (P,)
+            if len(t_inputs) > 1:  # OPD-V's negative teacher: its sampled-token log-probs only, at the same temperature
+                with timed(costs[1], device):
+                    negative = sampled_logp_from_hidden(teacher.hidden(t_inputs[1], width)[mask], w_t, y,
+                                                        cfg.loss_chunk, temperature=temp)  # (P,)  # fmt: skip
             tokens = TokenWeight(weight_fn, y, old_logp[mask] if old_logp is not None else None, negative)
         h_s = response_hidden(student, s_inputs, width)[mask]  # (P, H) Eq. 1
         w_s = lm_head_weight(getattr(student, "module", student))  # DDP: .module
@@ -203,7 +203,7 @@ def micro_batch_loss(student, teacher: Teacher, s_inputs, t_inputs: list, mask, 
             h_s, w_s, h_t, w_t, weights[mask], cfg.k, cfg.alpha, cfg.loss_chunk, support=cfg.support,
             divergence=cfg.divergence, tokens=tokens, timing=timing, extras=flat, temperature=temp,
         )  # Eq. 11 of Eq. 3 (or the method's D)
-        seconds[0] += timing.get("teacher_s", 0.0)  # the teacher's LM head inside the fused loss
+        costs[0].seconds += timing.get("teacher_s", 0.0)  # the teacher's LM head inside the fused loss
         if tokens is not None and extras is not None:
             for key, values in flat.items():
                 extras[key] = torch.zeros(mask.shape, dtype=values.dtype, device=device).masked_scatter(mask, values)
@@ -213,7 +213,7 @@ def micro_batch_loss(student, teacher: Teacher, s_inputs, t_inputs: list, mask, 
     d, o, c = terms.unbind(-1)  # (n, T) each, Eq. 7-8
     o = o if cfg.use_overlap else torch.ones_like(o)
     c = c if cfg.use_confidence else torch.ones_like(c)
-    return loss, per_token, sample_utility(d, o, c, mask), seconds
+    return loss, per_token, sample_utility(d, o, c, mask), [cost.seconds for cost in costs]
 
 
 def distill(
@@ -242,9 +242,9 @@ def distill(
     same order on every rank), with teacher_prompt(name, view, j) and route[i] = the teacher name of local
     row i. teacher_prompt is called only for prompts with a selected row. teacher_views: the positive
     teacher's view first, then OPD-V's negative one. autocast() -> the mixed precision context of the
-    forwards. row_weights (N_local,): multiplies each row's Eq. 11 weights (OPOD's beta). sample_weights
-    (N_local,): unbiased selection's w_i = 1 / pi_i, Eq. 11 in its Hajek form (numerator and the global
-    denominator weighted, `divergence.budgeted_weights`). sync=False: no backward synchronises DDP gradients (a
+    forwards. row_weights (N_local,): multiplies each row's Eq. 11 weights, numerator only (OPOD's beta).
+    sample_weights (N_local,): unbiased selection's w_i = 1 / pi_i, Eq. 11 in its Hajek form (numerator and the
+    global denominator weighted, `divergence.budgeted_weights`). sync=False: no backward synchronises DDP gradients (a
     later pass of the caller does). label(name, view) -> the ledger label of a teacher's view (default: the view
     with one teacher, name:view with several).
     """
@@ -259,7 +259,6 @@ def distill(
                         teachers={label(n, v): TeacherCost() for n in names for v in teacher_views})  # fmt: skip
     if cfg.token_weight != "none" or cfg.is_clip:
         res.token_weight_sum, res.teacher_logp_sum = torch.zeros(len(rollouts)), torch.zeros(len(rollouts))
-    res.tokens = int(rollouts.lengths[selected].sum()) if selected.numel() else 0
     if cfg.aggregation == "token-mean":
         res.global_tokens = global_denominator(accelerator, rollouts.lengths, selected, sample_weights)
     else:  # the selected rows with a valid token (sequence-mean, micro-batch): |S|
@@ -272,8 +271,8 @@ def distill(
     float64 = next(student.parameters()).dtype == torch.float64  # Eq. 11's weights in float64 for a float64 policy
     ctx = _Context(accelerator, student, rollouts, student_prompts, prompt, cfg, pad_id, autocast, teacher_views,
                    res, scale, weights, label, torch.float64 if float64 else torch.float32, sample_weights)  # fmt: skip
-    plans = {n: _plan(rollouts, ctx.prompt_of(n), selected[[route[i] == n for i in selected.tolist()]] if selected.numel()
-                      else selected, cfg, teacher_views[0]) for n in names}  # fmt: skip
+    plans = {n: plan_rows(rollouts, ctx.prompt_of(n), selected[[route[i] == n for i in selected.tolist()]]
+                          if selected.numel() else selected, cfg, teacher_views[0]) for n in names}  # fmt: skip
 
     def run(name: str, rows, last: bool) -> None:
         padding = rows is None
@@ -351,7 +350,8 @@ class _Context:
         return lambda view, j: self.teacher_prompt(name, view, j)
 
 
-def _plan(rollouts: Rollouts, teacher_prompt, selected: torch.Tensor, cfg: DistillConfig, view: str) -> list[torch.Tensor]:
+def plan_rows(rollouts: Rollouts, teacher_prompt, selected: torch.Tensor, cfg: DistillConfig,
+              view: str) -> list[torch.Tensor]:  # fmt: skip
     """This rank's micro-batches of `selected` (local row ids), grouped by teacher length."""
     if not selected.numel():
         return []
@@ -368,7 +368,6 @@ def _run_micro_batch(ctx: _Context, name: str, teacher: Teacher, rows: torch.Ten
     acc, rollouts, res, cfg = ctx.accelerator, ctx.rollouts, ctx.res, ctx.cfg
     device = acc.device
     prompt_ids = rollouts.prompt_index[rows].tolist()
-    watch = Stopwatch(device)
     t_inputs = []
     for view in ctx.views:
         prompts = [ctx.student_prompts[p] if padding else ctx.teacher_prompt(name, view, p) for p in prompt_ids]
@@ -393,17 +392,15 @@ def _run_micro_batch(ctx: _Context, name: str, teacher: Teacher, rows: torch.Ten
     reshard(teacher.model)  # sharded: the teacher's gathered root (LM head) is freed before the student's backward
     acc.backward(loss)
     del per_token
-    elapsed = watch.seconds()
     if padding:
         return
-    res.loss_sum += float(loss.detach()) * res.global_tokens / ctx.scale  # sum of w_t D over S's tokens
+    res.loss_sum += float(loss.detach()) * res.global_tokens / ctx.scale  # its share of the loss, times the denominator
     res.utility[rows] = u.float().cpu()
     if "token_weight" in extras:
         res.token_weight_sum[rows] = extras["token_weight"].sum(-1).float().cpu()
         res.teacher_logp_sum[rows] = extras["teacher_logp"].sum(-1).float().cpu()
     for view, sec in zip(ctx.views, seconds):
         res.teachers[ctx.label(name, view)].seconds += sec
-    res.student_s += elapsed - sum(seconds)
 
 
 class Distillation(Objective):

@@ -270,21 +270,23 @@ def budgeted_weights(
     mask: torch.Tensor,
     denominator: torch.Tensor | float | None = None,
     dtype: torch.dtype = torch.float32,
-    row_weights: torch.Tensor | None = None,
+    sample_weights: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """Eq. 11's weight of each token: z_i m_{i,t} / max(1, sum_i sum_t z_i m_{i,t}), shape (N, T).
 
-    With row weights w_i (unbiased selection's 1 / pi_i, `opd.selectors`) the Hajek form of the full-query token
-    mean: w_i z_i m_{i,t} / sum_i w_i z_i sum_t m_{i,t} (the denominator clamped at 1 only without weights).
-    `denominator` replaces the sum when the batch is split: the training loop evaluates Eq. 11 one micro-batch
-    (and one rank) at a time with the global (weighted) count, so the parts add up to Eq. 11.
+    With sample weights w_i (unbiased selection's 1 / pi_i, `opd.selectors`) the Hajek form of the full-query token
+    mean: w_i z_i m_{i,t} / sum_i w_i z_i sum_t m_{i,t}, w_i in the numerator *and* the denominator (clamped at 1
+    only without weights). (A weight of the numerator alone, such as OPOD's beta, is `selected`'s value z_i, or
+    `opd.distill`'s `row_weights`.) `denominator` replaces the sum when the batch is split: the training loop
+    evaluates Eq. 11 one micro-batch (and one rank) at a time with the global (weighted) count, so the parts add
+    up to Eq. 11.
     """
     zm = selected.to(dtype).unsqueeze(-1) * mask.to(dtype)  # (N, T)
-    if row_weights is not None:
-        zm = zm * row_weights.to(dtype).unsqueeze(-1)  # (N, T)
+    if sample_weights is not None:
+        zm = zm * sample_weights.to(dtype).unsqueeze(-1)  # (N, T)
     if denominator is None:
         denominator = zm.sum()
-    floor = 1.0 if row_weights is None else torch.finfo(zm.dtype).tiny
+    floor = 1.0 if sample_weights is None else torch.finfo(zm.dtype).tiny
     return zm / torch.clamp(torch.as_tensor(denominator, dtype=zm.dtype, device=zm.device), min=floor)
 
 
@@ -293,7 +295,7 @@ def budgeted_loss(
     selected: torch.Tensor,
     mask: torch.Tensor,
     denominator: torch.Tensor | float | None = None,
-    row_weights: torch.Tensor | None = None,
+    sample_weights: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """Eq. 11 of the paper: the budgeted objective, a masked token mean over selected rows.
 
@@ -301,14 +303,14 @@ def budgeted_loss(
 
     per_token (N, T) holds D_alpha, selected (N,) is z_i, mask (N, T) is m_{i,t}. With no selected
     valid token the result is an exact zero (the denominator is clamped to at least 1).
-    `denominator`: see `budgeted_weights`. `row_weights` (N,) w_i: the Hajek form
+    `denominator`: see `budgeted_weights`. `sample_weights` (N,) w_i: the Hajek form
 
         L = sum_i w_i z_i sum_t m_{i,t} D_{i,t} / sum_i w_i z_i sum_t m_{i,t},
 
     with w_i = 1 / pi_i a consistent estimate of the full-query token mean whatever the inclusion probabilities
     pi of a sampled S (unbiased selection, `opd.selectors.sample_with_probabilities`); w = 1 is today's Eq. 11.
     """
-    return weighted_sum(per_token, budgeted_weights(selected, mask, denominator, per_token.dtype, row_weights))
+    return weighted_sum(per_token, budgeted_weights(selected, mask, denominator, per_token.dtype, sample_weights))
 
 
 def weighted_sum(per_token: torch.Tensor, weights: torch.Tensor) -> torch.Tensor:

@@ -1,12 +1,14 @@
 """The crop-conditioned EMA teacher theta-bar (Eq. 2; Algorithm 1, lines 1, 11 and 13).
 
-A separate, frozen copy of the policy initialised from the same weights, updated only by
-theta-bar <- (1 - tau) theta-bar + tau theta after a valid student update. It scores the student's own
-response tokens after its privileged prompt, only for selected rows, detached. `rows_scored` and
-`batches` count every row and batch it has been asked about, so the budget can be audited.
+`EMATeacher` (full fine-tuning): a separate copy of the policy initialised from the same weights, without
+gradients (no optimizer moves it), updated only by theta-bar <- (1 - tau) theta-bar + tau theta after a valid
+student update. With LoRA (`AdapterTeacher`) it is no copy: the policy's own base with the adapter `teacher`,
+the adapter updated the same way (`opd.lora`). Either scores the student's own response tokens after its
+privileged prompt, only for selected rows, detached. `rows_scored` and `batches` count every row and batch it
+has been asked about, so the budget can be audited.
 
-`Teacher` is the frozen base (an external checkpoint, DAPD's `base` anchor): the same scoring and
-counting, no update.
+`Teacher` is a fixed one (an external checkpoint, DAPD's `base` anchor): the same scoring and counting, no
+update.
 
 Under `--fsdp` the teacher is sharded exactly like the policy (`opd.sharding.shard_model`), and both
 line 1 and line 13 run on each rank's own float32 shards, with no communication; forwards that only
@@ -55,8 +57,9 @@ class Teacher:
     An external teacher (`--teacher-model`, `--teachers`, `opd.external_teachers`) is one; so is DAPD's `base`
     anchor. `processor` encodes its prompts (None: the policy's)."""
 
-    def __init__(self, model: torch.nn.Module, processor=None):
-        self.model = model.eval().requires_grad_(False)
+    def __init__(self, model: torch.nn.Module, processor=None, *, freeze: bool = True):
+        """freeze=False (`AdapterTeacher`): `model` is the policy itself, left in its mode and trainable."""
+        self.model = model.eval().requires_grad_(False) if freeze else model
         self.processor = processor
         self.rows_scored = 0
         self.batches: list[int] = []
@@ -98,6 +101,17 @@ class Teacher:
         return response_hidden(self.model, inputs, n_response).detach()
 
 
+@torch.no_grad()
+def ema_(pairs, tau: float) -> None:
+    """Algorithm 1, line 13 on (teacher tensor, student tensor) pairs, in place: theta-bar <- (1 - tau) theta-bar +
+    tau theta (`lerp_`, the student cast to the teacher's dtype); tau = 1 copies (DAPD's snapshot refresh)."""
+    for t, s in pairs:
+        if tau == 1.0:
+            t.copy_(s.detach())
+        else:
+            t.lerp_(s.detach().to(t.dtype), tau)
+
+
 class EMATeacher(Teacher):
     trainable = True
 
@@ -119,11 +133,7 @@ class EMATeacher(Teacher):
         """Algorithm 1, line 13: theta-bar <- (1 - tau) theta-bar + tau theta (parameters; buffers copied).
         Sharded models: on each rank's local shards (the two are sharded alike). tau = 1 copies the
         student (DAPD's snapshot refresh)."""
-        for t, s in local_pairs(self.model, student):
-            if tau == 1.0:
-                t.copy_(s.detach())
-            else:
-                t.lerp_(s.detach().to(t.dtype), tau)
+        ema_(local_pairs(self.model, student), tau)
         for t, s in zip(self.model.buffers(), student.buffers(), strict=True):
             t.copy_(s)
 
@@ -135,12 +145,8 @@ class AdapterTeacher(Teacher):
     (no LoRA dropout) with the adapter active and no gradient, then the policy's own adapter and mode come back."""
 
     def __init__(self, model: torch.nn.Module, adapter: str | None, processor=None):
-        self.model = model  # the policy's peft model, unwrapped: nothing is frozen or copied here
+        super().__init__(model, processor, freeze=False)  # the policy's peft model, unwrapped: nothing frozen or copied
         self.adapter = adapter
-        self.processor = processor
-        self.rows_scored = 0
-        self.batches: list[int] = []
-        self._counting = True
 
     @property
     def trainable(self) -> bool:

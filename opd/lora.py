@@ -11,8 +11,8 @@ same base with another adapter, or with none. One base in memory.
   layers read `_active_adapter`; set directly, so no parameter's requires_grad changes) in eval mode (no LoRA
   dropout), without gradient.
 - A fixed teacher (OPSD, `--ema-tau 0`) and DAPD's `base` anchor: the base with the adapter disabled, as OPSD's and
-  DAPD's code read it (`disable_adapter`); DAPD's `snapshot` is an adapter `snapshot`, a copy of `default` refreshed
-  every `--ema-every` steps.
+  DAPD's code read it (`disable_adapter`); DAPD's `snapshot` is the EMA teacher, the adapter `teacher` (a copy of
+  `default` refreshed every `--ema-every` steps by DAPD's tau = 1).
 
 Checkpoints hold the adapters (`save_adapter`: adapter_model.safetensors + adapter_config.json, whose
 `base_model_name_or_path` is the run's initial model), not the base; `opd.model.load_model` merges an adapter folder
@@ -27,6 +27,7 @@ from __future__ import annotations
 import contextlib
 import json
 import re
+import warnings
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -82,7 +83,9 @@ def wrap(model: nn.Module, lora: LoRASettings, adapters: tuple[str, ...] = ()) -
 
     config = LoraConfig(r=lora.r, lora_alpha=lora.scale_alpha, lora_dropout=lora.dropout,
                         target_modules=target_modules(lora.targets), bias="none")  # fmt: skip
-    peft_model = get_peft_model(model, config)
+    with warnings.catch_warnings():  # peft reads transformers' deprecated `is_gradient_checkpointing` (a v6 rename)
+        warnings.filterwarnings("ignore", message=".*is_gradient_checkpointing.*", category=FutureWarning)
+        peft_model = get_peft_model(model, config)
     for name in adapters:
         peft_model.add_adapter(name, config)
         copy_adapter(peft_model, STUDENT, name)
@@ -150,12 +153,11 @@ def copy_adapter(model: nn.Module, source: str, target: str) -> None:
 
 @torch.no_grad()
 def ema_adapter(model: nn.Module, target: str, tau: float) -> None:
-    """theta-bar <- (1 - tau) theta-bar + tau theta on the adapters' parameters (tau = 1: a copy)."""
-    for t, s in adapter_pairs(model, target):
-        if tau == 1.0:
-            t.copy_(s.detach())
-        else:
-            t.lerp_(s.detach().to(t.dtype), tau)
+    """theta-bar <- (1 - tau) theta-bar + tau theta on the adapters' parameters (tau = 1: a copy), by
+    `opd.ema_teacher.ema_` (the full model's update)."""
+    from opd.ema_teacher import ema_
+
+    ema_(adapter_pairs(model, target), tau)
 
 
 def adapter_state(model: nn.Module, name: str, state_dict: dict | None = None) -> dict[str, torch.Tensor]:
@@ -179,14 +181,21 @@ def save_adapter(model: nn.Module, name: str, folder: Path, state_dict: dict | N
 
 
 def load_adapter(model: nn.Module, name: str, folder: Path) -> None:
-    """Loads `folder`'s adapter weights (saved by `save_adapter`) into the adapter `name`."""
+    """Loads `folder`'s adapter weights (saved by `save_adapter`) into the adapter `name`. Every LoRA tensor of that
+    adapter must come from the file: a missing one (another --lora-targets or rank, a truncated file) would keep
+    its initial value silently, so it is an error, as is a tensor the model has no place for."""
     from peft import set_peft_model_state_dict
     from safetensors.torch import load_file
 
-    result = set_peft_model_state_dict(model, load_file(str(Path(folder) / "adapter_model.safetensors")), adapter_name=name)
-    unexpected = getattr(result, "unexpected_keys", [])
+    path = Path(folder) / "adapter_model.safetensors"
+    result = set_peft_model_state_dict(model, load_file(str(path)), adapter_name=name)
+    unexpected = list(getattr(result, "unexpected_keys", []))
     if unexpected:
         raise ValueError(f"{folder}: adapter weights the model has no place for: {unexpected[:3]}")
+    missing = [k for k in getattr(result, "missing_keys", []) if "lora_" in k and f".{name}." in k]
+    if missing:
+        raise ValueError(f"{path}: {len(missing)} tensors of the adapter '{name}' are missing (e.g. {missing[:3]}): "
+                         "the checkpoint was saved with other --lora-targets / --lora-r, or is incomplete")
     _set_trainable(model)
 
 
@@ -200,7 +209,9 @@ def merged(path: str | Path, load_base) -> nn.Module:
     from peft import PeftModel
 
     base_path = json.loads((Path(path) / "adapter_config.json").read_text())["base_model_name_or_path"]
-    model = PeftModel.from_pretrained(load_base(base_path), str(path))
+    with warnings.catch_warnings():
+        warnings.filterwarnings("ignore", message=".*is_gradient_checkpointing.*", category=FutureWarning)
+        model = PeftModel.from_pretrained(load_base(base_path), str(path))
     return model.merge_and_unload()
 
 

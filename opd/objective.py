@@ -59,18 +59,21 @@ class DistillResult:
     """What an objective returns for one step on this rank."""
 
     loss_sum: float = 0.0
-    """sum over this rank's selected valid tokens of w D (Eq. 11's numerator, local part)."""
-    tokens: int = 0
-    """this rank's selected valid tokens (Eq. 11's denominator, local part)."""
+    """This rank's share of the loss times `global_tokens`: the local part of the loss's numerator. Token-mean (Eq.
+    11): sum over this rank's selected valid tokens of w D (w the token weight times OPOD's beta; with unbiased
+    selection times 1 / pi_i); sequence-mean: sum over its rows of S of the row's mean D; micro-batch: sum over its
+    micro-batches of n_b times the micro-batch's token mean. OPOD: of its gated distillation term only (its
+    `loss_share` adds the policy gradient and the KL)."""
     global_tokens: float = 0
-    """Eq. 11's denominator over all ranks: the selected valid tokens (an int), or sum_i w_i T_i with unbiased
-    selection's weights."""
+    """The loss's denominator over all ranks (`opd.distill.global_denominator`): token-mean, the selected valid tokens
+    (an int), or sum_i w_i T_i with unbiased selection's weights (a float); sequence-mean and micro-batch, the
+    number |S| of selected rows with a valid token; DAPD, the rollout completions' tokens (weighted alike). 0: S is
+    empty everywhere."""
     utility: torch.Tensor = field(default_factory=lambda: torch.zeros(0))
     """(N_local,) u_i for selected rows, NaN for unselected rows (they get no label)."""
     teachers: dict[str, TeacherCost] = field(default_factory=dict)
     """Per ledger label (teacher view, or teacher:view): rows, prompt + valid response tokens, input tokens
     with padding, seconds."""
-    student_s: float = 0.0
     token_weight_sum: torch.Tensor = field(default_factory=lambda: torch.zeros(0))
     """(N_local,) with a token weight: sum over the row's valid tokens of w_t (0 outside S; OPOD's gate)."""
     teacher_logp_sum: torch.Tensor = field(default_factory=lambda: torch.zeros(0))
@@ -136,11 +139,15 @@ class Objective:
     """The interface of an objective (`opd.distill.Distillation`, `opd.dapd.DAPD`, `opd.opod.OPOD`).
 
     Class attributes: `name` (the prefix of its flags), `Config` (its config dataclass, or None), `refuses` (the
-    run's flags that do not apply to it, each with the reason: refused by name when given)."""
+    run's flags that do not apply to it, {TrainConfig field: reason}: `train.check_config` refuses the run, naming
+    the flag and the reason, when the field's value differs from TrainConfig's default, whether or not the flag
+    was given; the method's own settings must leave these fields at their defaults), `needs_ema_teacher` (a reason
+    when the objective anchors on the run's EMA teacher, so --ema-tau 0, a fixed teacher, is refused; '': none)."""
 
     name: str = ""
     Config: type | None = None
     refuses: dict[str, str] = {}
+    needs_ema_teacher: str = ""
 
     @classmethod
     def build_teachers(cls, teachers, initial_teacher: Callable[[], object]):

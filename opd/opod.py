@@ -326,8 +326,10 @@ class OPOD(Objective):
 
     def _policy_gradient(self, batch: StepBatch, res: DistillResult, adv: torch.Tensor) -> tuple[float, float]:
         """Backpropagates -pg_weight sum Ahat_i log pi_theta(y_t) / N (+ the KL) on this rank's rows of S, the last
-        backward synchronising DDP's gradients (a rank without rows: a zero-weighted one). Returns this rank's
-        share of the PG value and of the KL value."""
+        backward synchronising DDP's gradients (a rank without rows: a zero-weighted one). With unbiased selection
+        (`batch.weights`) both terms are Hajek token means: row i's PG and KL terms times w_i = 1 / pi_i, over
+        N = sum_i w_i T_i (the distillation's denominator). Returns this rank's share of the PG value and of the KL
+        value."""
         ctx, c = self.ctx, self.config
         acc, dc = ctx.accelerator, ctx.distill
         ro, sel, device = batch.rollouts, batch.selected, ctx.device
@@ -335,7 +337,8 @@ class OPOD(Objective):
         chunk = dc.loss_chunk
         plan = [sel[g] for g in plan_micro_batches(ro.lengths[sel], dc.micro_batch, dc.micro_batch_tokens)] if sel.numel() else []
         adv_of = dict(zip(sel.tolist(), adv.tolist())) | ({} if 0 in sel.tolist() else {0: 0.0})
-        if batch.weights is not None:  # unbiased selection: each row's term times 1 / pi_i (Hajek, with n_global)
+        weighted = batch.weights is not None  # unbiased selection: each row's PG and KL terms times w_i = 1 / pi_i,
+        if weighted:  # over n_global = sum_i w_i T_i (the Hajek form of both token means)
             adv_of = {i: a * float(batch.weights[i]) for i, a in adv_of.items()}
         values = [0.0, 0.0]  # this rank's PG and KL values
 
@@ -354,8 +357,13 @@ class OPOD(Objective):
                         h_r = self.reference.hidden(inputs, width)[mask]
                         ref = sampled_logp_from_hidden(h_r, lm_head_weight(self.reference.model), y, chunk or max(1, h_r.shape[0]))
                     old = ro.logp[rows, :width].to(device)[mask].to(ref.dtype)  # (P,) log pi_theta at sampling
-                    k3 = torch.exp(ref - old) - (ref - old) - 1.0
-                    coef = coef + c.kl * (1.0 - torch.exp(ref - old)) / n_global  # d k3 / d log pi
+                    k3 = torch.exp(ref - old) - (ref - old) - 1.0  # (P,)
+                    kl_coef = c.kl * (1.0 - torch.exp(ref - old))  # (P,) d k3 / d log pi
+                    if weighted and not padding:  # each position times its row's 1 / pi_i
+                        w_rows = batch.weights[rows].to(device=device, dtype=k3.dtype)  # (n,)
+                        w_pos = w_rows.unsqueeze(-1).expand(mask.shape)[mask]  # (P,)
+                        k3, kl_coef = k3 * w_pos, kl_coef * w_pos
+                    coef = coef + kl_coef / n_global
                     reshard(self.reference.model)
                 if padding:
                     coef, k3 = torch.zeros_like(coef), None

@@ -96,10 +96,11 @@ def prefill_shared_cache(model, batch: dict[str, torch.Tensor], n: int):
 
     The prompts minus their last token (a text token under left padding) go through one forward with
     the images; the cache rows (KV and linear-attention states) are repeated n times in place, and
-    so is Qwen's M-RoPE offset (`rope_deltas`), which generate() reads without expanding it.
+    so is Qwen's M-RoPE offset (`rope_deltas`), which generate() reads without expanding it. Only the
+    cache is used: the forward keeps one position's logits (logits_to_keep=1), not (prompts, L - 1, V).
     """
     prefix = {k: (v[:, :-1] if k in ("input_ids", "attention_mask", "mm_token_type_ids") else v) for k, v in batch.items()}
-    out = model(**prefix, use_cache=True)
+    out = model(**prefix, use_cache=True, logits_to_keep=1)
     cache = getattr(out, "cache", None) or getattr(out, "past_key_values", None)
     if cache is None or not hasattr(cache, "reorder_cache"):
         return None

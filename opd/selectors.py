@@ -5,7 +5,7 @@
 
 Every selector sees the *global* candidate batch (features all-gathered from every rank) and returns
 global row indices; it uses no per-rank randomness, so all ranks make the same selection.
-|S| <= K always holds; `select` asserts it.
+|S| <= K always holds; `select` checks it (a RuntimeError otherwise).
 
 - full: S = C (rho must be 1).
 - random (Appendix A.1): K uniform picks without replacement, from a CPU permutation seeded by the
@@ -76,8 +76,8 @@ def learned_subset(
 def capped(order: torch.Tensor, n: int, prompt_of: torch.Tensor | None, cap: int) -> torch.Tensor:
     """The first n rows of `order` (global row ids, in preference order) taking at most `cap` rows of any one
     prompt (`prompt_of`: each row's prompt id); cap 0 or no prompt ids: simply the first n."""
-    if not cap or prompt_of is None:
-        return order[:n]
+    if not cap or prompt_of is None or n <= 0:
+        return order[: max(n, 0)]
     taken: dict[int, int] = {}
     keep = []
     for i in order.tolist():
@@ -97,7 +97,10 @@ def inclusion_probabilities(scores: torch.Tensor, k: int, uniform_mix: float = 0
         pi_i = min(1, c p_i),  c such that sum_i pi_i = k,
 
     the rows that reach 1 capped and their excess spread over the others in proportion to p (repeated until no
-    row exceeds 1). All non-positive scores give the uniform pi = k / n. pi is non-decreasing in the score. float64."""
+    row exceeds 1). All non-positive scores give the uniform pi = k / n. pi is non-decreasing in the score. float64.
+    With m = 0 and some scores positive, a row with score <= 0 gets pi = 0: it is never drawn, and the Hajek
+    weights 1 / pi then estimate the full-query mean over the positive-score rows only (train.py refuses
+    --unbiased without exploration). Non-finite scores: ValueError."""
     n = scores.numel()
     if not 0 <= k <= n:
         raise ValueError(f"cannot sample {k} of {n} rows")
@@ -105,10 +108,11 @@ def inclusion_probabilities(scores: torch.Tensor, k: int, uniform_mix: float = 0
         raise ValueError(f"uniform_mix must lie in [0, 1], got {uniform_mix}")
     if n == 0 or k == 0:
         return torch.zeros(n, dtype=torch.float64)
+    bad = int((~torch.isfinite(scores.double())).sum())
+    if bad:
+        raise ValueError(f"scores must be finite: {bad} of {n} are NaN or infinite")
     s = scores.double().clamp(min=0.0)  # (n,)
     total = s.sum()
-    if not torch.isfinite(total):
-        raise ValueError("scores must be finite")
     p = torch.full((n,), 1.0 / n, dtype=torch.float64) if total <= 0 else (1 - uniform_mix) * s / total + uniform_mix / n
     pi = torch.zeros(n, dtype=torch.float64)
     full = torch.zeros(n, dtype=torch.bool)
@@ -135,16 +139,36 @@ def sample_with_probabilities(pi: torch.Tensor, generator: torch.Generator) -> t
     at most one of the points and holds one with probability exactly pi_i, whatever the order (first-order inclusion
     probabilities exact, size exactly k). The random order makes every pair of rows possible together. Chosen over
     conditional Poisson sampling: exact pi without an iterative fit, O(n), two draws of the generator. pi (n,)
-    float64 with an integer sum (`inclusion_probabilities`)."""
+    float64 with an integer sum (`inclusion_probabilities`). Rows with pi_i = 0 are left out of the line (after
+    the permutation, so the draws are the same): they are never drawn, also when the last end is set to exactly
+    k against cumsum rounding."""
     k = int(round(float(pi.sum())))
     if k == 0:
         return torch.zeros(0, dtype=torch.long)
     perm = torch.randperm(pi.numel(), generator=generator)  # (n,)
-    ends = torch.cumsum(pi[perm].double(), 0)  # (n,) the right end of each row's interval
+    perm = perm[pi[perm] > 0]  # (n',) the rows that can be drawn
+    ends = torch.cumsum(pi[perm].double(), 0)  # (n',) the right end of each row's interval
     ends[-1] = float(k)  # the exact total (cumsum rounding)
     points = torch.rand(1, generator=generator, dtype=torch.float64) + torch.arange(k, dtype=torch.float64)  # (k,)
-    positions = torch.searchsorted(ends, points, right=True).clamp(max=pi.numel() - 1)  # (k,)
+    positions = torch.searchsorted(ends, points, right=True).clamp(max=perm.numel() - 1)  # (k,)
     return perm[positions]
+
+
+def check_finite(scores: torch.Tensor, policy: str, has_entropy: bool, step: int) -> None:
+    """RuntimeError, before sampling, when unbiased selection's scores hold NaN or infinity: names their source
+    (f_psi's predicted utilities, or the rollouts' mean entropy / NLL features) and the remedy."""
+    bad = int((~torch.isfinite(scores.double())).sum())
+    if not bad:
+        return
+    if policy == "learned":
+        what = "the utility predictor f_psi's outputs u^"
+        remedy = ("f_psi has diverged: lower --selector-lr, or resume from an earlier checkpoint; check that the "
+                  "utility labels (Eq. 9) of past steps were finite")
+    else:
+        what = "the rollouts' mean token " + ("entropy" if has_entropy else "NLL") + " (Eq. 5's feature)"
+        remedy = "the policy's sampling log-probs are non-finite: check the rollouts (and the loss) of the last steps"
+    raise RuntimeError(f"step {step}: unbiased selection cannot sample: {bad} of {scores.numel()} candidates' scores "
+                       f"are NaN or infinite ({what}); {remedy}")
 
 
 def entropy_scores(phi: torch.Tensor, has_entropy: bool) -> torch.Tensor:
@@ -194,6 +218,7 @@ class Selector:
                 scores = self.model.predict(phi)[candidates]
             else:  # before f_psi's first update: uniform
                 scores = torch.ones(candidates.numel())
+            check_finite(scores, self.policy, has_entropy, step)
             pi_c = inclusion_probabilities(scores, budget, self.epsilon)  # (|C|,)
             picked = sample_with_probabilities(pi_c, generator)
             chosen, pi = candidates[picked], pi_c[picked]
@@ -202,8 +227,8 @@ class Selector:
         elif self.policy == "random":
             chosen = capped(candidates[torch.randperm(candidates.numel(), generator=generator)], budget, prompt_of, cap)
         elif self.policy == "entropy":
-            order = torch.sort(entropy_scores(phi, has_entropy)[candidates].double(), descending=True, stable=True).indices
-            chosen = capped(candidates[order], budget, prompt_of, cap)
+            chosen = capped(top_subset(entropy_scores(phi, has_entropy), candidates, candidates.numel()), budget,
+                            prompt_of, cap)  # fmt: skip
         elif not self.model.trained:  # lines 5-6
             chosen = capped(candidates[torch.randperm(candidates.numel(), generator=generator)], budget, prompt_of, cap)
         elif not cap:  # lines 8-9
@@ -211,14 +236,15 @@ class Selector:
             chosen = learned_subset(self.model.predict(phi), candidates, budget, n_explore, generator)
         else:  # lines 8-9 under the cap: the exploit part by u^, then uniform picks, both within the cap
             n_explore = min(exploration_count(budget, self.epsilon), budget)
-            order = torch.sort(self.model.predict(phi)[candidates].double(), descending=True, stable=True).indices
-            exploit = capped(candidates[order], budget - n_explore, prompt_of, cap)
+            exploit = capped(top_subset(self.model.predict(phi), candidates, candidates.numel()), budget - n_explore,
+                             prompt_of, cap)  # fmt: skip
             rest = candidates[~torch.isin(candidates, exploit)]
             rest = rest[torch.randperm(rest.numel(), generator=generator)]
             chosen = capped(torch.cat([exploit, rest]), exploit.numel() + n_explore, prompt_of, cap)
         chosen, order = chosen.sort()
         pi = pi[order] if pi is not None else None
-        assert chosen.numel() <= budget, f"the query budget was exceeded: |S| = {chosen.numel()} > K = {budget}"
+        if chosen.numel() > budget:  # Eq. 4's budget is never exceeded (an explicit check: not gone under -O)
+            raise RuntimeError(f"the query budget was exceeded: |S| = {chosen.numel()} > K = {budget}")
         return chosen, pi
 
     def predict(self, phi: torch.Tensor) -> torch.Tensor | None:

@@ -377,6 +377,9 @@ def test_sampled_logp_from_hidden(chunk):
     assert got.shape == (7,) and not got.requires_grad
     want = torch.log_softmax(h @ w.T, -1).gather(-1, y[:, None]).squeeze(-1)
     torch.testing.assert_close(got, want.detach(), rtol=1e-12, atol=1e-12)
+    tempered = torch.log_softmax(h @ w.T / 1.3, -1).gather(-1, y[:, None]).squeeze(-1)  # at a loss temperature
+    torch.testing.assert_close(sampled_logp_from_hidden(h, w, y, chunk, temperature=1.3), tempered.detach(), rtol=1e-12,
+                               atol=1e-12)  # fmt: skip
     # bf16 hidden states with fp32 weights, as under autocast: logits in float32
     got16 = sampled_logp_from_hidden(h.detach().bfloat16(), w.detach().float(), y, chunk)
     assert got16.dtype == torch.float32
@@ -536,3 +539,38 @@ def test_clamped_kl_and_pg_term_make_no_tensor_larger_than_one_chunk_of_logits()
         loss, _ = weighted_logp_from_hidden(h_s, w_s, y, torch.ones(P, dtype=F64), chunk)
         loss.backward()
     assert 0 < Largest.numel <= chunk * V
+
+
+def test_a_frozen_lm_head_gets_no_weight_gradient_and_the_same_hidden_gradient(monkeypatch):
+    """A weight that needs no gradient (LoRA's frozen LM head): the three fused functions compute no dL/dW (no
+    (V, H) product or buffer: `_accumulate` is never called) and leave W.grad None, while dL/dh and the values are
+    the same ops as with a trainable weight (exactly equal)."""
+    import opd.chunked
+
+    P, V = 13, 40
+    y = torch.randint(0, V, (P,), generator=torch.Generator().manual_seed(31))
+    coef = torch.linspace(-1.0, 1.0, P, dtype=F64)
+    weights = torch.linspace(0.5, 2.0, P, dtype=F64)
+    tokens = TokenWeight(token_weight("gate"), y)
+    calls = {
+        "topk": lambda h, w, h_t, w_t: budgeted_loss_from_hidden(h, w, h_t, w_t, weights, 5, 0.5, 4, tokens=tokens,
+                                                                 temperature=1.2)[:2],
+        "clamped": lambda h, w, h_t, w_t: clamped_kl_from_hidden(h, w, [h_t, h_t], [w_t, w_t], [weights, weights], 1.1,
+                                                                 0.05, 4, utility_k=5)[:2],
+        "pg": lambda h, w, h_t, w_t: weighted_logp_from_hidden(h, w, y, coef, 4),
+    }  # fmt: skip
+    accumulated = []
+    accumulate = opd.chunked._accumulate
+    monkeypatch.setattr(opd.chunked, "_accumulate", lambda *a: accumulated.append(1) or accumulate(*a))
+    for name, fn in calls.items():
+        results = {}
+        for frozen in (False, True):
+            h_s, w_s, h_t, w_t = inputs(P=P, V=V, seed=30)
+            w_s.requires_grad_(not frozen)
+            accumulated.clear()
+            loss, out = fn(h_s, w_s, h_t, w_t)
+            (2.5 * loss).backward()  # a scaled loss: the saved gradients are scaled copies
+            results[frozen] = (loss.detach(), out, h_s.grad, w_s.grad, len(accumulated))
+        (l0, o0, g0, w0, n0), (l1, o1, g1, w1, n1) = results[False], results[True]
+        assert n0 > 0 and w0 is not None and n1 == 0 and w1 is None, name
+        assert torch.equal(l0, l1) and torch.equal(o0, o1) and torch.equal(g0, g1), name

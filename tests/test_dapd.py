@@ -122,3 +122,49 @@ def test_dapd_resume_equals_the_uninterrupted_run(tmp_path, tiny):
     for x, y in zip(ra, rb):
         for key in x.keys() - TIMING - {"launch"} - {k for k in x if k.startswith("teacher_forward_s_")}:
             assert x[key] == pytest.approx(y[key], rel=1e-5, abs=1e-9, nan_ok=True), key
+
+
+def test_thinking_contexts_are_encoded_once_per_step_and_hold_the_thinking_prompt(tmp_path, tiny):
+    """--dapd-context-thinking: the reference context is encoded once per prompt of the step and the rollout context
+    once per row (not once per row, completion and micro-batch), and every forward still holds exactly the ids of
+    its context encoded with the thinking prompt (the none context: the student's own prompt), here with two rollouts
+    of one prompt in two micro-batches."""
+    run = Run(dapd_config(tmp_path, policy="full", rho=1.0, dapd_context_thinking=True, micro_batch=1))
+    tok, eos = run.processor.tokenizer, run.ids["eos"][0]
+    record_ids = run.prompt_ids(0)
+    records = [run.records[i] for i in record_ids]
+    letters = [tok.convert_tokens_to_ids(c) for c in "CD"]
+    response = torch.tensor([[letters[0], eos], [letters[1], eos]])
+    prompts = run.student_prompts(records)
+    ro = Rollouts(prompt_index=torch.tensor([0, 0]), response_ids=response, response_mask=torch.ones(2, 2, dtype=torch.bool),
+                  logp=torch.zeros(2, 2), entropy=torch.zeros(2, 2), prompt_len=torch.tensor([len(prompts[0])] * 2),
+                  valid=torch.tensor([True, True]))  # fmt: skip
+    encoded = []
+    encode = run.objective.ctx.encode
+    run.objective.ctx.encode = lambda view, *a, **k: encoded.append(view if isinstance(view, str) else "rollout") or encode(
+        view, *a, **k)  # fmt: skip
+    seen = []
+    models = {"snapshot": run.teacher.model, "base": run.teachers.teachers["base"].model, "student": run.policy}
+    for name, model in models.items():
+        model.register_forward_pre_hook(lambda m, a, kw, name=name: seen.append((name, kw["input_ids"].tolist())),
+                                        with_kwargs=True)  # fmt: skip
+    res = run.objective(run.step_batch(0, record_ids, ro, prompts, torch.tensor([0, 1])))
+    assert sorted(encoded) == ["reference_answer", "rollout", "rollout"]  # once per prompt, once per row
+
+    r = records[0]
+    image = full_image(r)
+    context_ids = {
+        "none": lambda i: prompts[0].input_ids.tolist(),
+        "reference": lambda i: encode_prompt(run.processor, [image], reference_prompt(r.problem, r.reference),
+                                             True).input_ids.tolist(),
+        "rollout": lambda i: encode_prompt(run.processor, [image], reference_prompt(r.problem, "CD"[i]),
+                                           True).input_ids.tolist(),
+    }  # fmt: skip
+    completion = {"rollout": lambda i: response[i].tolist(),
+                  "reference": lambda i: (tok(r.reference, add_special_tokens=False)["input_ids"] + [eos])[:8]}  # fmt: skip
+    want = []
+    for i in (0, 1):  # one micro-batch per row: six anchor forwards, then four student forwards
+        want += [(p.anchor, [context_ids[p.anchor_context](i) + completion[p.completion](i)]) for p in PAIRS]
+        want += [("student", [context_ids[ctx](i) + completion[c](i)]) for c, ctx in student_groups()]
+    assert sorted(seen) == sorted(want) and len(seen) == len(want) == 20
+    assert math.isfinite(res.share) and all(res.teachers[f"{p.anchor}:{p.name}"].rows == 2 for p in PAIRS)

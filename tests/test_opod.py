@@ -90,3 +90,42 @@ def test_opod_resume_equals_the_uninterrupted_run(tmp_path, tiny, teacher_models
     for x, y in zip(ra, rb, strict=True):
         for key in x.keys() - TIMING - {"launch"} - {k for k in x if k.startswith("teacher_forward_s_")}:
             assert x[key] == pytest.approx(y[key], rel=1e-5, abs=1e-9, nan_ok=True), key
+
+
+def test_opods_kl_is_a_hajek_token_mean_under_unbiased_selection(tmp_path, tiny, teacher_models):  # noqa: F811
+    """--unbiased: OPOD's KL(pi_theta || pi_ref) term weighs row i's k3 terms by w_i = 1 / pi_i over the Hajek
+    denominator sum_i w_i T_i, as its policy gradient and its distillation do; against the sum written out from the
+    reference's float64 log-probs (the initial policy, which the policy still is at step 0; the loss reads them from
+    hidden states chunk by chunk, ~1e-15 relative from this forward's logits, far inside rel 1e-9). The unweighted
+    sum over the same denominator (the old numerator) is far off."""
+    from float64 import float64_model
+
+    from opd.chat import collate
+    from opd.ema_teacher import response_logits
+
+    float64_model()
+    run = Run(opod_config(tmp_path, teacher_model=str(teacher_models[0]), policy="entropy", unbiased=True, rho=0.5,
+                          opod_kl=0.3, dtype="float64"))  # fmt: skip
+    ro = fixed_rollouts(run, 0)
+    records = run.prompts(0)
+    index = ro.prompt_index.tolist()
+    s_in = collate([run.student_prompts(records)[j] for j in index], run.ids["pad"], ro.response_ids, ro.response_mask)
+    with torch.no_grad():
+        z = response_logits(run.objective.reference.model, s_in, ro.response_ids.shape[1]).double()  # (N, T, V)
+    ref = torch.log_softmax(z, -1).gather(-1, ro.response_ids[..., None]).squeeze(-1)  # (N, T) log pi_ref(y_t)
+    seen = {}
+    step_batch = run.step_batch
+    run.step_batch = lambda *a, **k: seen.setdefault("batch", step_batch(*a, **k))
+    row = run.step(0, ro)
+    batch = seen["batch"]
+    assert batch.weights is not None and row["selected"] > 0
+    num = unweighted = den = 0.0
+    for i in batch.selected.tolist():
+        w_i = float(batch.weights[i])
+        for t in range(ro.response_ids.shape[1]):
+            if ro.response_mask[i, t]:
+                r = float(ref[i, t]) - float(ro.logp[i, t])
+                k3 = math.exp(r) - r - 1.0
+                num, unweighted, den = num + w_i * k3, unweighted + k3, den + w_i
+    assert row["kl_loss"] == pytest.approx(0.3 * num / den, rel=1e-9)
+    assert row["kl_loss"] != pytest.approx(0.3 * unweighted / den, rel=1e-3)

@@ -66,6 +66,71 @@ def test_the_sampler_draws_exactly_k_distinct_rows_with_their_inclusion_probabil
     assert capped_pi[0] == 1.0 and all(0 in sample_with_probabilities(capped_pi, gen).tolist() for _ in range(200))
 
 
+def test_rows_with_zero_inclusion_probability_are_never_drawn(monkeypatch):
+    """Without exploration a row scored <= 0 gets pi = 0 and must never be drawn (its weight would be 1 / 0), also
+    where the last point falls past the positive rows' rounded cumsum: ten rows of pi = 0.1 end at
+    0.9999999999999999 < 1 = k, and the largest float64 below 1 as the uniform u (a value torch.rand can return)
+    used to land on a trailing pi = 0 row. The search skips them, over seeds that put zero rows last."""
+    pi = torch.cat([torch.full((10,), 0.1, dtype=F64), torch.zeros(5, dtype=F64)])
+    assert float(torch.cumsum(pi[:10], 0)[-1]) < 1.0 and round(float(pi.sum())) == 1
+    u = 1.0 - 2.0**-53  # the largest float64 in [0, 1)
+    monkeypatch.setattr(torch, "rand", lambda *a, **k: torch.tensor([u], dtype=F64))
+    last_zero = 0
+    for seed in range(60):
+        perm = torch.randperm(15, generator=torch.Generator().manual_seed(seed))
+        last_zero += int(pi[perm[-1]] == 0)
+        s = sample_with_probabilities(pi, torch.Generator().manual_seed(seed))
+        assert s.numel() == 1 and bool((pi[s] > 0).all()), seed
+        assert s.tolist() == [int(perm[pi[perm] > 0][-1])]  # the point u lies in the last positive row's interval
+    assert last_zero > 10  # the case that used to draw a pi = 0 row was exercised
+    monkeypatch.undo()
+    scores = torch.tensor([3.0, -1.0, 0.0, 2.0, 1.0, -2.0], dtype=F64)
+    pi = inclusion_probabilities(scores, 2, 0.0)
+    assert pi[[1, 2, 5]].tolist() == [0.0, 0.0, 0.0]
+    gen = torch.Generator().manual_seed(1)
+    assert all(set(sample_with_probabilities(pi, gen).tolist()) <= {0, 3, 4} for _ in range(2000))
+
+
+def test_non_finite_scores_of_unbiased_selection_are_a_clear_error(monkeypatch):
+    """NaN or infinite scores stop unbiased selection with a RuntimeError naming their source and the remedy (no
+    silent fallback); inclusion_probabilities alone raises a ValueError that counts them."""
+    g = torch.Generator().manual_seed(4)
+    phi = torch.rand(12, 6, generator=g)
+    eligible = torch.ones(12, dtype=torch.bool)
+    bad = phi.clone()
+    bad[3, 2] = float("nan")
+    with pytest.raises(RuntimeError, match=r"step 5: .*1 of 12 candidates' scores are NaN or infinite .*entropy"):
+        Selector("entropy", 0.1, unbiased=True).select(bad, eligible, 3, 5)
+    bad[3, 0] = float("inf")
+    with pytest.raises(RuntimeError, match=r"mean token NLL"):
+        Selector("entropy", 0.1, unbiased=True).select(bad, eligible, 3, 5, has_entropy=False)
+    learned = Selector("learned", 0.1, unbiased=True)
+    learned.model.updates = 1  # as after f_psi's first update
+    monkeypatch.setattr(learned.model, "predict", lambda p: torch.full((p.shape[0],), float("nan")))
+    with pytest.raises(RuntimeError, match=r"utility predictor f_psi's outputs .*--selector-lr"):
+        learned.select(phi, eligible, 3, 0)
+    with pytest.raises(ValueError, match="2 of 3 are NaN or infinite"):
+        inclusion_probabilities(torch.tensor([1.0, float("nan"), -float("inf")]), 1, 0.1)
+
+
+def test_the_budget_is_checked_without_assert(monkeypatch):
+    """|S| <= K is an explicit check (a RuntimeError, kept under python -O), and the per-prompt cap never exceeds a
+    budget of 0 (K = 0, or the exploit part of K - K_e = 0 rows, used to return a cap's worth of rows)."""
+    import opd.selectors
+
+    order, prompts = torch.tensor([5, 4, 3, 2, 1, 0]), torch.tensor([0, 0, 0, 1, 1, 1])
+    assert capped(order, 0, prompts, 2).tolist() == [] and capped(order, 0, None, 0).tolist() == []
+    phi, eligible = torch.rand(6, 6, generator=torch.Generator().manual_seed(2)), torch.ones(6, dtype=torch.bool)
+    for policy, budget in (("random", 0), ("entropy", 0), ("learned", 1)):  # learned: K_e = ceil(0.1) = 1
+        selector = Selector(policy, 0.1, max_per_prompt=2)
+        if policy == "learned":
+            selector.model.updates = 1
+        assert selector.select(phi, eligible, budget, 0, prompt_of=prompts).numel() <= budget
+    monkeypatch.setattr(opd.selectors, "capped", lambda order, n, prompt_of, cap: order)  # a broken policy
+    with pytest.raises(RuntimeError, match=r"the query budget was exceeded: \|S\| = 6 > K = 2"):
+        Selector("random").select(phi, eligible, 2, 0)
+
+
 def test_weighted_eq_11_is_the_hajek_sum_written_out():
     g = torch.Generator().manual_seed(5)
     per_token = torch.rand(6, 4, generator=g, dtype=F64)
@@ -78,7 +143,7 @@ def test_weighted_eq_11_is_the_hajek_sum_written_out():
             if selected[i] and mask[i, t]:
                 num += float(w[i] * per_token[i, t])
                 den += float(w[i])
-    assert math.isclose(float(budgeted_loss(per_token, selected, mask, row_weights=w)), num / den, rel_tol=1e-14)
+    assert math.isclose(float(budgeted_loss(per_token, selected, mask, sample_weights=w)), num / den, rel_tol=1e-14)
     plain = budgeted_loss(per_token, selected, mask)  # without weights: today's Eq. 11
     assert math.isclose(float(plain), float((per_token * mask * selected[:, None]).sum() / (mask * selected[:, None]).sum()),
                         rel_tol=1e-14)  # fmt: skip
@@ -109,7 +174,7 @@ def test_averaging_the_weighted_loss_over_draws_recovers_the_full_query_mean_and
         z = torch.zeros(n, dtype=F64)
         z[s] = 1.0
         w = 1.0 / pi
-        hajek.append(float(budgeted_loss(per_token, z, mask, row_weights=w)))
+        hajek.append(float(budgeted_loss(per_token, z, mask, sample_weights=w)))
         ht_num.append(float((w * z * loss * lengths).sum()))
         ht_den.append(float((w * z * lengths).sum()))
     num, den = torch.tensor(ht_num), torch.tensor(ht_den)
@@ -188,7 +253,7 @@ def test_unbiased_training_weighs_each_selected_row_by_one_over_pi(tmp_path, tin
     pi = run.selector.last_pi
     z = torch.zeros(len(rollouts), dtype=F64)
     z[batch.selected] = 1.0
-    want = budgeted_loss(d, z, rollouts.response_mask, row_weights=batch.weights)  # Eq. 11's Hajek form
+    want = budgeted_loss(d, z, rollouts.response_mask, sample_weights=batch.weights)  # Eq. 11's Hajek form
     assert row["loss"] == pytest.approx(float(want), rel=1e-10)
     assert row["loss"] != pytest.approx(float(budgeted_loss(d, z, rollouts.response_mask)), rel=1e-6)  # not the plain
     assert batch.weights is not None and row["selected"] == row["budget"] == pi.numel() > 0
@@ -261,3 +326,49 @@ def test_the_selection_experiment_smoke(tmp_path, tiny):
     assert unbiased["selection"]["cosine"] <= 1 and 0 <= unbiased["selection"]["captured"] <= 1
     capped_rows = read_ledger(out / "runs" / "letter" / "learned-25-cap" / "seed0" / "ledger.jsonl")
     assert all(r["selected_prompts"] == r["selected"] for r in capped_rows)  # K = 16 of 32 prompts: one row each
+
+
+def test_the_audits_sample_and_aggregate_as_the_run_trains(tmp_path, tiny, monkeypatch):
+    """opd.audit on a --loss-agg sequence-mean run with its own sampling settings: held batches are sampled with the
+    run's temperature / top-k / top-p and prefill sharing; the audited gradient is the run's objective, a mean over
+    rows (g_C = (|S| g_S + |U| g_U) / |C|, float64 sums in other orders: far inside 1e-9 of the largest entry), not
+    Eq. 11's token mean; a vLLM run's held batch has no entropy feature and its selection audit ranks as training
+    does (has_entropy False)."""
+    from float64 import float64_model
+
+    import opd.selectors
+    from opd import audit
+
+    float64_model()
+    run = train.Run(small_config(tmp_path, policy="entropy", rho=0.5, loss_agg="sequence-mean", dtype="float64",
+                                 sample_temperature=1.3, sample_top_k=5, sample_top_p=0.9, share_prefill=False))  # fmt: skip
+    calls = []
+    generate = audit.generate_rollouts
+    monkeypatch.setattr(audit, "generate_rollouts", lambda *a, **k: calls.append((a, k)) or generate(*a, **k))
+    batch = audit.sample_batch(run, run.records[:4], seed=3)
+    (args, kwargs), = calls
+    assert args[5:] == (False,) and kwargs == {"temperature": 1.3, "top_k": 5, "top_p": 0.9}
+    records = run.prompts(0)
+    ro = fixed_rollouts(run, 0)  # responses of several lengths (the tiny policy's own run to the length limit)
+    eligible = torch.tensor([records[j].eligible for j in ro.prompt_index.tolist()])
+    held = audit.HeldBatch(records, ro, run.student_prompts(records), torch.zeros(len(ro), 6), eligible, None)
+    c = eligible.nonzero().squeeze(-1)
+    lengths = ro.lengths
+    s, u = c[: c.numel() // 2], c[c.numel() // 2 :]
+    assert c.numel() >= 4 and lengths[s].sum() * u.numel() != lengths[u].sum() * s.numel()
+    g_s, g_u, g_c = (audit.opd_gradient(run, held, rows) for rows in (s, u, c))
+    by_rows = (s.numel() * g_s + u.numel() * g_u) / c.numel()
+    by_tokens = (lengths[s].sum() * g_s + lengths[u].sum() * g_u) / lengths[c].sum()
+    bound = 1e-9 * float(g_c.abs().max())
+    assert float((g_c - by_rows).abs().max()) <= bound
+    assert float((g_c - by_tokens).abs().max()) > 1e3 * bound
+
+    run.engine = object()  # as a vLLM run: the engine's rollouts carry no token entropy
+    batch = audit.sample_batch(run, run.records[:4], seed=3)
+    assert not batch.has_entropy and bool((batch.phi[:, 2] == 0).all())
+    seen = []
+    select = opd.selectors.Selector.select
+    monkeypatch.setattr(opd.selectors.Selector, "select", lambda self, *a, **k: seen.append(a[4]) or select(self, *a, **k))
+    monkeypatch.setattr(audit, "sample_batch", lambda *a, **k: batch)
+    audit.selection_audit(run, run.records, n_batches=1, draws=1)
+    assert seen == [False]

@@ -38,6 +38,65 @@ def test_trust_region_is_detached():
     assert w.tolist() == pytest.approx([0.9, 0.0, 0.0])
 
 
+class _TinyLM(torch.nn.Module):
+    """A float64 stand-in for the policy's interface (`response_logits` / `response_hidden`, `get_output_embeddings`):
+    h_t = tanh(E[x_t] + E[x_{t-1}] / 2), logits = h W^T."""
+
+    def __init__(self, vocab: int, hidden: int, seed: int):
+        super().__init__()
+        g = torch.Generator().manual_seed(seed)
+        self.emb = torch.nn.Parameter(torch.randn(vocab, hidden, generator=g, dtype=F64))
+        self.head = torch.nn.Linear(hidden, vocab, bias=False, dtype=F64)
+        with torch.no_grad():
+            self.head.weight.copy_(torch.randn(vocab, hidden, generator=g, dtype=F64) * 2)
+
+    def get_output_embeddings(self):
+        return self.head
+
+    def forward(self, input_ids, logits_to_keep=0, output_hidden_states=False, use_cache=False, **_):
+        e = self.emb[input_ids]  # (n, L, H)
+        h = torch.tanh(e + torch.nn.functional.pad(e[:, :-1], (0, 0, 1, 0)) / 2)
+        logits = self.head(h[:, -logits_to_keep:] if logits_to_keep else h)
+        return type("Out", (), {"logits": logits, "hidden_states": (h,)})()
+
+
+@pytest.mark.parametrize("loss_chunk", [0, 4])
+def test_opd_vs_trust_region_reads_both_teachers_at_the_loss_temperature(loss_chunk):
+    """With --loss-temperature T both teachers' sampled-token log-probs are at T on either loss path: the weight
+    w_t = ReLU(log softmax(z+ / T)[y_t] - log softmax(z- / T)[y_t]) of the positive (crop) and negative (masked)
+    teachers' logits, written out in float64 (not the negative side at T = 1). Tolerance: a few float64 roundings
+    of log-probs of size <= max|z| / T + log V."""
+    from float64 import F64_EPS
+
+    from opd.distill import DistillConfig, micro_batch_loss
+    from opd.divergence import budgeted_weights
+    from opd.ema_teacher import Teacher
+
+    V, H, n, T, temp = 23, 6, 3, 5, 1.3
+    g = torch.Generator().manual_seed(7)
+    student, teacher = _TinyLM(V, H, 1), Teacher(_TinyLM(V, H, 2))
+    response = torch.randint(0, V, (n, T), generator=g)
+    mask = torch.ones(n, T, dtype=torch.bool)
+    mask[1, 3:] = False
+    mask[2, 4:] = False
+    prompts = [torch.randint(0, V, (n, 4), generator=g) for _ in range(3)]  # the student's, the crop's, the masked's
+    s_in, pos_in, neg_in = ({"input_ids": torch.cat([p, response], 1)} for p in prompts)
+    cfg = DistillConfig(k=5, loss_chunk=loss_chunk, token_weight="trust_region", temperature=temp)
+    weights = budgeted_weights(torch.ones(n, dtype=F64), mask, dtype=F64)
+    extras: dict = {}
+    micro_batch_loss(student, teacher, s_in, [pos_in, neg_in], mask, T, weights, cfg, response, torch.zeros(n, T, dtype=F64),
+                     extras)  # fmt: skip
+    with torch.no_grad():
+        z_pos, z_neg = (teacher.model(**x).logits[:, -(T + 1) : -1] for x in (pos_in, neg_in))  # (n, T, V)
+    logp = lambda z: torch.log_softmax(z / temp, -1).gather(-1, response[..., None]).squeeze(-1)
+    want = torch.relu(logp(z_pos) - logp(z_neg)) * mask
+    bound = 8 * F64_EPS * (float(torch.cat([z_pos, z_neg]).abs().max()) / temp + math.log(V))
+    assert_close(extras["token_weight"], want, rtol=0, atol=bound)
+    assert_close(extras["teacher_logp"], logp(z_pos) * mask, rtol=0, atol=bound)
+    negative_at_one = torch.log_softmax(z_neg, -1).gather(-1, response[..., None]).squeeze(-1)
+    assert float((torch.relu(logp(z_pos) - negative_at_one) * mask - want).abs().max()) > 1e3 * bound  # T matters
+
+
 @pytest.mark.parametrize("clip", [2.0, 1.5])
 def test_importance_ratio_is_min_of_exp_and_clip(clip):
     g = torch.Generator().manual_seed(1)
