@@ -38,8 +38,10 @@ class EvalConfig:
     model: str | None = None
     """HF image-text-to-text checkpoint (folder or hub id), a train.py run or checkpoint folder (its policy/;
     a sharded --fsdp checkpoint is exported there first), or 'tiny' for the built-in tiny model. With
-    --backend openai optional: it identifies the served weights (the resume key) and gives the vision and
-    end-of-sequence token ids."""
+    --backend openai optional: it identifies the served weights (the resume key: its files' digest, taken on
+    trust: the server's weights are not compared with them) and gives the vision and end-of-sequence token ids
+    (a LoRA run's adapter: its base's). Without it the key is the served name, which cannot tell two weights
+    apart: such a folder is not resumed (--overwrite or a new --out)."""
     backend: str = "hf"
     """Who answers: hf (Hugging Face generate in this process), openai (an OpenAI-compatible server at
     --base-url: vLLM, SGLang, transformers serve, ...) or vllm (a vLLM server for --model from the vLLM venv,
@@ -55,7 +57,8 @@ class EvalConfig:
     """--backend openai / vllm: seconds to wait for one reply."""
     vllm_url: str | None = None
     """--backend vllm: a vLLM server already running on --model (started with opd.engine.server_command's
-    flags) instead of starting one."""
+    flags) instead of starting one; it must answer /health within 5 s. Its prompts are checked token for token
+    against --model's processor, its weights are not: the resume key is --model's files' digest, taken on trust."""
     benchmarks: str = ALL_BENCHMARKS
     """Comma-separated benchmarks: vstar, zoombench, hrbench4k, mmvp, cvbench, mmstar, pope."""
     data_dir: str | None = None
@@ -73,7 +76,8 @@ class EvalConfig:
     enable_thinking: bool = False
     """Qwen3.5's thinking generation prompt instead of the non-thinking one."""
     dtype: str = "auto"
-    """Weight dtype: auto (bfloat16 on CUDA, float32 on CPU), float32, bfloat16 or float16."""
+    """Weight dtype: auto (bfloat16 on CUDA, float32 on CPU), float32, bfloat16, float16, or float64 (--backend
+    hf only: replies that do not depend on how items are batched, for tests)."""
     device: str = "auto"
     """Device: auto (cuda if available, else cpu), cpu, cuda, cuda:1, ..."""
     max_prompt_len: int = 0
@@ -143,8 +147,10 @@ def check_config(cfg: EvalConfig) -> list[str]:
         problems.append("--data-dir is required (a folder with one sub-folder per benchmark; see docs/EVAL.md)")
     if cfg.view not in ("full", "crop"):
         problems.append(f"--view {cfg.view!r}: choose full or crop")
-    if cfg.dtype not in ("auto", "float32", "bfloat16", "float16"):
-        problems.append(f"--dtype {cfg.dtype!r}: choose auto, float32, bfloat16 or float16")
+    if cfg.dtype not in ("auto", "float32", "bfloat16", "float16", "float64"):
+        problems.append(f"--dtype {cfg.dtype!r}: choose auto, float32, bfloat16, float16 or float64")
+    elif cfg.dtype == "float64" and cfg.backend == "vllm":
+        problems.append("--dtype float64 is for --backend hf (vLLM computes in float32, bfloat16 or float16)")
     for flag in ("batch_size",):
         if getattr(cfg, flag) < 1:
             problems.append(f"--{flag.replace('_', '-')} {getattr(cfg, flag)}: must be at least 1")
@@ -234,33 +240,73 @@ def main(argv: list[str] | None = None) -> dict:
 
     ranks = init_ranks()
     try:
-        return evaluate(cfg, names, ranks)
-    finally:
-        ranks.close()
+        result = evaluate(cfg, names, ranks)
+    except BaseException:
+        ranks.close(ok=False)  # no barrier: the other ranks may wait in another collective (opd.eval.parallel)
+        raise
+    ranks.close()
+    return result
 
 
 def model_setup(cfg: EvalConfig, ranks) -> tuple[str | None, object | None]:
     """(the model folder or hub id, an OpenAIBackend or None), before anything is written. --backend openai: the
-    server is asked first (/v1/models within 5 s; an unreachable one is refused); without --model the served
-    name is the identity. --backend vllm: the vLLM venv must be there unless --vllm-url names a server."""
+    server is asked first, by rank 0 (/v1/models within 5 s; an unreachable one is refused), which hands the
+    connection to every rank; without --model the served name is the identity. --backend vllm: the vLLM venv
+    must be there and --model a local folder (or a hub id in the Hugging Face cache) of a whole checkpoint, not a
+    LoRA adapter, unless --vllm-url names a server, which must answer /health within 5 s."""
     server = None
     if cfg.backend == "openai":  # first: an unreachable server is refused in seconds
         import os
 
         from opd.eval.backends import OpenAIBackend
 
-        server = OpenAIBackend.connect(cfg.base_url, cfg.served_model, None, os.environ.get(cfg.api_key_env) or None,
-                                       cfg.request_timeout, cfg.seed)
+        server = ranks.on_main(OpenAIBackend.connect, cfg.base_url, cfg.served_model, None,
+                               os.environ.get(cfg.api_key_env) or None, cfg.request_timeout, cfg.seed)
     if cfg.backend == "vllm" and not cfg.vllm_url:
         from opd.engine import check_venv
 
         check_venv()  # a one-line error naming scripts/install_vllm.sh
     model_path = resolve_model(cfg.model, ranks) if cfg.model is not None else None
+    if cfg.backend == "vllm":
+        from opd.eval.backends import refuse_adapter
+
+        refuse_adapter(model_path, "vllm")
+        if not cfg.vllm_url and not Path(model_path).is_dir():  # a hub id the local cache does not hold
+            raise UserError(f"--backend vllm --model {cfg.model}: not in the local Hugging Face cache, and a vLLM "
+                            "server starts from a local folder; download it first (e.g. one --backend hf run, or "
+                            "`hf download` it), then run again")
+        if cfg.vllm_url:
+            ranks.on_main(check_vllm_url, cfg.vllm_url)
     if server is not None and model_path is not None:
         from opd.eval.backends import config_special_ids
 
         server.ids = config_special_ids(model_path)  # vision ids to suppress, EOS and pad
     return model_path, server
+
+
+def check_vllm_url(url: str) -> None:
+    """A one-line UserError unless the server at --vllm-url answers /health within CONNECT_TIMEOUT seconds."""
+    from opd.engine import VLLMServer
+    from opd.eval.backends import CONNECT_TIMEOUT
+
+    if not VLLMServer(url.strip()).healthy(CONNECT_TIMEOUT):
+        raise UserError(f"--vllm-url {url}: no vLLM server answers GET {url.strip().rstrip('/')}/health within "
+                        f"{CONNECT_TIMEOUT:g} s")
+
+
+def refuse_served_resume(cfg: EvalConfig, names: list[str], identity: dict) -> None:
+    """A served name (`served:<name>`, --backend openai without --model) says nothing about the weights behind it:
+    folders of --out already holding predictions are refused unless --overwrite."""
+    if cfg.overwrite or not identity["model"].startswith("served:"):
+        return
+    out = Path(cfg.out)
+    keys = [k for n in names for k in (n, f"{n}@crop") if (out / k / "settings.json").is_file()
+            or (out / k / "predictions.jsonl").is_file()]  # fmt: skip
+    if keys:
+        raise UserError(f"--out {out} holds predictions ({', '.join(keys)}) and the server is known only by its name "
+                        f"{identity['model'][len('served:'):]!r}, which does not tell its weights apart: they are not "
+                        "resumed. Give --overwrite to answer again, a new --out, or --model naming the served "
+                        "checkpoint (its files' digest is then the resume key)")
 
 
 def evaluate(cfg: EvalConfig, names: list[str], ranks) -> dict:
@@ -271,6 +317,7 @@ def evaluate(cfg: EvalConfig, names: list[str], ranks) -> dict:
     from opd.eval.evaluate import DigestCache, model_identity, predict, score_view, write_jsonl_atomic
     from opd.eval.metrics import zoom_gap
     from opd.eval.report import markdown_table, write_results
+    from opd.ledger import write_atomic
 
     set_seed(cfg.seed)
     out = Path(cfg.out)
@@ -281,6 +328,7 @@ def evaluate(cfg: EvalConfig, names: list[str], ranks) -> dict:
         identity = ranks.on_main(model_identity, model_path, digests)
     else:
         identity = {"model": f"served:{server.served_model}", "model_revision": None, "model_path": None}
+    refuse_served_resume(cfg, names, identity)
     extra = {} if cfg.backend == "hf" else {"backend": cfg.backend}  # hf: the settings.json of earlier runs
     if server is not None:
         extra |= {"base_url": server.base, "served_model": server.served_model}
@@ -295,14 +343,18 @@ def evaluate(cfg: EvalConfig, names: list[str], ranks) -> dict:
                 cache["engine"] = server
             elif cfg.backend == "vllm":
                 from opd.eval.backends import VLLMBackend
+                from opd.eval.parallel import visible_gpu
 
                 env = None
                 if ranks.world > 1 and not cfg.vllm_url:  # one engine per process, each on its own GPU
-                    env = {"CUDA_VISIBLE_DEVICES": str(ranks.local_rank)}
-                cache["engine"] = VLLMBackend.open(
-                    model_path, cfg.vllm_url, dtype, cfg.seed,
-                    cfg.max_prompt_len + max_new if cfg.max_prompt_len else None,
-                    out / f"vllm-server{'' if ranks.main else f'-rank{ranks.rank}'}.log", env, cfg.request_timeout)
+                    env = {"CUDA_VISIBLE_DEVICES": visible_gpu(ranks.local_rank)}
+                try:
+                    cache["engine"] = VLLMBackend.open(
+                        model_path, cfg.vllm_url, dtype, cfg.seed,
+                        cfg.max_prompt_len + max_new if cfg.max_prompt_len else None,
+                        out / f"vllm-server{'' if ranks.main else f'-rank{ranks.rank}'}.log", env, cfg.request_timeout)
+                except UserError as exc:  # this process's own server (rank k's may fail alone): it says so
+                    raise UserError(str(exc), local=True) from None
             else:
                 from opd.model import load_model, load_processor
 
@@ -349,8 +401,8 @@ def evaluate(cfg: EvalConfig, names: list[str], ranks) -> dict:
                     if ranks.main:  # rank 0 scores (and asks the judge) alone
                         results[key], by_view[view] = score_view(name, subset, stored, judge)
                         write_jsonl_atomic(out / key / "scored.jsonl", by_view[view])
-            except BenchmarkDataError as exc:  # a missing/corrupt file or image, named with its row and field
-                raise UserError(f"benchmark '{name}': {exc}") from exc
+            except BenchmarkDataError as exc:  # a missing/corrupt image met while answering this rank's share
+                raise UserError(f"benchmark '{name}': {exc}", local=True) from exc
             if "crop" in by_view:
                 gap = results[f"{name}@crop"]["zoom_gap"] = zoom_gap(by_view["full"], by_view["crop"])
                 notes.append(f"{name} zoom gap (crop - full, {gap['n']} items): {gap['gap']:+.2f} points "
@@ -361,6 +413,7 @@ def evaluate(cfg: EvalConfig, names: list[str], ranks) -> dict:
         engine = cache.get("engine")
         if engine is not None and hasattr(engine, "close"):
             engine.close()  # a vLLM server this run started
+    requests = sum(ranks.gather(server.requests)) if server is not None else 0  # every rank: one collective
     if not ranks.main:
         return {"rank": ranks.rank, "world_size": ranks.world}
     if no_crop:
@@ -374,12 +427,12 @@ def evaluate(cfg: EvalConfig, names: list[str], ranks) -> dict:
             "finished": time.strftime("%Y-%m-%d %H:%M:%S")}
     if server is not None:
         meta |= {"base_url": server.base, "served_model": server.served_model, "server_kind": server.kind,
-                 "requests": server.requests}
+                 "requests": requests}  # every rank's
     if judge is not None:
         meta["judge_requests"] = judge.requests
     write_results(out / "results.json", results, meta)
     table = markdown_table(results, label) + "".join(f"\n{n}\n" for n in notes)
-    (out / "results.md").write_text(table, encoding="utf-8")
+    write_atomic(out / "results.md", table)
     print("\n" + table, end="", flush=True)
     return {"results": results, "meta": meta, "table": table}
 

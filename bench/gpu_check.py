@@ -318,7 +318,11 @@ def main(argv=None) -> dict:
     if a.engine:  # the rollout engines side by side (issue 22)
         from bench import engine_step
 
-        engines = engine_step.main(["--steps", str(max(2, a.steps + 1)), "--max-response-len", str(a.response_len)])
+        gc.collect()  # the strategies' models and optimizers: their GPU memory back before vLLM takes its share
+        if a.device == "cuda":
+            torch.cuda.empty_cache()
+        engines = engine_step.main(["--steps", str(max(2, a.steps + 1)), "--max-response-len", str(a.response_len),
+                                    "--gpu-memory-utilization", "0.3"])  # the trainer shares the GPU with vLLM
         info["engines"] = engines["results"]
         report += "\n\nRollout engines (bench/engine_step.py):\n\n" + engines["markdown"]
     print(report)

@@ -12,7 +12,8 @@
   (dataset_dict.json) with a `split`;
 - a hub id `org/name` that is no local path, with a `split`: the copy in the `datasets` cache when it is there
   (looked up in datasets' offline mode, without the network), else `datasets.load_dataset` downloads it into
-  that cache when the hub answers within `opd.model.HUB_TIMEOUT_S`, else a one-line error at once.
+  that cache when the hub answers within `opd.model.HUB_TIMEOUT_S`, else a one-line error at once; given a
+  `split`, only that split is loaded (`load_dataset(..., split=)`: the other splits are not prepared).
 
 A source of several splits given no `split` is refused naming them, unless it has one only (that one is
 read); a `split` given for a source without splits (JSONL, a parquet file, a Dataset's folder) is refused.
@@ -38,8 +39,8 @@ folder given (parquet shards, save_to_disk) unless absolute, or the `datasets` I
 alone or in a list of one; raw bytes are an embedded image too. A table without the columns of a record
 (an image, problem, answer) is refused in one line naming the missing fields and the columns it has.
 `columns` maps a source's column (or JSONL key) to a record field, e.g. {"question": "problem",
-"img": "images"}; `parse_columns` reads the command line's "question=problem,img=images". Errors name the
-row's own column.
+"img": "images"}; `parse_columns` reads the command line's "question=problem,img=images". A mapped column the
+table lacks, or a mapped key no JSONL row has, is refused in one line. Errors name the row's own column.
 
 Embedded images (bytes in the row, no file) are written once each into a content-addressed folder,
 `opd.tiny.cache_dir()/data-images/<sha256[:2]>/<sha256>.<format>` (or `image_cache`), and the record points
@@ -519,12 +520,15 @@ def _load_hub(name: str, split: str | None):
     from datasets import config
 
     dd = None
+    only = {"split": split} if split is not None else {}  # a split asked for: only its files are prepared
     saved = config.HF_HUB_OFFLINE
     config.HF_HUB_OFFLINE = True  # datasets then looks in its cache only (CachedDatasetModuleFactory)
     try:
         with _quiet_datasets():
-            dd = datasets.load_dataset(name)
-    except Exception:  # not cached (ConnectionError, FileNotFoundError, DatasetNotFoundError, ...)
+            dd = datasets.load_dataset(name, **only)
+    except Exception as e:  # not cached (ConnectionError, FileNotFoundError, DatasetNotFoundError, ...)
+        if split is not None and _unknown_split(e):  # cached, without that split
+            raise DataError(f"{name}: no split '{split}' ({_one_line(e)})") from None
         dd = None
     finally:
         config.HF_HUB_OFFLINE = saved
@@ -536,14 +540,22 @@ def _load_hub(name: str, split: str | None):
                             "and the hub cannot be reached (offline)")  # fmt: skip
         try:
             with _quiet_datasets():
-                dd = datasets.load_dataset(name)
+                dd = datasets.load_dataset(name, **only)
         except Exception as e:
+            if split is not None and _unknown_split(e):
+                raise DataError(f"{name}: no split '{split}' ({_one_line(e)})") from None
             raise DataError(f"{name}: cannot load the dataset from the hub: {_one_line(e)}") from None
     if isinstance(dd, datasets.DatasetDict):
         ds, split = _pick_split(dd, split, name)
     else:
         ds, split = dd, split or str(getattr(dd, "split", None) or "train")
     return ds, f"{name}[{split}]"
+
+
+def _unknown_split(exc: BaseException) -> bool:
+    """Whether `datasets.load_dataset(..., split=S)` failed because the dataset has no split S."""
+    text = str(exc)
+    return isinstance(exc, ValueError) and text.startswith(("Unknown split", "Bad split"))
 
 
 def _is_hub_id(text: str) -> bool:
@@ -605,25 +617,39 @@ def load_records(path: str | Path, split: str | None = None, columns: dict[str, 
         raise DataError(f"{path}: not a JSONL or parquet file; {hint}")
     if split is not None:
         raise DataError(f"{path}: a JSONL file, which has no splits; drop the split '{split}'")
-    rows = []
-    with path.open("rb") as f:
-        for lineno, raw in enumerate(f, start=1):
-            where = f"{path}:{lineno}"
-            try:
-                line = raw.decode("utf-8-sig" if lineno == 1 else "utf-8")  # a byte-order mark is no error
-            except UnicodeDecodeError as e:
-                raise DataError(f"{where}: not UTF-8 text (byte 0x{raw[e.start]:02x} at column {e.start + 1})") from None
-            if not line.strip():
-                continue
-            try:
-                rows.append((_rename(json.loads(line), columns, where), where))
-            except json.JSONDecodeError as e:
-                raise DataError(f"{where}: malformed JSON line: {e.msg} (column {e.colno})") from None
+    rows, keys = [], {}
+    for lineno, line in jsonl_lines(path, lambda n, message: DataError(f"{path}:{n}: {message}")):
+        where = f"{path}:{lineno}"
+        try:
+            row = json.loads(line)
+        except json.JSONDecodeError as e:
+            raise DataError(f"{where}: malformed JSON line: {e.msg} (column {e.colno})") from None
+        if isinstance(row, dict):
+            keys.update(dict.fromkeys(row))
+        rows.append((_rename(row, columns, where), where))
     if not rows:
         raise DataError(f"{path}: no records")
+    absent = [c for c in columns if c not in keys]
+    if absent:  # as a table's column mapping (_table_fields): a mapped key no row has is a mistake, not a no-op
+        raise DataError(f"{path}: the column mapping names key '{absent[0]}', which no row has "
+                        f"(keys: {', '.join(keys) or 'none'})")
     names = {field: column for column, field in columns.items()}
     with ThreadPoolExecutor(max_workers=4) as pool:  # image decoding releases the GIL
         return list(pool.map(lambda r: parse_record(r[0], r[1], path.parent, names), rows))
+
+
+def jsonl_lines(path: Path, error) -> Iterator[tuple[int, str]]:
+    """(line number from 1, text) of each non-blank line of a UTF-8 JSONL file, a byte-order mark at its start
+    allowed; a line that is not UTF-8 raises `error(line number, message)` (the caller's error class and place).
+    Read line by line (bounded memory); the training data's reader and the benchmarks' (`opd.eval.benchmarks`)."""
+    with Path(path).open("rb") as f:
+        for lineno, raw in enumerate(f, start=1):
+            try:
+                line = raw.decode("utf-8-sig" if lineno == 1 else "utf-8")  # a byte-order mark is no error
+            except UnicodeDecodeError as e:
+                raise error(lineno, f"not UTF-8 text (byte 0x{raw[e.start]:02x} at column {e.start + 1})") from None
+            if line.strip():
+                yield lineno, line
 
 
 def full_image(record: Record) -> Image.Image:

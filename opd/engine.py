@@ -59,7 +59,8 @@ ROOT = Path(__file__).resolve().parents[1]
 DEFAULT_VENV = ROOT / ".venv-vllm"  # or $BAS_OPD_VLLM_VENV (e.g. a venv kept outside CI's fresh clone)
 INSTALL = "scripts/install_vllm.sh"
 MARKER = ".opd-vllm-complete"  # written by scripts/install_vllm.sh once the venv imports
-SUPPRESS_BIAS = -100.0  # vLLM clamps logit_bias to [-100, 100]: a vision token keeps e^-100 of its probability
+SUPPRESS_BIAS = -100.0  # vLLM clamps logit_bias to [-100, 100] (the OpenAI bound): a vision token keeps e^-100 of its
+# probability; a float, as opd.eval.backends sends it too (transformers serve refuses an int bias)
 
 
 def _last_line(path: Path | None) -> str:
@@ -376,8 +377,9 @@ class VLLMServer:
 # ---- requests -------------------------------------------------------------------------------------------
 
 
-def _image_url(image) -> str:
-    """A PIL image as a lossless PNG data URL (the server decodes and preprocesses it with its processor)."""
+def image_url(image) -> str:
+    """A PIL image as a lossless PNG data URL: the server decodes the pixels the trainer's processor sees (and
+    preprocesses them with its own processor). Also the image of `opd.eval.backends`' chat requests."""
     buf = io.BytesIO()
     image.convert("RGB").save(buf, format="PNG")
     return "data:image/png;base64," + base64.b64encode(buf.getvalue()).decode("ascii")
@@ -409,7 +411,7 @@ def _generate_one(
         "output_mode": "tokens",
     }
     if images:
-        body["content_parts"] = [{"type": "image_url", "url": _image_url(im)} for im in images]
+        body["content_parts"] = [{"type": "image_url", "url": image_url(im)} for im in images]
     out = server.post("/inference/v1/generate", body, timeout=timeout)
     if out.get("prompt_token_ids") != ids:
         got = out.get("prompt_token_ids") or []

@@ -33,16 +33,25 @@ from opd.cli import Parser, UserError, run_cli
 POLICY = "policy."  # the DCP key prefix of the policy's entries (opd.checkpoint._sharded_state)
 
 
-def run_model_source(ckpt: Path) -> tuple[str, dict]:
-    """(the folder or hub id the run's --model loads, the run's config) for a checkpoint, or a one-line
-    UserError when that model is gone."""
-    from opd.checkpoint import load_config, model_source
-    from opd.model import resolve_model_source
+def run_config(ckpt: Path) -> dict:
+    """The run's settings stored with a checkpoint (train_config.json), or a one-line UserError."""
+    from opd.checkpoint import load_config
 
     try:
-        config = load_config(ckpt)
+        return load_config(ckpt)
     except (OSError, ValueError) as exc:
         raise UserError(f"{ckpt}: cannot read the run's settings (train_config.json): {exc}") from None
+
+
+def run_model_source(ckpt: Path, config: dict | None = None) -> tuple[str, dict]:
+    """(the folder or hub id the run's --model loads, the run's config) for a checkpoint, or a one-line
+    UserError when that model is gone. The stored --model is read as train.py was given it: a relative path is
+    relative to the current folder (train.py's, when run from where the run was started); when it is not there,
+    the error names train_config.json's field `model` and the folder it was looked for in."""
+    from opd.checkpoint import model_source
+    from opd.model import resolve_model_source
+
+    config = run_config(ckpt) if config is None else config
     name = config.get("model")
     if name is None:  # --preset tiny without --model: the built-in tiny model (rebuilt if its cache is gone)
         from opd.tiny import tiny_defaults
@@ -51,9 +60,11 @@ def run_model_source(ckpt: Path) -> tuple[str, dict]:
     try:
         return resolve_model_source(model_source(name, f"--model {name}")), config
     except UserError as exc:
-        raise UserError(f"{ckpt}: the run's --model {name} (train_config.json) is gone ({exc}); the export needs "
-                        "its config and processor: restore it there") from None
-
+        relative = name != "tiny" and not Path(name).expanduser().is_absolute()
+        where = f"; a relative path is read from the current folder, {Path.cwd()}" if relative else ""
+        raise UserError(f"{ckpt}: the run's --model {name} (train_config.json field 'model'{where}) is not there "
+                        f"({exc}); the export needs its config and processor: restore it"
+                        + (", or run from the folder train.py ran in" if relative else "")) from None
 
 def _policy_metadata(sharded: Path) -> dict:
     """name -> DCP tensor metadata of the policy's entries (the prefix removed)."""
@@ -85,7 +96,7 @@ def _skeleton(source: str, dtype: str):
     return model
 
 
-def export_checkpoint(ckpt: str | Path, out: str | Path | None = None, quiet: bool = True) -> Path:
+def export_checkpoint(ckpt: str | Path, out: str | Path | None = None) -> Path:
     """Writes the policy of a sharded checkpoint (or of a run folder's latest one) as a `save_pretrained` folder
     with its processor: `out`, by default checkpoint-N/policy/. Returns the folder. One process, no
     torch.distributed process group; a UserError (one line) for a folder that is not a sharded checkpoint, a
@@ -107,10 +118,11 @@ def export_checkpoint(ckpt: str | Path, out: str | Path | None = None, quiet: bo
     out = Path(out).expanduser() if out is not None else ckpt / "policy"
     if out.exists():
         raise UserError(f"{out} exists (an earlier export?): remove it or give another --out")
-    source, config = run_model_source(ckpt)
-    if config.get("lora_r"):  # the shards hold peft's wrapped names and the adapters (opd/lora.py)
+    config = run_config(ckpt)
+    if config.get("lora_r"):  # the shards hold peft's wrapped names and the adapters (opd/lora.py); first: no model read
         raise UserError(f"{ckpt}: a LoRA (--lora-r {config['lora_r']}) run's sharded checkpoint; opd.export writes "
                         "whole models only (the run's last checkpoint holds its adapter export)")
+    source, config = run_model_source(ckpt, config)
     dtype = config.get("dtype", "float32")
     entries = _policy_metadata(sharded)
     model = _skeleton(source, dtype)
@@ -130,6 +142,7 @@ def export_checkpoint(ckpt: str | Path, out: str | Path | None = None, quiet: bo
     try:
         model.save_pretrained(tmp, state_dict=state)  # as opd.checkpoint.export_pretrained
         load_processor(source).save_pretrained(tmp)
+        os.chmod(tmp, 0o777 & ~_umask())  # mkdtemp makes it 0700: the mode a plain mkdir gives the folder
         try:
             os.rename(tmp, out)
         except OSError:  # another process exported it meanwhile
@@ -138,6 +151,13 @@ def export_checkpoint(ckpt: str | Path, out: str | Path | None = None, quiet: bo
     finally:
         shutil.rmtree(tmp, ignore_errors=True)
     return out
+
+
+def _umask() -> int:
+    """This process's umask (read by setting it and setting it back)."""
+    mask = os.umask(0o022)
+    os.umask(mask)
+    return mask
 
 
 def sharded_without_export(path: str | Path) -> Path | None:

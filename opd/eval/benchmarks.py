@@ -110,6 +110,14 @@ class BenchItem:
     meta: dict = field(default_factory=dict)
 
 
+def item_origin(item: BenchItem) -> str:
+    """Where an item was read, for errors: "FILE line N (NAME item INDEX)" (its row, from its image's origin),
+    else "NAME item INDEX"."""
+    origin = getattr(item.image, "origin", None)
+    label = f"{item.benchmark} item {item.index}"
+    return f"{origin.rsplit(' field ', 1)[0]} ({label})" if isinstance(origin, str) and origin else label
+
+
 def load_image(src) -> Image.Image:
     """An RGB PIL image from an ImageRef/callable, a path, encoded bytes or a PIL image."""
     if isinstance(src, Image.Image):
@@ -220,22 +228,16 @@ Row = tuple[dict, str]  # (fields, "file line N" / "file row N")
 
 
 def _read_jsonl(path: Path) -> Iterator[Row]:
-    with open(path, "rb") as fh:
-        for n, raw in enumerate(fh, 1):
-            try:
-                line = raw.decode("utf-8-sig" if n == 1 else "utf-8")
-            except UnicodeDecodeError as exc:
-                raise BenchmarkDataError(f"{path} line {n}: not UTF-8 text (byte 0x{raw[exc.start]:02x} at "
-                                         f"column {exc.start + 1})") from None
-            if not line.strip():
-                continue
-            try:
-                row = json.loads(line)
-            except json.JSONDecodeError as exc:
-                raise BenchmarkDataError(f"{path} line {n}: bad JSON: {exc}") from exc
-            if not isinstance(row, dict):
-                raise BenchmarkDataError(f"{path} line {n}: expected a JSON object")
-            yield row, f"{path} line {n}"
+    from opd.data import jsonl_lines  # the training reader's decoding (UTF-8, a byte-order mark allowed)
+
+    for n, line in jsonl_lines(path, lambda n, message: BenchmarkDataError(f"{path} line {n}: {message}")):
+        try:
+            row = json.loads(line)
+        except json.JSONDecodeError as exc:
+            raise BenchmarkDataError(f"{path} line {n}: bad JSON: {exc}") from exc
+        if not isinstance(row, dict):
+            raise BenchmarkDataError(f"{path} line {n}: expected a JSON object")
+        yield row, f"{path} line {n}"
 
 
 def _read_json_list(path: Path) -> Iterator[Row]:

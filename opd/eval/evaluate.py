@@ -39,6 +39,7 @@ from opd.eval.answers import grade, strip_thinking
 from opd.eval.benchmarks import BenchItem
 from opd.eval.metrics import score
 from opd.identity import DigestCache, file_sha256, hub_snapshot, model_identity  # noqa: F401 (eval.py's resume key)
+from opd.ledger import write_atomic
 
 NOTES = ("model_path", "base_url", "served_model")  # settings recorded but not compared
 SOFT = ("model_revision",)  # compared only when known on both sides
@@ -131,7 +132,13 @@ def check_settings(folder: Path, settings: dict) -> bool:
     path = Path(folder) / "settings.json"
     if not path.is_file():
         return False
-    old = json.loads(path.read_text(encoding="utf-8"))
+    try:
+        old = json.loads(path.read_text(encoding="utf-8"))
+        if not isinstance(old, dict):
+            raise ValueError("not a JSON object")
+    except (ValueError, UnicodeDecodeError) as exc:  # JSONDecodeError is a ValueError
+        raise StoredFileError(f"{path}: not a settings file eval.py wrote ({exc}); use another --out, or "
+                              f"--overwrite to delete {Path(folder).name}'s predictions and answer it again") from None
     diff = settings_diff(old, settings)
     if diff:
         where = f" (made from {old['model_path']})" if old.get("model_path") else ""
@@ -150,7 +157,7 @@ def start_folder(folder: Path, settings: dict, overwrite: bool) -> None:
     if check_settings(folder, settings):
         return
     folder.mkdir(parents=True, exist_ok=True)
-    (folder / "settings.json").write_text(json.dumps(settings, indent=2, sort_keys=True) + "\n", encoding="utf-8")
+    write_atomic(folder / "settings.json", json.dumps(settings, indent=2, sort_keys=True) + "\n")
 
 
 def load_predictions(folder: Path, repair: bool = True) -> dict[str, dict]:

@@ -15,8 +15,9 @@ from collections.abc import Iterable, Iterator
 
 import torch
 
-from opd.eval.benchmarks import BenchItem, prompt_text
 from opd.chat import EncodedPrompt, collate, encode_prompt
+from opd.cli import UserError
+from opd.eval.benchmarks import BenchItem, item_origin, prompt_text
 from opd.model import neutral_generation_defaults, special_ids
 
 VIEWS = ("full", "crop")
@@ -35,8 +36,19 @@ def item_image(item: BenchItem, view: str):
 
 def encode_item(processor, item: BenchItem, view: str = "full", enable_thinking: bool = False,
                 max_prompt_len: int | None = None) -> EncodedPrompt:
-    """One item's prompt: its image (full or crop) and `opd.eval.benchmarks.prompt_text(item)`."""
-    return encode_prompt(processor, [item_image(item, view)], prompt_text(item), enable_thinking, max_prompt_len)
+    """One item's prompt: its image (full or crop) and `opd.eval.benchmarks.prompt_text(item)`. A prompt over
+    `max_prompt_len` tokens or an image that does not decode is a one-line `item_error`."""
+    try:
+        return encode_prompt(processor, [item_image(item, view)], prompt_text(item), enable_thinking, max_prompt_len)
+    except ValueError as exc:
+        raise item_error(item, exc) from None
+
+
+def item_error(item: BenchItem, exc: Exception) -> UserError:
+    """The one-line error of one item's prompt (over --max-prompt-len, an undecodable image, ...), naming the
+    benchmark, its file, row and item. `local`: only the process answering that item meets it (under a launcher)."""
+    text = str(exc) if isinstance(exc, UserError) else f"{item_origin(item)}: {exc}"  # a UserError names its row
+    return UserError(f"benchmark '{item.benchmark}': {text}", local=True)
 
 
 @torch.no_grad()
@@ -89,10 +101,5 @@ def answer_items(
 
 
 def _answer_batch(model, processor, batch, max_new_tokens, enable_thinking, view, max_prompt_len):
-    prompts = []
-    for item in batch:
-        try:
-            prompts.append(encode_item(processor, item, view, enable_thinking, max_prompt_len))
-        except ValueError as exc:  # a prompt over max_prompt_len, an undecodable image: name the item
-            raise type(exc)(f"{item.benchmark} item {item.index}: {exc}") from exc
+    prompts = [encode_item(processor, item, view, enable_thinking, max_prompt_len) for item in batch]
     return zip(batch, generate_replies(model, processor, prompts, max_new_tokens))

@@ -5,10 +5,14 @@ Every N steps (after the step's update) and at the last step, each benchmark's f
 a crop, in the crop view) are answered greedily (`opd.eval.inference.answer_items`: the model's own chat template,
 the non-thinking prompt unless --enable-thinking, a neutral generation config) in each of `--eval-views` (full; crop:
 the collapse warning sign, the teacher's pathway), and graded and scored as eval.py does (`opd.eval.evaluate.score_view`,
-`opd.eval.metrics`). Every rank takes part: it answers its share of the items (items r, r + N, ...), padded to the
-longest share so that every rank runs the same number of `generate` calls (a sharded policy gathers collectively),
-and the replies are gathered to every rank; rank 0's scores go into the row. Nothing is written besides the ledger
-row and the trackers: eval.py stays the tool for the reported numbers (its own resumable folder).
+`opd.eval.metrics`); `eval/<name>@crop_gap` is eval.py's zoom gap (`opd.eval.metrics.zoom_gap`: crop minus full
+accuracy on the items answered in both views). Every rank takes part: it answers its share of the items (items r,
+r + N, ...), padded to the longest share so that every rank runs the same number of `generate` calls (a sharded
+policy gathers collectively), and the replies are gathered to every rank; rank 0's scores go into the row. Before
+each batch's `generate` every rank says whether it could encode its prompts (a gather, on every rank alike): a
+prompt that fails on one rank (an image that does not decode) stops every rank with that one-line error, instead of
+leaving the others waiting in the policy's collectives. Nothing is written besides the ledger row and the trackers:
+eval.py stays the tool for the reported numbers (its own resumable folder).
 """
 
 from __future__ import annotations
@@ -76,12 +80,14 @@ class LiveEval:
         from opd.eval.benchmarks import BenchmarkDataError, load_benchmark
 
         self.settings, self.steps = settings, steps
-        self.replies: dict[tuple[str, str], dict[str, str]] = {}  # the last evaluation's replies by (benchmark, view)
+        self.replies: dict[tuple[str, str], dict[str, str]] = {}
+        """The last evaluation's replies, index -> reply by (benchmark, view), every rank's (gathered): kept for
+        tests/test_live_eval.py, which compares them with eval.py's on the step's checkpoint (a few KB)."""
         self.items = {}
         for name in settings.names():
             try:
                 items = load_benchmark(name, settings.data)
-            except BenchmarkDataError as exc:
+            except (BenchmarkDataError, ImportError) as exc:  # a bad file (named with row and field); no pyarrow
                 raise UserError(f"--eval-data: benchmark '{name}': {exc}") from None
             for view in settings.view_list():
                 subset = [i for i in items if view == "full" or i.crop is not None]
@@ -100,26 +106,57 @@ class LiveEval:
         from accelerate.utils import gather_object
 
         from opd.eval.evaluate import score_view
-        from opd.eval.inference import answer_items
+        from opd.eval.metrics import zoom_gap
 
         s = self.settings
         rank, world = accelerator.process_index, accelerator.num_processes
+        gather = gather_object if world > 1 else (lambda x: x)
         out: dict[str, float] = {}
+        records: dict[tuple[str, str], list[dict]] = {}
         for (name, view), items in self.items.items():
             share = items[rank::world]
             longest = -(-len(items) // world)
             padded = share + [items[0]] * (longest - len(share))  # the same number of generate() calls everywhere
             with generation():
-                replies = [reply for _, reply in answer_items(policy, processor, padded, s.batch, s.max_new_tokens,
-                                                              enable_thinking, view)][: len(share)]  # fmt: skip
-            pairs = [(item.index, reply) for item, reply in zip(share, replies)]
-            gathered = gather_object(pairs) if world > 1 else pairs
+                replies = _answer(policy, processor, padded, s.batch, s.max_new_tokens, enable_thinking, view,
+                                  gather)[: len(share)]  # fmt: skip
+            gathered = gather([(item.index, reply) for item, reply in zip(share, replies)])
             stored = {index: {"reply": reply, "view": view} for index, reply in gathered}
             self.replies[name, view] = {index: reply for index, reply in gathered}
-            result, _ = score_view(name, items, stored)
+            result, records[name, view] = score_view(name, items, stored)
             key = f"eval/{name}" + ("" if view == "full" else "@crop")
             out[key] = float(result["score"]) if result.get("score") is not None else float("nan")
         for name in s.names():
-            if f"eval/{name}@crop" in out and f"eval/{name}" in out:
-                out[f"eval/{name}@crop_gap"] = out[f"eval/{name}@crop"] - out[f"eval/{name}"]
+            if (name, "crop") in records and (name, "full") in records:  # the same items in both views
+                gap = zoom_gap(records[name, "full"], records[name, "crop"])
+                out[f"eval/{name}@crop_gap"] = float(gap["gap"]) if gap["n"] else float("nan")
         return out
+
+
+def _answer(policy, processor, items, batch: int, max_new_tokens: int, enable_thinking: bool, view: str,
+            gather) -> list[str]:
+    """Greedy replies to `items` in batches of `batch` (`opd.eval.inference`'s encoding and generation). Before each
+    batch's generate every rank gathers every rank's encoding error (None when its prompts encoded): the same
+    collective on every rank, so a prompt that fails on one rank raises its one-line UserError on all of them
+    (printed once, by rank 0, naming the rank) instead of leaving the others in the sharded policy's collectives."""
+    from opd.eval.inference import encode_item, generate_replies
+
+    was_training = policy.training
+    policy.eval()
+    replies: list[str] = []
+    try:
+        for start in range(0, len(items), batch):
+            chunk, prompts, error = items[start : start + batch], [], None
+            try:
+                prompts = [encode_item(processor, item, view, enable_thinking) for item in chunk]
+            except UserError as exc:  # an image that does not decode (named with its file, row and item)
+                error = str(exc)
+            everyone = gather([error])  # one entry per rank
+            errors = [(r, e) for r, e in enumerate(everyone) if e is not None]
+            if errors:
+                where, message = errors[0]
+                raise UserError(f"--eval-data: {message}" + (f" (met by rank {where})" if len(everyone) > 1 else ""))
+            replies += generate_replies(policy, processor, prompts, max_new_tokens)
+    finally:
+        policy.train(was_training)
+    return replies

@@ -79,15 +79,28 @@ class Ranks:
             raise RuntimeError(f"rank 0 failed: {outcome[1]}")
         return outcome[1]
 
-    def close(self) -> None:
-        """Ends the group once every rank got here (a rank that tears gloo down while another still writes can
-        abort: seen under load), then destroys it."""
+    def gather(self, obj) -> list:
+        """Every rank's `obj`, in rank order, on every rank (pickled; a collective: every rank calls it)."""
+        if self.world == 1:
+            return [obj]
+        import torch.distributed as dist
+
+        box: list = [None] * self.world
+        dist.all_gather_object(box, obj)
+        return box
+
+    def close(self, ok: bool = True) -> None:
+        """Ends the group. `ok` (the run finished): once every rank got here (a rank that tears gloo down while
+        another still writes can abort: seen under load), then destroyed. After an error (`ok` False) it is
+        destroyed at once, without a barrier: the other ranks may be waiting in another collective, which a
+        barrier would never match (a hang until TIMEOUT); this process exits and the launcher stops the rest."""
         if self.world > 1:
             import torch.distributed as dist
 
             if dist.is_initialized():
                 try:
-                    dist.barrier()
+                    if ok:
+                        dist.barrier()
                 finally:
                     dist.destroy_process_group()
 
@@ -103,6 +116,20 @@ def init_ranks() -> Ranks:
     if not dist.is_initialized():
         dist.init_process_group("gloo", timeout=TIMEOUT)
     return Ranks(dist.get_rank(), dist.get_world_size(), int(os.environ.get("LOCAL_RANK", "0") or 0))
+
+
+def visible_gpu(local_rank: int, environ=None) -> str:
+    """The CUDA_VISIBLE_DEVICES of process `local_rank`'s own engine (one GPU per process): entry `local_rank` of
+    the mask already set (CUDA_VISIBLE_DEVICES=4,5,6,7: local rank 1 gets 5), else the GPU numbered `local_rank`;
+    a mask with fewer entries than the launched processes is a UserError naming it."""
+    mask = (os.environ if environ is None else environ).get("CUDA_VISIBLE_DEVICES")
+    if mask is None or not mask.strip():
+        return str(local_rank)
+    entries = [e.strip() for e in mask.split(",") if e.strip()]
+    if local_rank >= len(entries):
+        raise UserError(f"CUDA_VISIBLE_DEVICES={mask} lists {len(entries)} GPU(s), too few for local rank "
+                        f"{local_rank}: launch at most {len(entries)} processes per machine, one GPU each", local=True)
+    return entries[local_rank]
 
 
 def rank_device(device: str, ranks: Ranks) -> str:
