@@ -43,6 +43,7 @@ from opd.features import rollout_features
 from opd.identity import DigestCache, model_identity
 from opd import lora as lora_mod
 from opd.lora import DEFAULT_TARGETS, LoRASettings
+from opd.lr_schedule import LR_SCHEDULES, lr_scheduler, restore_group_lr
 from opd.ledger import PHASES, Ledger, PhaseTimer, format_summary, summarize, write_atomic
 from opd.model import DTYPES, autocast, load_model, load_processor, resolve_model_source, special_ids
 from opd.predictor import PredictorConfig
@@ -296,9 +297,6 @@ PRESETS: dict[str, dict] = {
 }
 
 
-LR_SCHEDULES = ("constant", "linear", "cosine")
-"""--lr-schedule's names (transformers.get_scheduler's, 'constant' becoming 'constant_with_warmup' with a warm-up)."""
-
 RESUMABLE = (
     "resume", "out", "steps", "save_every", "keep_checkpoints", "report_to", "run_label",
     "eval_every", "eval_data", "eval_benchmarks", "eval_limit", "eval_views", "eval_max_new_tokens", "eval_batch",
@@ -307,9 +305,22 @@ RESUMABLE = (
 )  # fmt: skip
 """The fields a resumed run may change: its length, its checkpointing, and memory/speed settings that
 leave the method's results unchanged. Every other field is the run's own, read from its checkpoint."""
+OBJECTIVE_BATCHING = ("micro_batch", "micro_batch_tokens")
+"""RESUMABLE fields that are the objective's own under --loss-agg micro-batch (a token mean per micro-batch)."""
 
+
+def resumable(stored: dict) -> tuple[str, ...]:
+    """RESUMABLE, less the micro-batching of a run whose loss is verl's per-micro-batch mean."""
+    if stored.get("loss_agg") == "micro-batch":
+        return tuple(f for f in RESUMABLE if f not in OBJECTIVE_BATCHING)
+    return RESUMABLE
+
+VLLM_PUSH = ".vllm-push"
+"""DIR/.vllm-push/: a sharded run's gathered weights for the vLLM engine (`Run._push_weights`), removed at the end."""
+OVERWRITTEN = ".overwritten"
+"""DIR/.overwritten/: an --overwrite's old run, set aside until the new one has started its trackers."""
 RUN_FILES = ("ledger.jsonl", "summary.json", "summary.md", "latest", "tb", "mlruns", "wandb", "trackers.json",
-             ".summary.json.tmp", ".summary.md.tmp")  # fmt: skip
+             ".summary.json.tmp", ".summary.md.tmp", OVERWRITTEN, VLLM_PUSH)  # fmt: skip
 """What a training run writes into its --out folder, besides checkpoint-NNNNNN/ (and a kill's leftovers)."""
 DIGESTS = ".digests.json"
 """DIR/.digests.json: the digest cache of the frozen models a run loads (`opd.identity.DigestCache`); kept by
@@ -374,6 +385,12 @@ def check_config(cfg: TrainConfig, world: int) -> None:
     if cfg.is_clip and (cfg.sample_top_p < 1 or cfg.sample_top_k):
         problems.append("--is-clip's ratio compares the student with the sampling distribution: it needs untruncated "
                         "sampling (--sample-top-p 1 --sample-top-k 0)")
+    elif cfg.is_clip and cfg.sample_temperature != cfg.loss_temperature:
+        problems.append(f"--is-clip's ratio divides the student at --loss-temperature {cfg.loss_temperature:g} by the "
+                        f"rollouts' log-probs at --sample-temperature {cfg.sample_temperature:g}: give both the same value")
+    if cfg.unbiased and (cfg.no_exploration or cfg.explore == 0):
+        problems.append("--unbiased needs exploration (--explore > 0, no --no-exploration): rows scored 0 would get "
+                        "pi = 0 and never be drawn, and the 1 / pi weighting would not be unbiased")
     if cfg.support is not None:
         try:
             check_loss(cfg.support, get_method(cfg.method).divergence if cfg.method in METHODS else "jsd")
@@ -397,11 +414,18 @@ def check_config(cfg: TrainConfig, world: int) -> None:
         problems.append("--micro-batch-tokens and --loss-chunk must be >= 0")
     if cfg.steps < 0:
         problems.append(f"--steps {cfg.steps}: must be >= 0")
-    if cfg.grad_clip < 0:
+    if not cfg.grad_clip >= 0:  # NaN too
         problems.append(f"--grad-clip {cfg.grad_clip}: must be >= 0 (0 = no clipping)")
-    for name in ("lr", "weight_decay", "selector_lr"):
+    for name in ("lr", "weight_decay", "selector_lr", "rank_weight", "min_gap", "replay_start"):
         if not getattr(cfg, name) >= 0:  # NaN too
             problems.append(f"--{name.replace('_', '-')} {getattr(cfg, name)}: must be >= 0")
+    for name in ("selector_hidden", "replay_capacity", "replay_batch", "selector_updates"):
+        if getattr(cfg, name) < 1:
+            problems.append(f"--{name.replace('_', '-')} {getattr(cfg, name)}: must be at least 1")
+    if not cfg.half_life > 0:
+        problems.append(f"--half-life {cfg.half_life}: the replay's age half-life must be > 0 steps")
+    if not 0.0 <= cfg.norm_momentum < 1.0:
+        problems.append(f"--norm-momentum {cfg.norm_momentum}: must lie in [0, 1)")
     if not 0.0 <= cfg.ema_tau <= 1.0:
         problems.append(f"--ema-tau {cfg.ema_tau}: the EMA rate must lie in [0, 1] (0: a fixed teacher, 1: a copy)")
     if cfg.max_prompt_len < 1:
@@ -412,12 +436,14 @@ def check_config(cfg: TrainConfig, world: int) -> None:
         problems.append(f"--teacher-view {cfg.teacher_view!r}: choose one of {', '.join(sorted(VIEWS))}")
     if cfg.fsdp_generation not in GENERATION:
         problems.append(f"--fsdp-generation {cfg.fsdp_generation!r}: choose one of {', '.join(GENERATION)}")
-    if cfg.is_clip < 0:
+    if not cfg.is_clip >= 0:  # NaN too
         problems.append(f"--is-clip {cfg.is_clip}: must be >= 0 (0 = off)")
     if cfg.dtype not in DTYPES:
         problems.append(f"--dtype {cfg.dtype!r}: choose one of {', '.join(DTYPES)}")
     if cfg.preset != "tiny" and cfg.data is None:
         problems.append(f"--data is required with --preset {cfg.preset} (a Vision-OPD-style training JSONL)")
+    if Path(cfg.out).exists() and not Path(cfg.out).is_dir():
+        problems.append(f"--out {cfg.out}: is a file; a run needs a folder")
     if cfg.resume and cfg.overwrite:
         problems.append("--resume continues a run and --overwrite deletes it: choose one")
     if cfg.ema_every < 1:
@@ -433,6 +459,9 @@ def check_config(cfg: TrainConfig, world: int) -> None:
         if method.external_teachers == "required" and not external:
             problems.append(f"--method {cfg.method} distils from a separate teacher checkpoint: give --teacher-model "
                             "PATH or --teachers route.json")
+        if method.objective.needs_ema_teacher and cfg.ema_tau == 0:
+            problems.append(f"--method {cfg.method}: --ema-tau 0 (a fixed teacher) does not apply "
+                            f"({method.objective.needs_ema_teacher})")
         defaults = {f.name: f.default for f in dataclasses.fields(TrainConfig)}
         for flag, reason in method.objective.refuses.items():
             if getattr(cfg, flag) != defaults[flag]:
@@ -507,11 +536,11 @@ class Run:
             if not cfg.fsdp:  # sharded checkpoints hold the weights in ckpt/sharded, loaded after sharding
                 model_path = str(ckpt / "policy")
                 teacher_path = str(ckpt / "teacher") if (ckpt / "teacher").is_dir() else None  # frozen teachers: not saved
-            else:  # rebuilt from the run's own --model, then overwritten from the shards
-                self._identify(model_path, "--model")
             if self.steps < self.start:
                 raise UserError(f"--steps {self.steps}: the checkpoint {ckpt} is already at step {self.start}")
             self._note_world_size(ckpt, state)
+        if cfg.fsdp:  # a sharded run is rebuilt from its own --model on resume, then overwritten from the shards
+            self._identify(model_path, "--model")
         self.processor = load_processor(model_path)
         external = bool(cfg.teacher_model or cfg.teachers)
         shard = dict(dtype=cfg.dtype, device=self.acc.device, mixed_precision=cfg.mixed_precision)
@@ -543,8 +572,9 @@ class Run:
         default = self._external_teachers() if external else TeacherSet({"teacher": self.teacher})
         self.teachers = self.method.objective.build_teachers(default, initial_teacher)  # DAPD: its two anchors
         self.teacher = next(iter(self.teachers.teachers.values()))  # the first (the only one, but with routes)
-        if cfg.fsdp and state is not None:
-            load_sharded(ckpt, self.student, self.teacher.model if self.teacher.trainable else None, self.optimizer)
+        if cfg.fsdp and state is not None:  # a LoRA run's EMA teacher is an adapter of the policy: in its shards
+            sharded_teacher = self.teacher.model if self.teacher.trainable and not cfg.lora_r else None
+            load_sharded(ckpt, self.student, sharded_teacher, self.optimizer)
         self.ids = special_ids(self.policy)
         self.selector = Selector(cfg.policy, 0.0 if cfg.no_exploration else cfg.explore, cfg.predictor(), cfg.unbiased,
                                  cfg.max_per_prompt)  # fmt: skip
@@ -559,7 +589,7 @@ class Run:
         self.objective = self.method.objective(self.context, cfg.objective(), initial_teacher)
         # the schedule's span is fixed when the run starts (--schedule-steps, else its --steps); a resume keeps it
         self.schedule_span = (state or {}).get("schedule_span") or cfg.schedule_steps or self.steps
-        self.scheduler = lr_scheduler(self.optimizer, cfg, self.schedule_span)
+        self.scheduler = lr_scheduler(self.optimizer, cfg.lr_schedule, cfg.warmup_steps, self.schedule_span)
         if self.teachers.routes is not None:
             self.teachers.routes.check_records(self.records)
         self._check_prompts()
@@ -570,15 +600,22 @@ class Run:
                 self.optimizer.load_state_dict(state["optimizer"])
             if "scheduler" in state:
                 self.scheduler.load_state_dict(state["scheduler"])
+                restore_group_lr(self.optimizer, self.scheduler)  # the sharded path loaded the optimizer first
             self.selector.load_state_dict(state["selector"])
             self.objective.load_state_dict(state.get("objective", {}))
             self.warned_no_eligible = state.get("warned_no_eligible", False)
-        self._empty_out_folder(found)  # --overwrite: only now, with every input built
+        aside = self._set_old_run_aside(found)  # --overwrite: only now, with every input built
         if self.acc.is_main_process:
             self.digests.save()
-        self.trackers = Trackers(self.acc, parse_report_to(cfg.report_to), self.out, "bas-opd",
-                                 cfg.run_label or f"{self.out.name} {self.run_name}", dataclasses.asdict(cfg),
-                                 resume=bool(cfg.resume))  # fmt: skip
+        try:  # a tracker that cannot start (a wandb login, an mlflow server) puts the old run back
+            self.trackers = Trackers(self.acc, parse_report_to(cfg.report_to), self.out, "bas-opd",
+                                     cfg.run_label or f"{self.out.name} {self.run_name}", dataclasses.asdict(cfg),
+                                     resume=bool(cfg.resume))  # fmt: skip
+        except BaseException:
+            self._restore_old_run(aside)
+            raise
+        if aside is not None:
+            shutil.rmtree(aside)
         self.ledger = Ledger(self.out / "ledger.jsonl", self.start if cfg.resume else None) if self.acc.is_main_process else None
         self.objective_keys: list[str] = []  # the objective's own ledger fields (its tracker namespace)
 
@@ -645,7 +682,7 @@ class Run:
         if self.cfg.fsdp:
             from opd.checkpoint import export_pretrained
 
-            folder = Path(tempfile.gettempdir()) / f"opd-vllm-push-{os.getppid()}"
+            folder = self.out / VLLM_PUSH  # one shared path for every rank (and machine); removed at the end
             export_pretrained(self.student, folder)
             if self.acc.is_main_process:
                 self.engine.push_weights(folder)
@@ -661,18 +698,21 @@ class Run:
             try:
                 runlock.acquire(self.out)
             except runlock.LockedError as exc:
-                error = str(exc)
+                error = f"{exc}: wait for it to finish, or give another --out"
+            except OSError as exc:  # not a folder, not writable
+                error = f"{self.out}: cannot hold a run ({exc.strerror or exc}); give another --out"
         held = self.acc.reduce(torch.tensor([int(bool(error))], device=self.acc.device), "sum")
         if int(held.item()):
-            raise UserError(f"--out {error or self.out}: wait for it to finish, or give another --out")
+            raise UserError(f"--out {error or self.out}" + ("" if error else ": refused on rank 0"))
 
     def _identify(self, path: str, role: str) -> str:
         """Records the identity (`opd.identity.model_identity`: its files' digest, or a hub id) of a model that a
         resumed run loads again from its path (frozen teachers, DAPD's base, a sharded run's --model), and refuses
         a resume whose model there has changed since the run started. Returns `path`."""
-        ident = model_identity(path, self.digests)["model"]
+        found = model_identity(path, self.digests)
+        ident = found["model"] + (f"@{found['model_revision']}" if found["model_revision"] else "")  # a hub commit too
         before = self.stored_identities.get(role)
-        if before is not None and before != ident:
+        if before is not None and before not in (ident, found["model"]):  # (checkpoints before 12/2026: no commit)
             raise UserError(
                 f"--resume {self.cfg.resume}: {role} {path} is not the model the run started with ({before[:19]}... "
                 f"then, {ident[:19]}... now): a resumed run needs the same weights; restore them or start a new run"
@@ -736,13 +776,35 @@ class Run:
             )
         return found
 
-    def _empty_out_folder(self, found: list[Path]) -> None:
-        """--overwrite: rank 0 deletes the old run's files, once every rank has built everything."""
+    def _set_old_run_aside(self, found: list[Path]) -> Path | None:
+        """--overwrite: rank 0 moves the old run's files into DIR/.overwritten/, once every rank has built
+        everything; deleted once the trackers have started (`Run.__init__`), put back if they fail. Returns the
+        folder on rank 0 (None elsewhere, and when there is nothing to delete)."""
         self.acc.wait_for_everyone()
+        aside = None
         if found and self.acc.is_main_process:
+            aside = self.out / OVERWRITTEN
+            if aside.exists():  # a kill's leftover
+                shutil.rmtree(aside)
+            aside.mkdir()
             for path in found:
-                shutil.rmtree(path) if path.is_dir() else path.unlink()
+                if path != aside:
+                    path.rename(aside / path.name)
         self.acc.wait_for_everyone()
+        return aside
+
+    def _restore_old_run(self, aside: Path | None) -> None:
+        """The old run's files back in place (rank 0), after a failed start (replacing what it had begun to write)."""
+        if aside is None:
+            return
+        for path in aside.iterdir():
+            target = self.out / path.name
+            if target.is_dir():
+                shutil.rmtree(target)
+            elif target.exists():
+                target.unlink()
+            path.rename(target)
+        aside.rmdir()
 
     def _check_records(self, data_path) -> None:
         """Refuses data on which the run would do nothing: too few records for a step, or no crop at all."""
@@ -885,10 +947,11 @@ class Run:
         timer.seconds["teacher_forward"] += res.teacher_s
         timer.seconds["student"] += time.perf_counter() - t0 - res.teacher_s
         with timer("optimizer"):
-            for p in self.student.parameters():  # an empty S still makes a (zero-gradient) optimizer step
+            trained = [p for p in self.student.parameters() if p.requires_grad]  # LoRA: the adapter only
+            for p in trained:  # an empty S still makes a (zero-gradient) optimizer step
                 if p.grad is None:
                     p.grad = torch.zeros_like(p)
-            grad_norm = acc.clip_grad_norm_(self.student.parameters(), cfg.grad_clip or float("inf"))  # 0: no clip
+            grad_norm = acc.clip_grad_norm_(trained, cfg.grad_clip or float("inf"))  # 0: no clip
             grad_norm = full_tensor(grad_norm)  # sharded gradients: the global norm
         labels = list(res.teachers)  # the objective's labels, the same on every rank
         with timer("wait"):  # per teacher label: forward rows, real and padded tokens (summed), seconds (slowest rank)
@@ -997,6 +1060,8 @@ class Run:
             self.trackers.finish()
             if getattr(self, "_own_engine", None) is not None:
                 self._own_engine.stop()
+            if self.acc.is_main_process:
+                shutil.rmtree(self.out / VLLM_PUSH, ignore_errors=True)
             runlock.release(self.out)
 
     def _train(self) -> dict:
@@ -1018,9 +1083,9 @@ class Run:
                 row = self.step(step)
                 if self.live is not None and self.live.due(step):  # every rank: each answers its share
                     t0 = time.perf_counter()
-                    with self.autocast():
-                        row |= self.live(self.acc, self.policy, self.processor, self.cfg.enable_thinking,
-                                         lambda: generation(self.policy, self.cfg.fsdp_generation))  # fmt: skip
+                    # eval.py's protocol: the weights in --dtype, no --mixed-precision autocast
+                    row |= self.live(self.acc, self.policy, self.processor, self.cfg.enable_thinking,
+                                     lambda: generation(self.policy, self.cfg.fsdp_generation))  # fmt: skip
                     row["eval_s"] = time.perf_counter() - t0
                 self.log(row)
                 bar.update(1)
@@ -1086,16 +1151,6 @@ class Run:
         return summary
 
 
-def lr_scheduler(optimizer, cfg, span: int):
-    """--lr-schedule as transformers' scheduler over `span` steps (its decay reaches 0 there), --warmup-steps first."""
-    from transformers import get_scheduler
-
-    name = cfg.lr_schedule
-    if name == "constant" and cfg.warmup_steps:
-        name = "constant_with_warmup"
-    return get_scheduler(name, optimizer, num_warmup_steps=cfg.warmup_steps, num_training_steps=max(1, span))
-
-
 def checkpoint_of(path: str) -> Path:
     """The checkpoint a --resume path names, or a UserError saying what is missing."""
     try:
@@ -1117,13 +1172,16 @@ def refuse_changed_settings(cfg: TrainConfig, stored: dict, ckpt: Path, given: s
     """A resumed run keeps the settings it was trained with: any other field that differs is refused by name.
 
     `given` limits the check to the flags given on the command line (the others come from `stored`)."""
-    fields = [f.name for f in dataclasses.fields(TrainConfig) if f.name not in RESUMABLE and f.name != "overwrite"]
+    may = resumable(stored)
+    fields = [f.name for f in dataclasses.fields(TrainConfig) if f.name not in may and f.name != "overwrite"]
     changed = [f for f in fields if (given is None or f in given) and f in stored and not _same(f, getattr(cfg, f), stored[f])]
     if changed:
         flags = ", ".join(f"--{f.replace('_', '-')} {getattr(cfg, f)!r} (the run has {stored[f]!r})" for f in changed)
-        allowed = ", ".join("--" + f.replace("_", "-") for f in RESUMABLE if f not in ("resume", "out"))
+        allowed = ", ".join("--" + f.replace("_", "-") for f in may if f not in ("resume", "out"))
+        why = (" (--micro-batch and --micro-batch-tokens are the objective's own under --loss-agg micro-batch)"
+               if may != RESUMABLE and set(changed) & set(OBJECTIVE_BATCHING) else "")  # fmt: skip
         raise UserError(
-            f"--resume {ckpt}: {flags}: a resumed run keeps its own settings; it may change only {allowed}. "
+            f"--resume {ckpt}: {flags}: a resumed run keeps its own settings; it may change only {allowed}{why}. "
             "Start a new run in another --out to change the others"
         )
 

@@ -3,11 +3,11 @@
 DIR/checkpoint-NNNNNN/ holds policy/ (HF `save_pretrained` with its processor, loadable by eval.py),
 teacher/ (the EMA teacher or DAPD's snapshot, same format; a frozen external teacher is not saved: a
 resumed run reloads it from its `--teacher-model` / `--teachers` path), state.pt (step, policy optimizer,
-selector - network, normalizer, replay, optimizer - the objective's state (OPOD's controller), RNG states and
-the config) and train_config.json (the run's settings,
-readable without loading the optimizer state, for `train.py --resume`). It is written into a temporary folder and
-renamed into place; DIR/latest then names it (also replaced atomically). Older checkpoints beyond
-`keep` are removed only after the new one is complete.
+selector - network, normalizer, replay, optimizer - the objective's state (OPOD's controller) and the config;
+no global RNG state, since each step seeds its draws from the run's seed and the step) and train_config.json
+(the run's settings, readable without loading the optimizer state, for `train.py --resume`). It is written into
+a temporary folder, flushed to disk and renamed into place; DIR/latest then names it (also replaced atomically).
+Older checkpoints beyond `keep` are removed only after the new one is complete.
 
 Sharded runs (`--fsdp`, `save_sharded`): checkpoint-NNNNNN/sharded/ is one torch.distributed.checkpoint
 (DCP) of the policy, the EMA teacher and the AdamW state, each rank writing its own shards (in parallel;
@@ -21,11 +21,10 @@ can resume it; the same number continues to the same result (rollouts are seeded
 """
 
 import json
-import random
+import os
 import shutil
 from pathlib import Path
 
-import numpy as np
 import torch
 import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
@@ -33,21 +32,6 @@ from torch.distributed.checkpoint.state_dict import get_model_state_dict, get_st
 
 from opd.ledger import write_atomic
 from opd.sharding import full_state_dict
-
-
-def rng_state() -> dict:
-    state = {"python": random.getstate(), "numpy": np.random.get_state(), "torch": torch.get_rng_state()}
-    if torch.cuda.is_available():
-        state["cuda"] = torch.cuda.get_rng_state_all()
-    return state
-
-
-def set_rng_state(state: dict) -> None:
-    random.setstate(state["python"])
-    np.random.set_state(state["numpy"])
-    torch.set_rng_state(state["torch"])
-    if "cuda" in state and torch.cuda.is_available():
-        torch.cuda.set_rng_state_all(state["cuda"])
 
 
 def save_checkpoint(out_dir: str | Path, step: int, policy, processor, teacher, state: dict, keep: int = 1,
@@ -70,18 +54,35 @@ def save_checkpoint(out_dir: str | Path, step: int, policy, processor, teacher, 
     processor.save_pretrained(tmp / "policy")
     if teacher is not None:  # None: a frozen external teacher, reloaded from its own checkpoint on resume
         teacher.save_pretrained(tmp / "teacher")
-    torch.save({**state, "step": step, "rng": rng_state()}, tmp / "state.pt")
+    torch.save({**state, "step": step}, tmp / "state.pt")
     return _publish(out_dir, tmp, final, state, keep)
 
 
+def _sync_tree(folder: Path) -> None:
+    """fsync of every file below `folder` and of the folders themselves: on disk before the rename publishes it."""
+    for path in sorted(folder.rglob("*"), key=lambda p: -len(p.parts)) + [folder]:
+        fd = os.open(path, os.O_RDONLY)
+        try:
+            os.fsync(fd)
+        finally:
+            os.close(fd)
+
+
 def _publish(out_dir: Path, tmp: Path, final: Path, state: dict, keep: int) -> Path:
-    """Writes train_config.json, renames the complete temporary folder into place, points DIR/latest at it
-    and removes checkpoints beyond `keep`."""
+    """Writes train_config.json, flushes the complete temporary folder to disk and renames it into place, points
+    DIR/latest at it and removes checkpoints beyond `keep`. A folder already named `final` (a resume from an
+    earlier checkpoint writes that step again) is renamed aside first and deleted only once `latest` names the
+    new one."""
     if "config" in state:
         (tmp / "train_config.json").write_text(json.dumps(state["config"], indent=2) + "\n")
-    shutil.rmtree(final, ignore_errors=True)
+    _sync_tree(tmp)
+    replaced = final.with_name(f".{final.name}.old")
+    shutil.rmtree(replaced, ignore_errors=True)
+    if final.exists():
+        final.rename(replaced)
     tmp.rename(final)
     write_atomic(out_dir / "latest", final.name + "\n")
+    shutil.rmtree(replaced, ignore_errors=True)
     old = sorted(p for p in out_dir.glob("checkpoint-*") if p.is_dir() and p != final)
     for p in old[: max(0, len(old) - (keep - 1))]:
         shutil.rmtree(p, ignore_errors=True)
@@ -137,7 +138,7 @@ def save_sharded(out_dir: str | Path, step: int, policy, teacher, optimizer, sta
             if teacher is not None:
                 export_pretrained(teacher, tmp / "teacher")
     if main:
-        torch.save({**state, "step": step, "rng": rng_state()}, tmp / "state.pt")
+        torch.save({**state, "step": step}, tmp / "state.pt")
         _publish(out_dir, tmp, final, state, keep)
     dist.barrier()
     return final
@@ -184,7 +185,7 @@ def model_source(path: str, what: str) -> str:
     folder = Path(path).expanduser()
     run_like = (folder / "latest").is_file() or (folder / "state.pt").is_file()
     if not folder.is_dir() or (folder / "config.json").is_file() or not run_like:
-        return path
+        return str(folder) if folder.exists() else path  # '~/x' quoted past the shell: the folder, not a hub id
     try:
         ckpt = find_checkpoint(folder)
     except FileNotFoundError as exc:

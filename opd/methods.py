@@ -108,7 +108,7 @@ METHODS: dict[str, Method] = {
             negative_view="masked", token_weight="trust_region", settings=FULL_QUERY, recipe=VERL,
         ),  # fmt: skip
         Method(
-            "opsd", "OPSD (arXiv 2601.18734; siyan-zhao/OPSD, fixed teacher, top-k loss)",
+            "opsd", "OPSD (arXiv 2601.18734; siyan-zhao/OPSD, fixed teacher; full-vocabulary JSD in its recipe)",
             teacher_view="reference_answer", support="teacher_renorm", settings=dict(FULL_QUERY, ema_tau=0.0),
             recipe=dict(
                 TRL_SAMPLING, lora_r=64, lora_alpha=128.0, lora_dropout=0.05,

@@ -62,6 +62,8 @@ def test_a_lora_runs_teachers_share_the_students_base(tmp_path, tiny):
     for k in student:  # theta-bar <- (1 - tau) theta-bar + tau theta, on the adapter
         torch.testing.assert_close(after[k], (1 - 0.05) * teacher[k] + 0.05 * moved[k], rtol=1e-6, atol=1e-7)
     assert any(not torch.equal(moved[k], student[k]) for k in student)
+    frozen = [n for n, p in run.policy.named_parameters() if not p.requires_grad]
+    assert frozen and all(p.grad is None for p in run.policy.parameters() if not p.requires_grad)  # no base-size grads
 
 
 def test_the_adapters_gradient_is_autograd_on_the_merged_weights(tiny):
@@ -150,18 +152,19 @@ def test_a_lora_run_checkpoints_adapters_eval_scores_it_and_resume_is_exact(tmp_
 
 
 def lr_formula(name: str, step: int, peak: float, warmup: int, total: int) -> float:
-    """transformers' schedules written out: linear warm-up from 0, then constant, linear to 0 or half a cosine to 0."""
+    """transformers' schedules written out: linear warm-up from 0, then constant, linear to 0 or half a cosine to 0,
+    held at 0 after `total` steps (opd/lr_schedule.py: transformers' cosine would climb back)."""
     if step < warmup:
         return peak * step / max(1, warmup)
     if name == "constant":
         return peak
-    progress = (step - warmup) / max(1, total - warmup)
+    progress = min(1.0, (step - warmup) / max(1, total - warmup))
     if name == "linear":
         return peak * max(0.0, 1 - progress)
     return peak * max(0.0, 0.5 * (1 + math.cos(math.pi * progress)))
 
 
-@pytest.mark.parametrize("name,warmup,span", [("constant", 3, 0), ("linear", 2, 0), ("cosine", 1, 12)])
+@pytest.mark.parametrize("name,warmup,span", [("constant", 3, 0), ("linear", 2, 0), ("cosine", 1, 12), ("cosine", 1, 4)])
 def test_the_learning_rate_per_step_follows_its_schedule(tmp_path, tiny, name, warmup, span):
     """The ledger's lr of each step (the rate its update used) against the formula; a resume continues the schedule
     it started with (its span: --schedule-steps, else the first launch's --steps, restored with the scheduler)."""
@@ -303,6 +306,8 @@ def test_a_sequence_mean_training_step_is_the_mean_of_each_rows_token_mean(tmp_p
     (["--loss-agg", "token-sum"], "--loss-agg 'token-sum': choose one of token-mean, sequence-mean, micro-batch"),
     (["--lr-schedule", "step"], "--lr-schedule 'step': choose one of constant, linear, cosine"),
     (["--method", "dapd", "--loss-agg", "sequence-mean"], "--method dapd: --loss-agg does not apply"),
+    (["--method", "dapd", "--lora-r", "4", "--ema-tau", "0"], "--method dapd: --ema-tau 0 .a fixed teacher. does not apply"),
+    (["--method", "dapd", "--ema-tau", "0"], "--method dapd: --ema-tau 0 .a fixed teacher. does not apply"),
 ])  # fmt: skip
 def test_bad_lora_and_recipe_flags_are_one_line(tmp_path, tiny, flags, message):
     with pytest.raises(UserError, match=message):
@@ -331,9 +336,11 @@ def test_every_method_alone_records_its_published_recipe(tmp_path, tiny):
 def test_two_rank_fsdp_lora_equals_two_rank_ddp_lora(tmp_path, tiny):
     """torchrun --nproc_per_node 2 train.py --fsdp --lora-r 8 against the 2-rank DDP run with the same flags, both in
     float64 (tests/float64_train.py): the same selections, budgets and teacher rows, losses within float64 rounding,
-    and the same adapters at the end."""
+    and the same adapters at the end; a sharded run stopped after 2 steps and resumed ends with the same adapters (its
+    EMA teacher's adapter is in the policy's shards; a warm-up schedule's rate is restored with the optimizer)."""
     script = ROOT / "tests" / "float64_train.py"
-    common = ["--lora-r", "8", "--policy", "learned", "--rho", "0.25", "--steps", "3", "--dtype", "float64"]
+    common = ["--lora-r", "8", "--policy", "learned", "--rho", "0.25", "--dtype", "float64", "--lr-schedule", "linear",
+              "--warmup-steps", "1", "--schedule-steps", "3", "--save-every", "2"]  # fmt: skip
 
     def launch(*args):
         cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", "2", str(script), *args]
@@ -341,8 +348,10 @@ def test_two_rank_fsdp_lora_equals_two_rank_ddp_lora(tmp_path, tiny):
                               **{k: v for k, v in __import__("os").environ.items()}})  # fmt: skip
         assert proc.returncode == 0, proc.stderr[-3000:]
 
-    launch(*common, "--out", str(tmp_path / "ddp"))
-    launch(*common, "--fsdp", "--out", str(tmp_path / "fsdp"))
+    launch(*common, "--steps", "3", "--out", str(tmp_path / "ddp"))
+    launch(*common, "--steps", "3", "--fsdp", "--out", str(tmp_path / "fsdp"))
+    launch(*common, "--steps", "2", "--fsdp", "--out", str(tmp_path / "split"))
+    launch("--resume", str(tmp_path / "split"), "--steps", "3")
     ddp, fsdp = (read_ledger(tmp_path / n / "ledger.jsonl") for n in ("ddp", "fsdp"))
     assert len(ddp) == len(fsdp) == 3
     for a, b in zip(ddp, fsdp):
@@ -351,7 +360,32 @@ def test_two_rank_fsdp_lora_equals_two_rank_ddp_lora(tmp_path, tiny):
         assert a["loss"] == pytest.approx(b["loss"], rel=1e-9)
     from safetensors.torch import load_file
 
-    x, y = (load_file(str(tmp_path / n / "checkpoint-000003" / "policy" / "adapter_model.safetensors")) for n in ("ddp", "fsdp"))
-    assert x.keys() == y.keys()
+    x, y, z = (load_file(str(tmp_path / n / "checkpoint-000003" / "policy" / "adapter_model.safetensors"))
+               for n in ("ddp", "fsdp", "split"))  # fmt: skip
+    assert x.keys() == y.keys() == z.keys()
     for k in x:
         torch.testing.assert_close(x[k], y[k], rtol=0, atol=3 * 1e-4 * 1e-7, msg=k)  # steps x lr x 1e-7 (tests/float64.py)
+        torch.testing.assert_close(z[k], y[k], rtol=0, atol=3 * 1e-4 * 1e-7, msg=k)
+    split = read_ledger(tmp_path / "split" / "ledger.jsonl")
+    assert [r["lr"] for r in split] == pytest.approx([r["lr"] for r in fsdp], rel=1e-12)
+
+
+def test_loading_an_adapter_checks_every_tensor(tmp_path, tiny):
+    """load_adapter restores the saved adapter exactly, and refuses a file that lacks some of the adapter's LoRA
+    tensors (saved with fewer --lora-targets): a silently kept initial value would train from the wrong start."""
+    from opd.lora import load_adapter, save_adapter
+
+    torch.manual_seed(0)
+    saved = wrap(load_model(str(tiny[0])), LoRASettings(r=4, targets="q_proj,v_proj"))
+    with torch.no_grad():
+        for n, p in saved.named_parameters():
+            if "lora_" in n:
+                p.normal_()  # lora_B starts at zero: make every tensor distinct from a fresh adapter
+    save_adapter(saved, "default", tmp_path / "qv")
+    same = wrap(load_model(str(tiny[0])), LoRASettings(r=4, targets="q_proj,v_proj"))
+    load_adapter(same, "default", tmp_path / "qv")
+    want, got = adapter_state(saved, "default"), adapter_state(same, "default")
+    assert want.keys() == got.keys() and all(torch.equal(want[k], got[k]) for k in want)
+    wider = wrap(load_model(str(tiny[0])), LoRASettings(r=4, targets="q_proj,k_proj,v_proj"))
+    with pytest.raises(ValueError, match="missing"):
+        load_adapter(wider, "default", tmp_path / "qv")

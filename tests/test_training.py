@@ -1,5 +1,6 @@
 """End-to-end checks of Algorithm 1 on the built-in tiny Qwen3.5 (CPU, seeded)."""
 
+import dataclasses
 import json
 import math
 import os
@@ -459,12 +460,24 @@ def test_resume_takes_the_runs_own_settings_and_refuses_method_changes(tmp_path,
     assert [r["step"] for r in rows] == [0, 1, 2] and summary["steps"] == 3
     assert all(r["budget"] == r["candidates"] // 2 for r in rows)  # rho 0.5 throughout
     assert "| random-50 |" in capsys.readouterr().out
-    stamp = (tmp_path / "r" / "summary.json").stat().st_mtime_ns
+    stamp = lambda: ((st := (tmp_path / "r" / "summary.json").stat()).st_ino, st.st_mtime_ns)  # noqa: E731 (renamed when rewritten)
+    before = stamp()
     assert train.main(["--resume", out]) == summary  # complete: nothing trained, nothing rewritten
     assert "is complete (3 of 3 steps)" in capsys.readouterr().out
-    assert (tmp_path / "r" / "summary.json").stat().st_mtime_ns == stamp
+    assert stamp() == before
     summary = train.main(["--resume", out, "--steps", "4"])  # run-length flags may change
     assert summary["steps"] == 4 and [r["step"] for r in read_ledger(tmp_path / "r" / "ledger.jsonl")] == [0, 1, 2, 3]
+
+
+def test_micro_batching_may_change_on_resume_unless_the_loss_is_a_mean_per_micro_batch(tmp_path):
+    for agg in ("token-mean", "sequence-mean", "micro-batch"):
+        stored = {**dataclasses.asdict(train.TrainConfig(loss_agg=agg)), "micro_batch": 8}
+        cfg = train.TrainConfig(loss_agg=agg, micro_batch=2)
+        if agg != "micro-batch":
+            train.refuse_changed_settings(cfg, stored, tmp_path, {"micro_batch"})
+            continue
+        with pytest.raises(UserError, match=r"--micro-batch 2 \(the run has 8\).*objective's own under --loss-agg micro"):
+            train.refuse_changed_settings(cfg, stored, tmp_path, {"micro_batch"})
 
 
 @pytest.mark.slow
