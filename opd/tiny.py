@@ -128,19 +128,28 @@ def _atomic_dir(target: Path, write) -> Path:
 def build_tiny_model(out_dir: str | Path, seed: int = 0, max_pixels: int = 64 * 64, **config_kwargs) -> Path:
     """Writes a tiny (or, with `config_kwargs`, larger) random-weight Qwen3.5 with its tokenizer and
     processor (images up to `max_pixels`) through `save_pretrained`; returns the folder."""
+    return _build_model(Path(out_dir), seed, max_pixels, config_kwargs)
+
+
+def _build_model(out_dir: Path, seed: int, max_pixels: int, config_kwargs: dict, reshape=None) -> Path:
+    """`tiny_config(**config_kwargs)` (changed in place by `reshape(config)` when given), its weights drawn after
+    torch.manual_seed(seed), saved with the processor and the generation config's end and pad ids."""
     from transformers import Qwen3_5ForConditionalGeneration
 
     def write(tmp: Path):
         processor = tiny_processor(max_pixels=max_pixels)
+        config = tiny_config(processor.tokenizer, **config_kwargs)
+        if reshape is not None:
+            reshape(config)
         torch.manual_seed(seed)
-        model = Qwen3_5ForConditionalGeneration(tiny_config(processor.tokenizer, **config_kwargs))
+        model = Qwen3_5ForConditionalGeneration(config)
         ids = processor.tokenizer.convert_tokens_to_ids
         model.generation_config.eos_token_id = [ids("<|im_end|>"), ids("<|endoftext|>")]
         model.generation_config.pad_token_id = ids("<|endoftext|>")
         model.save_pretrained(tmp)
         processor.save_pretrained(tmp)
 
-    return _atomic_dir(Path(out_dir), write)
+    return _atomic_dir(out_dir, write)
 
 
 COLOURS = {"red": (220, 40, 40), "green": (40, 180, 60), "blue": (50, 80, 220), "yellow": (230, 210, 40)}
@@ -200,20 +209,10 @@ def build_tiny_vllm_model(out_dir: str | Path, seed: int = 0, max_pixels: int = 
     instead of 16, the smallest sizes whose attention kernels that backend has (head_dim 16 does not load).
     The rest is `tiny_config` (`config_kwargs`: hidden, layers, vision_depth; default hidden 64, 4 layers (one
     full attention), vision depth 2, init range 0.2)."""
-    from transformers import Qwen3_5ForConditionalGeneration
 
-    def write(tmp: Path):
-        processor = tiny_processor(max_pixels=max_pixels)
-        config = tiny_config(processor.tokenizer, **config_kwargs)
+    def reshape(config):
         config.text_config.head_dim = 32
         config.text_config.linear_key_head_dim = 64
         config.text_config.linear_value_head_dim = 64
-        torch.manual_seed(seed)
-        model = Qwen3_5ForConditionalGeneration(config)
-        ids = processor.tokenizer.convert_tokens_to_ids
-        model.generation_config.eos_token_id = [ids("<|im_end|>"), ids("<|endoftext|>")]
-        model.generation_config.pad_token_id = ids("<|endoftext|>")
-        model.save_pretrained(tmp)
-        processor.save_pretrained(tmp)
 
-    return _atomic_dir(Path(out_dir), write)
+    return _build_model(Path(out_dir), seed, max_pixels, config_kwargs, reshape)

@@ -12,15 +12,15 @@ import json
 import shutil
 import subprocess
 import sys
-import threading
 from pathlib import Path
 from types import SimpleNamespace
 
 import pytest
+from bench_fixtures import ZOOMBENCH_ANSWERS, write_all_fixtures, write_vstar_fixture, write_zoombench_fixture
+from fake_http import LocalServer, send_json
 from transformers import GenerationConfig
 
 import eval as eval_py
-from bench_fixtures import ZOOMBENCH_ANSWERS, write_all_fixtures, write_vstar_fixture, write_zoombench_fixture
 from opd.cli import UserError
 from opd.eval import evaluate, inference
 from opd.eval.judge import Judge, JudgeError, cache_key, endpoint, parse_verdict
@@ -255,7 +255,7 @@ def test_greedy_is_batch_invariant_and_ignores_checkpoint_sampling_defaults(tiny
 # ----------------------------------------------------------------------------- judge
 
 
-class FakeJudgeServer:
+class FakeJudgeServer(LocalServer):
     """An OpenAI-compatible /v1/chat/completions on 127.0.0.1: "correct", or "incorrect" for model "strict"."""
 
     MAX_REQUESTS = 20
@@ -272,31 +272,9 @@ class FakeJudgeServer:
                     self.send_error(503, "too many requests in a test")
                     return
                 verdict = "incorrect" if body.get("model") == "strict" else "Correct."
-                data = json.dumps({"choices": [{"message": {"role": "assistant", "content": verdict}}]}).encode()
-                self.send_response(200)
-                self.send_header("Content-Type", "application/json")
-                self.send_header("Content-Length", str(len(data)))
-                self.end_headers()
-                self.wfile.write(data)
+                send_json(self, {"choices": [{"message": {"role": "assistant", "content": verdict}}]})
 
-            def log_message(self, *a):
-                pass
-
-        self.server = http.server.ThreadingHTTPServer(("127.0.0.1", 0), Handler)
-        self.thread = threading.Thread(target=self.server.serve_forever, kwargs={"poll_interval": 0.05}, daemon=True)
-
-    @property
-    def url(self) -> str:
-        return f"http://127.0.0.1:{self.server.server_address[1]}/v1"
-
-    def __enter__(self):
-        self.thread.start()
-        return self
-
-    def __exit__(self, *exc):
-        self.server.shutdown()
-        self.server.server_close()
-        self.thread.join(timeout=5)
+        super().__init__(Handler)
 
 
 def test_judge_scores_free_form_answers_and_caches_verdicts(full_run, data, tmp_path, monkeypatch):

@@ -27,6 +27,7 @@ from types import SimpleNamespace
 
 import pytest
 from bench_fixtures import write_all_fixtures
+from fake_http import LocalServer, send_json
 
 import eval as eval_py
 from opd.cli import UserError
@@ -306,52 +307,26 @@ def test_requests_are_greedy_and_neutral_for_each_server_kind(tiny, data):
 # ----------------------------------------------------------------------------- a fake OpenAI-compatible server
 
 
-class FakeOpenAI:
+class FakeOpenAI(LocalServer):
     """/v1/models (one model, owned by `owner`) and /v1/chat/completions answering "(A)" with `prompt_tokens` in
     its usage, on 127.0.0.1; `bodies` holds the requests."""
 
     def __init__(self, owner: str = "someone", prompt_tokens: int = 7):
         import http.server
-        import threading
 
         self.bodies: list[dict] = []
         fake = self
 
         class Handler(http.server.BaseHTTPRequestHandler):
-            def _send(self, payload):
-                data = json.dumps(payload).encode()
-                self.send_response(200)
-                self.send_header("Content-Type", "application/json")
-                self.send_header("Content-Length", str(len(data)))
-                self.end_headers()
-                self.wfile.write(data)
-
             def do_GET(self):
-                self._send({"object": "list", "data": [{"id": "served-model", "owned_by": owner}]})
+                send_json(self, {"object": "list", "data": [{"id": "served-model", "owned_by": owner}]})
 
             def do_POST(self):
                 fake.bodies.append(json.loads(self.rfile.read(int(self.headers["Content-Length"]))))
-                self._send({"choices": [{"message": {"role": "assistant", "content": "(A)"}}],
-                            "usage": {"prompt_tokens": prompt_tokens}})
+                send_json(self, {"choices": [{"message": {"role": "assistant", "content": "(A)"}}],
+                                 "usage": {"prompt_tokens": prompt_tokens}})
 
-            def log_message(self, *a):
-                pass
-
-        self.server = http.server.ThreadingHTTPServer(("127.0.0.1", 0), Handler)
-        self.thread = threading.Thread(target=self.server.serve_forever, kwargs={"poll_interval": 0.05}, daemon=True)
-
-    @property
-    def url(self) -> str:
-        return f"http://127.0.0.1:{self.server.server_address[1]}/v1"
-
-    def __enter__(self):
-        self.thread.start()
-        return self
-
-    def __exit__(self, *exc):
-        self.server.shutdown()
-        self.server.server_close()
-        self.thread.join(timeout=10)
+        super().__init__(Handler)
 
 
 @pytest.fixture

@@ -129,5 +129,5 @@ def test_every_method_names_an_objective_class_with_its_own_config():
         assert issubclass(method.objective, Objective), name
         config = method.objective.Config
         assert config is None or all(hasattr(config(), "check") for _ in [0]), name
-    with pytest.raises(TypeError, match="snapshot is the run's EMA teacher"):
+    with pytest.raises(TypeError, match="snapshot anchor is the run's EMA teacher"):
         DAPD.build_teachers(TeacherSet({"teacher": Teacher(torch.nn.Linear(1, 1))}), lambda: None)
