@@ -315,6 +315,7 @@ def resumable(stored: dict) -> tuple[str, ...]:
         return tuple(f for f in RESUMABLE if f not in OBJECTIVE_BATCHING)
     return RESUMABLE
 
+
 VLLM_PUSH = ".vllm-push"
 """DIR/.vllm-push/: a sharded run's gathered weights for the vLLM engine (`Run._push_weights`), removed at the end."""
 OVERWRITTEN = ".overwritten"

@@ -66,6 +66,7 @@ def run_model_source(ckpt: Path, config: dict | None = None) -> tuple[str, dict]
                         f"({exc}); the export needs its config and processor: restore it"
                         + (", or run from the folder train.py ran in" if relative else "")) from None
 
+
 def _policy_metadata(sharded: Path) -> dict:
     """name -> DCP tensor metadata of the policy's entries (the prefix removed)."""
     from torch.distributed.checkpoint import FileSystemReader

@@ -201,6 +201,7 @@ def test_prompts_beyond_one_scheduler_step_are_sampled(vllm_engine, ref):
     assert gap.max() <= 2 * ref_gap.max() + 0.05
     assert gap.mean() <= 2 * ref_gap.mean() + 0.01
 
+
 def test_push_weights_a_b_a(vllm_engine, ref):
     """A -> B (the trainer's in-memory model) -> A (a folder): after the push the engine's greedy tokens are
     HF model B's argmax (teacher-forced, every disagreement a bf16 near-tie), and A's greedy output comes back
