@@ -37,7 +37,7 @@ the recipe's lr (is the adapter under-trained in 120 steps?); LoRA on every line
 
 
 def main(argv=None) -> list[dict]:
-    from experiments.family import FamilyConfig, job
+    from experiments.family import SMOKE, FamilyConfig, job
     from opd.toy.experiment import run_jobs
 
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
@@ -45,6 +45,7 @@ def main(argv=None) -> list[dict]:
     p.add_argument("--seeds", type=int, default=1, help="seeds 0..N-1 of each knob (default 1)")
     p.add_argument("--knobs", default=",".join(KNOBS), help=f"comma-separated, of {', '.join(KNOBS)}")
     p.add_argument("--jobs", type=int, default=1, help="runs trained at once (default 1)")
+    p.add_argument("--smoke", action="store_true", help="on a `family.py --smoke` folder: its few steps (the test)")
     a = p.parse_args(argv)
     root = Path(a.out)
     if not (root / "base-text").is_dir():
@@ -52,7 +53,7 @@ def main(argv=None) -> list[dict]:
     import torch
 
     torch.set_num_threads(1)  # as the family's workers: one thread per run
-    cfg = FamilyConfig()
+    cfg = FamilyConfig(**SMOKE) if a.smoke else FamilyConfig()
     jobs = []
     for knob in [k.strip() for k in a.knobs.split(",") if k.strip()]:
         if knob not in KNOBS:

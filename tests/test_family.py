@@ -42,7 +42,7 @@ def test_ledger_check_counts_every_teacher_view():
 
 def test_hint_base_sees_the_teachers_text_and_never_the_students_prompt(tmp_path, tiny):
     """The hint base's hinted samples use OPSD's teacher prompt exactly; its plain samples are crops."""
-    from opd.toy.sft import build_model, toy_processor, SFTConfig
+    from opd.toy.sft import SFTConfig, build_model, toy_processor
 
     world = WorldConfig(n_opd=4, n_audit=2, n_eval=3)
     processor = toy_processor(world.resolution)
@@ -100,3 +100,18 @@ def test_smoke_comparison_writes_the_report_and_resumes(tmp_path, tiny):
     family.main(["--smoke", "--out", str(out)])  # resumed: every run is reused
     assert done.stat().st_mtime_ns == stamp
     assert json.loads((out / "timing.json").read_text())["invocations"] == 2
+    # OPSD's recipe one knob at a time (experiments/opsd_recipe_knobs.py) on the same folder: the control is the
+    # family's own recipe run, step for step; a knob changes the stored settings and nothing else
+    from experiments.opsd_recipe_knobs import main as knobs
+
+    rows = knobs(["--out", str(out), "--smoke", "--knobs", "recipe,full-ft"])
+    assert [(r["knob"], r["seed"]) for r in rows] == [("recipe", 0), ("full-ft", 0)]
+    family_run = read_ledger(out / "runs" / "opsd" / "full-100-recipe" / "seed0" / "ledger.jsonl")
+    control = read_ledger(out / "runs" / "opsd-knobs" / "recipe" / "seed0" / "ledger.jsonl")
+    assert [r["loss"] for r in control] == [r["loss"] for r in family_run]
+    assert [r["selected"] for r in control] == [r["selected"] for r in family_run]
+    full_ft = out / "runs" / "opsd-knobs" / "full-ft" / "seed0"
+    stored = json.loads((full_ft / "checkpoint-000002" / "train_config.json").read_text())
+    recipe = json.loads((out / "runs" / "opsd" / "full-100-recipe" / "seed0" / "checkpoint-000002" / "train_config.json").read_text())
+    changed = {k for k in stored if stored[k] != recipe.get(k) and not k.startswith("lora_") and k != "out"}
+    assert stored["lora_r"] == 0 and stored["lr"] == family.FamilyConfig(**family.SMOKE).lr and changed == {"lr"}
