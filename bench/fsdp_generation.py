@@ -3,7 +3,7 @@
 `--fsdp-generation gathered` all-gathers every FSDP group of the policy before `generate` and frees them
 after (one all-gather per group per call; a full copy of the weights held meanwhile); `layerwise` lets
 every forward gather and free layer by layer (one all-gather per group per generated token; HF's
-`synced_gpus` keeps finished ranks stepping). For each mode and model kind this runs `train.Run.step`
+`synced_gpus` keeps finished ranks stepping). For each mode and model kind this runs `opd.loop.Run.step`
 with real generation (the tiny preset's batch: 4 prompts x 8 rollouts, 16-token responses, learned
 policy, rho 0.25) under `torchrun --nproc_per_node 2` on the CPU (gloo), each case in a fresh pair of
 processes, and reports per mode the mean step and generation seconds over the steps after the first (a
@@ -63,10 +63,11 @@ def measure(model: str, mode: str, steps: int, out_dir: str, quick: bool = False
     """One case on every rank (under torchrun): per-step seconds and this rank's peaks; rank 0 returns all ranks'."""
     import torch
 
+    from opd.config import PRESETS, TrainConfig
+    from opd.loop import Run
     from opd.rollout import generate_rollouts
     from opd.seeding import mix_seed
     from opd.sharding import generation
-    from train import PRESETS, Run, TrainConfig
 
     model_dir, data = model_and_data(model)
     extra = dict(prompts_per_step=2, rollouts_per_prompt=4, max_response_len=6, replay_start=4, replay_batch=8) if quick else {}
@@ -75,13 +76,13 @@ def measure(model: str, mode: str, steps: int, out_dir: str, quick: bool = False
     run = Run(cfg)
     device = str(run.acc.device)
     # Generation alone first, in the fresh process: a resident-set peak hides memory the allocator reuses.
-    prompts = run.student_prompts(run.prompts(0))
-    gathered = GatheredBytes(run.policy)
+    prompts = run.prompts.student(run.prompts.of_step(0))
+    gathered = GatheredBytes(run.model)
     peak = PeakMemory(device)
     peak.start()
     torch.manual_seed(mix_seed(cfg.seed, 0, run.acc.process_index))
-    with generation(run.policy, mode):
-        generate_rollouts(run.policy, prompts, cfg.rollouts_per_prompt, cfg.max_response_len, cfg.rollout_batch, cfg.share_prefill)
+    with generation(run.model, mode):
+        generate_rollouts(run.model, prompts, cfg.rollouts_per_prompt, cfg.max_response_len, cfg.rollout_batch, cfg.share_prefill)
     generation_peak, generation_total = peak.peak_above(), _total(peak)
     gathered.remove()
     rows = [run.step(0)]  # warm-up
@@ -93,7 +94,7 @@ def measure(model: str, mode: str, steps: int, out_dir: str, quick: bool = False
     per_rank = run.acc.gather(torch.tensor(mine, dtype=torch.float64, device=run.acc.device)).cpu().tolist()
     if not run.acc.is_main_process:
         return None
-    params = sum(p.numel() for p in run.policy.parameters())
+    params = sum(p.numel() for p in run.model.parameters())
     return {"model": model, "mode": mode, "rows": rows, "per_rank": per_rank, "world": run.acc.num_processes,
             "params": params, "memory_method": peak.method}  # fmt: skip
 

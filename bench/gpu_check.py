@@ -4,7 +4,7 @@ Builds a random-weight Qwen3.5 with Qwen3.5-4B's exact configuration (bench/conf
 its special-token ids remapped to the built-in character tokenizer, the vocabulary kept at 248,320, so
 the LM head, the loss and the sampling cost what they cost on the real model) and writes it once in
 bfloat16; the run loads it in float32 as training does. Then, for each strategy (DDP, then FSDP2 over
-a one-GPU process group), a `train.Run` with `--preset paper-4b`'s settings (bf16 autocast, float32
+a one-GPU process group), a `opd.loop.Run` with `--preset paper-4b`'s settings (bf16 autocast, float32
 weights, --grad-checkpointing, --micro-batch 4, learned policy, rho 0.25) except the batch, reduced to
 fit a few minutes: --prompts (4 instead of 28) x 8 rollouts, --response-len (256 instead of 1,024)
 new tokens, --image-size (448 x 448 images). Each strategy runs one step on fixed rollouts
@@ -186,7 +186,9 @@ def run_strategy(strategy: str, model_dir: Path, data: Path, a, out: Path) -> di
     """One Run: a fixed-rollout step (the match), then a.steps timed steps; returns the numbers."""
     import torch
 
-    import train
+    import opd.config
+    import opd.loop
+    import opd.sampler
     from opd.sharding import full_state_dict
     from opd.synthetic import fixed_rollouts
 
@@ -194,18 +196,18 @@ def run_strategy(strategy: str, model_dir: Path, data: Path, a, out: Path) -> di
     if cuda:
         torch.cuda.empty_cache()
         torch.cuda.reset_peak_memory_stats()
-    settings = {**train.PRESETS["paper-4b"], "model": str(model_dir), "data": str(data), "out": str(out),
+    settings = {**opd.config.PRESETS["paper-4b"], "model": str(model_dir), "data": str(data), "out": str(out),
                 "prompts_per_step": a.prompts, "rollouts_per_prompt": a.rollouts, "max_response_len": a.response_len,
                 "steps": a.steps + 1, "replay_start": 8, "replay_batch": 32, "save_every": 0, "policy": "learned",
                 "rho": 0.25, "mixed_precision": a.mixed_precision, "fsdp": strategy == "fsdp"}  # fmt: skip
     t0 = time.perf_counter()
-    run = train.Run(train.TrainConfig(**settings))
+    run = opd.loop.Run(opd.config.TrainConfig(**settings))
     load_s = time.perf_counter() - t0
     flops = TeacherFlops(run)
     selected, select = [], run.selector.select
     run.selector.select = lambda *args, **kw: selected.append(select(*args, **kw)) or selected[-1]
     generated = []
-    real_generate = train.generate_rollouts
+    real_generate = opd.sampler.generate_rollouts
 
     def spy(*args, **kw):
         generated.append(real_generate(*args, **kw))
@@ -213,9 +215,9 @@ def run_strategy(strategy: str, model_dir: Path, data: Path, a, out: Path) -> di
 
     perturb_teacher(run.teacher.model)
     match_row = run.step(0, fixed_rollouts(run, 0, max_len=min(a.response_len, 32)))
-    params = {k: v.float().clone() for k, v in full_state_dict(run.policy).items()}  # kept while training goes on
+    params = {k: v.float().clone() for k, v in full_state_dict(run.model).items()}  # kept while training goes on
     rows = []
-    train.generate_rollouts = spy
+    opd.sampler.generate_rollouts = spy
     try:
         for step in range(1, a.steps + 1):
             before = flops.flops
@@ -225,7 +227,7 @@ def run_strategy(strategy: str, model_dir: Path, data: Path, a, out: Path) -> di
             row["generated_tokens"] = int(generated[-1].response_mask.sum())
             rows.append(row)
     finally:
-        train.generate_rollouts = real_generate
+        opd.sampler.generate_rollouts = real_generate
     peak = torch.cuda.max_memory_allocated() if cuda else None
     result = {"strategy": strategy, "load_s": load_s, "match_row": match_row, "match_selected": selected[0].tolist(),
               "rows": rows, "peak_bytes": peak, "params_after_match": params}  # fmt: skip

@@ -13,7 +13,7 @@
 2. Each base's privileged-minus-plain gap: greedy accuracy on the held-out items in every view its
    methods use, built as training builds them (`opd.toy.family.view_accuracy`).
 3. For each method, Full querying (the method as published), Random-25 and Learned-25 (BAS-OPD's
-   budget on top), over `--seeds` seeds, through `train.Run` with the method's paper settings; each run is
+   budget on top), over `--seeds` seeds, through `opd.loop.Run` with the method's paper settings; each run is
    scored by eval.py on the held-out benchmark in the student's view at the original resolution (the
    full canvas) and, for the crop methods, on the crops (the teacher's pathway); OPSD's and DAPD's trained
    students also with the hint (the privilege illusion), RP-OPSD's at half resolution, OPOD's per route. Extra
@@ -221,23 +221,24 @@ def trust_region_profile(root: Path, cfg: FamilyConfig, prompts: int = 16) -> di
     import torch
 
     from opd.chunked import sampled_logp_from_hidden
+    from opd.config import TrainConfig
     from opd.distill import micro_batch_inputs
+    from opd.ema_teacher import lm_head_weight
+    from opd.loop import Run
     from opd.rollout import generate_rollouts
     from opd.seeding import mix_seed
-    from opd.ema_teacher import lm_head_weight
     from opd.weights import trust_region
-    from train import Run, TrainConfig
 
     run = Run(TrainConfig(model=str(root / "base-crop"), data=str(root / "world" / "train.jsonl"),
                           out=str(root / "trust_region_run"), overwrite=True, method="opd-v", policy="full", rho=1.0,
                           prompts_per_step=min(prompts, cfg.n_opd), max_response_len=cfg.max_response_len))  # fmt: skip
-    ids = run.prompt_ids(0)
+    ids = run.prompts.ids(0)
     records = [run.records[i] for i in ids]
     torch.manual_seed(0)
-    ro = generate_rollouts(run.policy, run.student_prompts(records), cfg.rollouts_per_prompt, cfg.max_response_len)
+    ro = generate_rollouts(run.model, run.prompts.student(records), cfg.rollouts_per_prompt, cfg.max_response_len)
     logp = {}
     for view in run.teacher_views:  # the positive (crop) and negative (masked) teacher, as training builds them
-        prompts_v = [run.encode(view, records[j], mix_seed(run.cfg.seed, 0, ids[j])) for j in ro.prompt_index.tolist()]
+        prompts_v = [run.prompts.encode(view, records[j], mix_seed(run.cfg.run.seed, 0, ids[j])) for j in ro.prompt_index.tolist()]
         inputs, mask, width = micro_batch_inputs(prompts_v, ro, torch.arange(len(ro)), run.ids["pad"], "cpu")
         h = run.teacher.hidden(inputs, width)[mask]
         logp[view] = sampled_logp_from_hidden(h, lm_head_weight(run.teacher.model), ro.response_ids[:, :width][mask])

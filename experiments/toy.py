@@ -8,7 +8,7 @@
    layout (read as `zoombench`, crops included).
 2. The base (`opd.toy.sft`): a tiny Qwen3.5 trained by teacher forcing on the crops only, so it reads the
    crop well and the full image poorly. eval.py measures both views (the regional-to-global gap).
-3. OPD runs through `train.Run` on the same base: Full, Random-25, Entropy-25, Learned-25 and
+3. OPD runs through `opd.loop.Run` on the same base: Full, Random-25, Entropy-25, Learned-25 and
    Learned-10/50, over `--seeds` seeds (Learned-100 is Full querying: identical selection, reused).
    Each run is evaluated by eval.py on the held-out benchmark (full view and, as a check of the
    teacher's pathway, crop view). Learned-25 runs also get the Figure 3 audit (`opd.audit`) at the
@@ -37,7 +37,15 @@ if str(ROOT) not in sys.path:
 from opd.toy.entry import Entry, sft_config, world_config  # noqa: E402
 from opd.toy.experiment import check_ledger, collect, machine, order, run_folder  # noqa: E402
 from opd.toy.report import (  # noqa: E402
-    audit_section, gap_section, geometry_section, ledger_line, plots, table3, table7, table8, world_figure,
+    audit_section,
+    gap_section,
+    geometry_section,
+    ledger_line,
+    plots,
+    table3,
+    table7,
+    table8,
+    world_figure,
     write_report,
 )
 
@@ -117,7 +125,7 @@ def run_specs(cfg: ToyConfig) -> list[dict]:
 
 
 def train_fields(cfg: ToyConfig, spec: dict, base: Path, data: Path) -> dict:
-    """The run's `train.TrainConfig` fields (its --out is the run folder)."""
+    """The run's `opd.config.TrainConfig` fields (its --out is the run folder)."""
     return dict(
         model=str(base), data=str(data), policy=spec["policy"], rho=spec["pct"] / 100,
         steps=cfg.steps, prompts_per_step=cfg.prompts_per_step, rollouts_per_prompt=cfg.rollouts_per_prompt,

@@ -11,7 +11,7 @@ here. Answer: C").
 1. The world (`export_world`) and the base (`opd.toy.sft.train_base(task=EXPLAIN)`): a tiny Qwen3.5 taught
    the explained answers on crops only; eval.py (its answer parser reads the final answer) measures the
    full-image and crop views, and OUT/base_samples.json holds 8 sampled rollouts of a few prompts.
-2. OPD runs through `train.Run`: Full, Random-25, Entropy-25, Learned-10/25/50 (Table 3), and Learned-25
+2. OPD runs through `opd.loop.Run`: Full, Random-25, Entropy-25, Learned-10/25/50 (Table 3), and Learned-25
    without overlap, confidence, ranking loss or exploration (Table 4, train.py's --no-* switches), each
    over `--seeds` seeds, each scored by eval.py in both views. Every run writes trace.jsonl: per step the
    candidates, S, every rollout's length and entropy, and the utility labels of S (`opd.toy.experiment.Trace`).
@@ -41,11 +41,29 @@ import numpy as np  # noqa: E402
 from opd.ledger import write_atomic  # noqa: E402
 from opd.toy.entry import Entry, sft_config, world_config  # noqa: E402
 from opd.toy.experiment import (  # noqa: E402
-    ABLATIONS, check_ledger, collect, label, machine, order, run_folder, split_name,
+    ABLATIONS,
+    check_ledger,
+    collect,
+    label,
+    machine,
+    order,
+    run_folder,
+    split_name,
 )
 from opd.toy.report import (  # noqa: E402
-    audit_section, gap_section, geometry_section, ledger_line, mean_std, plots, save_figure, spearman, table3, table7,
-    table8, world_figure, write_report,
+    audit_section,
+    gap_section,
+    geometry_section,
+    ledger_line,
+    mean_std,
+    plots,
+    save_figure,
+    spearman,
+    table3,
+    table7,
+    table8,
+    world_figure,
+    write_report,
 )
 
 __all__ = ["ExplainConfig", "check_ledger", "main"]

@@ -1,4 +1,4 @@
-"""Selection diagnostics of the paper's Figures 3 and 4, for any `train.Run` (the toy or a real model).
+"""Selection diagnostics of the paper's Figures 3 and 4, for any `opd.loop.Run` (the toy or a real model).
 
 Figure 3 (frozen-selector utility audit). On held batches, the student samples rollouts as in training
 (Algorithm 1, line 3), the selector's frozen network scores them (no normalizer update, no replay),
@@ -212,7 +212,7 @@ def held_records(records: list[Record], prompts: int, n_batches: int, seed: int 
 @contextmanager
 def _preserved(run):
     """Forks the RNG of the policy's device and restores the teacher's call counters afterwards."""
-    device = next(run.policy.parameters()).device
+    device = next(run.model.parameters()).device
     rows, batches = run.teacher.rows_scored, len(run.teacher.batches)
     devices = [device] if device.type == "cuda" else []
     try:
@@ -239,15 +239,15 @@ def sample_batch(run, records: list[Record], seed: int) -> HeldBatch:
     cfg = run.cfg
     with _preserved(run):
         torch.manual_seed(seed)
-        prompts = run.student_prompts(records)
+        prompts = run.prompts.student(records)
         with run.autocast():
-            ro = generate_rollouts(run.policy, prompts, cfg.rollouts_per_prompt, cfg.max_response_len,
+            ro = generate_rollouts(run.model, prompts, cfg.rollouts_per_prompt, cfg.max_response_len,
                                    cfg.rollout_batch, cfg.share_prefill, **cfg.sampling())  # fmt: skip
-    has_entropy = getattr(run, "engine", None) is None  # train.Run.step: a vLLM engine's rollouts have no entropy
+    has_entropy = getattr(run, "engine", None) is None  # opd.loop.Run.step: a vLLM engine's rollouts have no entropy
     if not has_entropy:
         ro.entropy = torch.zeros_like(ro.entropy)
     rows = ro.prompt_index.tolist()
-    eligible = torch.tensor([run.eligible(records[j]) for j in rows], dtype=torch.bool) & ro.valid
+    eligible = torch.tensor([run.prompts.eligible(records[j]) for j in rows], dtype=torch.bool) & ro.valid
     area = torch.tensor([records[j].area_ratio for j in rows])
     phi = rollout_features(ro.logp, ro.entropy, ro.response_mask, ro.prompt_len, area)
     return HeldBatch(records, ro, prompts, phi, eligible, run.selector.predict(phi), has_entropy=has_entropy)
@@ -258,12 +258,12 @@ def _micro_batches(run, batch: HeldBatch, rows: torch.Tensor):
     micro-batch of `rows`, as `opd.distill` forms them on one rank (`distill.plan_rows`: grouped by teacher length,
     --micro-batch rows and --micro-batch-tokens; the teachers on the run's privileged views, the student on its
     own view; a view's randomness seeded by the record's place)."""
-    cfg, device, ro = run.cfg.distill(), run.acc.device, batch.rollouts
+    cfg, device, ro = run.context.loss, run.acc.device, batch.rollouts
     teacher_prompts: dict[tuple[str, int], object] = {}
 
     def teacher_prompt(view: str, j: int):
         if (view, j) not in teacher_prompts:
-            teacher_prompts[view, j] = run.encode(view, batch.records[j], j)
+            teacher_prompts[view, j] = run.prompts.encode(view, batch.records[j], j)
         return teacher_prompts[view, j]
 
     for sel in plan_rows(ro, teacher_prompt, rows, cfg, run.teacher_views[0]):
@@ -281,14 +281,14 @@ def _micro_batches(run, batch: HeldBatch, rows: torch.Tensor):
 @torch.no_grad()
 def score_utility(run, batch: HeldBatch) -> torch.Tensor:
     """u_i (Eq. 9) of every candidate of the batch from the run's teacher; stores and returns it."""
-    cfg, device = run.cfg.distill(), run.acc.device
+    cfg, device = run.context.loss, run.acc.device
     utility = torch.full((len(batch.rollouts),), float("nan"))
     rows = batch.eligible.nonzero().squeeze(-1)
     with _preserved(run):
         for sel, s_inputs, t_inputs, mask, width, response, old_logp in _micro_batches(run, batch, rows):
             weights = budgeted_weights(torch.ones(len(sel), device=device), mask)
             with run.autocast():
-                _, _, u, _ = micro_batch_loss(run.policy, run.teacher, s_inputs, t_inputs, mask, width, weights, cfg,
+                _, _, u, _ = micro_batch_loss(run.model, run.teacher, s_inputs, t_inputs, mask, width, weights, cfg,
                                               response, old_logp)  # fmt: skip
             utility[sel] = u.float().cpu()
     batch.utility = utility
@@ -304,7 +304,7 @@ def audit_utility(run, records: list[Record], n_batches: int = 10, seed: int = 1
     ranking, and the per-batch utilities. The selector must have had an update for "learned".
     """
     batches = []
-    for b, recs in enumerate(held_records(records, run.cfg.prompts_per_step, n_batches, seed)):
+    for b, recs in enumerate(held_records(records, run.cfg.data.prompts_per_step, n_batches, seed)):
         batch = sample_batch(run, recs, mix_seed(seed, b))
         score_utility(run, batch)
         batches.append(batch)
@@ -375,8 +375,8 @@ def opd_gradient(run, batch: HeldBatch, rows: torch.Tensor, sample_weights: torc
     no .grad is written. `sample_weights` (len(rows),): Eq. 11's Hajek form with these w_i (unbiased selection's
     1 / pi_i; token-mean only, as train.py requires).
     """
-    cfg, device, ro = run.cfg.distill(), run.acc.device, batch.rollouts
-    params = [p for p in run.policy.parameters() if p.requires_grad]
+    cfg, device, ro = run.context.loss, run.acc.device, batch.rollouts
+    params = [p for p in run.model.parameters() if p.requires_grad]
     total = [torch.zeros_like(p) for p in params]
     w_of = None if sample_weights is None else dict(zip(rows.tolist(), sample_weights.double().tolist()))
     if cfg.aggregation != "token-mean":  # sequence-mean, micro-batch: |S|, the rows with a valid token
@@ -387,14 +387,14 @@ def opd_gradient(run, batch: HeldBatch, rows: torch.Tensor, sample_weights: torc
         denominator = int(ro.lengths[rows].sum())
     if denominator == 0:
         return torch.cat([t.flatten() for t in total])
-    dtype = torch.float64 if next(run.policy.parameters()).dtype == torch.float64 else torch.float32  # as distill's
+    dtype = torch.float64 if next(run.model.parameters()).dtype == torch.float64 else torch.float32  # as distill's
     with _preserved(run):
         for sel, s_inputs, t_inputs, mask, width, response, old_logp in _micro_batches(run, batch, rows):
             w = None if w_of is None else torch.tensor([w_of[i] for i in sel.tolist()], device=device)
             weights = aggregation_weights(cfg.aggregation, torch.ones(len(sel), device=device), mask, denominator,
                                           dtype, w)  # (n, T) the run's loss over `rows`  # fmt: skip
             with run.autocast():
-                loss, _, _, _ = micro_batch_loss(run.policy, run.teacher, s_inputs, t_inputs, mask, width, weights, cfg,
+                loss, _, _, _ = micro_batch_loss(run.model, run.teacher, s_inputs, t_inputs, mask, width, weights, cfg,
                                                  response, old_logp)  # fmt: skip
             grads = torch.autograd.grad(loss, params, allow_unused=True)
             for t, g in zip(total, grads):
@@ -414,7 +414,7 @@ def frozen_selection(run, batch: HeldBatch, rho: float) -> torch.Tensor:
 def gradient_geometry(run, records: list[Record], rho: float = 0.25, n_batches: int = 5, seed: int = 4321) -> dict:
     """Figure 4 at the run's current state: per held batch ||g_S||, ||g_U||, cos(g_S, g_U); summary."""
     rows = []
-    for b, recs in enumerate(held_records(records, run.cfg.prompts_per_step, n_batches, seed)):
+    for b, recs in enumerate(held_records(records, run.cfg.data.prompts_per_step, n_batches, seed)):
         batch = sample_batch(run, recs, mix_seed(seed, b))
         selected = frozen_selection(run, batch, rho)
         candidates = batch.eligible.nonzero().squeeze(-1)
@@ -439,14 +439,14 @@ def selection_audit(run, records: list[Record], n_batches: int = 5, draws: int =
 
     check_auditable(run)
     rows = []
-    for b, recs in enumerate(held_records(records, run.cfg.prompts_per_step, n_batches, seed)):
+    for b, recs in enumerate(held_records(records, run.cfg.data.prompts_per_step, n_batches, seed)):
         batch = sample_batch(run, recs, mix_seed(seed, b))
         candidates = batch.eligible.nonzero().squeeze(-1)
         if candidates.numel() == 0:
             continue
         u = score_utility(run, batch).double()
         g_c = opd_gradient(run, batch, candidates)
-        budget = query_budget(run.cfg.rho, candidates.numel())
+        budget = query_budget(run.cfg.selection.rho, candidates.numel())
         prompt_of = batch.rollouts.prompt_index
         grads, cos, captured = [], [], []
         for d in range(draws):

@@ -120,3 +120,30 @@ def collate(
         batch["pixel_values"] = torch.cat(pixels, dim=0)
         batch["image_grid_thw"] = torch.cat([p.image_grid_thw for p in prompts if p.image_grid_thw is not None])
     return batch
+
+
+def micro_batch_inputs(
+    prompts: list[EncodedPrompt], rollouts, rows: torch.Tensor, pad_id: int, device: torch.device
+) -> tuple[dict[str, torch.Tensor], torch.Tensor, int]:
+    """Model inputs for `rows` of `rollouts` (`opd.rollout.Rollouts`): their prompts + their responses trimmed to the
+    longest valid one: (inputs, mask (n, T), T)."""
+    width = int(rollouts.lengths[rows].max().clamp(min=1))
+    response = rollouts.response_ids[rows, :width]  # (n, T)
+    mask = rollouts.response_mask[rows, :width]  # (n, T)
+    inputs = collate(prompts, pad_id, response, mask)
+    return {k: v.to(device) for k, v in inputs.items()}, mask.to(device), width
+
+
+def completion_inputs(
+    prompts: list[EncodedPrompt], completions: list[torch.Tensor], pad_id: int, device: torch.device
+) -> tuple[dict[str, torch.Tensor], torch.Tensor, torch.Tensor, int]:
+    """Model inputs for prompts each followed by its own completion ids (1-D), right-padded to the longest:
+    (inputs, mask (n, T), completion ids (n, T), T). The completions of DAPD's reference and OPOD's answer."""
+    width = max(1, max(len(c) for c in completions))
+    ids = torch.full((len(completions), width), pad_id, dtype=torch.long)  # (n, T)
+    mask = torch.zeros((len(completions), width), dtype=torch.bool)  # (n, T)
+    for i, c in enumerate(completions):
+        ids[i, : len(c)] = c
+        mask[i, : len(c)] = True
+    inputs = collate(prompts, pad_id, ids, mask)
+    return {k: v.to(device) for k, v in inputs.items()}, mask.to(device), ids.to(device), width

@@ -23,15 +23,44 @@ can resume it; the same number continues to the same result (rollouts are seeded
 import json
 import os
 import shutil
+from dataclasses import dataclass
 from pathlib import Path
 
 import torch
 import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
-from torch.distributed.checkpoint.state_dict import get_model_state_dict, get_state_dict, set_model_state_dict, set_state_dict
+from torch.distributed.checkpoint.state_dict import (
+    get_model_state_dict,
+    get_state_dict,
+    set_model_state_dict,
+    set_state_dict,
+)
 
+from opd.cli import Section
 from opd.ledger import write_atomic
 from opd.sharding import full_state_dict
+
+
+@dataclass
+class CheckpointConfig(Section):
+    """When the run writes checkpoints, and how many it keeps."""
+
+    save_every: int = 0
+    """Checkpoint every N steps (0: only at the end)."""
+    keep_checkpoints: int = 1
+    """Checkpoints kept in the output folder."""
+
+    def due(self, step: int, steps: int) -> bool:
+        """Whether a checkpoint follows step index `step` of a run of `steps`."""
+        return step + 1 == steps or bool(self.save_every and (step + 1) % self.save_every == 0)
+
+    def check(self) -> list[str]:
+        problems = []
+        if self.save_every < 0:
+            problems.append(f"--save-every {self.save_every}: must be >= 0 (0 = only at the end)")
+        if self.keep_checkpoints < 1:
+            problems.append(f"--keep-checkpoints {self.keep_checkpoints}: must be at least 1")
+        return problems
 
 
 def save_checkpoint(out_dir: str | Path, step: int, policy, processor, teacher, state: dict, keep: int = 1,

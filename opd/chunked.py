@@ -482,7 +482,7 @@ def clamped_kl_from_hidden(
 
 class _WeightedLogp(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, h, w, token_ids, coef, chunk):
+    def forward(ctx, h, w, token_ids, coef, chunk, old_logp=None):
         w_c = w.to(h.dtype)
         grad_h = torch.empty_like(h)  # (P, H)
         acc_dtype = torch.float32 if w.dtype != torch.float64 else w.dtype
@@ -496,6 +496,12 @@ class _WeightedLogp(torch.autograd.Function):
             y = token_ids[j : j + chunk]  # (C,)
             a = coef[j : j + chunk].to(z.dtype)  # (C,)
             logp = sampled_logp(z, y)  # (C,) log p(y_t)
+            if old_logp is None:
+                loss += (a * logp).sum()
+            else:  # the importance-sampled form a rho, rho = p(y) / p_old(y): d (a rho) = a rho d log p(y)
+                rho = torch.exp(logp - old_logp[j : j + chunk].to(z.dtype))  # (C,)
+                loss += (a * rho).sum()
+                a = a * rho
             dz = torch.softmax(z, dim=-1).mul_(-a.unsqueeze(-1))  # (C, V) -a p_v
             dz.scatter_add_(-1, y.unsqueeze(-1), a.unsqueeze(-1))  # + a at y: a (onehot(y) - p)
             dz = dz.to(h.dtype)
@@ -504,7 +510,6 @@ class _WeightedLogp(torch.autograd.Function):
             if want_w:
                 grad_w = _accumulate(grad_w, dz, h_c, acc_dtype)
             del dz
-            loss += (a * logp).sum()
             logp_all.append(logp)
         ctx.save_for_backward(grad_h, _as_weight(grad_w, w))
         logp_all = torch.cat(logp_all)
@@ -514,11 +519,12 @@ class _WeightedLogp(torch.autograd.Function):
     @staticmethod
     def backward(ctx, grad_loss, _grad_logp):
         grad_h, grad_w = _saved_grads(ctx, grad_loss)
-        return grad_h, grad_w, None, None, None
+        return grad_h, grad_w, None, None, None, None
 
 
 def weighted_logp_from_hidden(
-    h: torch.Tensor, w: torch.Tensor, token_ids: torch.Tensor, coef: torch.Tensor, chunk: int = 512
+    h: torch.Tensor, w: torch.Tensor, token_ids: torch.Tensor, coef: torch.Tensor, chunk: int = 512,
+    old_logp: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """sum_p coef_p log p(y_p), z = h W^T, differentiable to h (P, H) and w (V, H), with the sampled ids
     token_ids (P,) and detached coefficients coef (P,) (a policy-gradient term: coef = -A_i / N); plus the
@@ -526,7 +532,10 @@ def weighted_logp_from_hidden(
 
         d/dz_v [ a log p(y) ] = a ([v = y] - p_v)
 
-    accumulated into dL/dh and dL/dW chunk by chunk (no (P, V) tensor)."""
+    accumulated into dL/dh and dL/dW chunk by chunk (no (P, V) tensor). With `old_logp` (P,) the importance-sampled
+    form sum_p coef_p rho_p, rho_p = p(y_p) / p_old(y_p) (tinker's `importance_sampling` loss), whose gradient is
+    sum_p coef_p rho_p d log p(y_p): the same accumulation with a_p = coef_p rho_p."""
     if h.shape[0] == 0:
         return (h.sum() + w.sum()) * 0.0, h.new_zeros(0, dtype=torch.float32)
-    return _WeightedLogp.apply(h, w, token_ids, coef.detach(), chunk)
+    old = None if old_logp is None else old_logp.detach()
+    return _WeightedLogp.apply(h, w, token_ids, coef.detach(), chunk, old)

@@ -10,6 +10,7 @@ import ast
 import dataclasses
 import difflib
 import inspect
+import math
 import os
 import re
 import sys
@@ -54,12 +55,12 @@ def run_cli(main: Callable, argv: list[str], prog: str):
 
 def field_docs(cls) -> dict[str, str]:
     """The docstring written under each field of a dataclass (the cleanrl/tyro convention), from the class and
-    its dataclass bases; a class made by `with_sections` adds its sections' docs."""
+    its dataclass bases."""
     docs: dict[str, str] = {}
     for klass in reversed(cls.__mro__):
-        if dataclasses.is_dataclass(klass) and "__field_docs__" not in vars(klass):
+        if dataclasses.is_dataclass(klass):
             docs.update(_own_field_docs(klass))
-    return docs | getattr(cls, "__field_docs__", {})
+    return docs
 
 
 def _own_field_docs(cls) -> dict[str, str]:
@@ -81,26 +82,65 @@ def _own_field_docs(cls) -> dict[str, str]:
     return docs
 
 
-def with_sections(base, sections: dict[str, type], name: str):
-    """A dataclass `name` with `base`'s fields and, for each section prefix p with its config dataclass C, one
-    field p_f per field f of C (its flag --p-f, its default, its docstring): the settings of a part that owns its
-    config (an objective's, `opd.objective.Objective.Config`), as flat fields, so that flags, presets, stored
-    configs and --resume's check treat them like any other. `section_config(cfg, p, C)` builds the C."""
-    fields = []
-    for prefix, config in sections.items():
-        hints = typing.get_type_hints(config)
-        for f in dataclasses.fields(config):
-            fields.append((f"{prefix}_{f.name}", hints[f.name], dataclasses.field(default=f.default)))
-    cls = dataclasses.make_dataclass(name, fields, bases=(base,))
-    cls.__module__, cls.__qualname__, cls.__doc__ = base.__module__, name, base.__doc__
-    docs = {f"{p}_{k}": v for p, c in sections.items() for k, v in field_docs(c).items()}
-    cls.__field_docs__ = {**field_docs(base), **docs}
-    return cls
+@dataclasses.dataclass(frozen=True)
+class Flag:
+    """One command-line flag: its field name (`--lora-r` is lora_r), type, default and help."""
+
+    name: str
+    kind: type
+    default: object
+    doc: str
+    section: str = ""
+    """The section that owns it (`Section`); '' for a flat dataclass's field."""
+    attr: str = ""
+    """Its field in that section (lora_r is LoRAConfig.r)."""
 
 
-def section_config(cfg, prefix: str, config):
-    """The section `prefix`'s config dataclass from the flat fields `with_sections` made."""
-    return config(**{f.name: getattr(cfg, f"{prefix}_{f.name}") for f in dataclasses.fields(config)})
+class Section:
+    """A component's own settings: a dataclass (subclass it and decorate with @dataclass) whose fields, each with
+    its docstring, are flags, and whose `check()` lists what is wrong with them (one phrase each, naming the flag).
+
+    The flag of field f is PREFIX + f (`LoRAConfig.r` is --lora-r), unless FLAGS names another (`LossConfig.aggregation`
+    is --loss-agg); INTERNAL fields are no flags (set by the method table, not by a user). `problems()` adds what
+    every section refuses: a float that is not finite (inf, nan)."""
+
+    PREFIX: typing.ClassVar[str] = ""
+    FLAGS: typing.ClassVar[dict[str, str]] = {}
+    INTERNAL: typing.ClassVar[tuple[str, ...]] = ()
+
+    @classmethod
+    def flag_of(cls, attr: str) -> str:
+        return cls.FLAGS.get(attr, cls.PREFIX + attr)
+
+    @classmethod
+    def flags(cls, section: str = "") -> list[Flag]:
+        """The section's flags, in field order."""
+        docs, hints = field_docs(cls), typing.get_type_hints(cls)
+        return [Flag(cls.flag_of(f.name), _base_type(hints[f.name]), f.default, docs.get(f.name, ""), section, f.name)
+                for f in dataclasses.fields(cls) if f.name not in cls.INTERNAL]  # fmt: skip
+
+    def check(self) -> list[str]:
+        """What is wrong with these settings (a phrase per problem, naming the flag); [] when nothing is."""
+        return []
+
+    def problems(self) -> list[str]:
+        """`check()` after the check every section shares: every float flag is finite."""
+        bad = [f"{flag_text(f.name)} {getattr(self, f.attr)}: must be a finite number" for f in self.flags()
+               if f.kind is float and isinstance(getattr(self, f.attr), float) and not math.isfinite(getattr(self, f.attr))]  # fmt: skip
+        return bad or self.check()
+
+
+def flag_text(name: str) -> str:
+    """--lora-r for the field name lora_r."""
+    return "--" + name.replace("_", "-")
+
+
+def flag_list(cls) -> list[Flag]:
+    """The flags of `cls`: a class with a `flag_list()` of its own (a config of sections), or a flat dataclass."""
+    if hasattr(cls, "flag_list"):
+        return cls.flag_list()
+    docs, hints = field_docs(cls), typing.get_type_hints(cls)
+    return [Flag(f.name, _base_type(hints[f.name]), f.default, docs.get(f.name, "")) for f in dataclasses.fields(cls)]
 
 
 def _base_type(annotation):
@@ -132,13 +172,10 @@ def build_parser(cls, presets: dict[str, dict], description: str, preset_flags: 
     parser = Parser(description=description, allow_abbrev=False)  # a flag is spelled out (given_flags)
     for flag, preset in (preset_flags or {}).items():
         parser.add_argument(flag, dest="preset", action="store_const", const=preset, help=f"the same as --preset {preset}")
-    docs = field_docs(cls)
-    hints = typing.get_type_hints(cls)
-    for f in dataclasses.fields(cls):
-        flag = "--" + f.name.replace("_", "-")
-        kind = _base_type(hints[f.name])
+    for f in flag_list(cls):
+        flag, kind = flag_text(f.name), f.kind
         overrides = "".join(f"; {name}: {p[f.name]!r}" for name, p in presets.items() if p.get(f.name, f.default) != f.default)
-        help_text = f"{docs.get(f.name, '')} (default: {f.default!r}{overrides})".replace("%", "%%")  # argparse formats
+        help_text = f"{f.doc} (default: {f.default!r}{overrides})".replace("%", "%%")  # argparse formats
         if f.name == "preset":
             parser.add_argument(flag, choices=sorted(presets), default=f.default, help=help_text)
         elif kind is bool and f.name.startswith("no_"):  # an ablation switch: --no-overlap, not --no-no-overlap
@@ -155,13 +192,14 @@ def given_flags(cls, presets: dict[str, dict], argv: list[str] | None = None, de
     """The fields set on the command line, by field name ('preset' only when given, or a preset flag)."""
     args = vars(build_parser(cls, presets, description, preset_flags).parse_args(argv))
     for flag, preset in (preset_flags or {}).items():  # a preset flag wins over --preset, wherever it stands
-        if _flag_given(flag, argv):
+        if flag_given(flag, argv):
             args["preset"] = preset
     flags = ("--preset", *(preset_flags or {}))
-    return {k: v for k, v in args.items() if v is not None and (k != "preset" or any(_flag_given(f, argv) for f in flags))}
+    return {k: v for k, v in args.items() if v is not None and (k != "preset" or any(flag_given(f, argv) for f in flags))}
 
 
-def _flag_given(flag: str, argv: list[str] | None) -> bool:
+def flag_given(flag: str, argv: list[str] | None) -> bool:
+    """Whether `flag` (or `flag=value`) stands in argv (sys.argv[1:] when None)."""
     return any(a == flag or a.startswith(flag + "=") for a in (sys.argv[1:] if argv is None else argv))
 
 

@@ -60,18 +60,18 @@ LM heads) are freed after each micro-batch.
 
 from __future__ import annotations
 
-from contextlib import nullcontext
 from dataclasses import dataclass
 
 import torch
 
+from opd.chat import completion_inputs
 from opd.chunked import clamped_kl_from_hidden
-from opd.distill import completion_inputs, dummy_backward, global_denominator
+from opd.cli import Section
 from opd.ema_teacher import lm_head_weight, response_hidden
 from opd.external_teachers import TeacherSet
+from opd.loss import global_denominator
 from opd.objective import DistillResult, Objective, ObjectiveContext, StepBatch
-from opd.schedule import Stopwatch, TeacherCost, lockstep, plan_micro_batches, record_forward, synced
-from opd.sharding import reshard
+from opd.schedule import MicroBatch, Stopwatch, TeacherCost, lockstep, plan_micro_batches, record_forward
 from opd.utility import sample_utility
 from opd.views import View, get_view, reference_prompt
 
@@ -133,7 +133,7 @@ def reference_completion(tokenizer, reference: str, eos_id: int, max_len: int) -
 
 
 @dataclass
-class DAPDConfig:
+class DAPDConfig(Section):
     """DAPD's own settings (flags `--dapd-<field>`)."""
 
     temperature: float = 1.1
@@ -145,6 +145,8 @@ class DAPDConfig:
     (dapd/data.py); the none context is the student's own prompt, with the run's --enable-thinking either way (DAPD's
     plain context has no thinking prompt: --enable-thinking off, the default, matches it). Off: every context with
     the run's --enable-thinking."""
+
+    PREFIX = "dapd_"
 
     def check(self) -> list[str]:
         return [] if self.temperature > 0 and self.clip > 0 else ["--dapd-temperature and --dapd-clip must be positive"]
@@ -168,7 +170,7 @@ class DAPD(Objective):
         """The two anchors: `snapshot`, the run's EMA teacher, and `base`, the initial weights (frozen, reloaded on
         resume)."""
         snapshot = teachers.teachers.get("teacher")
-        if snapshot is None or not snapshot.trainable:  # train.check_config refuses --ema-tau 0 first
+        if snapshot is None or not snapshot.trainable:  # opd.config refuses --ema-tau 0 first
             raise TypeError(f"DAPD: {cls.needs_ema_teacher}")
         return TeacherSet({"snapshot": snapshot, "base": initial_teacher()})
 
@@ -183,7 +185,7 @@ class DAPD(Objective):
 
     def __call__(self, batch: StepBatch) -> DistillResult:
         ctx = self.ctx
-        acc, dc, device = ctx.accelerator, ctx.distill, ctx.device
+        acc, dc, device = ctx.accelerator, ctx.loss, ctx.device
         ro, sel = batch.rollouts, batch.selected
         eos = ctx.ids["eos"][0]
         res = DistillResult(utility=torch.full((len(ro),), float("nan")), teachers={lab: TeacherCost() for lab in self.labels})
@@ -207,19 +209,12 @@ class DAPD(Objective):
                                                           dtype=torch.long)  # fmt: skip
         plan = [sel[g] for g in plan_micro_batches(lengths, dc.micro_batch, dc.micro_batch_tokens)] if sel.numel() else []
 
-        def run(_group, rows, last: bool) -> None:  # padding (rows None): zero-weighted on row 0, nothing counted
-            padding = rows is None
-            rows = torch.tensor([0]) if padding else rows
-            self._micro_batch(batch, rows, refs, denominators, scale, res, sums, last, padding)
-
         self._prompts = {}
         try:
-            lockstep(acc, ctx.student, {"pairs": plan}, run,
-                     dummy=lambda: dummy_backward(acc, ctx.student, ro, batch.student_prompts, ctx.ids["pad"], ctx.autocast))
+            for mb in lockstep(ctx, batch, {"pairs": plan}, release=[a.model for a in self.anchors.values()]):
+                self._micro_batch(batch, mb, refs, denominators, scale, res, sums)
         finally:
             self._prompts = {}
-            for anchor in self.anchors.values():
-                reshard(anchor.model)
         reduced = acc.reduce(sums.to(device), "sum").cpu()  # every rank, also with nothing to do
         res.metrics = {f"kl_{p.name}": float(reduced[k]) / denominators[p.completion] for k, p in enumerate(PAIRS)}
         res.loss_share = float(sum(p.weight * sums[k] / denominators[p.completion] for k, p in enumerate(PAIRS)))
@@ -264,12 +259,12 @@ class DAPD(Objective):
         self._prompts[key] = prompt
         return prompt
 
-    def _micro_batch(self, batch, rows, refs, denominators, scale, res, sums, last: bool, padding: bool = False) -> None:
-        """One micro-batch of `rows`: the six anchor forwards, then one student forward and backward per student
-        context (DDP: only the step's last backward synchronises). padding=True (sharded lockstep): the same forwards
-        and backwards with zero weights, nothing counted or labelled."""
-        ctx = self.ctx
-        acc, dc, device = ctx.accelerator, ctx.distill, ctx.device
+    def _micro_batch(self, batch, mb: MicroBatch, refs, denominators, scale, res, sums) -> None:
+        """One micro-batch of `mb.rows`: the six anchor forwards, then one student forward and backward per student
+        context (DDP: only the step's last backward synchronises). Padding (sharded lockstep): the same forwards and
+        backwards with zero weights, nothing counted or labelled."""
+        ctx, rows = self.ctx, mb.rows
+        dc, device = ctx.loss, ctx.device
         cache: dict[tuple[str, str], tuple] = {}
 
         def inputs_of(completion: str, context: str):
@@ -283,32 +278,32 @@ class DAPD(Objective):
                 inputs, mask, width, prompt_tokens = inputs_of(p.completion, p.anchor_context)
                 anchor = self.anchors[p.anchor]
                 forward = Stopwatch(device)
-                with anchor.uncounted() if padding else nullcontext():
+                with mb.teacher(anchor):
                     anchor_h[p.name] = anchor.hidden(inputs, width)[mask]  # (P, H)
-                if not padding:
+                if mb.real:
                     record_forward(res.teachers[f"{p.anchor}:{p.name}"], inputs, mask, prompt_tokens, forward.seconds())
         groups = list(student_groups().items())
         for g, ((completion, context), pairs) in enumerate(groups):  # the student: one forward and backward per context
             inputs, mask, width, _ = inputs_of(completion, context)
-            with synced(acc, ctx.student, last and g == len(groups) - 1):
+            with mb.synced(last=g == len(groups) - 1):
                 with ctx.autocast():
                     h_s = response_hidden(ctx.student, inputs, width)[mask]  # (P, H)
                     w_s = lm_head_weight(getattr(ctx.student, "module", ctx.student))
-                    weight = torch.ones(h_s.shape[0], device=device) * (0.0 if padding else scale / denominators[completion])
-                    if batch.weights is not None and not padding:  # each position times its row's 1 / pi_i
+                    weight = mb.weight(torch.ones(h_s.shape[0], device=device) * (scale / denominators[completion]))
+                    if batch.weights is not None and mb.real:  # each position times its row's 1 / pi_i
                         w_rows = batch.weights[rows].to(device=device, dtype=weight.dtype).unsqueeze(-1)
                         w_pos = w_rows.expand(mask.shape)[mask]  # (P,)
                         weight = weight * w_pos
                     timing: dict[str, float] = {}
-                    utility = dc.k if pairs[0] is PAIRS[0] else 0
+                    utility = dc.topk if pairs[0] is PAIRS[0] else 0
                     loss, d, terms = clamped_kl_from_hidden(
                         h_s, w_s, [anchor_h[p.name] for p in pairs],
                         [lm_head_weight(self.anchors[p.anchor].model) for p in pairs], [weight * p.weight for p in pairs],
-                        self.config.temperature, self.config.clip, dc.loss_chunk or max(1, h_s.shape[0]), utility_k=utility,
+                        self.config.temperature, self.config.clip, dc.chunk or max(1, h_s.shape[0]), utility_k=utility,
                         timing=timing,
                     )  # fmt: skip
-                acc.backward(loss)
-            if padding:
+                mb.backward(loss, free=False)  # the anchors' LM heads are read again by the next context's loss
+            if not mb.real:
                 continue
             for k, p in enumerate(pairs):
                 d_k = d[k].double() if batch.weights is None else d[k].double() * w_pos.double()
@@ -318,13 +313,12 @@ class DAPD(Objective):
                 flat = torch.zeros((*mask.shape, 3), dtype=terms.dtype, device=device)
                 flat[mask] = terms
                 d_, o, c = flat.unbind(-1)
-                o = o if dc.use_overlap else torch.ones_like(o)
-                c = c if dc.use_confidence else torch.ones_like(c)
+                o = torch.ones_like(o) if dc.no_overlap else o
+                c = torch.ones_like(c) if dc.no_confidence else c
                 res.utility[rows] = sample_utility(d_, o, c, mask).float().cpu()
-        for anchor in self.anchors.values():  # sharded: the anchors' gathered roots (LM heads) are freed
-            reshard(anchor.model)
+        mb.free()  # sharded: the anchors' gathered roots (LM heads) are freed
 
     def after_update(self, step: int) -> None:
         """The snapshot refresh: snapshot <- policy (tau = --ema-tau, 1 for DAPD) every --ema-every steps."""
-        if (step + 1) % max(1, self.ctx.ema_every) == 0:
-            self.anchors["snapshot"].update(self.ctx.policy(), self.ctx.ema_tau)
+        if self.ctx.ema.due(step):
+            self.anchors["snapshot"].update(self.ctx.model(), self.ctx.ema.tau)

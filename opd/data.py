@@ -82,7 +82,7 @@ import numpy as np
 from PIL import Image, UnidentifiedImageError
 
 from opd.chat import IMAGE_MARK
-from opd.cli import UserError
+from opd.cli import Section, UserError
 
 
 class DataError(UserError, ValueError):
@@ -319,6 +319,38 @@ HUB_DATASET_ID = re.compile(r"^[\w.-]+/[\w.-]+$")
 
 BATCH_ROWS = 32
 """Table rows decoded per batch: the rows' embedded image bytes held at once."""
+
+
+@dataclass
+class DataConfig(Section):
+    """The training records and the prompts each step draws from them."""
+
+    data: str | None = None
+    """Training data (Vision-OPD or bbox form): a JSONL file, a parquet file or folder, a `datasets` save_to_disk
+    folder, or a hub id org/name (opd/data.py); none with --preset tiny: the built-in tiny dataset."""
+    data_split: str | None = None
+    """The split of --data when it has several (a DatasetDict folder, a hub id, a parquet folder of split files)."""
+    data_columns: str | None = None
+    """Column renames of --data, "COLUMN=FIELD,..." (e.g. "question=problem,img=images"); unmapped columns keep
+    their names."""
+    prompts_per_step: int = 28
+    """Prompts per step over all processes."""
+    max_prompt_len: int = 8192
+    """Longest prompt in tokens (image tokens included); longer prompts are an error."""
+    enable_thinking: bool = False
+    """Qwen3.5's thinking generation prompt instead of the non-thinking one."""
+
+    def check(self) -> list[str]:
+        problems = []
+        if self.prompts_per_step < 1:
+            problems.append(f"--prompts-per-step {self.prompts_per_step}: must be at least 1")
+        if self.max_prompt_len < 1:
+            problems.append(f"--max-prompt-len {self.max_prompt_len}: must be at least 1")
+        try:
+            parse_columns(self.data_columns)
+        except UserError as exc:
+            problems.append(str(exc))
+        return problems
 
 
 def parse_columns(text: str | None, flag: str = "--data-columns") -> dict[str, str]:

@@ -17,10 +17,36 @@ keep the ranks in step (`opd.distill`'s zero-weighted micro-batches) are not cou
 
 import contextlib
 import copy
+from dataclasses import dataclass
 
 import torch
 
+from opd.cli import Section
 from opd.sharding import local_pairs
+
+
+@dataclass
+class EMAConfig(Section):
+    """How the self-teacher moves (Algorithm 1, line 13): theta-bar <- (1 - tau) theta-bar + tau theta."""
+
+    tau: float = 0.05
+    """EMA rate tau of the crop teacher, applied after each valid update."""
+    every: int = 1
+    """Apply the teacher update every N steps (1: the EMA of every step; DAPD's snapshot: 100, with --ema-tau 1)."""
+
+    PREFIX = "ema_"
+
+    def due(self, step: int) -> bool:
+        """Whether the update follows step index `step` (every `every` steps)."""
+        return (step + 1) % max(1, self.every) == 0
+
+    def check(self) -> list[str]:
+        problems = []
+        if not 0.0 <= self.tau <= 1.0:
+            problems.append(f"--ema-tau {self.tau}: the EMA rate must lie in [0, 1] (0: a fixed teacher, 1: a copy)")
+        if self.every < 1:
+            problems.append(f"--ema-every {self.every}: must be at least 1")
+        return problems
 
 
 def response_logits(model, inputs: dict[str, torch.Tensor], n_response: int, **kwargs) -> torch.Tensor:

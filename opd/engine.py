@@ -51,13 +51,39 @@ from pathlib import Path
 import torch
 
 from opd.chat import EncodedPrompt
-from opd.cli import UserError
+from opd.cli import Section, UserError
 from opd.rollout import Rollouts, response_mask
 from opd.seeding import mix_seed
 
 ROOT = Path(__file__).resolve().parents[1]
 DEFAULT_VENV = ROOT / ".venv-vllm"  # or $BAS_OPD_VLLM_VENV (e.g. a venv kept outside CI's fresh clone)
 INSTALL = "scripts/install_vllm.sh"
+@dataclass
+class EngineConfig(Section):
+    """Who samples the rollouts."""
+
+    rollout_engine: str = "hf"
+    """Who samples the rollouts: hf (Hugging Face generate, the default and the reference) or vllm (a vLLM server in
+    its own venv, scripts/install_vllm.sh; the policy's weights pushed to it before each step's generation;
+    opd/engine.py). With vllm the token entropy is unavailable: Eq. 5's entropy feature is 0 and Entropy-25 ranks
+    by the mean sampled-token NLL (the paper's fallback)."""
+    vllm_url: str | None = None
+    """A vLLM server already running (http://127.0.0.1:PORT, started with opd.engine.server_command's flags) for
+    --rollout-engine vllm; none: the run starts its own on rank 0 and stops it at the end."""
+
+    @property
+    def vllm(self) -> bool:
+        return self.rollout_engine == "vllm"
+
+    def check(self) -> list[str]:
+        if self.rollout_engine not in ("hf", "vllm"):
+            return [f"--rollout-engine {self.rollout_engine!r}: choose hf or vllm"]
+        if self.vllm_url and not self.vllm:
+            return [f"--vllm-url {self.vllm_url} has no effect with --rollout-engine hf: give --rollout-engine vllm "
+                    "to sample with that server, or drop --vllm-url"]
+        return []
+
+
 MARKER = ".opd-vllm-complete"  # written by scripts/install_vllm.sh once the venv imports
 SUPPRESS_BIAS = -100.0  # vLLM clamps logit_bias to [-100, 100] (the OpenAI bound): a vision token keeps e^-100 of its
 # probability; a float, as opd.eval.backends sends it too (transformers serve refuses an int bias)

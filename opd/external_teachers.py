@@ -39,8 +39,36 @@ import json
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from opd.cli import UserError
+from opd.cli import Section, UserError
 from opd.data import KNOWN_FIELDS
+from opd.views import VIEWS
+
+
+@dataclass
+class TeacherConfig(Section):
+    """Who teaches: the method's teacher view over the EMA self-teacher, or fixed external checkpoints."""
+
+    teacher_view: str | None = None
+    """The teacher's privileged view (opd/views.py); none = the method's (crop for bas-opd)."""
+    teacher_model: str | None = None
+    """A fixed teacher checkpoint (folder or hub id, the policy's tokenizer) in place of the EMA self-teacher;
+    frozen, run only on the selected rows (opd/external_teachers.py)."""
+    teachers: str | None = None
+    """A routing table (JSON, opd/external_teachers.py): a record field's values mapped to teacher checkpoints, each
+    loaded once, frozen and run only on the selected rows routed to it."""
+
+    @property
+    def external(self) -> bool:
+        """Whether fixed checkpoints teach instead of the EMA self-teacher."""
+        return bool(self.teacher_model or self.teachers)
+
+    def check(self) -> list[str]:
+        problems = []
+        if self.teacher_view is not None and self.teacher_view not in VIEWS:
+            problems.append(f"--teacher-view {self.teacher_view!r}: choose one of {', '.join(sorted(VIEWS))}")
+        if self.teacher_model and self.teachers:
+            problems.append("--teacher-model gives one teacher and --teachers routes to several: choose one")
+        return problems
 
 
 @dataclass(frozen=True)

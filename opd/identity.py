@@ -10,9 +10,7 @@ from __future__ import annotations
 
 import hashlib
 import json
-import os
 import sys
-import tempfile
 from pathlib import Path
 
 MODEL_FILES = (".safetensors", ".bin", ".json", ".jinja", ".txt", ".model", ".tiktoken")  # what outputs depend on
@@ -64,11 +62,9 @@ class DigestCache:
     def save(self) -> None:
         if not self.dirty:
             return
-        self.path.parent.mkdir(parents=True, exist_ok=True)
-        fd, tmp = tempfile.mkstemp(prefix=f".{self.path.name}.", suffix=".tmp", dir=self.path.parent)
-        with os.fdopen(fd, "w", encoding="utf-8") as fh:
-            json.dump(self.entries, fh, indent=1, sort_keys=True)
-        os.replace(tmp, self.path)
+        from opd.eval.storage import write_atomic  # a full disk: one line, no temporary file left
+
+        write_atomic(self.path, json.dumps(self.entries, indent=1, sort_keys=True))
         self.dirty = False
 
 

@@ -34,6 +34,8 @@ from pathlib import Path
 import torch
 from torch import nn
 
+from opd.cli import Section
+
 DEFAULT_TARGETS = (
     r".*language_model.*\.(self_attn\.(q_proj|k_proj|v_proj|o_proj)|mlp\.(gate_proj|up_proj|down_proj)"
     r"|linear_attn\.(in_proj_qkv|in_proj_z|out_proj))"
@@ -43,21 +45,40 @@ STUDENT = "default"
 
 
 @dataclass
-class LoRASettings:
-    """LoRA's settings (train.py's --lora-*)."""
+class LoRAConfig(Section):
+    """LoRA's settings (train.py's --lora-*): 0 = full fine-tuning (BAS-OPD's)."""
 
     r: int = 0
-    """Rank; 0 = full fine-tuning."""
+    """LoRA rank (peft; opd/lora.py): 0 = full fine-tuning (BAS-OPD's); else the policy trains an adapter on a frozen
+    base and its teachers are that base with another adapter (EMA) or none (fixed, DAPD's base)."""
     alpha: float = 0.0
-    """Scale numerator: the adapter's output is multiplied by alpha / r; 0 = 2 r (OPSD's 128 for r 64)."""
+    """LoRA alpha: the adapter's output times alpha / r; 0 = 2 r (OPSD's 128 for r 64)."""
     dropout: float = 0.0
-    """Dropout on the adapter's input (training forwards only; teachers run without it)."""
+    """Dropout on the adapter's input in the student's forwards (teachers run without it)."""
     targets: str = DEFAULT_TARGETS
-    """Modules to adapt: a regex over module names (peft's target_modules), or a comma-separated list of names."""
+    """Modules LoRA adapts: a regex over module names, or comma-separated module names (default: the language
+    model's attention, MLP and linear-attention projections)."""
+
+    PREFIX = "lora_"
 
     @property
     def scale_alpha(self) -> float:
         return self.alpha or 2.0 * self.r
+
+    def check(self) -> list[str]:
+        problems = []
+        if self.r < 0:
+            problems.append(f"--lora-r {self.r}: must be >= 0 (0 = full fine-tuning)")
+        if self.alpha < 0:
+            problems.append(f"--lora-alpha {self.alpha}: must be >= 0 (0 = 2 r)")
+        if not 0 <= self.dropout < 1:
+            problems.append(f"--lora-dropout {self.dropout}: must lie in [0, 1)")
+        if self.r == 0:
+            unused = [f for f, v in (("alpha", self.alpha), ("dropout", self.dropout), ("targets", self.targets))
+                      if v != getattr(LoRAConfig, f)]  # fmt: skip
+            problems += [f"--lora-{f} has no effect without --lora-r (full fine-tuning): give --lora-r N to train "
+                         "an adapter, or drop it" for f in unused]  # fmt: skip
+        return problems
 
 
 def target_modules(targets: str):
@@ -76,7 +97,7 @@ def matched_modules(model: nn.Module, targets: str) -> list[str]:
     return [n for n in names if n.split(".")[-1] in spec]
 
 
-def wrap(model: nn.Module, lora: LoRASettings, adapters: tuple[str, ...] = ()) -> nn.Module:
+def wrap(model: nn.Module, lora: LoRAConfig, adapters: tuple[str, ...] = ()) -> nn.Module:
     """The peft model: `model` (frozen) with the trainable adapter `default` and, for each name of `adapters`, a
     frozen copy of it (the EMA teacher, DAPD's snapshot)."""
     from peft import LoraConfig, get_peft_model

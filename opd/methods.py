@@ -19,16 +19,16 @@ over `--preset` and under the flags given.
 | opod | OPOD | full | routed external teachers, full | student top-k + tail | JSD_alpha + group-relative PG | beta_m ReLU(log pi_T - log pi_theta) |
 | gkd | GKD (TRL's GKDTrainer) | full | an external teacher (`--teacher-model`), full | full vocabulary | JSD_beta (`--alpha` is GKD's beta) | 1 |
 
-Each method names its objective class (`opd.objective`): `opd.distill.Distillation` for every method that is a
-loss and a view, `opd.dapd.DAPD` (six KL pairs against two anchors) and `opd.opod.OPOD` (the gated distillation,
-the per-teacher controller and the verified-reward policy gradient). This table is the one registry: `train.py`
-imports no objective and never tests a method's name. docs/EXTENDING.md: adding a method.
+Each method names its objective class (`opd.objective`): `opd.distillation.Distillation` for every method that is
+a loss and a view, `opd.dapd.DAPD` (six KL pairs against two anchors) and `opd.opod.OPOD` (the gated distillation,
+the per-teacher controller and the verified-reward policy gradient). This table is the one registry: the loop
+(`opd.loop`) imports no objective and never tests a method's name. docs/EXTENDING.md: adding a method.
 """
 
 from dataclasses import dataclass, field
 
 from opd.dapd import DAPD
-from opd.distill import Distillation
+from opd.distillation import Distillation
 from opd.divergence import check_loss
 from opd.objective import Objective
 from opd.opod import OPOD

@@ -1,13 +1,13 @@
 """The objective boundary: what the loop hands a method's objective, and what the objective gives back.
 
-`train.Run.step` samples rollouts, selects S (Eq. 4, Algorithm 1 lines 4-9), then calls the method's objective
-once with the step's `StepBatch`; the objective runs the teacher(s) on S only, backpropagates its share of the
+The loop (`opd.loop.Run.step`) samples rollouts, selects S (Eq. 4, Algorithm 1 lines 4-9), then calls the method's
+objective once with the step's `StepBatch`; the objective runs the teacher(s) on S only, backpropagates its share of the
 loss and returns a `DistillResult` (its sums, the utility labels of S, its teacher costs, its metrics). After a
 valid optimizer step the loop calls `after_update` (the teachers' update: the EMA, DAPD's snapshot). That is the
 whole seam: an objective never sees the run, only
 
 - `ObjectiveContext`, built once per run: the accelerator, the policy being trained, the teacher set, the prompt
-  encoder, the mixed-precision context, the views and the shared loss settings (`DistillConfig`);
+  encoder, the mixed-precision context, the views and the shared loss settings (`opd.loss.LossConfig`);
 - its own config dataclass (`Objective.Config`, flags `--<name>-<field>`, e.g. DAPD's `--dapd-clip`), with
   field docstrings and its own `check()`;
 - `initial_teacher()`, a frozen teacher of the run's initial weights (a separate copy; with LoRA the policy's own
@@ -16,8 +16,10 @@ whole seam: an objective never sees the run, only
 An objective with teachers of its own (DAPD's `snapshot` and `base` anchors) says so in `build_teachers`, which
 returns the run's teacher set before the context is built: nothing changes the run from outside.
 
-The method table (`opd.methods.METHODS`) names each method's objective class: one registry. docs/EXTENDING.md
-walks through adding a method.
+The method table (`opd.methods.METHODS`) names each method's objective class: one registry. The pieces objectives
+share are modules of their own, never another objective: the family's distillation pass (`opd.distill`), the
+policy-gradient pass (`opd.policy_gradient`), the lockstep schedule and its padding rules (`opd.schedule`), the
+loss's aggregation (`opd.loss`). docs/EXTENDING.md walks through adding a method.
 """
 
 from __future__ import annotations
@@ -65,7 +67,7 @@ class DistillResult:
     micro-batches of n_b times the micro-batch's token mean. OPOD: of its gated distillation term only (its
     `loss_share` adds the policy gradient and the KL)."""
     global_tokens: float = 0
-    """The loss's denominator over all ranks (`opd.distill.global_denominator`): token-mean, the selected valid tokens
+    """The loss's denominator over all ranks (`opd.loss.loss_denominator`): token-mean, the selected valid tokens
     (an int), or sum_i w_i T_i with unbiased selection's weights (a float); sequence-mean and micro-batch, the
     number |S| of selected rows with a valid token; DAPD, the rollout completions' tokens (weighted alike). 0: S is
     empty everywhere."""
@@ -74,10 +76,6 @@ class DistillResult:
     teachers: dict[str, TeacherCost] = field(default_factory=dict)
     """Per ledger label (teacher view, or teacher:view): rows, prompt + valid response tokens, input tokens
     with padding, seconds."""
-    token_weight_sum: torch.Tensor = field(default_factory=lambda: torch.zeros(0))
-    """(N_local,) with a token weight: sum over the row's valid tokens of w_t (0 outside S; OPOD's gate)."""
-    teacher_logp_sum: torch.Tensor = field(default_factory=lambda: torch.zeros(0))
-    """(N_local,) with a token weight: sum over the row's valid tokens of log pi_T(y_t) (0 outside S)."""
     loss_share: float | None = None
     """This rank's share of the step's loss (summed over ranks: the loss); None: loss_sum / global_tokens."""
     metrics: dict = field(default_factory=dict)
@@ -100,14 +98,14 @@ class ObjectiveContext:
     accelerator: object
     student: torch.nn.Module
     """The policy as trained (DDP-wrapped, or FSDP2-sharded): its forwards and backwards."""
-    policy: Callable[[], torch.nn.Module]
-    """The policy unwrapped (its config, its weights for the teachers' update)."""
+    model: Callable[[], torch.nn.Module]
+    """() -> the policy unwrapped (its config, its weights for the teachers' update)."""
     teachers: object
     """The run's teachers (`opd.external_teachers.TeacherSet`), in a fixed order."""
     encode: Callable
     """(view or View, record, seed=0, processor=None, thinking=None) -> EncodedPrompt, with the run's thinking flag
     (unless `thinking` says otherwise) and --max-prompt-len; a prompt that does not fit is a one-line error naming
-    its record."""
+    its record (`opd.prompts.Prompts.encode`)."""
     processor: object
     """The policy's processor (its tokenizer decodes rollouts)."""
     ids: dict
@@ -117,14 +115,13 @@ class ObjectiveContext:
     student_view: str
     teacher_views: tuple[str, ...]
     """The teacher views of a scored row, the positive one first (OPD-V: crop, then masked)."""
-    distill: object
-    """The shared loss settings (`opd.distill.DistillConfig`): top-k, alpha, support, divergence, token weight,
-    micro-batch and chunk sizes, utility ablations."""
+    loss: object
+    """The shared loss settings (`opd.loss.LossConfig`, resolved for the method: its support, divergence and token
+    weight): top-k, alpha, temperature, aggregation, micro-batch and chunk sizes, utility ablations."""
     max_response_len: int
-    ema_tau: float
-    """The teachers' update rate after a valid step (0: fixed; 1: a copy)."""
-    ema_every: int
-    """Apply the teachers' update every N steps."""
+    ema: object
+    """The teachers' update (`opd.ema_teacher.EMAConfig`): rate tau after a valid step (0: fixed; 1: a copy), every
+    `every` steps."""
 
     @property
     def device(self) -> torch.device:
@@ -136,10 +133,11 @@ class ObjectiveContext:
 
 
 class Objective:
-    """The interface of an objective (`opd.distill.Distillation`, `opd.dapd.DAPD`, `opd.opod.OPOD`).
+    """The interface of an objective (`opd.distillation.Distillation`, `opd.dapd.DAPD`, `opd.opod.OPOD`,
+    `opd.tm_opd.TMOPD`).
 
     Class attributes: `name` (the prefix of its flags), `Config` (its config dataclass, or None), `refuses` (the
-    run's flags that do not apply to it, {TrainConfig field: reason}: `train.check_config` refuses the run, naming
+    run's flags that do not apply to it, {TrainConfig field: reason}: `opd.config` refuses the run, naming
     the flag and the reason, when the field's value differs from TrainConfig's default, whether or not the flag
     was given; the method's own settings must leave these fields at their defaults), `needs_ema_teacher` (a reason
     when the objective anchors on the run's EMA teacher, so --ema-tau 0, a fixed teacher, is refused; '': none)."""

@@ -59,19 +59,20 @@ ones zero-weighted (or uncounted) forwards on the rank's row 0.
 from __future__ import annotations
 
 import math
-from contextlib import nullcontext
 from dataclasses import dataclass
 
 import torch
 
-from opd.chunked import sampled_logp_from_hidden, weighted_logp_from_hidden
-from opd.distill import Distillation, completion_inputs, dummy_backward, micro_batch_inputs
-from opd.ema_teacher import lm_head_weight, response_hidden
+from opd.chat import completion_inputs
+from opd.chunked import sampled_logp_from_hidden
+from opd.cli import Section
+from opd.distill import distill
+from opd.ema_teacher import lm_head_weight
 from opd.eval.answers import exact_match, parse_choice, parse_yes_no
 from opd.eval.benchmarks import split_options
 from opd.objective import DistillResult, Objective, ObjectiveContext, StepBatch
-from opd.schedule import Stopwatch, TeacherCost, lockstep, plan_micro_batches, record_forward, synced
-from opd.sharding import reshard
+from opd.policy_gradient import PolicyGradient, row_advantages
+from opd.schedule import MicroBatch, Stopwatch, TeacherCost, lockstep, record_forward
 from opd.views import View, get_view, reference_prompt
 
 
@@ -157,7 +158,7 @@ class GateController:
 
 
 @dataclass
-class OPODConfig:
+class OPODConfig(Section):
     """OPOD's own settings (flags `--opod-<field>`); each says whether its value is the paper's or a guess."""
 
     beta_init: float = 1.0
@@ -185,6 +186,8 @@ class OPODConfig:
     kl: float = 0.0
     """Weight of KL(pi_theta || pi_ref), pi_ref the initial policy (the paper's weight is unknown; 0 = off)."""
 
+    PREFIX = "opod_"
+
     def check(self) -> list[str]:
         problems = []
         if not 0 < self.beta_min <= self.beta_init <= self.beta_max:
@@ -205,24 +208,26 @@ class OPOD(Objective):
     def __init__(self, ctx: ObjectiveContext, config: OPODConfig | None = None, initial_teacher=None):
         super().__init__(ctx, config or OPODConfig(), initial_teacher)
         c = self.config
-        self.distillation = Distillation(ctx)
         self.controller = GateController(ctx.teachers.names, c.beta_init, c.beta_min, c.beta_max, c.eta, c.warmup,
                                          c.eps_floor)  # fmt: skip
         self.reference = initial_teacher() if c.kl > 0 else None
+        self.pg = PolicyGradient(ctx, c.pg_weight, reference=self.reference, kl=c.kl)  # 4. L_pg (+ the KL)
         self.pending: dict[str, float | None] = {}
 
     @property
     def labels(self) -> list[str]:
         t = self.ctx.teachers
         extra = ("verify", "answer") if self.config.reward_b else ()
-        return self.distillation.labels + [t.label(n, v) for n in t.names for v in extra]
+        distilled = [t.label(n, v) for n in t.names for v in self.ctx.teacher_views]  # the distillation pass's
+        return distilled + [t.label(n, v) for n in t.names for v in extra]
 
     def __call__(self, batch: StepBatch) -> DistillResult:
         ctx, c = self.ctx, self.config
         acc = ctx.accelerator
         ro, sel, names = batch.rollouts, batch.selected, ctx.teachers.names
         beta = torch.tensor([self.controller.beta.get(r, 0.0) if r is not None else 0.0 for r in batch.route])
-        res = self.distillation(batch, row_weights=beta, sync=False)  # 1. L_tc, gated, beta per row
+        token_sums: dict = {}  # per row: sum of the gate c_t and of log pi_T(y_t)
+        res = distill(ctx, batch, row_weights=beta, sync=False, token_sums=token_sums)  # 1. L_tc, gated, beta per row
         res.teachers = {lab: res.teachers.get(lab, TeacherCost()) for lab in self.labels}
         res.metrics = {f"beta_{n}": self.controller.beta[n] for n in names}
         self.pending = {}
@@ -234,18 +239,19 @@ class OPOD(Objective):
         replies = {i: tok.decode(ro.response_ids[i, : int(ro.lengths[i])], skip_special_tokens=True) for i in rows}
         r_task = torch.tensor([task_reward(replies[i], batch.records[int(ro.prompt_index[i])].problem,
                                            batch.records[int(ro.prompt_index[i])].answer) for i in rows], dtype=torch.float64)  # fmt: skip
-        mean_t = (res.teacher_logp_sum.double()[sel] / lengths[sel].clamp(min=1)) if rows else torch.zeros(0, dtype=torch.float64)
+        mean_t = (token_sums["teacher_logp"].double()[sel] / lengths[sel].clamp(min=1)) if rows else torch.zeros(0, dtype=torch.float64)
         a = answer_confidence(r_task > 0.5, mean_t, c.reward_clip)
         b = self._verification(batch, res, replies) if c.reward_b else torch.zeros(len(rows), dtype=torch.float64)
         reward = verified_reward(r_task, a, b, c.reward_a, c.reward_b)
         adv = group_advantages(reward, ro.prompt_index[sel], c.adv_eps) if rows else reward
-        pg_value, kl_value = self._policy_gradient(batch, res, adv)  # 4. L_pg (+ KL), the step's synced backward
+        adv_of = dict(zip(rows, adv.tolist()))  # 4. L_pg (+ KL) over N = the distillation's denominator, synced
+        pg_value, kl_value = self.pg.run(batch, row_advantages(adv_of), res.global_tokens)
         # The controller's statistics and the metrics, summed over ranks (one collective, every rank).
         route = [batch.route[i] for i in rows]
         per_teacher = []
         for n in names:
             mine = torch.tensor([r == n for r in route], dtype=torch.bool)
-            per_teacher += [float(res.token_weight_sum[sel][mine].sum()) if rows else 0.0,
+            per_teacher += [float(token_sums["token_weight"][sel][mine].sum()) if rows else 0.0,
                             float(ro.lengths[sel][mine].sum()) if rows else 0.0]  # fmt: skip
         stats = [float(reward.sum()), float(r_task.sum()), float(a.sum()), float(b.sum()), len(rows), pg_value, kl_value,
                  *per_teacher]  # fmt: skip
@@ -268,7 +274,7 @@ class OPOD(Objective):
         ro, tok = batch.rollouts, ctx.tokenizer
         rows = batch.selected.tolist()
         view = ctx.teacher_views[0]
-        micro = ctx.distill.micro_batch
+        micro = ctx.loss.micro_batch
         answer_ids = {j: torch.tensor(tok(batch.records[j].answer, add_special_tokens=False)["input_ids"], dtype=torch.long)
                       for j in {int(ro.prompt_index[i]) for i in rows}}  # fmt: skip
         jobs = {}  # teacher -> [(kind, keys, prompts, completions)]
@@ -289,17 +295,11 @@ class OPOD(Objective):
                 jobs[name].append(("verify", group, prompts, [answer_ids[int(ro.prompt_index[rows[k]])] for k in group]))
         without, with_z = {}, {}
         pad = ("padding", [], [batch.student_prompts[int(ro.prompt_index[0])]], [ro.response_ids[0, : int(ro.lengths[0])]])
-
-        def run(name: str, job, _last: bool) -> None:  # teacher forwards only: no backward, nothing to sync
-            kind, keys, prompts, completions = job if job is not None else pad
-            sums = self._answer_logp(ctx.teachers.teachers[name], name, kind, prompts, completions, res)
+        models = [t.model for t in ctx.teachers.teachers.values()]
+        for mb in lockstep(ctx, batch, jobs, sync=False, release=models):  # teacher forwards only: nothing to sync
+            kind, keys, prompts, completions = mb.item if mb.real else pad
+            sums = self._answer_logp(mb, ctx.teachers.teachers[mb.group], kind, prompts, completions, res)
             (without if kind == "answer" else with_z).update(zip(keys, sums))
-
-        try:
-            lockstep(ctx.accelerator, ctx.student, jobs, run, sync=False)
-        finally:
-            for teacher in ctx.teachers.teachers.values():
-                reshard(teacher.model)
         out = torch.zeros(len(rows), dtype=torch.float64)
         for k, i in enumerate(rows):
             if k in with_z:
@@ -308,79 +308,22 @@ class OPOD(Objective):
         return out
 
     @torch.no_grad()
-    def _answer_logp(self, teacher, name: str, view: str, prompts, completions, res: DistillResult) -> list[float]:
-        """sum over the completion's tokens of log pi_T, for each prompt + completion (one teacher forward)."""
+    def _answer_logp(self, mb: MicroBatch, teacher, view: str, prompts, completions, res: DistillResult) -> list[float]:
+        """sum over the completion's tokens of log pi_T, for each prompt + completion (one teacher forward of
+        teacher `mb.group`; padding: uncounted, nothing returned)."""
         ctx = self.ctx
         device = ctx.device
         watch = Stopwatch(device)
         inputs, mask, ids, width = completion_inputs(prompts, completions, ctx.ids["pad"], device)
-        with ctx.autocast(), teacher.uncounted() if view == "padding" else nullcontext():
+        with ctx.autocast(), mb.teacher(teacher):
             h = teacher.hidden(inputs, width)[mask]  # (P, H)
-            logp = sampled_logp_from_hidden(h, lm_head_weight(teacher.model), ids[mask], ctx.distill.loss_chunk or max(1, h.shape[0]))
+            logp = sampled_logp_from_hidden(h, lm_head_weight(teacher.model), ids[mask], ctx.loss.chunk or max(1, h.shape[0]))
         sums = torch.zeros(mask.shape, dtype=torch.float64, device=device).masked_scatter(mask, logp.double()).sum(-1)
         seconds = watch.seconds()
-        if view == "padding":  # a sharded rank's lockstep forward: nothing counted
+        if not mb.real:  # a sharded rank's lockstep forward: nothing counted
             return []
-        record_forward(res.teachers[ctx.teachers.label(name, view)], inputs, mask, sum(len(p) for p in prompts), seconds)
+        record_forward(res.teachers[ctx.teachers.label(mb.group, view)], inputs, mask, sum(len(p) for p in prompts), seconds)
         return sums.cpu().tolist()
-
-    def _policy_gradient(self, batch: StepBatch, res: DistillResult, adv: torch.Tensor) -> tuple[float, float]:
-        """Backpropagates -pg_weight sum Ahat_i log pi_theta(y_t) / N (+ the KL) on this rank's rows of S, the last
-        backward synchronising DDP's gradients (a rank without rows: a zero-weighted one). With unbiased selection
-        (`batch.weights`) both terms are Hajek token means: row i's PG and KL terms times w_i = 1 / pi_i, over
-        N = sum_i w_i T_i (the distillation's denominator). Returns this rank's share of the PG value and of the KL
-        value."""
-        ctx, c = self.ctx, self.config
-        acc, dc = ctx.accelerator, ctx.distill
-        ro, sel, device = batch.rollouts, batch.selected, ctx.device
-        scale, n_global = acc.num_processes, res.global_tokens
-        chunk = dc.loss_chunk
-        plan = [sel[g] for g in plan_micro_batches(ro.lengths[sel], dc.micro_batch, dc.micro_batch_tokens)] if sel.numel() else []
-        adv_of = dict(zip(sel.tolist(), adv.tolist())) | ({} if 0 in sel.tolist() else {0: 0.0})
-        weighted = batch.weights is not None  # unbiased selection: each row's PG and KL terms times w_i = 1 / pi_i,
-        if weighted:  # over n_global = sum_i w_i T_i (the Hajek form of both token means)
-            adv_of = {i: a * float(batch.weights[i]) for i, a in adv_of.items()}
-        values = [0.0, 0.0]  # this rank's PG and KL values
-
-        def run(_group, rows, last: bool) -> None:
-            padding = rows is None
-            rows = torch.tensor([0]) if padding else rows
-            with synced(acc, ctx.student, last or padding):
-                pids = ro.prompt_index[rows].tolist()
-                inputs, mask, width = micro_batch_inputs([batch.student_prompts[p] for p in pids], ro, rows, ctx.ids["pad"], device)
-                y = ro.response_ids[rows, :width].to(device)[mask]  # (P,)
-                a = torch.tensor([adv_of[i] for i in rows.tolist()], device=device).unsqueeze(-1).expand(mask.shape)[mask]
-                coef = -c.pg_weight * a / n_global  # (P,) d L_pg / d log pi(y_t)
-                k3 = None
-                if self.reference is not None:  # KL(pi_theta || pi_ref), k3 on the sampled tokens
-                    with ctx.autocast():
-                        h_r = self.reference.hidden(inputs, width)[mask]
-                        ref = sampled_logp_from_hidden(h_r, lm_head_weight(self.reference.model), y, chunk or max(1, h_r.shape[0]))
-                    old = ro.logp[rows, :width].to(device)[mask].to(ref.dtype)  # (P,) log pi_theta at sampling
-                    k3 = torch.exp(ref - old) - (ref - old) - 1.0  # (P,)
-                    kl_coef = c.kl * (1.0 - torch.exp(ref - old))  # (P,) d k3 / d log pi
-                    if weighted and not padding:  # each position times its row's 1 / pi_i
-                        w_rows = batch.weights[rows].to(device=device, dtype=k3.dtype)  # (n,)
-                        w_pos = w_rows.unsqueeze(-1).expand(mask.shape)[mask]  # (P,)
-                        k3, kl_coef = k3 * w_pos, kl_coef * w_pos
-                    coef = coef + kl_coef / n_global
-                    reshard(self.reference.model)
-                if padding:
-                    coef, k3 = torch.zeros_like(coef), None
-                with ctx.autocast():
-                    h = response_hidden(ctx.student, inputs, width)[mask]  # (P, H)
-                    w = lm_head_weight(getattr(ctx.student, "module", ctx.student))
-                    loss, logp = weighted_logp_from_hidden(h, w, y, coef.double() * scale, chunk or max(1, h.shape[0]))
-                acc.backward(loss)
-            if padding:
-                return
-            values[0] += float((-c.pg_weight * a.double() * logp.double()).sum()) / n_global
-            if k3 is not None:
-                values[1] += c.kl * float(k3.double().sum()) / n_global
-
-        lockstep(acc, ctx.student, {"pg": plan}, run,
-                 dummy=lambda: dummy_backward(acc, ctx.student, ro, batch.student_prompts, ctx.ids["pad"], ctx.autocast))
-        return values[0], values[1]
 
     def after_update(self, step: int) -> None:
         """The controller's step on each teacher's mean gate of this step (external teachers do not move)."""

@@ -11,22 +11,24 @@ in the same order, also with nothing to do:
   collectively, so every rank runs as many micro-batches per group (teacher, pass) as the busiest rank (one
   all-gather of the counts), the missing ones zero-weighted padding on its own row 0 (counted nowhere).
 
-`lockstep` is that schedule, written once: it calls the objective's `run(group, item, sync)` for each of the
-rank's micro-batches, `item=None` for padding, `sync=True` for the step's synchronising one. `synced` is the
-context a forward and backward run in. `TeacherCost` and `record_forward` book each teacher forward (rows,
+`lockstep` is that schedule, written once: it yields a `MicroBatch` for each of the rank's micro-batches, which
+carries the padding rules (row 0, zero weights, teacher forwards uncounted, the teachers resharded before the
+student's backward) and the synchronisation (`synced`: DDP syncs on the step's last backward only), so that every
+objective follows the same rules. `TeacherCost` and `record_forward` book each teacher forward (rows,
 tokens, padded tokens, seconds) the same way for every objective; `Stopwatch` times on the device.
 """
 
 from __future__ import annotations
 
 import time
-from collections.abc import Callable, Iterator
+from collections.abc import Iterator
 from contextlib import contextmanager, nullcontext
 from dataclasses import dataclass
 
 import torch
 
-from opd.sharding import is_sharded
+from opd.chat import micro_batch_inputs
+from opd.sharding import is_sharded, reshard
 
 
 def cuda_sync(device: torch.device | str) -> None:
@@ -107,18 +109,100 @@ def slots(accelerator, student, plans: dict[str, list], sync: bool = True) -> It
             yield g, item, sync and (g, j) == last
 
 
-def lockstep(accelerator, student, plans: dict[str, list], run: Callable[[str, object, bool], None],
-             dummy: Callable[[], None] | None = None, sync: bool = True) -> None:
-    """Runs `run(group, item, sync)` for every micro-batch of `plans` ({group: [items]}, groups in the same order
-    on every rank) in lockstep (`slots`): sharded, padding slots call run(group, None, False). Unsharded, a rank
-    with nothing to run calls `dummy()` (a zero-weighted forward and backward) when `sync`, so that it joins DDP's
-    gradient all-reduce; with sync=False a later pass of the caller synchronises."""
+@dataclass
+class MicroBatch:
+    """One slot of the lockstep schedule (`lockstep`), and the padding rules every objective follows in it.
+
+    A real slot holds `item` (the plan's: local row ids, or an objective's job) of `group`. A padding slot (sharded:
+    this rank has fewer micro-batches of the group than the busiest rank) runs the same forwards and backward on the
+    rank's row 0: `rows` is [0], `weight` zeroes what it is given, `teacher` leaves a teacher's counters alone (its
+    forward is no teacher call), and `real` is False, so the objective books and labels nothing. `backward` frees
+    the teachers' gathered roots (their LM heads, sharded) before the student's backward; `synced` is the context of
+    the step's synchronising backward (DDP) or of one that is not."""
+
+    group: str
+    item: object
+    sync: bool
+    """This slot's last backward synchronises DDP's gradients (never a padding slot: sharded runs sync every one)."""
+    accelerator: object
+    student: object
+    release: tuple = ()
+    """Models whose gathered parameters `backward` frees first (the teachers, sharded)."""
+
+    @property
+    def real(self) -> bool:
+        return self.item is not None
+
+    @property
+    def rows(self) -> torch.Tensor:
+        """Local row ids: the item's, or row 0 for padding."""
+        return torch.tensor([0]) if self.item is None else self.item
+
+    def weight(self, w: torch.Tensor) -> torch.Tensor:
+        """`w` on a real slot, zeros on padding."""
+        return w if self.real else torch.zeros_like(w)
+
+    def teacher(self, teacher):
+        """The context of a teacher forward: counted (`Teacher.rows_scored`) on a real slot only."""
+        return teacher.uncounted() if not self.real else nullcontext()
+
+    def synced(self, last: bool = True):
+        """The context of a forward and backward: synchronising DDP's gradients when this is the slot's (and, with
+        `last`, the objective's) final backward of the step."""
+        return synced(self.accelerator, self.student, (self.sync and last) or not self.real)
+
+    def free(self) -> None:
+        """Frees the teachers' gathered parameters (sharded; a no-op otherwise)."""
+        for model in self.release:
+            reshard(model)
+
+    def backward(self, loss: torch.Tensor, free: bool = True) -> None:
+        """The student's backward, the teachers freed first (free=False: an objective that still reads a teacher's LM
+        head in a later forward of this micro-batch frees them itself, `free`)."""
+        if free:
+            self.free()
+        self.accelerator.backward(loss)
+
+
+def lockstep(ctx, batch, plans: dict[str, list], sync: bool = True, release=()) -> Iterator[MicroBatch]:
+    """The micro-batches of `plans` ({group: [items]}, groups in the same order on every rank) as `MicroBatch`es in
+    lockstep (`slots`): sharded, every rank yields as many per group as the busiest rank, padding included.
+    Unsharded, a rank with nothing to run runs one zero-weighted forward and backward on its row 0
+    (`dummy_backward`) when `sync`, so that it joins DDP's gradient all-reduce; with sync=False a later pass of the
+    caller synchronises. `ctx` an `opd.objective.ObjectiveContext`, `batch` the step's `StepBatch`; `release` the
+    teachers' models, resharded before each backward and at the end."""
+    acc, student = ctx.accelerator, ctx.student
     ran = False
-    for group, item, last in slots(accelerator, student, plans, sync):
-        run(group, item, last)
-        ran = ran or item is not None
-    if not ran and sync and dummy is not None and not is_sharded(student):
-        dummy()
+    try:
+        for group, item, last in slots(acc, student, plans, sync):
+            ran = ran or item is not None
+            yield MicroBatch(group, item, last, acc, student, tuple(release))
+        if not ran and sync and not is_sharded(student):
+            dummy_backward(ctx, batch)
+    finally:
+        for model in release:
+            reshard(model)
+
+
+def dummy_backward(ctx, batch) -> None:
+    """A zero-weighted forward and backward on this rank's first row: a rank with nothing to train still joins DDP's
+    gradient all-reduce (every rank runs the same collectives)."""
+    ro = batch.rollouts
+    prompt = batch.student_prompts[int(ro.prompt_index[0])]
+    inputs, _, _ = micro_batch_inputs([prompt], ro, torch.tensor([0]), ctx.ids["pad"], ctx.device)
+    with ctx.autocast():
+        dummy = ctx.student(**inputs, logits_to_keep=1, use_cache=False).logits.float().sum() * 0.0
+    ctx.accelerator.backward(dummy)
+
+
+def plan_rows(rollouts, teacher_prompt, selected: torch.Tensor, micro_batch: int, micro_batch_tokens: int,
+              view: str) -> list[torch.Tensor]:  # fmt: skip
+    """This rank's micro-batches of `selected` (local row ids), grouped by teacher length (prompt + response)."""
+    if not selected.numel():
+        return []
+    prompt_of = rollouts.prompt_index[selected].tolist()
+    t_len = torch.tensor([len(teacher_prompt(view, j)) for j in prompt_of]) + rollouts.lengths[selected]
+    return [selected[g] for g in plan_micro_batches(t_len, micro_batch, micro_batch_tokens)]
 
 
 def synced(accelerator, student, sync: bool):

@@ -20,15 +20,34 @@ import json
 import math
 import os
 import uuid
+from dataclasses import dataclass
 from pathlib import Path
 
-from opd.cli import UserError
+from opd.cli import Section, UserError
 from opd.ledger import write_atomic
 
 PACKAGES = {"tensorboard": "tensorboard", "wandb": "wandb", "mlflow": "mlflow", "trackio": "trackio",
             "comet_ml": "comet_ml", "aim": "aim", "clearml": "clearml", "dvclive": "dvclive", "swanlab": "swanlab"}  # fmt: skip
 """accelerate's tracker names -> the pip package that provides each."""
 STATE = "trackers.json"
+
+
+@dataclass
+class TrackerConfig(Section):
+    """Where the step's metrics go besides the ledger: accelerate's trackers."""
+
+    report_to: str = "tensorboard"
+    """Experiment trackers through accelerate, comma-separated: tensorboard (DIR/tb), wandb, mlflow (DIR/mlruns),
+    trackio, comet_ml, aim, clearml, dvclive, swanlab; none for none (opd/tracking.py)."""
+    run_label: str | None = None
+    """The run's name in the trackers (default: the --out folder's name and the policy, e.g. 'tiny learned-25')."""
+
+    def check(self) -> list[str]:
+        try:
+            parse_report_to(self.report_to)
+        except UserError as exc:
+            return [str(exc)]
+        return []
 
 
 def parse_report_to(text: str | None) -> list[str]:
@@ -38,9 +57,12 @@ def parse_report_to(text: str | None) -> list[str]:
     names = [n.strip().lower() for n in (text or "").split(",") if n.strip()]
     if names in ([], ["none"]):
         return []
+    if "none" in names:
+        raise UserError(f"--report-to {text}: 'none' means no tracker and cannot be combined with others; give "
+                        f"--report-to none alone, or only tracker names")
     unknown = [n for n in names if n not in LOGGER_TYPE_TO_CLASS]
-    if unknown or "none" in names:
-        raise UserError(f"--report-to {text}: unknown tracker {', '.join(unknown) or 'none with others'}; "
+    if unknown:
+        raise UserError(f"--report-to {text}: unknown tracker {', '.join(unknown)}; "
                         f"choose from {', '.join(LOGGER_TYPE_TO_CLASS)} or none")
     available = {str(t) for t in get_available_trackers()}
     missing = [n for n in names if n not in available]

@@ -17,8 +17,10 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
+from opd.config import TrainConfig
+from opd.loop import Run
+from opd.methods import METHODS  # noqa: E402
 from opd.synthetic import fixed_rollouts  # noqa: E402
-from train import METHODS, Run, TrainConfig  # noqa: E402
 
 
 def main() -> None:
@@ -46,19 +48,19 @@ def main() -> None:
     if a.method == "dapd":  # the policy moved off its anchors (as after training), so that every pair's KL and gradient
         from fsdp_worker import perturb  # is far above float rounding at step 0 (equal on every rank: one seed)
 
-        perturb(run.policy)
+        perturb(run.model)
     selected, select = [], run.selector.select
     run.selector.select = lambda *args, **kw: selected.append((select(*args, **kw), run.selector.last_pi)) or selected[-1][0]
     rows, teacher_rows = [], []
     teachers = list(dict.fromkeys(run.teachers.teachers.values()))  # every teacher (DAPD: both anchors)
     for step in range(2):
         before = sum(t.rows_scored for t in teachers)
-        high = run.cfg.prompts_per_step * run.cfg.rollouts_per_prompt // 2 if a.skew else None  # rank 0's rows
+        high = run.cfg.data.prompts_per_step * run.cfg.sampling.rollouts_per_prompt // 2 if a.skew else None  # rank 0's rows
         rows.append(run.step(step, fixed_rollouts(run, step, high_entropy_below=high)))
         teacher_rows.append(sum(t.rows_scored for t in teachers) - before)
     counts = run.acc.gather(torch.tensor(teacher_rows)).view(run.acc.num_processes, -1)
     if run.acc.is_main_process:
-        params = {k: v.detach().clone() for k, v in run.policy.state_dict().items()}
+        params = {k: v.detach().clone() for k, v in run.model.state_dict().items()}
         teacher = {k: v.detach().clone() for k, v in run.teacher.model.state_dict().items()}
         torch.save({"params": params, "teacher": teacher, "rows": rows, "teacher_rows": counts,
                     "selected": [s for s, _ in selected], "pi": [p for _, p in selected]}, Path(a.out) / "result.pt")  # fmt: skip

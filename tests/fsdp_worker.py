@@ -27,11 +27,13 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from opd.chat import collate  # noqa: E402
+from opd.config import TrainConfig
+from opd.loop import Run
+from opd.methods import METHODS  # noqa: E402
 from opd.model import load_model  # noqa: E402
 from opd.rollout import generate_rollouts  # noqa: E402
 from opd.sharding import GENERATION, full_state_dict, generation  # noqa: E402
 from opd.synthetic import fixed_rollouts  # noqa: E402
-from train import METHODS, Run, TrainConfig  # noqa: E402
 
 BASE = dict(
     prompts_per_step=4, rollouts_per_prompt=4, steps=2, lr=1e-3, micro_batch=3, replay_start=4, replay_batch=16,
@@ -48,7 +50,7 @@ def steps(a) -> None:
                           data=a.data, opod_kl=a.opod_kl, dtype=a.dtype)  # fmt: skip
         run = Run(cfg)
         if method == "dapd":  # the policy moved off its anchors, so every pair's gradient is far above rounding at step 0
-            perturb(run.policy)
+            perturb(run.model)
         selected, select = [], run.selector.select
         run.selector.select = lambda *args, **kw: selected.append(select(*args, **kw)) or selected[-1]
         rows, teacher_rows = [], []
@@ -59,7 +61,7 @@ def steps(a) -> None:
             rows.append(run.step(step, fixed_rollouts(run, step, high_entropy_below=high)))
             teacher_rows.append(sum(t.rows_scored for t in teachers) - before)
         counts = run.acc.gather(torch.tensor(teacher_rows)).view(run.acc.num_processes, -1)
-        policy, teacher = full_state_dict(run.policy), full_state_dict(run.teacher.model)
+        policy, teacher = full_state_dict(run.model), full_state_dict(run.teacher.model)
         per_teacher = {n: t.rows_scored for n, t in run.teachers.teachers.items()}
         per_teacher = run.acc.gather(torch.tensor([list(per_teacher.values())])).view(run.acc.num_processes, -1)
         if run.acc.is_main_process:
@@ -94,12 +96,12 @@ def resume(a) -> None:
     resumed.train()
     result = {"start": start}
     for name, run in (("whole", whole), ("resumed", resumed)):
-        result[name] = {"params": full_state_dict(run.policy), "teacher": full_state_dict(run.teacher.model)}
+        result[name] = {"params": full_state_dict(run.model), "teacher": full_state_dict(run.teacher.model)}
     # The export against the in-memory model: the same inputs through both, on rank 0's copy of the export.
     records = resumed.prompts(0)
     batch = collate(resumed.student_prompts(records), resumed.ids["pad"])
     with torch.no_grad():
-        in_memory = resumed.policy(**batch, use_cache=False).logits
+        in_memory = resumed.model(**batch, use_cache=False).logits
     ckpt = Path(a.out) / "split" / (Path(a.out) / "split" / "latest").read_text().strip()
     if resumed.acc.is_main_process:
         exported = load_model(str(ckpt / "policy"))
@@ -116,19 +118,19 @@ def generate(a) -> None:
     from opd.tiny import tiny_defaults
 
     run = Run(TrainConfig(**{**BASE, "max_response_len": 12}, out=f"{a.out}/generate", fsdp=True))
-    prompts = run.student_prompts(run.prompts(0))
+    prompts = run.prompts.student(run.prompts.of_step(0))
     seed = 1000 + run.acc.process_index
     outs = {}
     for mode in GENERATION:
         torch.manual_seed(seed)
-        with generation(run.policy, mode):
-            outs[mode] = generate_rollouts(run.policy, prompts, 3, 12)
+        with generation(run.model, mode):
+            outs[mode] = generate_rollouts(run.model, prompts, 3, 12)
     plain = load_model(str(tiny_defaults()[0]))  # the same weights, unsharded, on this rank alone
     torch.manual_seed(seed)
     reference = generate_rollouts(plain, prompts, 3, 12)
     same = [torch.equal(outs[m].response_ids, reference.response_ids) for m in GENERATION]
     logp = [float((outs[m].logp - reference.logp).abs().max()) for m in GENERATION]
-    resharded = all(not isinstance(p, torch.Tensor) or type(p).__name__ == "DTensor" for p in run.policy.parameters())
+    resharded = all(not isinstance(p, torch.Tensor) or type(p).__name__ == "DTensor" for p in run.model.parameters())
     report = torch.tensor([[*same, *logp, resharded]], dtype=torch.float64)
     gathered = run.acc.gather(report)
     if run.acc.is_main_process:

@@ -1,8 +1,18 @@
 """Answer parsing, including the cases public toolkits get wrong (reference-facts: Benchmarks)."""
 
+import re
+
 import pytest
 
-from opd.eval.answers import exact_match, grade, normalize_answer, parse_choice, parse_yes_no, strip_thinking
+from opd.eval.answers import (
+    exact_match,
+    free_form_match,
+    grade,
+    normalize_answer,
+    parse_choice,
+    parse_yes_no,
+    strip_thinking,
+)
 from opd.eval.benchmarks import BenchItem
 
 COLORS = {"A": "red", "B": "blue", "C": "green", "D": "dark red"}
@@ -422,3 +432,336 @@ def test_parse_choice_letter_that_is_also_an_option_text(reply, options, expecte
 )
 def test_parse_choice_one_word_option_text_against_a_letter_word(reply, expected):
     assert parse_choice(reply, COLORS) == expected
+
+
+# ------------------------------------------------------------ issue 29: elimination
+
+SCENES = {"A": "A beach.", "B": "A forest.", "C": "A city.", "D": "A desert."}  # MMStar: "Options: A: A beach., ..."
+
+
+@pytest.mark.parametrize(
+    "reply, options, expected",
+    [
+        # by letter: ruled out, then the pick ("which leaves", "that leaves", "leaving", "so", "must be", ...)
+        ("C can't be it since the car is blue, which leaves B.", COLORS, "B"),
+        ("(A) is wrong since the car is blue, which leaves (B).", COLORS, "B"),  # not the first letter named
+        ("A, the red one, is out; that leaves B.", COLORS, "B"),  # not the leading "A,"
+        ("A: no. B: no. That leaves C.", COLORS, "C"),
+        ("It rules out A and C, so B.", COLORS, "B"),
+        ("It's not A or C, so it must be B.", COLORS, "B"),
+        ("A and C are wrong. So B.", COLORS, "B"),
+        ("Not A, not B, not C, so D.", COLORS, "D"),
+        ("I'd rule out A and B, so D.", SIGNS, "D"),
+        ("A is wrong and C is wrong, so B is the only one left.", COLORS, "B"),
+        ("Since A and C are wrong, B must be correct.", COLORS, "B"),
+        ("By elimination, B.", COLORS, "B"),
+        ("Neither A nor C fits; what's left is B.", COLORS, "B"),
+        ("After ruling out A and C, only B remains.", COLORS, "B"),
+        ("A is wrong, leaving B, since C is too bright.", COLORS, "B"),  # a reason after the pick
+        ("Option A can't be it because the car is blue, which leaves option C.", COLORS, "C"),
+        # by option text
+        ("Red is ruled out, which leaves blue.", COLORS, "B"),
+        ("Green and red are both ruled out, leaving blue.", COLORS, "B"),
+        ("A is out. The only one left is the blue one.", COLORS, "B"),
+        ("A and D are too dark and C is too bright; by elimination it's blue.", COLORS, "B"),
+        ("Dark red can't be it, which leaves red.", COLORS, "A"),  # "red" inside "dark red" is not a pick
+        ("Red can't be it, which leaves the dark red.", COLORS, "D"),
+        ("It can't be the bike, since it is far away, which leaves the car.", OBJECTS, "B"),
+        ("It's not a beach or a forest, so it must be a city.", SCENES, "C"),
+        ("There is no sand, so it isn't a beach; the only option left is a city.", SCENES, "C"),
+        ("Stop and Wait are ruled out, leaving Go.", SIGNS, "D"),
+        ("Since there's no arrow, Turn left is out, leaving Stop.", SIGNS, "A"),
+        # a later explicit answer still wins
+        ("A can't be it since the car is blue, which leaves B. Answer: C", COLORS, "C"),
+    ],
+)
+def test_parse_choice_elimination_then_a_choice(reply, options, expected):
+    assert parse_choice(reply, options) == expected
+
+
+@pytest.mark.parametrize(
+    "reply",
+    [
+        "A can't be it, which leaves B or C.",  # a hedge between the two left
+        "A is wrong, which leaves B and C.",
+        "It's not A, which leaves B, C or D.",
+        "Red is ruled out, leaving blue or green.",
+        "A and B are wrong; so either C or D.",
+        "A is wrong, which leaves B. But maybe C.",  # another option named after the pick
+        "(A) is wrong, which leaves B. But maybe C.",  # ... and the leading "(A)" does not come back
+        "A is out, so I'm not sure.",  # nothing picked
+        "It's not A.",  # ruling out alone
+        "A is out.",
+        "Well, it isn't A. Hmm.",
+        "<think>A can't be it, which leaves B",  # cut off while thinking
+        "A is red and B is blue, so B.",  # "so" without anything ruled out: two letters named
+    ],
+)
+def test_parse_choice_elimination_near_misses_stay_unparsed(reply):
+    assert parse_choice(reply, COLORS) is None
+
+
+def test_parse_choice_elimination_letter_that_is_also_an_option_text():
+    # "C" is option C's letter and option B's text: the pick may mean either
+    assert parse_choice("X is wrong, which leaves C.", LETTERS_AS_TEXT) is None
+    assert parse_choice("X is wrong, which leaves Q.", LETTERS_AS_TEXT) == "C"
+
+
+# ------------------------------------------------------------ issue 29: one option's text
+
+
+@pytest.mark.parametrize(
+    "reply, options, expected",
+    [
+        ("Beach", SCENES, "A"),  # the option's article dropped
+        ("beach.", SCENES, "A"),
+        ("The city.", SCENES, "C"),  # another article
+        ("City", SCENES, "C"),
+        ("**Forest**", SCENES, "B"),
+        ("<think>sand, no trees</think>Desert.", SCENES, "D"),
+        ("a desert", SCENES, "D"),
+        ('"A city."', SCENES, "C"),
+        ("  Wait!  ", SIGNS, "B"),
+        ("turn left.", SIGNS, "C"),
+        ("Section A", {"A": "Section B", "B": "Section A"}, "B"),  # not the letter inside the text
+        ("section b.", {"A": "Section B", "B": "Section A"}, "A"),
+        ("C. elegans", {"A": "E. coli", "B": "C. elegans", "C": "yeast"}, "B"),  # not the leading "C."
+        ("Dog.", {"A": "a dog", "B": "a cat"}, "A"),
+        ("the cat", {"A": "cat", "B": "the cat"}, "B"),  # an exact text beats one that matches without its article
+        ("A, B and C", {"A": "A and B", "B": "B only", "C": "C only", "D": "A, B and C"}, "D"),  # not a hedge
+        ("Not sure", {"A": "Yes", "B": "No", "C": "Not sure"}, "C"),  # not a refusal: an option
+        ("Q", LETTERS_AS_TEXT, "C"),
+    ],
+)
+def test_parse_choice_reply_that_is_one_option_text(reply, options, expected):
+    assert parse_choice(reply, options) == expected
+
+
+@pytest.mark.parametrize(
+    "reply, options",
+    [
+        ("Cat", {"A": "a cat", "B": "the cat"}),  # two options with that text
+        ("Beach or forest", SCENES),
+        ("<think>Beach", SCENES),  # cut off while thinking
+        ("Beaches", SCENES),
+        ("A city or a desert.", SCENES),
+    ],
+)
+def test_parse_choice_one_option_text_near_misses(reply, options):
+    assert parse_choice(reply, options) is None
+
+
+def test_parse_choice_lone_letter_stays_a_letter_when_it_is_also_an_option_text():
+    assert parse_choice("C", LETTERS_AS_TEXT) == "C"  # the prompt asks for a letter
+    assert parse_choice("(C)", LETTERS_AS_TEXT) == "C"
+    assert parse_choice("C.", LETTERS_AS_TEXT) == "C"
+
+
+@pytest.mark.parametrize("name", ["vstar", "zoombench", "hrbench4k", "mmvp", "cvbench", "mmstar"])
+def test_grade_reads_the_bare_option_text_in_every_multiple_choice_benchmark(tmp_path, name):
+    from bench_fixtures import write_all_fixtures
+
+    from opd.eval.benchmarks import load_benchmark
+
+    write_all_fixtures(tmp_path)
+    items = [item for item in load_benchmark(name, tmp_path) if item.kind == "choice"]
+    assert items
+    for item in items:
+        text = item.options[item.answer]
+        bare = re.sub(r"^(?:a|an|the)\s+", "", text, flags=re.IGNORECASE).rstrip(".")
+        for reply in (text, text.lower() + ".", bare, bare.upper()):
+            assert grade(item, reply)["pred"] == item.answer, (name, item.index, reply)
+
+
+def test_grade_reads_the_bare_option_text_in_mmstar_parquet(tmp_path):
+    pytest.importorskip("pyarrow")
+    from bench_fixtures import write_mmstar_fixture
+
+    from opd.eval.benchmarks import load_benchmark
+
+    write_mmstar_fixture(tmp_path, fmt="parquet")  # options inline: "Options: A: A beach., B: A forest., ..."
+    items = {item.index: item for item in load_benchmark("mmstar", tmp_path)}
+    assert items["0"].options["C"] == "A city."
+    assert [grade(items["0"], r)["pred"] for r in ("A city.", "City", "the city", "A beach")] == ["C", "C", "C", "A"]
+    assert grade(items["1"], "1")["pred"] == "A" and grade(items["2"], "8.")["pred"] == "D"
+
+
+# ------------------------------------------------------------ issue 29: existence, contrast
+
+
+def _asked(obj: str) -> str:
+    return f"Is there a {obj} in the image?"  # POPE's question form
+
+
+@pytest.mark.parametrize(
+    "reply, obj, expected",
+    [
+        # a negation scoped to the asked object decides, whatever else is affirmed
+        ("I don't see a car; there is a truck.", "car", "no"),
+        ("There's no dog, just a cat.", "dog", "no"),
+        ("There is no dog in the image, but there is a cat.", "dog", "no"),
+        ("No dog here, only a cat.", "dog", "no"),
+        ("There isn't a dog, but I can see a cat.", "dog", "no"),
+        ("There is not a dog but a cat in the image.", "dog", "no"),
+        ("Instead of a dog, there is a cat.", "dog", "no"),
+        ("Rather than a dog, I see a cat.", "dog", "no"),
+        ("The image shows a cat, not a dog.", "dog", "no"),
+        ("I see a cat but no dog.", "dog", "no"),
+        ("The image shows a park. There is no dog.", "dog", "no"),
+        ("There is no dining table, only a desk.", "dining table", "no"),
+        ("There are no traffic lights, only street signs.", "traffic light", "no"),
+        ("There are no people, just a dog.", "person", "no"),
+        ("A man who isn't wearing a hat is visible.", "hat", "no"),
+        ("There is a table with no chairs.", "chair", "no"),
+        ("Is there a dog? There's no dog, only a cat.", "dog", "no"),
+        ("There is no hot dog, just a sandwich.", "hot dog", "no"),
+        # the asked object affirmed while another is denied
+        ("Yes, there is a dog, but no cat.", "dog", "yes"),
+        ("There is a dog, but no cat.", "dog", "yes"),
+        ("There is a bench, but no dog.", "bench", "yes"),
+        ("The image shows a cat, not a dog.", "cat", "yes"),
+        ("I see a cat but no dog.", "cat", "yes"),
+        ("There is a table with no chairs.", "table", "yes"),
+        ("No cats here, only a dog.", "dog", "yes"),  # "No" as a determiner, not the answer
+        ("No cats, but a dog.", "dog", "yes"),
+        ("There is a dog that is not sleeping.", "dog", "yes"),
+        # unchanged: an answer word, or nothing said about the object
+        ("No, there is only a cat.", "dog", "no"),
+        ("No.", "dog", "no"),
+        ("No cats here.", "dog", "no"),
+        ("There is a man walking.", "person", "yes"),  # a synonym is no mention: the old presence rule reads it
+    ],
+)
+def test_parse_yes_no_reads_the_asked_object(reply, obj, expected):
+    assert parse_yes_no(reply, _asked(obj)) == expected
+
+
+@pytest.mark.parametrize(
+    "reply, obj",
+    [
+        ("There might be a dog, but there is definitely a cat.", "dog"),  # unsure about the asked object
+        ("There is no dog, though there might be a cat.", "dog"),  # its sentence is unsure
+        ("It's hard to tell if there is a dog, but there is a cat.", "dog"),
+        ("There is no hot dog, just a dog.", "dog"),  # the asked object denied and affirmed
+        ("There is a dog. Wait, there is no dog.", "dog"),
+        ("No dog, but a dog.", "dog"),
+        ("<think>There is no dog", "dog"),  # cut off while thinking
+        ("There is a bench, but no dog.", "cat"),  # "no X" asked about Y, with other wording: as without the question
+        ("I don't see a car; there is a truck.", "bus"),
+    ],
+)
+def test_parse_yes_no_asked_object_near_misses_stay_unparsed(reply, obj):
+    assert parse_yes_no(reply, _asked(obj)) is None
+
+
+@pytest.mark.parametrize(
+    "question, reply, expected",
+    [
+        ("Are there any traffic lights?", "There is no traffic light, only a stop sign.", "no"),
+        ("Does the image contain a cup?", "I see no cup; there is a glass.", "no"),
+        ("Can you see a bench in the picture?", "There is no bench, just a chair.", "no"),
+        ("Is a bench visible in the picture?", "No chairs, only a bench.", "yes"),
+        ("Is the door open?", "There is a door, but no handle.", None),  # no asked object: the old rules
+        (None, "There is no dog in the image, but there is a cat.", None),
+    ],
+)
+def test_parse_yes_no_question_forms(question, reply, expected):
+    assert parse_yes_no(reply, question) == expected
+
+
+def test_grade_passes_the_question_to_yes_no():
+    item = BenchItem("pope", "1", _asked("car"), {}, "no", "yesno", "adversarial", lambda: None)
+    assert grade(item, "I don't see a car; there is a truck.")["pred"] == "no"
+    assert grade(item, "I don't see a car; there is a truck.")["correct"] is True
+    yes_item = BenchItem("pope", "2", _asked("dog"), {}, "yes", "yesno", "random", lambda: None)
+    assert grade(yes_item, "Yes, there is a dog, but no cat.")["pred"] == "yes"
+    assert grade(yes_item, "There is a dog, but no cat.")["correct"] is True
+
+
+# ------------------------------------------------------------ issue 29: free-form in a sentence
+
+
+@pytest.mark.parametrize(
+    "reply, gold, question",
+    [
+        # a count stated in a sentence, as digits or words
+        ("There are 3 birds on the wire.", "3", "How many birds are on the wire?"),
+        ("There are three birds on the wire.", "3", "How many birds are on the wire?"),
+        ("I count 3 birds.", "3", "How many birds?"),
+        ("3 birds.", "3", "How many birds?"),
+        ("The wire has twenty-five birds on it.", "25", "How many birds?"),
+        ("There is only one bird.", "1", "How many birds?"),
+        ("There are 3.", "three", None),
+        ("The answer is 3 birds.", "3", "How many birds?"),
+        # a sign's text, quoted or after "says" / "reads" / "shows"
+        ('The sign says "STOP".', "STOP", "What does the sign say?"),
+        ("The sign says STOP.", "stop", "What does the sign say?"),
+        ("It reads 'EXIT'.", "Exit", "What word is on the sign?"),
+        ("The word on the sign is EXIT.", "EXIT", "What is written on the sign?"),
+        ("The sign shows the word EXIT.", "exit", "What is written on the sign?"),
+        ("The clock shows 3:15.", "3:15", "What time does the clock show?"),
+        # a colour
+        ("The car is red.", "red", "What color is the car?"),
+        ("It's red.", "Red", "What colour is the car?"),
+        ("The car is red in color.", "red", "What color is the car?"),
+        ("It looks like the car is red.", "red", "What color is the car?"),
+        ("The man is wearing a red shirt.", "red", "What color is the man's shirt?"),
+        ("Red car.", "red", "What color is the car?"),
+        # a name
+        ("The shop is called Luigi's.", "Luigi's", "What is the name of the shop?"),
+        ("The name of the shop is Luigi's.", "Luigi's", "What is the name of the shop?"),
+        ("The shop's name is Luigi's.", "luigi's", "What is the name of the shop?"),
+        ("It is named Luigi's.", "Luigi's", None),
+        ("<think>The awning says Luigi's.</think>The shop is called Luigi's.", "Luigi's", "What is the shop called?"),
+    ],
+)
+def test_free_form_match_reads_the_answer_in_a_short_sentence(reply, gold, question):
+    assert free_form_match(reply, gold, question) is True
+    assert exact_match(reply, gold) is False  # the strict match (opd.opod's task reward) stays strict
+
+
+@pytest.mark.parametrize(
+    "reply, gold, question",
+    [
+        # several numbers, qualified or negated counts, a number inside another
+        ("There are 3 birds and 2 cats.", "3", "How many birds?"),
+        ("There are 3 birds on the 2 wires.", "3", "How many birds?"),
+        ("There are about 3 birds.", "3", "How many birds?"),
+        ("There are 3 or 4 birds.", "3", "How many birds?"),
+        ("There are at least 3 birds.", "3", "How many birds?"),
+        ("There are not 3 birds.", "3", "How many birds?"),
+        ("There are 13 birds.", "3", "How many birds?"),
+        ("The red one has 3 legs.", "3", "How many legs?"),  # "one" may be a count: two numbers
+        ("I see 3 birds. Two more are flying.", "3", "How many birds?"),  # two sentences
+        # hedges, several candidates, a subject the question does not ask about
+        ("The car is red or orange.", "red", "What color is the car?"),
+        ("The car might be red.", "red", "What color is the car?"),
+        ("The car isn't red.", "red", "What color is the car?"),
+        ("The car is in front of a red house.", "red", "What color is the car?"),
+        ("The sky is red.", "red", "What color is the car?"),
+        ("The car on the left is red.", "red", "What color is the car?"),
+        ("The car is red and the truck is blue.", "red", "What color is the car?"),
+        ("The car is red.", "red", None),  # no question to echo
+        ('The signs say "STOP" and "GO".', "STOP", "What does the sign say?"),
+        ("The sign says STOP in big letters.", "STOP", "What does the sign say?"),
+        ("The sign does not say STOP.", "STOP", "What does the sign say?"),
+        ("The shop is probably called Luigi's.", "Luigi's", "What is the name of the shop?"),
+        ("The image shows a dog.", "dog", "What animal is on the sign?"),
+        ("<think>There are 3 birds", "3", "How many birds?"),  # cut off while thinking
+        ("Looking at the picture closely, I can tell you that there are exactly 3 small birds sitting together on "
+         "the long electrical wire.", "3", "How many birds?"),  # a long reply
+        ("There are 3 birds on the wire.", "4", "How many birds?"),  # a wrong count
+    ],
+)
+def test_free_form_match_leaves_the_rest_to_the_judge(reply, gold, question):
+    assert free_form_match(reply, gold, question) is False
+
+
+def test_grade_open_answers_use_the_fallback_with_the_question():
+    item = BenchItem("zoombench", "zb2", "How many birds are on the wire?", {}, "3", "open", "open", lambda: None)
+    assert grade(item, "There are three birds on the wire.")["correct"] is True
+    assert grade(item, "There are 3 birds and 2 cats.")["correct"] is False
+    sign = BenchItem("zoombench", "zb3", "What word is written on the small sign?", {}, "Exit", "open", "open",
+                     lambda: None)
+    assert grade(sign, 'The small sign says "EXIT".')["correct"] is True
+    assert grade(sign, "It might say EXIT.")["correct"] is False

@@ -5,9 +5,6 @@ import importlib.util
 import json
 
 import pytest
-from PIL import Image
-
-import opd.eval.benchmarks as bm
 from bench_fixtures import (
     ZOOMBENCH_ANSWERS,
     cvbench_rows,
@@ -25,6 +22,9 @@ from bench_fixtures import (
     write_zoombench_fixture,
     zoombench_rows,
 )
+from PIL import Image
+
+import opd.eval.benchmarks as bm
 from opd.eval.benchmarks import BenchmarkDataError, ImageRef, load_benchmark, load_image, prompt_text, split_options
 
 HAS_PYARROW = importlib.util.find_spec("pyarrow") is not None

@@ -14,13 +14,12 @@ from opd.chunked import (
     topk_jsd_from_logits,
     weighted_logp_from_hidden,
 )
-from opd.schedule import plan_micro_batches
-from opd.weights import TokenWeight, token_weight
 from opd.divergence import clamped_forward_kl, generalized_jsd, topk_divergence, topk_support
-from opd.weights import importance_ratio, teacher_gate
+from opd.loop import Run
+from opd.schedule import plan_micro_batches
 from opd.synthetic import fixed_rollouts
 from opd.utility import utility_terms
-from train import Run
+from opd.weights import TokenWeight, importance_ratio, teacher_gate, token_weight
 
 F64 = torch.float64
 

@@ -11,10 +11,10 @@ from opd.chat import encode_prompt
 from opd.dapd import PAIRS, student_groups
 from opd.data import full_image
 from opd.ledger import read_ledger
+from opd.loop import Run
 from opd.rollout import Rollouts
 from opd.synthetic import fixed_rollouts
 from opd.views import reference_prompt
-from train import Run
 
 
 def dapd_config(tmp_path, **kw):
@@ -28,19 +28,19 @@ def test_the_six_pairs_see_the_specified_contexts_and_completions(tmp_path, tiny
     per student context."""
     run = Run(dapd_config(tmp_path, policy="full", rho=1.0))
     tok, eos = run.processor.tokenizer, run.ids["eos"][0]
-    record_ids = run.prompt_ids(0)
+    record_ids = run.prompts.ids(0)
     records = [run.records[i] for i in record_ids]
     response = torch.tensor([[tok.convert_tokens_to_ids("C"), eos]])
-    prompts = run.student_prompts(records)
+    prompts = run.prompts.student(records)
     ro = Rollouts(prompt_index=torch.tensor([0]), response_ids=response, response_mask=torch.ones(1, 2, dtype=torch.bool),
                   logp=torch.zeros(1, 2), entropy=torch.zeros(1, 2), prompt_len=torch.tensor([len(prompts[0])]),
                   valid=torch.tensor([True]))  # fmt: skip
     seen = []
-    models = {"snapshot": run.teacher.model, "base": run.teachers.teachers["base"].model, "student": run.policy}
+    models = {"snapshot": run.teacher.model, "base": run.teachers.teachers["base"].model, "student": run.model}
     for name, model in models.items():
         model.register_forward_pre_hook(lambda m, a, kw, name=name: seen.append((name, kw["input_ids"][0].tolist())),
                                         with_kwargs=True)  # fmt: skip
-    res = run.objective(run.step_batch(0, record_ids, ro, prompts, torch.tensor([0])))
+    res = run.objective(run.prompts.batch(0, record_ids, ro, prompts, torch.tensor([0])))
 
     r = records[0]
     image = full_image(r)
@@ -61,13 +61,13 @@ def test_the_six_pairs_see_the_specified_contexts_and_completions(tmp_path, tiny
 
 def test_snapshot_is_refreshed_every_n_steps_and_base_stays(tmp_path, tiny):
     run = Run(dapd_config(tmp_path, policy="full", rho=1.0, ema_every=2, steps=3))
-    initial = params_of(run.policy)
+    initial = params_of(run.model)
     base = run.teachers.teachers["base"].model
     after = []
     for step in range(3):
         row = run.step(step, fixed_rollouts(run, step))
         assert not row["skipped"]
-        after.append(params_of(run.policy))
+        after.append(params_of(run.model))
         snap, b = params_of(run.teacher.model), params_of(base)
         for k, v in initial.items():
             assert torch.equal(b[k], v)  # the base anchor never moves
@@ -84,7 +84,7 @@ def test_two_steps_of_dapd_with_the_ledgers_counts(tmp_path, tiny):
     for name in counts:
         run.teachers.teachers[name].model.register_forward_pre_hook(
             lambda m, a, kw, name=name: counts[name].append(kw["input_ids"].shape[0]), with_kwargs=True)
-    before = params_of(run.policy)
+    before = params_of(run.model)
     for step in range(2):
         for c in counts.values():
             c.clear()
@@ -98,7 +98,7 @@ def test_two_steps_of_dapd_with_the_ledgers_counts(tmp_path, tiny):
         assert math.isfinite(row["loss"]) and row["loss"] >= 0 and row["grad_norm"] > 0
         total = sum(p.weight * row[f"kl_{p.name}"] for p in PAIRS)
         assert row["loss"] == pytest.approx(total, rel=1e-6, abs=1e-9)
-    assert any(not torch.equal(before[k], v) for k, v in params_of(run.policy).items())
+    assert any(not torch.equal(before[k], v) for k, v in params_of(run.model).items())
     summary = run.finish()
     assert summary["teacher_models"]["base"]["rows"] == 4 * summary["calls"]
     assert summary["teacher_models"]["snapshot"]["rows"] == 2 * summary["calls"]
@@ -114,7 +114,7 @@ def test_dapd_resume_equals_the_uninterrupted_run(tmp_path, tiny):
     resumed = Run(dapd_config(tmp_path / "split", **kw, resume=str(tmp_path / "split" / "run")))
     assert resumed.start == 2
     resumed.train()
-    for a, b in ((whole.policy, resumed.policy), (whole.teacher.model, resumed.teacher.model)):
+    for a, b in ((whole.model, resumed.model), (whole.teacher.model, resumed.teacher.model)):
         for k, v in params_of(a).items():
             torch.testing.assert_close(params_of(b)[k], v, rtol=0, atol=1e-6)
     ra, rb = (read_ledger(tmp_path / d / "run" / "ledger.jsonl") for d in ("whole", "split"))
@@ -131,11 +131,11 @@ def test_thinking_contexts_are_encoded_once_per_step_and_hold_the_thinking_promp
     of one prompt in two micro-batches."""
     run = Run(dapd_config(tmp_path, policy="full", rho=1.0, dapd_context_thinking=True, micro_batch=1))
     tok, eos = run.processor.tokenizer, run.ids["eos"][0]
-    record_ids = run.prompt_ids(0)
+    record_ids = run.prompts.ids(0)
     records = [run.records[i] for i in record_ids]
     letters = [tok.convert_tokens_to_ids(c) for c in "CD"]
     response = torch.tensor([[letters[0], eos], [letters[1], eos]])
-    prompts = run.student_prompts(records)
+    prompts = run.prompts.student(records)
     ro = Rollouts(prompt_index=torch.tensor([0, 0]), response_ids=response, response_mask=torch.ones(2, 2, dtype=torch.bool),
                   logp=torch.zeros(2, 2), entropy=torch.zeros(2, 2), prompt_len=torch.tensor([len(prompts[0])] * 2),
                   valid=torch.tensor([True, True]))  # fmt: skip
@@ -144,11 +144,11 @@ def test_thinking_contexts_are_encoded_once_per_step_and_hold_the_thinking_promp
     run.objective.ctx.encode = lambda view, *a, **k: encoded.append(view if isinstance(view, str) else "rollout") or encode(
         view, *a, **k)  # fmt: skip
     seen = []
-    models = {"snapshot": run.teacher.model, "base": run.teachers.teachers["base"].model, "student": run.policy}
+    models = {"snapshot": run.teacher.model, "base": run.teachers.teachers["base"].model, "student": run.model}
     for name, model in models.items():
         model.register_forward_pre_hook(lambda m, a, kw, name=name: seen.append((name, kw["input_ids"].tolist())),
                                         with_kwargs=True)  # fmt: skip
-    res = run.objective(run.step_batch(0, record_ids, ro, prompts, torch.tensor([0, 1])))
+    res = run.objective(run.prompts.batch(0, record_ids, ro, prompts, torch.tensor([0, 1])))
     assert sorted(encoded) == ["reference_answer", "rollout", "rollout"]  # once per prompt, once per row
 
     r = records[0]

@@ -25,8 +25,6 @@ from opd.divergence import (
     topk_support,
 )
 
-
-
 F64 = torch.float64
 
 

@@ -344,6 +344,21 @@ def test_compare_prints_runs_side_by_side_with_deltas(full_run, tmp_path, capsys
     assert delta_row.split("|")[2].strip() == "+10.00"
 
 
+def test_the_default_label_of_an_eval_folder_in_a_run_is_the_runs_name(full_run, data, tmp_path, monkeypatch, capsys):
+    """--out runs/paper-4b/eval (the docs' layout): the row is paper-4b in results.json, results.md and --compare,
+    not 'eval'; --label still wins. Rescoring a copied folder: nothing is generated."""
+    monkeypatch.setattr(inference, "answer_items", NoGeneration())
+    out = copy_run(full_run.out, tmp_path / "runs" / "paper-4b" / "eval", ["vstar"])
+    ret, _ = run_quiet(args(full_run.model, data.dir, out, "--benchmarks", "vstar"))
+    assert (ret["meta"]["label"], ret["meta"]["label_from"]) == ("paper-4b", "folder")
+    assert "| paper-4b |" in (out / "results.md").read_text()
+    other = copy_run(full_run.out, tmp_path / "runs" / "base" / "eval", ["vstar"])
+    run_quiet(args(full_run.model, data.dir, other, "--benchmarks", "vstar", "--label", "Qwen3.5-4B"))
+    text = eval_py.main(["--compare", str(other), str(out)])["compare"]
+    assert "| Qwen3.5-4B |" in text and "| paper-4b |" in text and "| eval |" not in text
+    capsys.readouterr()
+
+
 def test_unknown_benchmark_lists_the_known_ones(tmp_path):
     with pytest.raises(UserError) as exc:
         eval_py.main(["--model", "tiny", "--benchmarks", "vstar,imagenet", "--data-dir", str(tmp_path)])

@@ -110,12 +110,13 @@ def test_export_errors_are_one_line(tiny, tmp_path):
     mismatch = sharded_checkpoint(tmp_path / "mismatch", model, str(other))
     with pytest.raises(UserError, match="does not fit the run's --model .*parameters unexpected"):
         export_checkpoint(mismatch)
-    lora = sharded_checkpoint(tmp_path / "lora", model, str(tiny[0]), lora_r=8)
-    with pytest.raises(UserError, match=r"a LoRA \(--lora-r 8\) run's sharded checkpoint"):
+    lora = sharded_checkpoint(tmp_path / "lora", model, str(tiny[0]), lora_r=8)  # whole-model names: no adapter
+    with pytest.raises(UserError, match=r"a LoRA \(--lora-r 8\) run's shards hold no adapter 'default'"):
         export_checkpoint(lora)
+    assert not (lora / "merged").exists()
     lora_gone = sharded_checkpoint(tmp_path / "lora-gone", model, str(tmp_path / "deleted-model"), lora_r=8)
-    with pytest.raises(UserError, match=r"a LoRA \(--lora-r 8\) run's sharded checkpoint"):  # first: the model is moot
-        export_checkpoint(lora_gone)
+    with pytest.raises(UserError, match=r"the run's --model .*deleted-model \(train_config.json field 'model'\)"):
+        export_checkpoint(lora_gone)  # a LoRA run's shards are merged into its --model: the base must be there
     plain = tmp_path / "plain" / "checkpoint-000001"
     (plain / "policy").mkdir(parents=True)
     (plain / "state.pt").write_bytes(b"")

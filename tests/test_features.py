@@ -7,8 +7,6 @@ from torch.testing import assert_close
 
 from opd.features import FEATURE_NAMES, RunningNormalizer, masked_quantile, rollout_features
 
-
-
 F64 = torch.float64
 
 

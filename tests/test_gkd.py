@@ -9,14 +9,15 @@ import torch
 import torch.nn.functional as F
 from test_training import small_config
 
+import opd.cli
 import train
 from opd.chunked import budgeted_loss_from_hidden, topk_divergence_from_logits
 from opd.divergence import topk_divergence
 from opd.ledger import read_ledger
+from opd.loop import Run
 from opd.methods import get_method
 from opd.synthetic import fixed_rollouts
 from opd.tiny import build_tiny_model
-from train import Run
 
 F64 = torch.float64
 
@@ -111,12 +112,12 @@ def test_a_gkd_step_is_trls_batch_mean_over_the_queried_rows(tmp_path, tiny, gkd
     rollouts = fixed_rollouts(run, 0)
     from opd.chat import collate
 
-    prompts = run.student_prompts(run.prompts(0))
+    prompts = run.prompts.student(run.prompts.of_step(0))
     inputs = collate([prompts[j] for j in rollouts.prompt_index.tolist()], run.ids["pad"], rollouts.response_ids,
                      rollouts.response_mask)  # fmt: skip
     with torch.no_grad():
         n = rollouts.response_ids.shape[1]
-        z_s = run.policy(**inputs, logits_to_keep=n + 1, use_cache=False).logits[:, :-1]
+        z_s = run.model(**inputs, logits_to_keep=n + 1, use_cache=False).logits[:, :-1]
         z_t = run.teacher.model(**inputs, logits_to_keep=n + 1, use_cache=False).logits[:, :-1]
     labels = torch.where(rollouts.response_mask, rollouts.response_ids, torch.full_like(rollouts.response_ids, -100))
     want = float(trl_generalized_jsd_loss(z_s.double(), z_t.double(), labels, beta=0.7))
@@ -131,5 +132,5 @@ def test_gkd_runs_with_a_budget_and_needs_a_teacher(tmp_path, tiny, gkd_teacher)
     rows = read_ledger(tmp_path / "g" / "ledger.jsonl")
     assert len(rows) == 2 and all(r["selected"] == r["budget"] == r["candidates"] // 4 for r in rows)
     assert all(r["teacher_rows"] == r["selected"] and r["teacher_rows_full"] == r["selected"] for r in rows)
-    with pytest.raises(train.UserError, match="--method gkd distils from a separate teacher checkpoint"):
+    with pytest.raises(opd.cli.UserError, match="--method gkd distils from a separate teacher checkpoint"):
         train.main(["--method", "gkd", "--out", str(tmp_path / "none")])

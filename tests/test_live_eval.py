@@ -10,6 +10,9 @@ import pytest
 from bench_fixtures import write_all_fixtures
 
 import eval as eval_py
+import opd.cli
+import opd.config
+import opd.loop
 import train
 from opd.cli import UserError
 from opd.ledger import read_ledger
@@ -30,7 +33,7 @@ def test_eval_rows_are_logged_and_equal_eval_py_on_the_checkpoint(tmp_path, tiny
     out = tmp_path / "run"
     flags = ["--steps", "2", "--save-every", "2", "--keep-checkpoints", "2", "--eval-every", "2", "--eval-data", str(bench), "--eval-benchmarks",
              "pope,zoombench", "--eval-limit", "20", "--eval-views", "full,crop", "--eval-max-new-tokens", "6"]  # fmt: skip
-    run = train.Run(train.TrainConfig(**{**train.PRESETS["tiny"], **train.given_flags(train.TrainConfig, train.PRESETS,
+    run = opd.loop.Run(opd.config.TrainConfig(**{**opd.config.PRESETS["tiny"], **opd.cli.given_flags(opd.config.TrainConfig, opd.config.PRESETS,
                                                                                       flags + ["--out", str(out)])}))  # fmt: skip
     run.train()
     at_step_2 = dict(run.live.replies)
@@ -129,10 +132,10 @@ def live_call(live, replies: dict, monkeypatch):
 def test_the_crop_gap_compares_the_same_items_in_both_views(tmp_path, monkeypatch):
     """--eval-limit 3 with crops on z2 and z3 only: the full view answers z0-z2, the crop view z2-z3; the gap is
     crop minus full accuracy on z2 alone (as eval.py's zoom gap), not the difference of two other item sets' scores."""
-    from opd.eval.live import LiveEval, LiveEvalSettings
+    from opd.eval.live import LiveEval, LiveEvalConfig
 
     data = partial_crops(tmp_path / "bench")
-    live = LiveEval(LiveEvalSettings(every=1, data=str(data), limit=3, views="full,crop"), steps=1)
+    live = LiveEval(LiveEvalConfig(every=1, data=str(data), limit=3, views="full,crop"), steps=1)
     assert [i.index for i in live.items["zoombench", "full"]] == ["z0", "z1", "z2"]
     assert [i.index for i in live.items["zoombench", "crop"]] == ["z2", "z3"]
     replies = {("z0", "full"): "A", ("z1", "full"): "A", ("z2", "full"): "B", ("z2", "crop"): "A", ("z3", "crop"): "B"}
@@ -142,10 +145,10 @@ def test_the_crop_gap_compares_the_same_items_in_both_views(tmp_path, monkeypatc
 
 
 def test_a_prompt_that_fails_is_one_line(tmp_path, monkeypatch):
-    from opd.eval.live import LiveEval, LiveEvalSettings
+    from opd.eval.live import LiveEval, LiveEvalConfig
 
     data = partial_crops(tmp_path / "bench")
-    live = LiveEval(LiveEvalSettings(every=1, data=str(data), limit=2), steps=1)
+    live = LiveEval(LiveEvalConfig(every=1, data=str(data), limit=2), steps=1)
     failure = UserError("zoombench.json row 1 field 'images': cannot decode image z1.png: truncated", local=True)
     with pytest.raises(UserError, match=r"^--eval-data: zoombench.json row 1 field 'images': cannot decode image"):
         live_call(live, {("z0", "full"): "A", ("z1", "full"): failure}, monkeypatch)
@@ -153,11 +156,11 @@ def test_a_prompt_that_fails_is_one_line(tmp_path, monkeypatch):
 
 def test_a_benchmark_that_needs_pyarrow_without_it_is_one_line(tmp_path, monkeypatch):
     from opd.eval import benchmarks
-    from opd.eval.live import LiveEval, LiveEvalSettings
+    from opd.eval.live import LiveEval, LiveEvalConfig
 
     def no_pyarrow(name, data_dir, check_images=True):
         raise ImportError(f"reading {data_dir}/pope/x.parquet needs pyarrow: pip install pyarrow")
 
     monkeypatch.setattr(benchmarks, "load_benchmark", no_pyarrow)
     with pytest.raises(UserError, match=r"^--eval-data: benchmark 'pope': reading .* needs pyarrow"):
-        LiveEval(LiveEvalSettings(every=1, data=str(tmp_path), benchmarks="pope"), steps=1)
+        LiveEval(LiveEvalConfig(every=1, data=str(tmp_path), benchmarks="pope"), steps=1)

@@ -14,6 +14,7 @@ import torch
 from bench_fixtures import write_vstar_fixture
 from test_training import small_config
 
+import opd.loop
 import train
 from opd.chat import collate, encode_prompt
 from opd.chunked import budgeted_loss_from_hidden
@@ -22,7 +23,7 @@ from opd.distill import aggregation_weights
 from opd.divergence import budgeted_loss, topk_divergence
 from opd.ema_teacher import AdapterTeacher, response_logits
 from opd.ledger import read_ledger
-from opd.lora import LoRASettings, adapter_state, base_parameters, wrap
+from opd.lora import LoRAConfig, adapter_state, base_parameters, wrap
 from opd.model import load_model, load_processor, special_ids
 from opd.rollout import generate_rollouts
 from opd.synthetic import fixed_rollouts
@@ -44,26 +45,26 @@ def storages(*models) -> dict[int, int]:
 def test_a_lora_runs_teachers_share_the_students_base(tmp_path, tiny):
     """One copy of the base in memory: the EMA teacher is an adapter of the policy itself; AdamW holds the student's
     adapter alone; the teacher's adapter starts as the student's copy and moves only by the EMA."""
-    run = train.Run(small_config(tmp_path, lora_r=4, policy="full", rho=1.0))
-    assert isinstance(run.teacher, AdapterTeacher) and run.teacher.model is run.policy and run.teacher.adapter == "teacher"
+    run = opd.loop.Run(small_config(tmp_path, lora_r=4, policy="full", rho=1.0))
+    assert isinstance(run.teacher, AdapterTeacher) and run.teacher.model is run.model and run.teacher.adapter == "teacher"
     plain = load_model(str(tiny[0]))
     base = sum(p.numel() for p in plain.parameters())
-    assert base_parameters(run.policy) == base
-    held = storages(run.policy, run.teacher.model)  # every parameter once
-    assert sum(held.values()) == sum(p.numel() for p in run.policy.parameters()) < 2 * base
+    assert base_parameters(run.model) == base
+    held = storages(run.model, run.teacher.model)  # every parameter once
+    assert sum(held.values()) == sum(p.numel() for p in run.model.parameters()) < 2 * base
     trained = {id(p) for g in run.optimizer.param_groups for p in g["params"]}
-    names = [n for n, p in run.policy.named_parameters() if id(p) in trained]
+    names = [n for n, p in run.model.named_parameters() if id(p) in trained]
     assert names and all("lora_" in n and ".default." in n for n in names)
-    student, teacher = adapter_state(run.policy, "default"), adapter_state(run.policy, "teacher")
+    student, teacher = adapter_state(run.model, "default"), adapter_state(run.model, "teacher")
     assert student.keys() == teacher.keys() and all(torch.equal(student[k], teacher[k]) for k in student)
     run.step(0, fixed_rollouts(run, 0))
-    moved = adapter_state(run.policy, "default")
-    after = adapter_state(run.policy, "teacher")
+    moved = adapter_state(run.model, "default")
+    after = adapter_state(run.model, "teacher")
     for k in student:  # theta-bar <- (1 - tau) theta-bar + tau theta, on the adapter
         torch.testing.assert_close(after[k], (1 - 0.05) * teacher[k] + 0.05 * moved[k], rtol=1e-6, atol=1e-7)
     assert any(not torch.equal(moved[k], student[k]) for k in student)
-    frozen = [n for n, p in run.policy.named_parameters() if not p.requires_grad]
-    assert frozen and all(p.grad is None for p in run.policy.parameters() if not p.requires_grad)  # no base-size grads
+    frozen = [n for n, p in run.model.named_parameters() if not p.requires_grad]
+    assert frozen and all(p.grad is None for p in run.model.parameters() if not p.requires_grad)  # no base-size grads
 
 
 def test_the_adapters_gradient_is_autograd_on_the_merged_weights(tiny):
@@ -75,7 +76,7 @@ def test_the_adapters_gradient_is_autograd_on_the_merged_weights(tiny):
     float64_model()
     model_dir, data = tiny
     processor = load_processor(str(model_dir))
-    settings = LoRASettings(r=4, alpha=6.0)
+    settings = LoRAConfig(r=4, alpha=6.0)
     torch.manual_seed(0)
     peft_model = wrap(load_model(str(model_dir), "float64"), settings).train()
     with torch.no_grad():  # B = 0 at init would make dL/dA zero: move it
@@ -153,7 +154,7 @@ def test_a_lora_run_checkpoints_adapters_eval_scores_it_and_resume_is_exact(tmp_
 
 def lr_formula(name: str, step: int, peak: float, warmup: int, total: int) -> float:
     """transformers' schedules written out: linear warm-up from 0, then constant, linear to 0 or half a cosine to 0,
-    held at 0 after `total` steps (opd/lr_schedule.py: transformers' cosine would climb back)."""
+    held at 0 after `total` steps (opd/optim.py: transformers' cosine would climb back)."""
     if step < warmup:
         return peak * step / max(1, warmup)
     if name == "constant":
@@ -270,25 +271,24 @@ def test_each_aggregation_against_an_explicit_loop():
 
 
 def test_a_sequence_mean_training_step_is_the_mean_of_each_rows_token_mean(tmp_path, tiny):
-    """--loss-agg sequence-mean through train.Run (float64): the step's loss is (1 / |S|) sum_i mean_t D_it from full
+    """--loss-agg sequence-mean through opd.loop.Run (float64): the step's loss is (1 / |S|) sum_i mean_t D_it from full
     logits (a different number from the token mean, since the rows differ in length)."""
     from float64 import float64_model
-
     from test_training import perturb
 
     float64_model()
-    run = train.Run(small_config(tmp_path, policy="full", rho=1.0, loss_agg="sequence-mean", dtype="float64", lr=0.0))
+    run = opd.loop.Run(small_config(tmp_path, policy="full", rho=1.0, loss_agg="sequence-mean", dtype="float64", lr=0.0))
     perturb(run.teacher.model)
     rollouts = fixed_rollouts(run, 0)
-    records = run.prompts(0)
+    records = run.prompts.of_step(0)
     index = rollouts.prompt_index.tolist()
-    s_in = collate([run.student_prompts(records)[j] for j in index], run.ids["pad"], rollouts.response_ids, rollouts.response_mask)
-    crop = [run.encode("crop", r, 0) if r.eligible else run.student_prompts([r])[0] for r in records]
+    s_in = collate([run.prompts.student(records)[j] for j in index], run.ids["pad"], rollouts.response_ids, rollouts.response_mask)
+    crop = [run.prompts.encode("crop", r, 0) if r.eligible else run.prompts.student([r])[0] for r in records]
     t_in = collate([crop[j] for j in index], run.ids["pad"], rollouts.response_ids, rollouts.response_mask)
     with torch.no_grad():
         width = rollouts.response_ids.shape[1]
-        d = topk_divergence(response_logits(run.policy, s_in, width), response_logits(run.teacher.model, t_in, width),
-                            run.cfg.topk, run.cfg.alpha)  # fmt: skip
+        d = topk_divergence(response_logits(run.model, s_in, width), response_logits(run.teacher.model, t_in, width),
+                            run.cfg.loss.topk, run.cfg.loss.alpha)  # fmt: skip
     row = run.step(0, rollouts)
     eligible = torch.tensor([records[j].eligible for j in index])
     mask = rollouts.response_mask
@@ -376,16 +376,16 @@ def test_loading_an_adapter_checks_every_tensor(tmp_path, tiny):
     from opd.lora import load_adapter, save_adapter
 
     torch.manual_seed(0)
-    saved = wrap(load_model(str(tiny[0])), LoRASettings(r=4, targets="q_proj,v_proj"))
+    saved = wrap(load_model(str(tiny[0])), LoRAConfig(r=4, targets="q_proj,v_proj"))
     with torch.no_grad():
         for n, p in saved.named_parameters():
             if "lora_" in n:
                 p.normal_()  # lora_B starts at zero: make every tensor distinct from a fresh adapter
     save_adapter(saved, "default", tmp_path / "qv")
-    same = wrap(load_model(str(tiny[0])), LoRASettings(r=4, targets="q_proj,v_proj"))
+    same = wrap(load_model(str(tiny[0])), LoRAConfig(r=4, targets="q_proj,v_proj"))
     load_adapter(same, "default", tmp_path / "qv")
     want, got = adapter_state(saved, "default"), adapter_state(same, "default")
     assert want.keys() == got.keys() and all(torch.equal(want[k], got[k]) for k in want)
-    wider = wrap(load_model(str(tiny[0])), LoRASettings(r=4, targets="q_proj,k_proj,v_proj"))
+    wider = wrap(load_model(str(tiny[0])), LoRAConfig(r=4, targets="q_proj,k_proj,v_proj"))
     with pytest.raises(ValueError, match="missing"):
         load_adapter(wider, "default", tmp_path / "qv")

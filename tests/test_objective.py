@@ -1,5 +1,5 @@
 """The objective seam (opd/objective.py): an objective runs with an ObjectiveContext alone, built here by hand from a
-model, a teacher and an encoder, with no train.Run; its result is Eq. 11 written out on full logits."""
+model, a teacher and an encoder, with no opd.loop.Run; its result is Eq. 11 written out on full logits."""
 
 from contextlib import nullcontext
 
@@ -11,7 +11,7 @@ from float64 import float64_model
 from opd.chat import collate, encode_prompt
 from opd.dapd import DAPD, DAPDConfig
 from opd.data import load_records
-from opd.distill import DistillConfig, Distillation
+from opd.distill import Distillation, DistillConfig
 from opd.divergence import budgeted_loss, topk_divergence
 from opd.ema_teacher import EMATeacher, Teacher, response_logits
 from opd.external_teachers import TeacherSet

@@ -9,8 +9,9 @@ from test_teachers import route_file, routed_data, teacher_models  # noqa: F401 
 from test_training import TIMING, params_of, small_config
 
 from opd.ledger import read_ledger
+from opd.loop import Run
+from opd.methods import METHODS
 from opd.synthetic import fixed_rollouts
-from train import METHODS, Run
 
 
 def opod_config(tmp_path, **kw):
@@ -62,7 +63,7 @@ def test_opod_routes_each_response_to_its_teacher(tmp_path, tiny, teacher_models
         t.model.register_forward_pre_hook(lambda m, a, kw, n=n: seen[n].append(kw["input_ids"].shape[0]), with_kwargs=True)
     ro = fixed_rollouts(run, 0)
     row = run.step(0, ro)
-    records = run.prompts(0)
+    records = run.prompts.of_step(0)
     for n in seen:
         rows = [i for i in range(len(ro)) if records[int(ro.prompt_index[i])].field("task") == n]
         prompts = len({int(ro.prompt_index[i]) for i in rows})
@@ -82,8 +83,8 @@ def test_opod_resume_equals_the_uninterrupted_run(tmp_path, tiny, teacher_models
     resumed = Run(opod_config(tmp_path / "split", **kw, resume=str(tmp_path / "split" / "run")))
     assert resumed.start == 2 and resumed.objective.controller.eps["teacher"] is not None
     resumed.train()
-    for k, v in params_of(whole.policy).items():
-        torch.testing.assert_close(params_of(resumed.policy)[k], v, rtol=0, atol=1e-6)
+    for k, v in params_of(whole.model).items():
+        torch.testing.assert_close(params_of(resumed.model)[k], v, rtol=0, atol=1e-6)
     assert resumed.objective.controller.beta == pytest.approx(whole.objective.controller.beta)
     ra, rb = (read_ledger(tmp_path / d / "run" / "ledger.jsonl") for d in ("whole", "split"))
     assert [r["step"] for r in rb] == [0, 1, 2, 3] and ra[3]["beta_teacher"] != 1.0
@@ -107,9 +108,9 @@ def test_opods_kl_is_a_hajek_token_mean_under_unbiased_selection(tmp_path, tiny,
     run = Run(opod_config(tmp_path, teacher_model=str(teacher_models[0]), policy="entropy", unbiased=True, rho=0.5,
                           opod_kl=0.3, dtype="float64"))  # fmt: skip
     ro = fixed_rollouts(run, 0)
-    records = run.prompts(0)
+    records = run.prompts.of_step(0)
     index = ro.prompt_index.tolist()
-    s_in = collate([run.student_prompts(records)[j] for j in index], run.ids["pad"], ro.response_ids, ro.response_mask)
+    s_in = collate([run.prompts.student(records)[j] for j in index], run.ids["pad"], ro.response_ids, ro.response_mask)
     with torch.no_grad():
         z = response_logits(run.objective.reference.model, s_in, ro.response_ids.shape[1]).double()  # (N, T, V)
     ref = torch.log_softmax(z, -1).gather(-1, ro.response_ids[..., None]).squeeze(-1)  # (N, T) log pi_ref(y_t)

@@ -13,8 +13,6 @@ from opd.predictor import OnlineUtilityModel, PredictorConfig, UtilityPredictor
 from opd.replay import ReplayBuffer
 from opd.seeding import seeded_generator
 
-
-
 # ----------------------------------------------------------------------------- replay buffer
 
 

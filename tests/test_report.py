@@ -70,3 +70,53 @@ def test_compare_runs_flags_different_benchmark_sets(tmp_path):
     assert "not comparable" in text and "b: missing ZoomBench" in text
     with pytest.raises(ValueError):
         compare_runs([])
+
+
+def _run(path, label=None, given=False, ledger=False):
+    """A results.json as eval.py writes it: meta label (its default, or --label's) and where it came from."""
+    from opd.eval.report import default_label
+
+    meta = {"label": label or default_label(path), "label_from": "--label" if given else "folder"}
+    if ledger:
+        (path.parent / "ledger.jsonl").parent.mkdir(parents=True, exist_ok=True)
+        (path.parent / "ledger.jsonl").write_text("")
+    write_results(path / "results.json", FULL, meta)
+    return path
+
+
+def _labels(text: str) -> list[str]:
+    rows = text.split("\n\n")[1].splitlines()[2:]  # the scores table, past its header lines
+    return [row.split(" | ")[0].removeprefix("| ") for row in rows]
+
+
+def test_default_labels_name_the_run_not_its_eval_folder(tmp_path):
+    from opd.eval.report import default_label
+
+    runs = tmp_path / "runs"
+    assert default_label(runs / "paper-4b" / "eval") == "paper-4b"  # the docs' own layout
+    assert default_label(runs / "paper-4b" / "eval-vllm") == "paper-4b"
+    assert default_label(runs / "qwen3.5-4b") == "qwen3.5-4b"  # a folder of its own keeps its name
+    (runs / "fsdp").mkdir(parents=True)
+    (runs / "fsdp" / "ledger.jsonl").write_text("")
+    assert default_label(runs / "fsdp" / "step-4") == "fsdp"  # any folder inside a train.py run
+    text = compare_runs([_run(runs / "qwen3.5-4b"), _run(runs / "paper-4b" / "eval")])
+    assert _labels(text) == ["qwen3.5-4b", "paper-4b"] and "Delta vs qwen3.5-4b (points)" in text
+
+
+def test_labels_that_would_collide_are_told_apart_by_their_paths(tmp_path):
+    runs = tmp_path / "runs"
+    two_evals = [_run(runs / "fsdp" / "eval-2", ledger=True), _run(runs / "fsdp" / "eval-4", ledger=True)]
+    assert _labels(compare_runs(two_evals)) == ["fsdp/eval-2", "fsdp/eval-4"]
+    same_name = [_run(runs / "a" / "eval"), _run(tmp_path / "other" / "a" / "eval"), _run(runs / "b" / "eval")]
+    assert _labels(compare_runs(same_name)) == ["runs/a/eval", "other/a/eval", "b"]
+
+
+def test_a_stored_label_wins(tmp_path):
+    runs = tmp_path / "runs"
+    given = _run(runs / "paper-4b" / "eval", "Learned-25", given=True)
+    old = runs / "old" / "eval"  # written before label_from: a label other than the folder's name was given
+    write_results(old / "results.json", FULL, {"label": "Baseline"})
+    plain = runs / "legacy" / "eval"  # ... and the folder's own name was the default
+    write_results(plain / "results.json", FULL, {"label": "eval"})
+    clash = _run(tmp_path / "x" / "Learned-25")  # a default that equals a given label moves aside
+    assert _labels(compare_runs([given, old, plain, clash])) == ["Learned-25", "Baseline", "legacy", "x/Learned-25"]

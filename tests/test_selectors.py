@@ -6,6 +6,7 @@ import pytest
 import torch
 
 from opd.predictor import PredictorConfig
+from opd.seeding import seeded_generator
 from opd.selectors import (
     Selector,
     entropy_scores,
@@ -15,9 +16,6 @@ from opd.selectors import (
     top_subset,
     uniform_subset,
 )
-from opd.seeding import seeded_generator
-
-
 
 # ----------------------------------------------------------------------------- Eq. 4 and K_e
 

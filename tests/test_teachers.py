@@ -12,11 +12,11 @@ from test_training import TIMING, params_of, small_config
 import train
 from opd.cli import UserError
 from opd.data import load_records
-from opd.ledger import read_ledger
-from opd.synthetic import fixed_rollouts
 from opd.external_teachers import load_routes
+from opd.ledger import read_ledger
+from opd.loop import Run
+from opd.synthetic import fixed_rollouts
 from opd.tiny import build_tiny_model
-from train import Run
 
 
 @pytest.fixture(scope="module")
@@ -67,7 +67,7 @@ def test_routing_runs_only_the_routed_teacher_on_its_rows(tmp_path, tiny, teache
         ro = fixed_rollouts(run, step)
         row = run.step(step, ro)
         run.log(row)
-        records = run.prompts(step)
+        records = run.prompts.of_step(step)
         routed = {n: [i for i in chosen[-1].tolist() if records[int(ro.prompt_index[i])].field("task") == n] for n in seen}
         assert sum(len(v) for v in routed.values()) == row["selected"] > 0
         pad = run.ids["pad"]
@@ -112,8 +112,8 @@ def test_teacher_model_replaces_the_ema_teacher_and_resumes(tmp_path, tiny, teac
     resumed = Run(small_config(tmp_path / "split", **kw, resume=str(tmp_path / "split" / "run")))
     assert resumed.start == 2
     resumed.train()
-    for k, v in params_of(whole.policy).items():
-        torch.testing.assert_close(params_of(resumed.policy)[k], v, rtol=0, atol=1e-6)
+    for k, v in params_of(whole.model).items():
+        torch.testing.assert_close(params_of(resumed.model)[k], v, rtol=0, atol=1e-6)
     ra, rb = (read_ledger(tmp_path / d / "run" / "ledger.jsonl") for d in ("whole", "split"))
     for x, y in zip(ra, rb, strict=True):
         for key in x.keys() - TIMING - {"launch"} - {k for k in x if k.startswith("teacher_forward_s_")}:
@@ -190,6 +190,6 @@ def test_the_tiny_defaults_route_file_routes_every_record_to_its_default(tmp_pat
     routes.write_text('{"field": "task", "teachers": {"colour": "tiny"}, "default": "colour"}')
     run = Run(small_config(tmp_path, method="opod", policy="full", rho=1.0, teachers=str(routes)))
     assert run.teachers.names == ["colour"] and all(run.teachers.route(r) == "colour" for r in run.records)
-    assert run.teachers.teachers["colour"].model is not run.policy
+    assert run.teachers.teachers["colour"].model is not run.model
     row = run.step(0, fixed_rollouts(run, 0))
     assert row["teacher_rows_full"] == row["teacher_rows_verify"] == row["selected"] > 0

@@ -19,8 +19,8 @@ import pytest
 import torch
 
 from opd import audit
-from opd.eval.benchmarks import load_benchmark, prompt_text
 from opd.data import load_records
+from opd.eval.benchmarks import load_benchmark, prompt_text
 from opd.ledger import read_ledger, summarize
 from opd.toy.world import WorldConfig, export_world, sample
 
@@ -137,7 +137,9 @@ def test_audit_on_a_run_leaves_it_unchanged_and_gradients_add_up(tiny, tmp_path,
     """opd_gradient is linear in the row set (token-weighted), and the audits touch no training state. In float64
     (tests/float64.py): S, C \\ S and C fall into other micro-batches, so the three gradients sum in other orders."""
     from float64 import F32_EPS
-    from train import Run, TrainConfig
+
+    from opd.config import TrainConfig
+    from opd.loop import Run
 
     model, data = tiny
     cfg = TrainConfig(model=str(model), data=str(data), out=str(tmp_path / "run"), prompts_per_step=4,
@@ -145,7 +147,7 @@ def test_audit_on_a_run_leaves_it_unchanged_and_gradients_add_up(tiny, tmp_path,
                       replay_batch=8, policy="learned", rho=0.5, dtype="float64")
     run = Run(cfg)
     run.log(run.step(0))
-    params = {k: v.detach().clone() for k, v in run.policy.named_parameters()}
+    params = {k: v.detach().clone() for k, v in run.model.named_parameters()}
     counters = (run.teacher.rows_scored, len(run.teacher.batches))
     rng_state = torch.get_rng_state()
     replay = len(run.selector.model.replay)
@@ -166,8 +168,8 @@ def test_audit_on_a_run_leaves_it_unchanged_and_gradients_add_up(tiny, tmp_path,
     assert ((g_all - combined).abs() <= bound).all(), float(((g_all - combined).abs() / bound).max())
     assert g_s.norm() > 0
 
-    assert all(torch.equal(params[k], v) for k, v in run.policy.named_parameters())
-    assert all(p.grad is None for p in run.policy.parameters())
+    assert all(torch.equal(params[k], v) for k, v in run.model.named_parameters())
+    assert all(p.grad is None for p in run.model.parameters())
     assert (run.teacher.rows_scored, len(run.teacher.batches)) == counters
     assert torch.equal(torch.get_rng_state(), rng_state)
     assert len(run.selector.model.replay) == replay

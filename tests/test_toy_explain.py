@@ -233,7 +233,7 @@ def letter_world(tmp_path_factory):
 
 
 def _config(root: Path, out: Path, **kw):
-    from train import TrainConfig
+    from opd.config import TrainConfig
 
     fields = dict(model=str(root / "base"), data=str(root / "world" / "train.jsonl"), out=str(out), policy="learned",
                   rho=0.25, steps=3, prompts_per_step=4, rollouts_per_prompt=2, max_prompt_len=512, max_response_len=4,
@@ -248,8 +248,9 @@ def test_a_diagnosed_run_is_the_same_run_and_its_labels_match(letter_world, tmp_
     computation grouped otherwise. The utilities are ~1e-9 (JSDs of nearly equal distributions), so float32 rounding
     of the two groupings left them 3e-3 apart relative (the bound was 1e-3)."""
     from float64 import F32_EPS, assert_same_weights
+
+    from opd.loop import Run
     from opd.toy.diagnose import Diagnosed
-    from train import Run
 
     plain = Run(_config(letter_world, tmp_path / "plain", dtype="float64"))
     plain_rows = [plain.step(s) for s in range(3)]
@@ -269,7 +270,7 @@ def test_a_diagnosed_run_is_the_same_run_and_its_labels_match(letter_world, tmp_
         n = len(d["labels"])
         assert np.isclose(np.nanmean(d["labels"]), a["utility_mean"], rtol=(n + 1) * F32_EPS, atol=0)
         assert len(d["teacher_p"]) == len(d["gold"]) == 4 and all(len(p) == 4 and 0 <= min(p) for p in d["teacher_p"])
-    assert_same_weights(dict(plain.policy.named_parameters()), dict(run.policy.named_parameters()), plain.cfg.lr, 3)
+    assert_same_weights(dict(plain.model.named_parameters()), dict(run.model.named_parameters()), plain.cfg.optim.lr, 3)
 
     oracle_run = Run(_config(letter_world, tmp_path / "oracle", policy="random"))
     _, d = Diagnosed(oracle_run, oracle=True).step(0)

@@ -1,6 +1,5 @@
 """End-to-end checks of Algorithm 1 on the built-in tiny Qwen3.5 (CPU, seeded)."""
 
-import dataclasses
 import json
 import math
 import os
@@ -12,18 +11,24 @@ import pytest
 import torch
 
 import opd.chunked
-import opd.distill
+import opd.config
+import opd.loop
+import opd.methods
+import opd.sampler
+import opd.schedule
+import opd.views
 import train
 from opd.chat import collate, encode_prompt
 from opd.cli import UserError
+from opd.config import TrainConfig
 from opd.data import load_records, step_prompt_indices
-from opd.ledger import read_ledger
-from opd.model import load_model, load_processor, special_ids
-from opd.synthetic import fixed_rollouts
-from opd.rollout import generate_rollouts, response_mask
 from opd.ema_teacher import response_logits
+from opd.ledger import read_ledger
+from opd.loop import Run
+from opd.model import load_model, load_processor, special_ids
+from opd.rollout import generate_rollouts, response_mask
+from opd.synthetic import fixed_rollouts
 from opd.views import student_view
-from train import Run, TrainConfig
 
 ROOT = Path(__file__).resolve().parents[1]
 TIMING = {"prompt_s", "generation_s", "select_s", "teacher_forward_s", "student_s", "optimizer_s", "ema_s", "selector_s", "wait_s", "step_s"}
@@ -130,8 +135,8 @@ def test_response_mask_keeps_tokens_up_to_the_first_eos():
 
 
 def test_teacher_sees_exactly_the_selected_rows(tmp_path, tiny, monkeypatch):
-    plan = Spy(opd.distill.plan_micro_batches)
-    monkeypatch.setattr(opd.distill, "plan_micro_batches", plan)
+    plan = Spy(opd.schedule.plan_micro_batches)
+    monkeypatch.setattr(opd.schedule, "plan_micro_batches", plan)
     run = Run(small_config(tmp_path, policy="random", rho=0.5, micro_batch=2))
     select = Spy(run.selector.select)
     run.selector.select = select
@@ -155,7 +160,7 @@ def test_teacher_sees_exactly_the_selected_rows(tmp_path, tiny, monkeypatch):
             for r, i in zip(batch, rows.tolist(), strict=True):
                 n = int(ro.lengths[i])
                 assert torch.equal(r[-width:][:n], ro.response_ids[i, :n])
-        eligible = torch.tensor([run.prompts(step)[j].eligible for j in ro.prompt_index.tolist()])
+        eligible = torch.tensor([run.prompts.of_step(step)[j].eligible for j in ro.prompt_index.tolist()])
         assert eligible[chosen].all()
         assert row["budget"] == math.floor(0.5 * int(eligible.sum()))
         assert row["scored_tokens"] == int(ro.lengths[chosen].sum())
@@ -164,24 +169,24 @@ def test_teacher_sees_exactly_the_selected_rows(tmp_path, tiny, monkeypatch):
 
 @pytest.mark.parametrize("policy,rho", [("full", 1.0), ("random", 0.25), ("entropy", 0.25), ("learned", 0.25)])
 def test_two_steps_of_each_policy(tmp_path, tiny, monkeypatch, policy, rho):
-    gen = Spy(train.generate_rollouts)
-    monkeypatch.setattr(train, "generate_rollouts", gen)
+    gen = Spy(opd.sampler.generate_rollouts)
+    monkeypatch.setattr(opd.sampler, "generate_rollouts", gen)
     run = Run(small_config(tmp_path, policy=policy, rho=rho, replay_start=4, replay_batch=8))
     select = Spy(run.selector.select)
     run.selector.select = select
     rows = []
     for step in range(2):
-        student_before, teacher_before = params_of(run.policy), params_of(run.teacher.model)
+        student_before, teacher_before = params_of(run.model), params_of(run.teacher.model)
         row = run.step(step)
         run.log(row)
         rows.append(row)
-        student_after, teacher_after = params_of(run.policy), params_of(run.teacher.model)
+        student_after, teacher_after = params_of(run.model), params_of(run.teacher.model)
         assert not row["skipped"]
         assert any(not torch.equal(student_before[k], student_after[k]) for k in student_after)
         for k in teacher_after:  # theta-bar <- (1 - tau) theta-bar + tau theta
             torch.testing.assert_close(teacher_after[k], 0.95 * teacher_before[k] + 0.05 * student_after[k])
         ro, chosen = gen.results[-1], select.results[-1]
-        eligible = torch.tensor([run.prompts(step)[j].eligible for j in ro.prompt_index.tolist()]) & ro.valid
+        eligible = torch.tensor([run.prompts.of_step(step)[j].eligible for j in ro.prompt_index.tolist()]) & ro.valid
         assert row["candidates"] == int(eligible.sum())
         assert row["budget"] == math.floor(rho * row["candidates"])
         assert row["selected"] == chosen.numel() == row["budget"]
@@ -192,7 +197,7 @@ def test_two_steps_of_each_policy(tmp_path, tiny, monkeypatch, policy, rho):
         assert row["candidate_prompts"] == len({prompt_of[i] for i in range(len(prompt_of)) if eligible[i]})
         assert row["selected_prompts"] == len({prompt_of[i] for i in chosen.tolist()})
         assert math.isfinite(row["loss"]) and row["loss"] > 0
-    ledger = read_ledger(Path(run.cfg.out) / "ledger.jsonl")
+    ledger = read_ledger(Path(run.cfg.folder.out) / "ledger.jsonl")
     assert [r["step"] for r in ledger] == [0, 1]
     assert [r["scored_tokens"] for r in ledger] == [r["scored_tokens"] for r in rows]
     if policy == "learned":
@@ -203,12 +208,12 @@ def test_two_steps_of_each_policy(tmp_path, tiny, monkeypatch, policy, rho):
 def test_two_steps_of_each_method(tmp_path, tiny, method):
     """Each method of the family trains on the tiny model; its teacher(s) see exactly the selected rows,
     one forward per row and teacher view, and the ledger counts them per view."""
-    settings = train.METHODS[method].settings
+    settings = opd.methods.METHODS[method].settings
     run = Run(small_config(tmp_path, **{**settings, "method": method, "policy": "random", "rho": 0.5, "ema_tau": 0.05}))
-    assert run.teacher_views == train.METHODS[method].teacher_views
+    assert run.teacher_views == opd.methods.METHODS[method].teacher_views
     seen = []
     run.teacher.model.register_forward_pre_hook(lambda m, a, kw: seen.append(kw["input_ids"].shape[0]), with_kwargs=True)
-    before = params_of(run.policy)
+    before = params_of(run.model)
     for step in range(2):
         seen.clear()
         row = run.step(step)
@@ -219,7 +224,7 @@ def test_two_steps_of_each_method(tmp_path, tiny, method):
         assert all(row[f"teacher_rows_{v}"] == row["selected"] for v in views)
         assert row["teacher_tokens"] == sum(row[f"teacher_tokens_{v}"] for v in views)
         assert math.isfinite(row["loss"]) and row["loss"] >= 0 and row["grad_norm"] > 0
-    after = params_of(run.policy)
+    after = params_of(run.model)
     assert any(not torch.equal(before[k], after[k]) for k in after)
     summary = run.finish()
     assert list(summary["teachers"]) == list(views)
@@ -229,8 +234,8 @@ def test_two_steps_of_each_method(tmp_path, tiny, method):
 def test_rp_opsd_student_sees_half_the_resolution(tmp_path, tiny):
     run = Run(small_config(tmp_path, method="rp-opsd", policy="full", rho=1.0))
     record = run.records[0]
-    (image,), _ = run.student_view(record)
-    (full,), _ = train.get_view("full")(record)
+    (image,), _ = opd.views.get_view(run.method.student_view)(record)
+    (full,), _ = opd.views.get_view("full")(record)
     assert image.size == (full.width // 2, full.height // 2)
 
 
@@ -278,7 +283,7 @@ def test_empty_selection_is_a_valid_step_without_teacher(tmp_path, tiny):
     assert run.teacher.rows_scored == 0 and run.teacher.batches == []
     assert row["loss"] == 0.0 and not row["skipped"]
     assert math.isnan(row["utility_mean"])
-    student = params_of(run.policy)
+    student = params_of(run.model)
     for k, v in params_of(run.teacher.model).items():  # the EMA still follows the (zero-gradient) update
         torch.testing.assert_close(v, 0.95 * teacher_before[k] + 0.05 * student[k])
 
@@ -287,11 +292,11 @@ def test_non_finite_loss_skips_update_and_ema(tmp_path, tiny, monkeypatch):
     run = Run(small_config(tmp_path, policy="full", rho=1.0))
     nan_jsd = lambda s, t, a: (s * float("nan")).sum(-1)  # noqa: E731
     monkeypatch.setattr(opd.chunked, "generalized_jsd", nan_jsd)  # both loss paths compute Eq. 3 there
-    student_before, teacher_before = params_of(run.policy), params_of(run.teacher.model)
+    student_before, teacher_before = params_of(run.model), params_of(run.teacher.model)
     with pytest.warns(UserWarning, match="non-finite"):
         row = run.step(0, fixed_rollouts(run, 0))
     assert row["skipped"]
-    for k, v in params_of(run.policy).items():
+    for k, v in params_of(run.model).items():
         assert torch.equal(v, student_before[k])
     for k, v in params_of(run.teacher.model).items():
         assert torch.equal(v, teacher_before[k])
@@ -337,8 +342,8 @@ def test_resume_continues_to_the_same_result(tmp_path, tiny):
     resumed = Run(small_config(tmp_path / "split", **kw, resume=str(tmp_path / "split" / "run")))
     assert resumed.start == 2
     resumed.train()
-    for k, v in params_of(whole.policy).items():
-        torch.testing.assert_close(params_of(resumed.policy)[k], v, rtol=0, atol=1e-6)
+    for k, v in params_of(whole.model).items():
+        torch.testing.assert_close(params_of(resumed.model)[k], v, rtol=0, atol=1e-6)
     for k, v in params_of(whole.teacher.model).items():
         torch.testing.assert_close(params_of(resumed.teacher.model)[k], v, rtol=0, atol=1e-6)
     a = read_ledger(tmp_path / "whole" / "run" / "ledger.jsonl")
@@ -424,14 +429,14 @@ def test_a_new_run_refuses_a_folder_holding_a_run_and_overwrite_replaces_it(tmp_
 
 def test_ctrl_c_keeps_the_checkpoints_and_says_how_to_go_on(tmp_path, tiny, monkeypatch, capsys):
     out = tmp_path / "c"
-    step = train.Run.step
+    step = opd.loop.Run.step
 
     def stopped_at_2(self, k):
         if k == 2:
             raise KeyboardInterrupt
         return step(self, k)
 
-    monkeypatch.setattr(train.Run, "step", stopped_at_2)
+    monkeypatch.setattr(opd.loop.Run, "step", stopped_at_2)
     with pytest.raises(SystemExit) as stop:
         train.run_cli(train.main, ["--steps", "4", "--save-every", "1", "--out", str(out)], "train.py")
     assert stop.value.code == 130
@@ -442,7 +447,7 @@ def test_ctrl_c_keeps_the_checkpoints_and_says_how_to_go_on(tmp_path, tiny, monk
         train.main(["--steps", "4", "--save-every", "3", "--out", str(tmp_path / "d")])
     with pytest.raises(UserError, match=f"no checkpoint in .*start over with --out {tmp_path / 'd'} --overwrite"):
         train.main(["--resume", str(tmp_path / "d")])
-    monkeypatch.setattr(train.Run, "step", step)
+    monkeypatch.setattr(opd.loop.Run, "step", step)
     train.main(["--resume", str(out)])
     assert [r["step"] for r in read_ledger(out / "ledger.jsonl")] == [0, 1, 2, 3]
 
@@ -471,13 +476,13 @@ def test_resume_takes_the_runs_own_settings_and_refuses_method_changes(tmp_path,
 
 def test_micro_batching_may_change_on_resume_unless_the_loss_is_a_mean_per_micro_batch(tmp_path):
     for agg in ("token-mean", "sequence-mean", "micro-batch"):
-        stored = {**dataclasses.asdict(train.TrainConfig(loss_agg=agg)), "micro_batch": 8}
-        cfg = train.TrainConfig(loss_agg=agg, micro_batch=2)
+        stored = {**opd.config.TrainConfig(loss_agg=agg).flags(), "micro_batch": 8}
+        cfg = opd.config.TrainConfig(loss_agg=agg, micro_batch=2)
         if agg != "micro-batch":
-            train.refuse_changed_settings(cfg, stored, tmp_path, {"micro_batch"})
+            opd.config.refuse_changed_settings(cfg, stored, tmp_path, {"micro_batch"})
             continue
         with pytest.raises(UserError, match=r"--micro-batch 2 \(the run has 8\).*objective's own under --loss-agg micro"):
-            train.refuse_changed_settings(cfg, stored, tmp_path, {"micro_batch"})
+            opd.config.refuse_changed_settings(cfg, stored, tmp_path, {"micro_batch"})
 
 
 @pytest.mark.slow

@@ -8,11 +8,13 @@ import pytest
 import torch
 from test_training import _run_worker, small_config
 
+import opd.cli
+import opd.loop
 import train
 from opd.divergence import budgeted_loss
 from opd.ledger import read_ledger
-from opd.selectors import Selector, capped, inclusion_probabilities, query_budget, sample_with_probabilities
 from opd.seeding import seeded_generator
+from opd.selectors import Selector, capped, inclusion_probabilities, query_budget, sample_with_probabilities
 from opd.synthetic import fixed_rollouts
 
 F64 = torch.float64
@@ -221,25 +223,25 @@ def test_unbiased_training_weighs_each_selected_row_by_one_over_pi(tmp_path, tin
     """One step of --policy entropy --unbiased: the objective gets w_i = 1 / pi_i for S's rows, and the ledger's loss
     is Eq. 11's Hajek form of the per-token D the objective computed (its own sums), min_pi and max_weight recorded."""
     from float64 import float64_model
+    from test_training import perturb
 
     from opd.chat import collate
     from opd.divergence import topk_divergence
     from opd.ema_teacher import response_logits
-    from test_training import perturb
 
     float64_model()
-    run = train.Run(small_config(tmp_path, policy="entropy", unbiased=True, rho=0.5, dtype="float64"))
+    run = opd.loop.Run(small_config(tmp_path, policy="entropy", unbiased=True, rho=0.5, dtype="float64"))
     perturb(run.teacher.model)  # D far above rounding
     rollouts = fixed_rollouts(run, 0)
-    records = run.prompts(0)
+    records = run.prompts.of_step(0)
     index = rollouts.prompt_index.tolist()
-    s_in = collate([run.student_prompts(records)[j] for j in index], run.ids["pad"], rollouts.response_ids, rollouts.response_mask)
-    crop = [run.encode("crop", r, 0) if r.eligible else run.student_prompts([r])[0] for r in records]  # (no crop: not in C)
+    s_in = collate([run.prompts.student(records)[j] for j in index], run.ids["pad"], rollouts.response_ids, rollouts.response_mask)
+    crop = [run.prompts.encode("crop", r, 0) if r.eligible else run.prompts.student([r])[0] for r in records]  # (no crop: not in C)
     t_in = collate([crop[j] for j in index], run.ids["pad"], rollouts.response_ids, rollouts.response_mask)
     with torch.no_grad():
         width = rollouts.response_ids.shape[1]
-        d = topk_divergence(response_logits(run.policy, s_in, width), response_logits(run.teacher.model, t_in, width),
-                            run.cfg.topk, run.cfg.alpha)  # (N, T) Eq. 3 on full logits, before the update  # fmt: skip
+        d = topk_divergence(response_logits(run.model, s_in, width), response_logits(run.teacher.model, t_in, width),
+                            run.cfg.loss.topk, run.cfg.loss.alpha)  # (N, T) Eq. 3 on full logits, before the update  # fmt: skip
     seen = {}
     step_batch = run.step_batch
 
@@ -269,7 +271,7 @@ def test_unbiased_training_weighs_each_selected_row_by_one_over_pi(tmp_path, tin
     (["--unbiased", "--max-per-prompt", "2"], "a cap would change the inclusion probabilities"),
 ])  # fmt: skip
 def test_bad_selection_flags_are_one_line(tmp_path, flags, message):
-    with pytest.raises(train.UserError, match=message):
+    with pytest.raises(opd.cli.UserError, match=message):
         train.main(flags + ["--out", str(tmp_path)])
 
 
@@ -340,7 +342,7 @@ def test_the_audits_sample_and_aggregate_as_the_run_trains(tmp_path, tiny, monke
     from opd import audit
 
     float64_model()
-    run = train.Run(small_config(tmp_path, policy="entropy", rho=0.5, loss_agg="sequence-mean", dtype="float64",
+    run = opd.loop.Run(small_config(tmp_path, policy="entropy", rho=0.5, loss_agg="sequence-mean", dtype="float64",
                                  sample_temperature=1.3, sample_top_k=5, sample_top_p=0.9, share_prefill=False))  # fmt: skip
     calls = []
     generate = audit.generate_rollouts
@@ -348,10 +350,10 @@ def test_the_audits_sample_and_aggregate_as_the_run_trains(tmp_path, tiny, monke
     batch = audit.sample_batch(run, run.records[:4], seed=3)
     (args, kwargs), = calls
     assert args[5:] == (False,) and kwargs == {"temperature": 1.3, "top_k": 5, "top_p": 0.9}
-    records = run.prompts(0)
+    records = run.prompts.of_step(0)
     ro = fixed_rollouts(run, 0)  # responses of several lengths (the tiny policy's own run to the length limit)
     eligible = torch.tensor([records[j].eligible for j in ro.prompt_index.tolist()])
-    held = audit.HeldBatch(records, ro, run.student_prompts(records), torch.zeros(len(ro), 6), eligible, None)
+    held = audit.HeldBatch(records, ro, run.prompts.student(records), torch.zeros(len(ro), 6), eligible, None)
     c = eligible.nonzero().squeeze(-1)
     lengths = ro.lengths
     s, u = c[: c.numel() // 2], c[c.numel() // 2 :]

@@ -22,8 +22,6 @@ from opd.utility import (
     utility_terms,
 )
 
-
-
 F64 = torch.float64
 LN2 = math.log(2.0)
 

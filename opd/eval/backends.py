@@ -275,7 +275,8 @@ def refuse_adapter(model_dir: str, backend: str) -> None:
     if model_dir and is_adapter_folder(model_dir):
         raise UserError(f"--backend {backend} --model {model_dir}: a LoRA adapter (adapter_config.json, no "
                         "config.json), which a vLLM server does not load as a model; evaluate it with --backend hf "
-                        "(it merges the adapter into its base), or serve a merged checkpoint and use --backend openai")
+                        "(it merges the adapter into its base), or merge it first (python -m opd.export RUN writes "
+                        "checkpoint-N/merged/) and give that folder as --model")
 
 
 class VLLMBackend:

@@ -27,10 +27,8 @@ Scoring reads the stored replies, so rescoring (another parser, a judge) never r
 from __future__ import annotations
 
 import json
-import os
 import shutil
-import tempfile
-from collections.abc import Callable, Iterable, Iterator
+from collections.abc import Callable, Iterator
 from pathlib import Path
 
 from opd.cli import UserError
@@ -38,8 +36,8 @@ from opd.eval import inference
 from opd.eval.answers import grade, strip_thinking
 from opd.eval.benchmarks import BenchItem
 from opd.eval.metrics import score
+from opd.eval.storage import Appender, append_jsonl, write_atomic, write_jsonl_atomic  # noqa: F401 (judge, scoring)
 from opd.identity import DigestCache, file_sha256, hub_snapshot, model_identity  # noqa: F401 (eval.py's resume key)
-from opd.ledger import write_atomic
 
 NOTES = ("model_path", "base_url", "served_model")  # settings recorded but not compared
 SOFT = ("model_revision",)  # compared only when known on both sides
@@ -87,31 +85,6 @@ def read_jsonl(path, repair: bool = False) -> list[dict]:
     return rows
 
 
-def append_jsonl(path, rows: Iterable[dict]) -> None:
-    """Appends rows as JSON lines and flushes."""
-    path = Path(path)
-    path.parent.mkdir(parents=True, exist_ok=True)
-    with open(path, "a", encoding="utf-8") as fh:
-        for row in rows:
-            fh.write(json.dumps(row, ensure_ascii=False, default=str) + "\n")
-        fh.flush()
-
-
-def write_jsonl_atomic(path, rows: Iterable[dict]) -> None:
-    """Writes rows to a temporary file beside ``path`` and renames it into place."""
-    path = Path(path)
-    path.parent.mkdir(parents=True, exist_ok=True)
-    fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", suffix=".tmp", dir=path.parent)
-    try:
-        with os.fdopen(fd, "w", encoding="utf-8") as fh:
-            for row in rows:
-                fh.write(json.dumps(row, ensure_ascii=False, default=str) + "\n")
-        os.replace(tmp, path)
-    except BaseException:
-        Path(tmp).unlink(missing_ok=True)
-        raise
-
-
 def _show(key: str, value) -> str:
     text = repr(value)
     return text[:20] + "...'" if key == "model" and str(value).startswith("sha256:") else text
@@ -156,7 +129,6 @@ def start_folder(folder: Path, settings: dict, overwrite: bool) -> None:
         shutil.rmtree(folder)
     if check_settings(folder, settings):
         return
-    folder.mkdir(parents=True, exist_ok=True)
     write_atomic(folder / "settings.json", json.dumps(settings, indent=2, sort_keys=True) + "\n")
 
 
@@ -254,11 +226,10 @@ def predict(
     desc = key if ranks.world == 1 else f"{key} [rank 0 of {ranks.world}]"
     bar = tqdm(total=done + len(mine), initial=done, desc=desc, unit="item", disable=not progress or not ranks.main)
     try:
-        with open(path, "a", encoding="utf-8") as fh:
-            for item, reply in replies:
+        with Appender(path) as fh:  # a full disk: one line, the file cut back to its last whole row
+            for n, (item, reply) in enumerate(replies):
                 record = {**grade(item, reply), "view": final["view"]}
-                fh.write(json.dumps(record, ensure_ascii=False, default=str) + "\n")
-                fh.flush()
+                fh.add(record, left=len(mine) - n)
                 stored[item.index] = record
                 bar.update(1)
     finally:

@@ -19,11 +19,11 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from opd.cli import UserError
+from opd.cli import Section, UserError
 
 
 @dataclass
-class LiveEvalSettings:
+class LiveEvalConfig(Section):
     """train.py's --eval-* flags (a section of its TrainConfig: field f is flag --eval-f)."""
 
     every: int = 0
@@ -41,6 +41,8 @@ class LiveEvalSettings:
     batch: int = 8
     """Prompts per generate() call of --eval-every."""
 
+    PREFIX = "eval_"
+
     def names(self) -> list[str]:
         return [n.strip().lower() for n in self.benchmarks.split(",") if n.strip()]
 
@@ -52,7 +54,8 @@ class LiveEvalSettings:
         from opd.eval.benchmarks import LOADERS, expected_files, has_files
 
         if not self.every:
-            return []
+            return [f"--eval-data {self.data} has no effect without --eval-every N (evaluate every N steps): give "
+                    "--eval-every, or drop --eval-data"] if self.data else []
         problems = []
         if self.every < 0:
             problems.append(f"--eval-every {self.every}: must be >= 0")
@@ -76,7 +79,7 @@ class LiveEvalSettings:
 class LiveEval:
     """The held subsets, loaded once; `due(step)` and `__call__` (every rank alike)."""
 
-    def __init__(self, settings: LiveEvalSettings, steps: int):
+    def __init__(self, settings: LiveEvalConfig, steps: int):
         from opd.eval.benchmarks import BenchmarkDataError, load_benchmark
 
         self.settings, self.steps = settings, steps

@@ -12,9 +12,10 @@ all seven); absent benchmarks show "-" and are listed under the table.
 from __future__ import annotations
 
 import json
-import os
-import tempfile
+import re
 from pathlib import Path
+
+from opd.eval.storage import write_atomic
 
 COLUMNS = (
     ("vstar", "V*Bench"),
@@ -29,21 +30,9 @@ COLUMNS = (
 
 def write_results(path, benchmarks: dict[str, dict], meta: dict | None = None) -> Path:
     """Write ``{"meta": meta, "benchmarks": benchmarks}`` to ``path`` atomically; return the path."""
-    path = Path(path)
-    path.parent.mkdir(parents=True, exist_ok=True)
     payload = {"meta": meta or {}, "benchmarks": benchmarks}
-    fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", suffix=".tmp", dir=path.parent)
-    try:
-        with os.fdopen(fd, "w", encoding="utf-8") as fh:
-            json.dump(payload, fh, indent=2, sort_keys=True, allow_nan=False)
-            fh.write("\n")
-            fh.flush()
-            os.fsync(fh.fileno())
-        os.replace(tmp, path)
-    except BaseException:
-        Path(tmp).unlink(missing_ok=True)
-        raise
-    return path
+    text = json.dumps(payload, indent=2, sort_keys=True, allow_nan=False) + "\n"  # a NaN fails before any write
+    return write_atomic(path, text)
 
 
 def read_results(path) -> dict:
@@ -103,12 +92,56 @@ def markdown_table(benchmarks: dict[str, dict], label: str = "model") -> str:
     return "\n".join(lines + ([f"\n{note}"] if note else [])) + "\n"
 
 
-def _label(path, data: dict) -> str:
-    """meta["label"] if set, else the name of the run folder holding results.json."""
-    if (data.get("meta") or {}).get("label"):
-        return str(data["meta"]["label"])
-    path = Path(path).resolve()
-    return (path.parent if path.suffix == ".json" else path).name or str(path)
+GENERIC = re.compile(r"^(eval|evals|evaluation|results?|bench|benchmarks?)([-_.].*)?$", re.IGNORECASE)
+"""Folder names that say nothing about the model (eval, eval-4, results, ...): a row is named by the folder above."""
+
+
+def _run_folder(folder: Path) -> bool:
+    """A train.py run folder (its ledger or its latest checkpoint's name is there)."""
+    return (folder / "ledger.jsonl").is_file() or (folder / "latest").is_file()
+
+
+def default_label(folder) -> str:
+    """The row label of an eval.py output folder without --label: its name, unless that is generic (`GENERIC`: eval,
+    eval-4, ...) or the folder lies inside a train.py run folder; then the parent's name (runs/paper-4b/eval ->
+    paper-4b)."""
+    folder = Path(folder).resolve()
+    parent = folder.parent
+    if parent != folder and parent.name and (GENERIC.match(folder.name) or _run_folder(parent)):
+        return parent.name
+    return folder.name or str(folder)
+
+
+def _stored_label(data: dict, folder: Path) -> str | None:
+    """The label a results.json was given with --label (None: none given). Files written before `label_from`
+    existed always stored one: the folder's name unless --label said otherwise."""
+    meta = data.get("meta") or {}
+    label = meta.get("label")
+    if not label:
+        return None
+    if "label_from" in meta:
+        return str(label) if meta["label_from"] == "--label" else None
+    return None if str(label) == folder.name else str(label)
+
+
+def row_labels(folders: list[Path], stored: list[str | None]) -> list[str]:
+    """One label per run: its stored --label, else `default_label`; runs whose default labels collide are named by
+    the shortest tail of their paths that tells them apart (a/eval and b/eval: a and b; x/a/eval and y/a/eval:
+    x/a/eval and y/a/eval)."""
+    labels = [s if s is not None else default_label(f) for f, s in zip(folders, stored)]
+    for n in range(len(labels)):
+        clash = [m for m, label in enumerate(labels) if label == labels[n]]
+        if stored[n] is not None or len(clash) < 2:
+            continue
+        mine = {m: Path(folders[m]).resolve().parts for m in clash if stored[m] is None}
+        taken = {label for m, label in enumerate(labels) if m not in mine}
+        for depth in range(2, max(len(p) for p in mine.values()) + 1):
+            tails = {m: str(Path(*p[-depth:])) for m, p in mine.items()}
+            if len(set(tails.values())) == len(tails) and taken.isdisjoint(tails.values()):
+                break
+        for m, tail in tails.items():
+            labels[m] = tail
+    return labels
 
 
 def compare_runs(paths) -> str:
@@ -116,10 +149,11 @@ def compare_runs(paths) -> str:
     paths = list(paths)
     if not paths:
         raise ValueError("compare_runs: no results files given")
-    runs = []
-    for p in paths:
-        data = read_results(p)
-        runs.append((_label(p, data), row_scores(data["benchmarks"])))
+    datas = [read_results(p) for p in paths]
+    folders = [Path(p).resolve() for p in paths]
+    folders = [f.parent if f.suffix == ".json" else f for f in folders]
+    labels = row_labels(folders, [_stored_label(d, f) for d, f in zip(datas, folders)])
+    runs = [(label, row_scores(d["benchmarks"])) for label, d in zip(labels, datas)]
     lines = ["Scores (%)", ""] + _table(runs)
     base = runs[0][1]
     deltas = []

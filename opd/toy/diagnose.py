@@ -1,6 +1,6 @@
 """Step-by-step diagnostics of a toy OPD run (the collapse investigation, experiments/toy_collapse.py).
 
-`Diagnosed(run)` wraps a `train.Run` of the first toy task (one-letter answers) and trains it step by
+`Diagnosed(run)` wraps a `opd.loop.Run` of the first toy task (one-letter answers) and trains it step by
 step exactly as `run.step(step)` would, while recording what the step's selection did:
 
 - the rollouts are sampled here with the generator seed `Run.step` uses (mix_seed(seed, step, rank)),
@@ -38,7 +38,7 @@ def letter_probs(run, model, records, view: str, batch: int = 64) -> torch.Tenso
     letters = [run.processor.tokenizer.convert_tokens_to_ids(k) for k in OPTIONS]
     out = []
     for start in range(0, len(records), batch):
-        prompts = [run.encode(view, r) for r in records[start : start + batch]]
+        prompts = [run.prompts.encode(view, r) for r in records[start : start + batch]]
         inputs = {k: v.to(run.acc.device) for k, v in collate(prompts, run.ids["pad"]).items()}
         with run.autocast():
             logits = model(**inputs, logits_to_keep=1, use_cache=False).logits[:, -1].float()
@@ -81,19 +81,19 @@ class Diagnosed:
     def step(self, step: int) -> tuple[dict, dict]:
         """One training step; returns (the ledger row, the step's diagnostics)."""
         run, cfg = self.run, self.run.cfg
-        records = run.prompts(step)
-        prompts = run.student_prompts(records)
+        records = run.prompts.of_step(step)
+        prompts = run.prompts.student(records)
         torch.manual_seed(mix_seed(cfg.seed, step, run.acc.process_index))  # as Run.step seeds its sampling
         with run.autocast():
-            ro = generate_rollouts(run.policy, prompts, cfg.rollouts_per_prompt, cfg.max_response_len,
+            ro = generate_rollouts(run.model, prompts, cfg.rollouts_per_prompt, cfg.max_response_len,
                                    cfg.rollout_batch, cfg.share_prefill)  # fmt: skip
         rows = ro.prompt_index.tolist()
-        eligible = torch.tensor([run.eligible(records[j]) for j in rows], dtype=torch.bool) & ro.valid
+        eligible = torch.tensor([run.prompts.eligible(records[j]) for j in rows], dtype=torch.bool) & ro.valid
         area = torch.tensor([records[j].area_ratio for j in rows])
         phi = rollout_features(ro.logp, ro.entropy, ro.response_mask, ro.prompt_len, area)
         self.u_all = score_utility(run, HeldBatch(records, ro, prompts, phi, eligible, None))
         teacher_p = letter_probs(run, run.teacher.model, records, run.teacher_views[0])
-        student_p = letter_probs(run, run.policy, records, "full")
+        student_p = letter_probs(run, run.model, records, "full")
         self.captured = {}
         row = run.step(step, ro)
         selected, predicted = self.captured["selected"], self.captured["predicted"]
@@ -128,10 +128,11 @@ def diagnose_one(job: dict) -> dict:
     import time
     from pathlib import Path
 
+    from opd.config import TrainConfig
     from opd.data import load_records
     from opd.ledger import write_atomic
+    from opd.loop import Run
     from opd.toy.experiment import evaluate, finished_or_cleared, quiet, say
-    from train import Run, TrainConfig
 
     quiet()
     spec, out = job["spec"], Path(job["folder"])
@@ -147,8 +148,8 @@ def diagnose_one(job: dict) -> dict:
             for step in range(run.steps + 1):
                 if step % job["probe_every"] == 0 or step == run.steps:
                     probe = {"step": step, "teacher_crop": view_accuracy(run, run.teacher.model, probe_records, run.teacher_views[0]),
-                             "student_full": view_accuracy(run, run.policy, probe_records, "full"),
-                             "student_crop": view_accuracy(run, run.policy, probe_records, run.teacher_views[0])}
+                             "student_full": view_accuracy(run, run.model, probe_records, "full"),
+                             "student_crop": view_accuracy(run, run.model, probe_records, run.teacher_views[0])}
                     probe_file.write(json.dumps(probe) + "\n")
                 if step == run.steps:
                     break

@@ -1,11 +1,11 @@
-"""Running a toy experiment: one OPD run (train.Run, audits, eval.py), the runs in parallel, the ledger
+"""Running a toy experiment: one OPD run (opd.loop.Run, audits, eval.py), the runs in parallel, the ledger
 checks and reading the results back. Shared by the experiment scripts (experiments/toy.py, toy_explain.py,
 toy_collapse.py, family.py), whose `main()` starts with `opd.toy.entry.Entry`.
 
 A run is described by a job, a plain dict (it travels to a worker process):
 
 - `spec`: {"policy", "pct", "seed", "name"} (and "ablation" for a Table 4 variant), copied into done.json;
-- `folder`: the run's output folder; `train`: the `train.TrainConfig` fields (without `out`);
+- `folder`: the run's output folder; `train`: the `opd.config.TrainConfig` fields (without `out`);
 - `audit_data`: the held JSONL of the audits; `audit_batches`: Figure 3 batches at the end (0: none);
   `selection_batches` / `selection_draws`: `opd.audit.selection_audit` at the end (0: none);
   `geometry_steps`: steps after which Figure 4's gradient geometry is measured; `grad_batches`;
@@ -25,7 +25,6 @@ import shutil
 import sys
 import time
 from pathlib import Path
-
 
 from opd.ledger import write_atomic
 
@@ -61,13 +60,13 @@ def machine() -> str:
 
 def evaluate(model: Path, bench: Path, out: Path, batch: int, max_new_tokens: int, label: str) -> dict:
     """eval.py on the toy benchmark, full and crop view; returns {"full", "crop", "gap", "unparsed"} (percent)."""
-    import eval as eval_py
+    from opd.eval.cli import main as eval_main
 
     argv = ["--model", str(model), "--benchmarks", "zoombench", "--view", "crop", "--data-dir", str(bench),
             "--out", str(out), "--batch-size", str(batch), "--max-new-tokens", str(max_new_tokens), "--device", "cpu",
             "--dtype", "float32", "--no-progress", "--label", label]
     with open(out.parent / f"{out.name}.log", "w") as log, contextlib.redirect_stdout(log):
-        res = eval_py.main(argv)["results"]
+        res = eval_main(argv)["results"]
     return {"full": res["zoombench"]["score"], "crop": res["zoombench@crop"]["score"],
             "gap": res["zoombench@crop"]["zoom_gap"]["gap"], "unparsed": res["zoombench"]["unparsed"]}
 
@@ -119,8 +118,9 @@ def train_one(job: dict) -> dict:
     if (finished := finished_or_cleared(out)) is not None:
         return finished
     from opd.audit import audit_utility, gradient_geometry
+    from opd.config import TrainConfig
     from opd.data import load_records
-    from train import Run, TrainConfig
+    from opd.loop import Run
 
     tcfg = TrainConfig(**job["train"], out=str(out))
     steps = tcfg.steps

@@ -1,0 +1,338 @@
+"""The run's settings: one section per component, one flag per field, and where each value comes from.
+
+`TrainConfig` holds one section (an `opd.cli.Section` dataclass, with a docstring per field and its own `check()`)
+per component, named in `SECTIONS`: `cfg.selection.rho`, `cfg.lora.r`, `cfg.dapd.clip`. Each field is one flag,
+its name as it has always been (`--rho`, `--lora-r`, `--dapd-clip`); `TrainConfig(**flags)` builds the sections from
+flag names, and `cfg.flags()` is the flat view that train_config.json stores, so every stored one still resumes.
+
+Where values come from, lowest first (`resolve`): the sections' defaults, the preset (`PRESETS`), the method's
+paper settings and published recipe (`opd.methods`), a config file (`--config`: YAML with flag names as keys, or a
+run's own train_config.json; `read_config_file`) and the flags given. `problems()` gathers every section's
+`check()` and the few rules that tie two sections together (`cross_problems`).
+"""
+
+from __future__ import annotations
+
+import difflib
+import json
+import math
+from dataclasses import dataclass
+from pathlib import Path
+
+from opd.build import ModelConfig
+from opd.checkpoint import CheckpointConfig, load_config
+from opd.cli import Flag, Section, UserError, flag_text
+from opd.data import DataConfig
+from opd.ema_teacher import EMAConfig
+from opd.engine import EngineConfig
+from opd.eval.live import LiveEvalConfig
+from opd.external_teachers import TeacherConfig
+from opd.lora import LoRAConfig
+from opd.loss import LossConfig
+from opd.methods import METHODS
+from opd.optim import OptimConfig
+from opd.predictor import PredictorConfig
+from opd.rollout import SamplingConfig
+from opd.run_folder import FolderConfig, checkpoint_of
+from opd.selectors import SelectionConfig
+from opd.tracking import TrackerConfig
+
+
+@dataclass
+class RunConfig(Section):
+    """What is trained, how long, from which seed."""
+
+    preset: str = "tiny"
+    """Starting values: 'tiny' (built-in model and data, CPU), 'paper-4b' / 'paper-9b' (the paper's tables)."""
+    method: str = "bas-opd"
+    """Method of the family (opd/methods.py): bas-opd, vision-opd, rp-opsd, opd-v, opsd, dapd, opod or gkd; sets
+    its views, support, divergence, token weight (DAPD, OPOD: their own objective) and its paper's settings (under
+    the flags given)."""
+    steps: int = 0
+    """Training steps; 0 = one epoch (floor(records / prompts_per_step), the paper's 111)."""
+    seed: int = 42
+    """Training seed: data order and rollout sampling."""
+
+    def check(self) -> list[str]:
+        problems = []
+        if self.preset not in PRESETS:
+            problems.append(f"--preset {self.preset!r}: choose one of {', '.join(PRESETS)}")
+        if self.method not in METHODS:
+            problems.append(f"--method {self.method!r}: choose one of {', '.join(METHODS)}")
+        if self.steps < 0:
+            problems.append(f"--steps {self.steps}: must be >= 0")
+        return problems
+
+
+SECTIONS: dict[str, type[Section]] = {
+    "run": RunConfig, "model": ModelConfig, "data": DataConfig, "folder": FolderConfig, "sampling": SamplingConfig,
+    "engine": EngineConfig, "selection": SelectionConfig, "selector": PredictorConfig, "teacher": TeacherConfig,
+    "ema": EMAConfig, "loss": LossConfig, "optim": OptimConfig, "lora": LoRAConfig, "checkpoint": CheckpointConfig,
+    "trackers": TrackerConfig, "eval": LiveEvalConfig,
+    **{m.objective.name: m.objective.Config for m in METHODS.values() if m.objective.Config is not None},
+}  # fmt: skip
+"""The sections of TrainConfig, by attribute name, in --help's order; the objectives' own (DAPD's `--dapd-*`,
+OPOD's `--opod-*`) come from the method table, so that a new objective's section needs no line here."""
+
+
+class TrainConfig:
+    """The run's settings: one section per component (`SECTIONS`), built from flag names.
+
+    `TrainConfig(rho=0.5, lora_r=8)` sets `cfg.selection.rho` and `cfg.lora.r`; an unknown name is a TypeError."""
+
+    def __init__(self, **flags):
+        known = {f.name: f for f in self.flag_list()}
+        unknown = sorted(set(flags) - set(known))
+        if unknown:
+            raise TypeError(f"TrainConfig: unknown field(s) {', '.join(unknown)}")
+        for name, cls in SECTIONS.items():
+            setattr(self, name, cls(**{f.attr: flags[f.name] for f in cls.flags(name) if f.name in flags}))
+
+    @classmethod
+    def flag_list(cls) -> list[Flag]:
+        """Every flag, section by section (`opd.cli.build_parser` reads it)."""
+        return [f for name, section in SECTIONS.items() for f in section.flags(name)]
+
+    def flags(self) -> dict:
+        """The flat view: flag name -> value (train_config.json, the trackers' config, --print-config)."""
+        return {f.name: getattr(getattr(self, f.section), f.attr) for f in self.flag_list()}
+
+    def replace(self, **flags) -> TrainConfig:
+        return TrainConfig(**{**self.flags(), **flags})
+
+    def __eq__(self, other) -> bool:
+        return isinstance(other, TrainConfig) and self.flags() == other.flags()
+
+    def __repr__(self) -> str:
+        return "TrainConfig(" + ", ".join(f"{k}={v!r}" for k, v in self.flags().items()) + ")"
+
+    @property
+    def method(self):
+        """The method's row of the table (`opd.methods.Method`)."""
+        return METHODS[self.run.method]
+
+    def objective(self) -> Section | None:
+        """The method's objective's own section (e.g. `cfg.dapd`), or None when it has none."""
+        cls = self.method.objective
+        return getattr(self, cls.name) if cls.Config is not None else None
+
+    def problems(self, world: int = 1) -> list[str]:
+        """Everything wrong with these settings on `world` processes, one phrase each naming the flag."""
+        found = [p for name in SECTIONS for p in getattr(self, name).problems()]
+        return found + (cross_problems(self, world) if self.run.method in METHODS else [])
+
+    def check(self, world: int = 1) -> None:
+        """A one-line UserError listing every problem."""
+        problems = self.problems(world)
+        if problems:
+            raise UserError("; ".join(problems))
+
+    def to_yaml(self) -> str:
+        """The settings as a config file for --config: flag names as keys, one comment per section."""
+        lines = []
+        for name, section in SECTIONS.items():
+            lines.append(f"# {name} ({section.__module__}.{section.__name__})")
+            lines += [f"{f.name}: {json.dumps(getattr(getattr(self, name), f.attr))}" for f in section.flags(name)]
+        return "\n".join(lines) + "\n"
+
+
+def cross_problems(cfg: TrainConfig, world: int) -> list[str]:
+    """The rules that tie two sections together (each section checks its own fields)."""
+    sel, loss, sampling, method = cfg.selection, cfg.loss, cfg.sampling, cfg.method
+    problems = []
+    if cfg.data.prompts_per_step % world:
+        problems.append(f"--prompts-per-step {cfg.data.prompts_per_step} does not split over {world} processes")
+    if sel.unbiased and loss.aggregation != "token-mean":
+        problems.append("--unbiased weighs Eq. 11's token mean (its Hajek form): it needs --loss-agg token-mean")
+    if loss.is_clip and not sampling.untruncated:
+        problems.append("--is-clip's ratio compares the student with the sampling distribution: it needs untruncated "
+                        "sampling (--sample-top-p 1 --sample-top-k 0)")
+    elif loss.is_clip and sampling.temperature != loss.temperature:
+        problems.append(f"--is-clip's ratio divides the student at --loss-temperature {loss.temperature:g} by the "
+                        f"rollouts' log-probs at --sample-temperature {sampling.temperature:g}: give both the same value")
+    if cfg.engine.vllm and cfg.lora.r:
+        problems.append("--rollout-engine vllm pushes whole weights: with --lora-r use --rollout-engine hf (an adapter "
+                        "push is a documented next step)")
+    if cfg.run.preset != "tiny" and cfg.data.data is None:
+        problems.append(f"--data is required with --preset {cfg.run.preset} (a Vision-OPD-style training JSONL)")
+    return problems + loss.check_support(method.divergence) + method_problems(cfg)
+
+
+def method_problems(cfg: TrainConfig) -> list[str]:
+    """What the method's objective refuses (`opd.objective.Objective.refuses`) and its teachers' rules."""
+    method, name = cfg.method, cfg.run.method
+    problems = []
+    if method.external_teachers == "refused" and cfg.teacher.external:
+        problems.append(f"--method {name} anchors on the policy's own weights (base and snapshot): --teacher-model "
+                        "and --teachers do not apply")
+    if method.external_teachers == "required" and not cfg.teacher.external:
+        problems.append(f"--method {name} distils from a separate teacher checkpoint: give --teacher-model PATH or "
+                        "--teachers route.json")
+    if method.objective.needs_ema_teacher and cfg.ema.tau == 0:
+        problems.append(f"--method {name}: --ema-tau 0 (a fixed teacher) does not apply ({method.objective.needs_ema_teacher})")
+    defaults, values = {f.name: f.default for f in TrainConfig.flag_list()}, cfg.flags()
+    for flag, reason in method.objective.refuses.items():
+        if values[flag] != defaults[flag]:
+            problems.append(f"--method {name}: {flag_text(flag)} does not apply ({reason})")
+    return problems
+
+
+PAPER = dict(
+    data=None, prompts_per_step=28, rollouts_per_prompt=8, max_prompt_len=8192, max_response_len=1024,
+    steps=0, lr=2e-6, micro_batch=4, mixed_precision="bf16", grad_checkpointing=True, save_every=10,
+)  # fmt: skip
+PRESETS: dict[str, dict] = {
+    # Scaled down so a CPU runs it in about a minute: 4 prompts x 8 rollouts, 16-token responses, a
+    # learning rate a random tiny model moves under, and a replay that starts within the run.
+    "tiny": dict(
+        prompts_per_step=4, rollouts_per_prompt=8, max_prompt_len=512, max_response_len=16, steps=8, lr=1e-4,
+        micro_batch=8, replay_start=16, replay_batch=64, save_every=4, out="runs/tiny",
+    ),  # fmt: skip
+    "paper-4b": dict(PAPER, model="Qwen/Qwen3.5-4B", out="runs/paper-4b"),
+    "paper-9b": dict(PAPER, model="Qwen/Qwen3.5-9B", out="runs/paper-9b"),
+}
+"""Starting values by --preset, applied before the method's settings and the flags given."""
+
+
+def method_defaults(method: str, given: dict) -> dict:
+    """The method's paper settings and published recipe under the flags given (an unknown method is refused by
+    name later). A recipe's LoRA settings apply with its LoRA: given --lora-r 0 (full fine-tuning), they are dropped."""
+    if method not in METHODS:
+        return {}
+    settings = {**METHODS[method].settings, **METHODS[method].recipe}
+    if given.get("lora_r") == 0:
+        settings = {k: v for k, v in settings.items() if not k.startswith("lora_")}
+    return settings
+
+
+def resolve(given: dict) -> TrainConfig:
+    """A new run's settings: the preset, the method's settings and recipe, then the flags given (by flag name)."""
+    preset = given.get("preset", RunConfig.preset)
+    if preset not in PRESETS:
+        raise UserError(f"--preset {preset!r}: choose one of {', '.join(PRESETS)}")
+    method = given.get("method", RunConfig.method)
+    cfg = TrainConfig(**{**PRESETS[preset], **method_defaults(method, given), **given, "preset": preset})
+    span = cfg.optim.schedule_steps or cfg.run.steps
+    if "warmup_steps" in given and span and cfg.optim.warmup_steps > span:  # a recipe's own warm-up may outlast a run
+        raise UserError(f"--warmup-steps {cfg.optim.warmup_steps}: beyond the schedule's {span} steps (--steps, "
+                        "--schedule-steps)")
+    return cfg
+
+
+LAUNCH_ONLY = ("resume", "overwrite")
+"""Fields of a run's train_config.json that describe how it was launched, not the run: --config drops them."""
+
+
+def read_config_file(path: str) -> dict:
+    """The flags a config file sets (by flag name): YAML whose keys are flag names (dashes or underscores), or a
+    run's own train_config.json (less `LAUNCH_ONLY`). A bad file, key or value is one UserError naming the file, its
+    line and the key."""
+    import yaml
+
+    file = Path(path)
+    try:
+        text = file.read_text()
+    except OSError as exc:
+        raise UserError(f"--config {path}: cannot read it ({exc.strerror or exc})") from None
+    try:
+        data = yaml.safe_load(text) if text.strip() else {}
+        node = yaml.compose(text) if text.strip() else None
+    except yaml.YAMLError as exc:
+        mark = getattr(exc, "problem_mark", None)
+        where = f":{mark.line + 1}" if mark is not None else ""
+        raise UserError(f"{path}{where}: not a YAML or JSON config ({getattr(exc, 'problem', None) or exc})") from None
+    if not isinstance(data, dict):
+        raise UserError(f"{path}: a config file maps flag names to values (got {type(data).__name__})")
+    lines = {k.value: k.start_mark.line + 1 for k, _ in node.value} if node is not None else {}
+    stored_run = file.suffix == ".json"
+    flags = {f.name: f for f in TrainConfig.flag_list()}
+    out = {}
+    for key, value in data.items():
+        name = str(key).lstrip("-").replace("-", "_")
+        where = f"{path}:{lines.get(key, '?')}"
+        if stored_run and name in LAUNCH_ONLY:
+            continue
+        if name not in flags:
+            near = difflib.get_close_matches(name, list(flags), n=1, cutoff=0.6)
+            hint = f"; did you mean {near[0]}?" if near else ""
+            raise UserError(f"{where}: unknown key {key!r}{hint} (keys are train.py's flag names)")
+        out[name] = _typed(value, flags[name], where)
+    return out
+
+
+def _typed(value, flag: Flag, where: str):
+    """A config file's value as the flag's type (an int for a float flag becomes a float), or a UserError."""
+    kind, optional = flag.kind, flag.default is None
+    if value is None and optional:
+        return None
+    if kind is float and isinstance(value, (int, float)) and not isinstance(value, bool):
+        return float(value)
+    if kind is float and isinstance(value, str):  # YAML reads 1e-4 (no dot) as a string
+        try:
+            return float(value)
+        except ValueError:
+            pass
+    if isinstance(value, kind) and not (kind is int and isinstance(value, bool)):
+        return value
+    names = {float: "a number", int: "an integer", bool: "true or false", str: "a string"}
+    raise UserError(f"{where}: {flag.name}: expected {names.get(kind, kind.__name__)}"
+                    f"{' or null' if optional else ''}, got {value!r}")  # fmt: skip
+
+
+RESUMABLE = (
+    "resume", "out", "steps", "save_every", "keep_checkpoints", "report_to", "run_label",
+    "eval_every", "eval_data", "eval_benchmarks", "eval_limit", "eval_views", "eval_max_new_tokens", "eval_batch",
+    "micro_batch", "micro_batch_tokens", "loss_chunk", "rollout_batch", "share_prefill", "grad_checkpointing", "vllm_url",
+    "fsdp_generation",
+)  # fmt: skip
+"""The flags a resumed run may change: its length, its checkpointing, and memory/speed settings that leave the
+method's results unchanged. Every other one is the run's own, read from its checkpoint."""
+OBJECTIVE_BATCHING = ("micro_batch", "micro_batch_tokens")
+"""RESUMABLE flags that are the objective's own under --loss-agg micro-batch (a token mean per micro-batch)."""
+
+
+def resumable(stored: dict) -> tuple[str, ...]:
+    """RESUMABLE, less the micro-batching of a run whose loss is verl's per-micro-batch mean."""
+    if stored.get("loss_agg") == "micro-batch":
+        return tuple(f for f in RESUMABLE if f not in OBJECTIVE_BATCHING)
+    return RESUMABLE
+
+
+def _same(field: str, a, b) -> bool:
+    if field in ("model", "data") and a is not None and b is not None and Path(a).exists() and Path(b).exists():
+        return Path(a).resolve() == Path(b).resolve()
+    if isinstance(a, float) and isinstance(b, float) and math.isnan(a) and math.isnan(b):
+        return True
+    return a == b
+
+
+def refuse_changed_settings(cfg: TrainConfig, stored: dict, ckpt: Path, given: set[str] | None = None) -> None:
+    """A resumed run keeps the settings it was trained with: any other flag that differs is refused by name.
+
+    `given` limits the check to the flags given on the command line (the others come from `stored`)."""
+    may, values = resumable(stored), cfg.flags()
+    names = [f for f in values if f not in may and f != "overwrite"]
+    changed = [f for f in names if (given is None or f in given) and f in stored and not _same(f, values[f], stored[f])]
+    if changed:
+        flags = ", ".join(f"{flag_text(f)} {values[f]!r} (the run has {stored[f]!r})" for f in changed)
+        allowed = ", ".join(flag_text(f) for f in may if f not in ("resume", "out"))
+        why = (" (--micro-batch and --micro-batch-tokens are the objective's own under --loss-agg micro-batch)"
+               if may != RESUMABLE and set(changed) & set(OBJECTIVE_BATCHING) else "")  # fmt: skip
+        raise UserError(
+            f"--resume {ckpt}: {flags}: a resumed run keeps its own settings; it may change only {allowed}{why}. "
+            "Start a new run in another --out to change the others"
+        )
+
+
+def resumed_config(given: dict) -> TrainConfig:
+    """--resume: the run's stored settings are the defaults; the flags given may change only RESUMABLE ones."""
+    ckpt = checkpoint_of(given["resume"])
+    stored = load_config(ckpt)
+    known = {f.name for f in TrainConfig.flag_list()}
+    cfg = TrainConfig(**{k: v for k, v in stored.items() if k in known}).replace(**given, overwrite=False)
+    refuse_changed_settings(cfg, stored, ckpt, set(given))
+    run_dir = ckpt.parent
+    if "out" in given and Path(given["out"]).resolve() != run_dir.resolve():
+        raise UserError(f"--out {given['out']}: a resumed run writes into its own folder {run_dir}")
+    return cfg.replace(resume=str(ckpt), out=str(run_dir))
+

@@ -1,0 +1,216 @@
+"""eval.py's command line: its settings (`EvalConfig`, one flag per field), their checks, and `main`.
+
+    python eval.py --model runs/paper-4b --data-dir data/eval --out runs/paper-4b/eval
+    python eval.py --compare runs/base runs/paper-4b/eval
+
+`main(argv)` is the whole command (eval.py is a thin wrapper around it, and library code such as
+`opd.toy.experiment` calls it directly): it refuses impossible settings and missing benchmark files up front
+(`check_config`, one line naming the flag), takes the lock of --out (`opd.eval.lock`: one run per folder), and
+runs the evaluation (`opd.eval.run.evaluate`); `--compare` prints stored runs side by side instead
+(`opd.eval.report.compare_runs`). A user error is a `UserError`; `opd.cli.run_cli` prints it as one line.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from pathlib import Path
+
+from opd.cli import UserError, build_parser
+from opd.eval.backends import BACKENDS
+from opd.eval.benchmarks import LOADERS, expected_files, has_files
+
+DESCRIPTION = "Evaluation on the paper's seven benchmarks (Table 1) from their shipped local files."
+
+ALL_BENCHMARKS = ",".join(LOADERS)  # Table 1 order
+
+
+@dataclass
+class EvalConfig:
+    preset: str = "default"
+    """Starting values (only 'default'; flags set everything)."""
+    model: str | None = None
+    """HF image-text-to-text checkpoint (folder or hub id), a train.py run or checkpoint folder (its policy/;
+    a sharded --fsdp checkpoint is exported there first), or 'tiny' for the built-in tiny model. With
+    --backend openai optional: it identifies the served weights (the resume key: its files' digest, taken on
+    trust: the server's weights are not compared with them) and gives the vision and end-of-sequence token ids
+    (a LoRA run's adapter: its base's). Without it the key is the served name, which cannot tell two weights
+    apart: such a folder is not resumed (--overwrite or a new --out)."""
+    backend: str = "hf"
+    """Who answers: hf (Hugging Face generate in this process), openai (an OpenAI-compatible server at
+    --base-url: vLLM, SGLang, transformers serve, ...) or vllm (a vLLM server for --model from the vLLM venv,
+    scripts/install_vllm.sh, or the one at --vllm-url)."""
+    base_url: str | None = None
+    """--backend openai: the server's base URL, e.g. http://127.0.0.1:8000/v1 (it must answer /v1/models
+    within 5 s)."""
+    served_model: str | None = None
+    """--backend openai: the model name sent to the server (default: the first one its /v1/models lists)."""
+    api_key_env: str = "EVAL_API_KEY"
+    """--backend openai: environment variable holding the server's API key (sent as a Bearer token when set)."""
+    request_timeout: float = 600.0
+    """--backend openai / vllm: seconds to wait for one reply."""
+    vllm_url: str | None = None
+    """--backend vllm: a vLLM server already running on --model (started with opd.engine.server_command's
+    flags) instead of starting one; it must answer /health within 5 s. Its prompts are checked token for token
+    against --model's processor, its weights are not: the resume key is --model's files' digest, taken on trust."""
+    benchmarks: str = ALL_BENCHMARKS
+    """Comma-separated benchmarks: vstar, zoombench, hrbench4k, mmvp, cvbench, mmstar, pope."""
+    data_dir: str | None = None
+    """Folder holding one sub-folder per benchmark, as shipped (docs/EVAL.md lists the files)."""
+    out: str = "runs/eval"
+    """Output folder: <benchmark>/predictions.jsonl, results.json, results.md, judge_cache.jsonl."""
+    view: str = "full"
+    """'full' (the paper's protocol) or 'crop': also answer from the crop images (ZoomBench) as <name>@crop
+    and report the crop-minus-full gap."""
+    batch_size: int = 8
+    """Prompts per generate() call (--backend openai / vllm: requests in flight)."""
+    max_new_tokens: int = 0
+    """Most new tokens per answer; 0 = 64 without thinking (a letter, yes/no or a short phrase), 1024 with
+    --enable-thinking (the training response length)."""
+    enable_thinking: bool = False
+    """Qwen3.5's thinking generation prompt instead of the non-thinking one."""
+    dtype: str = "auto"
+    """Weight dtype: auto (bfloat16 on CUDA, float32 on CPU), float32, bfloat16, float16, or float64 (--backend
+    hf only: replies that do not depend on how items are batched, for tests)."""
+    device: str = "auto"
+    """Device: auto (cuda if available, else cpu), cpu, cuda, cuda:1, ..."""
+    max_prompt_len: int = 0
+    """Refuse prompts longer than this many tokens (image tokens included); 0 = no limit."""
+    limit: int = 0
+    """Answer only the first N items of each benchmark (quick runs); 0 = all."""
+    seed: int = 42
+    """Seed of python, numpy and torch (greedy decoding does not draw; kept as in the paper)."""
+    judge_url: str | None = None
+    """OpenAI-compatible endpoint (e.g. http://127.0.0.1:8000/v1) judging free-form answers; none: normalised
+    exact match."""
+    judge_model: str | None = None
+    """Model name sent to the judge endpoint."""
+    judge_key_env: str = "JUDGE_API_KEY"
+    """Environment variable holding the judge's API key (sent as a Bearer token when set)."""
+    judge_timeout: float = 60.0
+    """Seconds to wait for one judge reply."""
+    label: str | None = None
+    """Row label of this run in the tables (default: the --out folder's name, or its parent's when that name is
+    generic, e.g. runs/paper-4b/eval -> paper-4b: opd.eval.report.default_label)."""
+    overwrite: bool = False
+    """Answer the named benchmarks again from scratch: their stored predictions in --out are deleted
+    (once the model has loaded). Without it, a folder holding another model's predictions is refused."""
+    progress: bool = True
+    """Show a progress bar per benchmark."""
+
+
+PRESETS: dict[str, dict] = {"default": {}}
+
+
+def parse_args(argv: list[str] | None) -> tuple[EvalConfig, list[str] | None]:
+    """(config, runs to compare or None): the EvalConfig flags plus ``--compare RUN [RUN ...]``."""
+    import dataclasses
+
+    parser = build_parser(EvalConfig, PRESETS, DESCRIPTION)
+    parser.add_argument("--compare", nargs="+", metavar="RUN",
+                        help="Print these runs (folders or results.json files) side by side with deltas, then exit.")
+    args = vars(parser.parse_args(argv))
+    compare = args.pop("compare")
+    preset = args.pop("preset")
+    given = {k: v for k, v in args.items() if v is not None}
+    return dataclasses.replace(EvalConfig(preset=preset, **PRESETS[preset]), **given), compare
+
+
+def check_config(cfg: EvalConfig) -> list[str]:
+    """The benchmark names, after refusing impossible settings with a message naming the flag."""
+    names = [n.strip().lower() for n in cfg.benchmarks.split(",") if n.strip()]
+    unknown = [n for n in names if n not in LOADERS]
+    problems = []
+    if unknown:
+        problems.append(f"--benchmarks: unknown benchmark(s) {', '.join(map(repr, unknown))}; "
+                        f"known: {', '.join(LOADERS)}")
+    if not names:
+        problems.append(f"--benchmarks is empty; known: {', '.join(LOADERS)}")
+    if cfg.backend not in BACKENDS:
+        problems.append(f"--backend {cfg.backend!r}: choose {', '.join(BACKENDS[:-1])} or {BACKENDS[-1]}")
+    elif cfg.backend == "openai" and not cfg.base_url:
+        problems.append("--backend openai needs --base-url (the server's base URL, e.g. http://127.0.0.1:8000/v1)")
+    if cfg.base_url and cfg.backend != "openai":
+        problems.append("--base-url is for --backend openai")
+    if cfg.served_model and cfg.backend != "openai":
+        problems.append("--served-model is for --backend openai")
+    if cfg.vllm_url and cfg.backend != "vllm":
+        problems.append("--vllm-url is for --backend vllm")
+    if cfg.model is None and cfg.backend != "openai":
+        problems.append("--model is required (a checkpoint folder, hub id, train.py run folder, or 'tiny')")
+    if cfg.data_dir is None:
+        problems.append("--data-dir is required (a folder with one sub-folder per benchmark; see docs/EVAL.md)")
+    if cfg.view not in ("full", "crop"):
+        problems.append(f"--view {cfg.view!r}: choose full or crop")
+    if cfg.dtype not in ("auto", "float32", "bfloat16", "float16", "float64"):
+        problems.append(f"--dtype {cfg.dtype!r}: choose auto, float32, bfloat16, float16 or float64")
+    elif cfg.dtype == "float64" and cfg.backend == "vllm":
+        problems.append("--dtype float64 is for --backend hf (vLLM computes in float32, bfloat16 or float16)")
+    for flag in ("batch_size",):
+        if getattr(cfg, flag) < 1:
+            problems.append(f"--{flag.replace('_', '-')} {getattr(cfg, flag)}: must be at least 1")
+    for flag in ("max_new_tokens", "limit", "max_prompt_len"):
+        if getattr(cfg, flag) < 0:
+            problems.append(f"--{flag.replace('_', '-')} {getattr(cfg, flag)}: must be >= 0")
+    if Path(cfg.out).exists() and not Path(cfg.out).is_dir():
+        problems.append(f"--out {cfg.out}: is a file; give a folder (it holds one sub-folder per benchmark)")
+    if cfg.judge_url and not cfg.judge_model:
+        problems.append("--judge-url needs --judge-model (the model name the endpoint serves)")
+    for flag in ("base_url", "vllm_url"):
+        url = getattr(cfg, flag)
+        if url and not url.strip().startswith(("http://", "https://")):
+            problems.append(f"--{flag.replace('_', '-')} {url!r}: expected an http:// or https:// URL")
+    if cfg.request_timeout <= 0:
+        problems.append(f"--request-timeout {cfg.request_timeout}: must be > 0")
+    if cfg.judge_url and not cfg.judge_url.strip().startswith(("http://", "https://")):
+        problems.append(f"--judge-url {cfg.judge_url!r}: expected an http:// or https:// URL")
+    if problems:
+        raise UserError("; ".join(problems))
+    check_data(names, cfg.data_dir)
+    return list(dict.fromkeys(names))
+
+
+def check_data(names: list[str], data_dir: str) -> None:
+    """Refuses up front when benchmarks have no files: all missing ones with the files each expects,
+    and the present ones with the --benchmarks that runs them."""
+    if not Path(data_dir).is_dir():
+        raise UserError(f"--data-dir {data_dir}: no such folder (it holds one sub-folder per benchmark)")
+    missing = [n for n in dict.fromkeys(names) if not has_files(n, data_dir)]
+    if not missing:
+        return
+    present = [n for n in dict.fromkeys(names) if n not in missing]
+    lines = [f"{len(missing)} of {len(set(names))} benchmarks have no files under {data_dir} "
+             "(docs/EVAL.md lists the layouts):"]
+    lines += [f"  {n}: expected {Path(data_dir) / n}/ with {expected_files(n)}" for n in missing]
+    lines.append(f"present: {', '.join(present)}; to run only those: --benchmarks {','.join(present)}"
+                 if present else "none of them is present.")
+    raise UserError("\n".join(lines))
+
+
+def main(argv: list[str] | None = None) -> dict:
+    """eval.py: `--compare` prints the runs side by side; otherwise the evaluation of the settings in argv under
+    --out's lock (every launched process calls it alike). Returns what `opd.eval.run.evaluate` returns."""
+    cfg, compare = parse_args(argv)
+    if compare:
+        from opd.eval.report import compare_runs
+
+        try:
+            text = compare_runs(compare)
+        except (FileNotFoundError, ValueError) as exc:  # a missing or foreign results file, named
+            raise UserError(f"--compare: {exc}") from exc
+        print(text, end="")
+        return {"compare": text}
+    names = check_config(cfg)
+
+    from opd.eval.lock import holding
+    from opd.eval.parallel import init_ranks
+    from opd.eval.run import evaluate
+
+    ranks = init_ranks()
+    try:
+        with holding(Path(cfg.out), ranks):  # one run per --out: a second one is refused at once
+            result = evaluate(cfg, names, ranks)
+    except BaseException:
+        ranks.close(ok=False)  # no barrier: the other ranks may wait in another collective (opd.eval.parallel)
+        raise
+    ranks.close()
+    return result

@@ -1,0 +1,402 @@
+"""Algorithm 1 of the paper as one loop on accelerate (DDP, or FSDP2 with --fsdp), on every rank in lockstep.
+
+Each step (`Run.step`): every rank samples rollouts for its shard of the prompts (line 3); features are
+all-gathered and every rank makes the same budgeted selection S (lines 4-9); the method's objective runs the
+teacher on the rank's rows of S only and backpropagates its loss (lines 11-12); AdamW and the teachers' update
+follow a valid step (line 13); the utility labels of S are all-gathered and every rank updates the same CPU
+selector (line 14). `StepRecord` gathers the step's ledger row (DIR/ledger.jsonl: the teacher cost of each step).
+
+Notation: C is the step's set of candidates (the rows whose views can be built: a crop for the crop teacher), S the
+selected subset, K = floor(rho |C|) its budget (Eq. 4), pi_i a row's inclusion probability under unbiased selection
+and 1 / pi_i its weight in the loss (Eq. 11's Hajek form). The rest of the run lives elsewhere: its settings in
+`opd.config`, its folder (lock, resume, overwrite, identities) in `opd.run_folder`, its models and teachers in
+`opd.build`, its prompts in `opd.prompts`, its rollouts in `opd.sampler`, the objectives behind `opd.objective`.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import time
+import warnings
+from dataclasses import dataclass
+
+import torch
+from accelerate import Accelerator, PartialState
+from tqdm.auto import tqdm
+
+from opd.build import ModelBuilder, Resume, default_sources
+from opd.checkpoint import load_config, save_checkpoint, save_sharded
+from opd.cli import UserError
+from opd.config import TrainConfig, refuse_changed_settings
+from opd.data import load_records, parse_columns
+from opd.eval.live import LiveEval
+from opd.features import rollout_features
+from opd.ledger import Ledger, format_summary, summarize, write_atomic
+from opd.lora import STUDENT
+from opd.model import autocast, special_ids
+from opd.objective import ObjectiveContext
+from opd.optim import clip_gradients, lr_scheduler, restore_group_lr
+from opd.prompts import Prompts, check_records
+from opd.rollout import Rollouts
+from opd.run_folder import RunFolder, checkpoint_of, launch_info
+from opd.sampler import Sampler
+from opd.selectors import Selector, query_budget
+from opd.sharding import generation
+from opd.step_record import StepRecord
+from opd.tracking import Trackers, parse_report_to
+from opd.views import get_view
+
+
+@dataclass
+class Candidates:
+    """The step's rows over all ranks (rank 0's first): features phi (Eq. 5), eligibility (C), lengths, prompts."""
+
+    phi: torch.Tensor  # (N, 6)
+    eligible: torch.Tensor  # (N,) bool
+    lengths: torch.Tensor  # (N,) valid response tokens
+    prompt_of: torch.Tensor  # (N,) record ids
+
+    @property
+    def size(self) -> int:
+        """|C|."""
+        return int(self.eligible.sum())
+
+
+def gather_candidates(acc, phi_local, eligible_local, rollouts: Rollouts, prompt_ids: torch.Tensor) -> Candidates:
+    """Algorithm 1, line 4 over all ranks: this rank's rows all-gathered (four collectives, every rank)."""
+    device = acc.device
+    return Candidates(
+        acc.gather(phi_local.to(device)).cpu(),  # (N, 6)
+        acc.gather(eligible_local.long().to(device)).cpu().bool(),  # (N,)
+        acc.gather(rollouts.lengths.to(device)).cpu(),  # (N,)
+        acc.gather(prompt_ids.to(device)).cpu(),  # (N,)
+    )
+
+
+def local_rows(selected: torch.Tensor, pi: torch.Tensor | None, rank: int, n_local: int):
+    """This rank's rows of S (local ids) and, under unbiased selection, every local row's loss weight: 1 / pi_i for
+    the rows of S (Eq. 11's Hajek form), 1 elsewhere; None without it."""
+    offset = rank * n_local
+    mine = (selected >= offset) & (selected < offset + n_local)
+    local = selected[mine] - offset
+    weights = None
+    if pi is not None:
+        weights = torch.ones(n_local, dtype=torch.float64)
+        weights[local] = 1.0 / pi[mine]
+    return local, weights
+
+
+class Run:
+    """One training run: Algorithm 1 on every rank (`step`), its checkpoints, ledger and summary (`train`)."""
+
+    def __init__(self, cfg: TrainConfig, accelerator: Accelerator | None = None):
+        cpu = not torch.cuda.is_available()  # without CUDA: gloo DDP under torchrun / accelerate launch
+        cfg.check(PartialState(cpu=cpu).num_processes)
+        self.acc = accelerator or Accelerator(cpu=cpu)
+        self.cfg = cfg
+        self.folder = RunFolder(self.acc, cfg.folder)  # one run per folder: a second process is refused first
+        self.out = self.folder.out
+        try:
+            self._build()
+        except BaseException:
+            self.folder.release(failed=True)  # a failed start leaves no folder behind
+            raise
+
+    def _build(self) -> None:
+        """Everything the run needs, built and checked (model, processor, teachers, routes, optimizer, every prompt's
+        length) before --overwrite replaces anything: a failed start leaves the old run intact."""
+        cfg, acc = self.cfg, self.acc
+        self.method = cfg.method
+        self.autocast = autocast(acc.device, cfg.model.mixed_precision)
+        self.teacher_views = ((cfg.teacher.teacher_view or self.method.teacher_view),) + self.method.teacher_views[1:]
+        self.launch = launch_info(acc.num_processes)
+        self.initial_model, data_path = default_sources(cfg.model.model, cfg.data.data, acc)  # DAPD's base, OPOD's ref
+        self.records = load_records(data_path, cfg.data.data_split, parse_columns(cfg.data.data_columns))
+        views = (self.method.student_view, *self.teacher_views)
+        check_records(self.records, views, data_path, cfg.data.prompts_per_step, cfg.run.method)
+        found = self.folder.existing_run()
+        self.steps = cfg.run.steps or len(self.records) // cfg.data.prompts_per_step
+        resume = self._resume()
+        models = ModelBuilder(cfg, acc, self.folder, self.initial_model, resume).build(self.method.objective)
+        self.student, self.optimizer, self.processor = models.student, models.optimizer, models.processor
+        self.teachers = models.teachers
+        self.teacher = next(iter(self.teachers.teachers.values()))  # the first (the only one, but with routes)
+        self.ids = special_ids(self.model)
+        self.selector = Selector.from_config(cfg.selection, cfg.selector)
+        self.prompts = Prompts(self.records, self.processor, self.method, self.teacher_views, self.teachers, cfg.data,
+                               cfg.run.seed, acc.process_index, acc.num_processes)  # fmt: skip
+        self.context = ObjectiveContext(
+            accelerator=acc, student=self.student, model=lambda: self.model, teachers=self.teachers,
+            encode=self.prompts.encode, processor=self.processor, ids=self.ids, autocast=self.autocast,
+            student_view=self.method.student_view, teacher_views=self.teacher_views,
+            loss=cfg.loss.for_method(self.method), max_response_len=cfg.sampling.max_response_len, ema=cfg.ema,
+        )  # fmt: skip
+        self.objective = self.method.objective(self.context, cfg.objective(), models.initial_teacher)
+        state = resume.state if resume is not None else {}
+        # the schedule's span is fixed when the run starts (--schedule-steps, else its --steps); a resume keeps it
+        self.schedule_span = state.get("schedule_span") or cfg.optim.schedule_steps or self.steps
+        self.scheduler = lr_scheduler(self.optimizer, cfg.optim.lr_schedule, cfg.optim.warmup_steps, self.schedule_span)
+        self.prompts.check()
+        self.live = LiveEval(cfg.eval, self.steps) if cfg.eval.every else None  # the held items, loaded once
+        self.sampler = Sampler(cfg.sampling, cfg.engine, acc, lambda: self.model, self.autocast,
+                               cfg.model.fsdp_generation, cfg.run.seed, get_view(self.method.student_view),
+                               self.out)  # fmt: skip
+        if cfg.engine.vllm:
+            length = cfg.data.max_prompt_len + cfg.sampling.max_response_len + 16
+            self.sampler.start(self.initial_model, length, cfg.model.fsdp)
+        self.warned_no_eligible = False
+        if resume is not None:
+            self._load_state(resume.state)
+        self._start_trackers(found)
+
+    def _resume(self) -> Resume | None:
+        """--resume: the checkpoint, its settings checked; None for a new run."""
+        self.start = 0
+        if not self.cfg.folder.resume:
+            return None
+        ckpt = checkpoint_of(self.cfg.folder.resume)
+        refuse_changed_settings(self.cfg, load_config(ckpt), ckpt)
+        resume = Resume.load(ckpt, self.folder)
+        self.start = resume.start
+        if self.steps < self.start:
+            raise UserError(f"--steps {self.steps}: the checkpoint {ckpt} is already at step {self.start}")
+        self.folder.note_world_size(ckpt, resume.state)
+        return resume
+
+    def _load_state(self, state: dict) -> None:
+        """A resumed run's optimizer (unsharded: sharded ones came with the shards), schedule, selector, objective."""
+        if not self.cfg.model.fsdp:
+            self.optimizer.load_state_dict(state["optimizer"])
+        if "scheduler" in state:
+            self.scheduler.load_state_dict(state["scheduler"])
+            restore_group_lr(self.optimizer, self.scheduler)  # the sharded path loaded the optimizer first
+        self.selector.load_state_dict(state["selector"])
+        self.objective.load_state_dict(state.get("objective", {}))
+        self.warned_no_eligible = state.get("warned_no_eligible", False)
+
+    def _start_trackers(self, found: list) -> None:
+        """--overwrite sets the old run aside (only now, with every input built); the trackers start (one that
+        cannot start, a wandb login or an mlflow server, puts the old run back); the ledger opens."""
+        cfg, main = self.cfg, self.acc.is_main_process
+        aside = self.folder.set_aside(found)
+        if main:
+            self.folder.digests.save()
+        try:
+            self.trackers = Trackers(self.acc, parse_report_to(cfg.trackers.report_to), self.out, "bas-opd",
+                                     cfg.trackers.run_label or f"{self.out.name} {self.run_name}", cfg.flags(),
+                                     resume=bool(cfg.folder.resume))  # fmt: skip
+        except BaseException:
+            self.folder.restore(aside)
+            raise
+        self.folder.drop(aside)
+        self.ledger = Ledger(self.out / "ledger.jsonl", self.start if cfg.folder.resume else None) if main else None
+        self.objective_keys: list[str] = []  # the objective's own ledger fields (its tracker namespace)
+
+    @property
+    def run_name(self) -> str:
+        """The table label: policy-percent, e.g. learned-25, prefixed by the method's label (none for bas-opd)."""
+        prefix = self.method.name if self.method.label is None else self.method.label
+        return f"{prefix} {self.cfg.selection.label}".strip()
+
+    @property
+    def model(self):
+        """The policy unwrapped (DDP's module; a sharded or plain one as it is)."""
+        return self.acc.unwrap_model(self.student)
+
+    def _rows_scored(self) -> int:
+        return sum(t.rows_scored for t in dict.fromkeys(self.teachers.teachers.values()))
+
+    def step(self, step: int, rollouts: Rollouts | None = None) -> dict:
+        """One iteration of Algorithm 1 on every rank; `rollouts` may stand in for sampling (tests). Returns the
+        ledger row."""
+        rec, acc = StepRecord(self.acc, step), self.acc
+        with rec.phase("prompt"):
+            ids = self.prompts.ids(step)
+            records = [self.records[i] for i in ids]
+            student_prompts = self.prompts.student(records)
+        # Line 3: y_i ~ p_theta(. | x_i, q_i) for every prompt of this rank.
+        has_entropy = True
+        with rec.phase("generation"):
+            if rollouts is None:
+                rollouts, has_entropy = self.sampler(step, records, student_prompts)
+        # Line 4: detached features phi_i (Eq. 5), all-gathered so that every rank sees the global candidates C.
+        rows = rollouts.prompt_index.tolist()
+        area = torch.tensor([records[j].area_ratio for j in rows])
+        phi = rollout_features(rollouts.logp, rollouts.entropy, rollouts.response_mask, rollouts.prompt_len, area)
+        with rec.phase("wait"):
+            cand = gather_candidates(acc, phi, self.prompts.candidates(records, rollouts), rollouts,
+                                     torch.tensor([ids[j] for j in rows]))  # fmt: skip
+        budget = query_budget(self.cfg.selection.rho, cand.size)  # Eq. 4: K = floor(rho |C|)
+        if cand.size == 0 and not self.warned_no_eligible:
+            warnings.warn(f"step {step}: no crop-eligible rollout in the batch; training with zero distillation")
+            self.warned_no_eligible = True
+        # Lines 5-9: S from the global candidates, before any teacher computation.
+        with rec.phase("select"):
+            selected = self.selector.select(cand.phi, cand.eligible, budget, step, has_entropy, cand.prompt_of)
+        pi = self.selector.last_pi  # unbiased selection: S's inclusion probabilities (else None)
+        rec.candidates(cand, budget, selected, pi)
+        local, weights = local_rows(selected, pi, acc.process_index, len(rollouts))
+        # Lines 11-12: the teacher on this rank's rows of S only; the method's objective backpropagated.
+        batch = self.prompts.batch(step, ids, rollouts, student_prompts, local, weights)
+        before, t0 = self._rows_scored(), time.perf_counter()
+        res = self.objective(batch)
+        seconds = time.perf_counter() - t0
+        with rec.phase("optimizer"):
+            grad_norm = clip_gradients(acc, self.student, self.cfg.optim.grad_clip)
+        rec.objective(res, seconds, self._rows_scored() - before)
+        # Line 13: AdamW, then the teachers' update, after a valid step only.
+        self._update(step, rec, grad_norm)
+        # Line 14: the labels of S (gathered), replay and the selector's update, on every rank alike.
+        with rec.phase("wait"):
+            utility = acc.gather(res.utility.to(acc.device)).cpu()  # (N,) NaN outside S
+        with rec.phase("selector"):
+            metrics = self.selector.observe(cand.phi[selected], utility[selected], step)
+        rec.selector(float(utility[selected].nanmean()) if selected.numel() else float("nan"), metrics)
+        self.objective_keys = list(res.metrics)
+        return rec.row()
+
+    def _update(self, step: int, rec: StepRecord, grad_norm: float) -> None:
+        """Algorithm 1, line 13: AdamW and the teachers' update (`Objective.after_update`) when the loss and the gradient
+        are finite; the schedule moves either way."""
+        valid = math.isfinite(rec.loss) and math.isfinite(grad_norm)
+        if valid:
+            with rec.phase("optimizer"):
+                self.optimizer.step()
+            with rec.phase("ema"):
+                self.objective.after_update(step)
+            self.sampler.updated()  # the vLLM engine gets the new weights before its next generation
+        else:
+            warnings.warn(f"step {step}: non-finite loss or gradient ({rec.loss}, {grad_norm}); update and EMA skipped")
+        self.optimizer.zero_grad(set_to_none=True)
+        lr = self.scheduler.get_last_lr()[0]  # the rate this step's update used
+        self.scheduler.step()
+        rec.update(grad_norm, lr, valid)
+
+    def save(self, next_step: int) -> None:
+        """A checkpoint of the run after `next_step` steps (atomic; sharded: every rank writes its shards)."""
+        cfg = self.cfg
+        state = {
+            "selector": self.selector.state_dict(), "config": cfg.flags(), "warned_no_eligible": self.warned_no_eligible,
+            "objective": self.objective.state_dict(), "identities": self.folder.identities,
+            "world_size": self.acc.num_processes, "scheduler": self.scheduler.state_dict(),
+            "schedule_span": self.schedule_span,
+        }  # fmt: skip
+        teacher = self.teacher.model if self.teacher.trainable else None  # a frozen teacher is reloaded from its path
+        adapters = None
+        if cfg.lora.r:  # the adapters, not the base (opd/lora.py); an EMA teacher is an adapter of the policy
+            adapters = {"policy": STUDENT, "teacher": getattr(self.teacher, "adapter", None)}
+            teacher = None
+        keep = cfg.checkpoint.keep_checkpoints
+        if cfg.model.fsdp:  # every rank writes its shards; the last checkpoint is also exported for eval.py
+            save_sharded(self.out, next_step, self.student, teacher, self.optimizer, state, keep,
+                         self.processor if next_step == self.steps else None, adapters)  # fmt: skip
+        elif self.acc.is_main_process:
+            state["optimizer"] = self.optimizer.state_dict()
+            save_checkpoint(self.out, next_step, self.model, self.processor, teacher, state, keep, adapters)
+        self.acc.wait_for_everyone()
+
+    def log(self, row: dict) -> None:
+        """The row into the ledger and the trackers (rank 0)."""
+        if not self.acc.is_main_process:
+            return
+        if row["step"] == self.start:  # the first row of this launch says what ran
+            row = {**row, "launch": self.launch}
+        self.ledger.append(row)
+        self.trackers.log(row, self.objective.name, self.objective_keys)
+
+    def evaluate(self, step: int) -> dict:
+        """Live evaluation after step `step` when due (every rank answers its share): eval.py's protocol, the weights
+        in --dtype, no --mixed-precision autocast."""
+        if self.live is None or not self.live.due(step):
+            return {}
+        t0 = time.perf_counter()
+        scores = self.live(self.acc, self.model, self.processor, self.cfg.data.enable_thinking,
+                           lambda: generation(self.model, self.cfg.model.fsdp_generation))  # fmt: skip
+        return {**scores, "eval_s": time.perf_counter() - t0}
+
+    def train(self) -> dict:
+        """Runs steps start..steps-1, checkpoints, and returns the Table 7/8 summary."""
+        try:
+            return self._train()
+        finally:
+            self.trackers.finish()
+            self.sampler.stop()
+            self.folder.release()
+
+    def _train(self) -> dict:
+        main = self.acc.is_main_process
+        if self.start >= self.steps:
+            if main:
+                print(f"train.py: the run in {self.out} is complete ({self.start} of {self.steps} steps); "
+                      "nothing to train (give a larger --steps to continue it)", flush=True)
+            if not self.summary_is_current():  # killed between its last checkpoint and its summary
+                return self.finish()
+            return json.loads((self.out / "summary.json").read_text())
+        if main:
+            print(f"train.py: {self.acc.num_processes} process(es), steps {self.start}..{self.steps - 1}; "
+                  f"writing {self.out}/ledger.jsonl, summary.md and checkpoints", flush=True)
+        # loss: Eq. 11 this step; queried: teacher calls |S| / budget K (Eq. 4); utility: mean u_i over S (Eq. 9)
+        bar = tqdm(total=self.steps, initial=self.start, desc=self.run_name, disable=not main)
+        step = self.start
+        try:
+            for step in range(self.start, self.steps):
+                row = self.step(step)
+                row |= self.evaluate(step)
+                self.log(row)
+                bar.update(1)
+                bar.set_postfix(loss=f"{row['loss']:.3e}", queried=f"{row['selected']}/{row['budget']}",
+                                utility=f"{row['utility_mean']:.2e}")  # fmt: skip
+                if self.cfg.checkpoint.due(step, self.steps):
+                    self.save(step + 1)
+        except KeyboardInterrupt:
+            bar.close()
+            raise KeyboardInterrupt(self.interrupted_note(step)) from None
+        bar.close()
+        return self.finish()
+
+    def interrupted_note(self, step: int) -> str:
+        """What a user stopped by Ctrl-C at `step` has on disk and how to go on."""
+        latest = self.out / "latest"
+        if latest.is_file():
+            return (f"at step {step}; {self.out} keeps {latest.read_text().strip()}: continue with --resume {self.out} "
+                    "(the ledger's later rows are retrained)")
+        return f"at step {step}, before the first checkpoint (--save-every); start over with --overwrite"
+
+    def summary(self) -> dict:
+        """summary.json's content: Tables 7/8 from the ledger, the world size and every launch."""
+        summary = summarize(self.ledger.rows)
+        summary["world_size"] = self.acc.num_processes
+        summary["launches"] = [r["launch"] for r in self.ledger.rows if "launch" in r]
+        return summary
+
+    def summary_is_current(self) -> bool:
+        """Whether summary.json and summary.md exist and summary.json matches the ledger (every rank: the answer
+        is rank 0's)."""
+        current = 1
+        if self.acc.is_main_process:
+            try:
+                stored = json.loads((self.out / "summary.json").read_text())
+            except (OSError, ValueError):
+                stored = None
+            fresh = json.loads(json.dumps(self.summary()))  # as stored: tuples become lists
+            stored_ws = stored.get("world_size") if isinstance(stored, dict) else None
+            current = int(stored is not None and {**fresh, "world_size": stored_ws} == stored
+                          and (self.out / "summary.md").is_file())  # fmt: skip
+        flag = torch.tensor([current if self.acc.is_main_process else 0], device=self.acc.device)
+        return bool(self.acc.reduce(flag, "sum").item())  # rank 0's answer on every rank
+
+    def finish(self) -> dict:
+        """summary.json and summary.md from the ledger (rank 0), printed; returns the summary."""
+        summary = {}
+        if self.acc.is_main_process:
+            summary = self.summary()
+            table = format_summary(summary, self.run_name)
+            write_atomic(self.out / "summary.json", json.dumps(summary, indent=2) + "\n")
+            write_atomic(self.out / "summary.md", table + "\n")
+            print("\n" + table, flush=True)
+            latest = self.out / "latest"
+            ckpt = f" and {latest.read_text().strip()}/ (evaluate it with: eval.py --model {self.out})" if latest.is_file() else ""
+            print(f"\ntrain.py: wrote {self.out}/ledger.jsonl, summary.md, summary.json{ckpt}", flush=True)
+        self.acc.wait_for_everyone()
+        return summary
