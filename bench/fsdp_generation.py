@@ -80,9 +80,10 @@ def measure(model: str, mode: str, steps: int, out_dir: str, quick: bool = False
     gathered = GatheredBytes(run.model)
     peak = PeakMemory(device)
     peak.start()
-    torch.manual_seed(mix_seed(cfg.seed, 0, run.acc.process_index))
+    torch.manual_seed(mix_seed(cfg.run.seed, 0, run.acc.process_index))
+    s = cfg.sampling
     with generation(run.model, mode):
-        generate_rollouts(run.model, prompts, cfg.rollouts_per_prompt, cfg.max_response_len, cfg.rollout_batch, cfg.share_prefill)
+        generate_rollouts(run.model, prompts, s.rollouts_per_prompt, s.max_response_len, s.rollout_batch, s.share_prefill)
     generation_peak, generation_total = peak.peak_above(), _total(peak)
     gathered.remove()
     rows = [run.step(0)]  # warm-up

@@ -82,7 +82,7 @@ def measure(
                          "rho": rho, "steps": steps, "mixed_precision": mixed_precision, **extra})  # fmt: skip
     run = Run(cfg)
     rows = [run.step(s) for s in range(steps)]
-    return {"model": model, "rows": rows, "config": {k: getattr(cfg, k) for k in ("prompts_per_step", "rollouts_per_prompt",
+    return {"model": model, "rows": rows, "config": {k: cfg.flags()[k] for k in ("prompts_per_step", "rollouts_per_prompt",
             "max_response_len", "micro_batch", "loss_chunk", "policy", "rho", "replay_start")},
             "max_rss_bytes": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024}  # fmt: skip
 

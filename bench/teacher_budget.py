@@ -13,7 +13,6 @@ repeat selects the same rows. Run with the teacher's micro-batches capped by row
 """
 
 import argparse
-import dataclasses
 import sys
 import tempfile
 from pathlib import Path
@@ -92,7 +91,7 @@ def measure(model: str, rhos: list[float], prompts_per_step: int, rollouts_per_p
     rows = {rho: [] for rho in rhos}
     for _ in range(repeats):
         for rho in rhos:
-            run.cfg = dataclasses.replace(run.cfg, rho=rho)
+            run.cfg = run.cfg.replace(rho=rho)
             rows[rho].append(run.step(0, rollouts))
     keys = ("selected", "candidates", "scored_tokens", "candidate_tokens", "teacher_tokens", "teacher_padded_tokens")
     out = []

@@ -1,4 +1,8 @@
-"""Selection diagnostics of the paper's Figures 3 and 4, for any `opd.loop.Run` (the toy or a real model).
+"""Selection diagnostics of the paper's Figures 3 and 4, for any run (the toy or a real model).
+
+The audits receive what they read of a run, not the run: an `AuditContext` (its objective context: policy,
+teachers, encoder, loss; its prompts and candidates C; its sampling, rho and prompts per step; `AuditContext.of(run)`
+builds it from an `opd.loop.Run`) and, where they score or select, the run's selector.
 
 Figure 3 (frozen-selector utility audit). On held batches, the student samples rollouts as in training
 (Algorithm 1, line 3), the selector's frozen network scores them (no normalizer update, no replay),
@@ -37,12 +41,15 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
+from opd.chat import micro_batch_inputs
 from opd.cli import UserError
 from opd.data import Record, step_prompt_indices
-from opd.distill import aggregation_weights, micro_batch_inputs, micro_batch_loss, plan_rows
+from opd.distill import micro_batch_loss
 from opd.divergence import budgeted_weights
 from opd.features import rollout_features
-from opd.rollout import Rollouts, generate_rollouts
+from opd.loss import aggregation_weights
+from opd.rollout import Rollouts, SamplingConfig, generate_rollouts
+from opd.schedule import plan_rows
 from opd.seeding import mix_seed
 from opd.selectors import entropy_scores, query_budget, top_subset
 
@@ -187,7 +194,41 @@ def geometry_summary(rows: list[dict]) -> dict:
     }
 
 
-# ----------------------------------------------------------------------------- held batches on a Run
+# ----------------------------------------------------------------------------- held batches of a run
+
+
+@dataclass
+class AuditContext:
+    """What the audits read of a run."""
+
+    objective: object
+    """The run's `opd.objective.ObjectiveContext`: the policy, its teachers (the first scores), ids, autocast, loss."""
+    prompts: object
+    """The run's `opd.prompts.Prompts`: the student's prompts, the teachers' views, the candidates C."""
+    sampling: SamplingConfig
+    rho: float
+    prompts_per_step: int
+    has_entropy: bool = True
+    """False for a vLLM run: Eq. 5's entropy feature is 0, Entropy-25 ranks by the mean NLL (training's)."""
+    sharded_ranks: bool = False
+    """A policy sharded over several processes (refused: the audits run one process's forwards)."""
+
+    @classmethod
+    def of(cls, run) -> AuditContext:
+        """The context of an `opd.loop.Run`."""
+        cfg = run.cfg
+        return cls(run.context, run.prompts, cfg.sampling, cfg.selection.rho, cfg.data.prompts_per_step,
+                   not cfg.engine.vllm, cfg.model.fsdp and run.acc.num_processes > 1)  # fmt: skip
+
+    @property
+    def model(self):
+        """The policy unwrapped."""
+        return self.objective.model()
+
+    @property
+    def teacher(self):
+        """The teacher the audits score with (the run's first)."""
+        return next(iter(self.objective.teachers.teachers.values()))
 
 
 @dataclass
@@ -210,92 +251,93 @@ def held_records(records: list[Record], prompts: int, n_batches: int, seed: int 
 
 
 @contextmanager
-def _preserved(run):
+def _preserved(ctx: AuditContext):
     """Forks the RNG of the policy's device and restores the teacher's call counters afterwards."""
-    device = next(run.model.parameters()).device
-    rows, batches = run.teacher.rows_scored, len(run.teacher.batches)
+    device = next(ctx.model.parameters()).device
+    teacher = ctx.teacher
+    rows, batches = teacher.rows_scored, len(teacher.batches)
     devices = [device] if device.type == "cuda" else []
     try:
         with torch.random.fork_rng(devices=devices):
             yield
     finally:
-        run.teacher.rows_scored = rows
-        del run.teacher.batches[batches:]
+        teacher.rows_scored = rows
+        del teacher.batches[batches:]
 
 
-def check_auditable(run) -> None:
+def check_auditable(ctx: AuditContext) -> None:
     """The audits run one process's forwards outside the training loop; a policy sharded over several
     processes (--fsdp) would wait for the other ranks' gathers, so it is refused."""
-    if getattr(run.cfg, "fsdp", False) and run.acc.num_processes > 1:
+    if ctx.sharded_ranks:
         raise UserError("the Figure 3/4 audits run on one process: audit a --fsdp run launched with one process, "
                         "or its exported checkpoint")
 
 
-def sample_batch(run, records: list[Record], seed: int) -> HeldBatch:
+def sample_batch(ctx: AuditContext, selector, records: list[Record], seed: int) -> HeldBatch:
     """Rollouts of `records` by the run's current student (as in Algorithm 1, line 3, with the run's sampling
-    distribution and prefill sharing), features and u^. A vLLM run's features have no entropy (zeros, as the
-    engine's rollouts in training), and `has_entropy` is False."""
-    check_auditable(run)
-    cfg = run.cfg
-    with _preserved(run):
+    distribution and prefill sharing), features and the selector's u^. A vLLM run's features have no entropy
+    (zeros, as the engine's rollouts in training), and `has_entropy` is False."""
+    check_auditable(ctx)
+    s = ctx.sampling
+    with _preserved(ctx):
         torch.manual_seed(seed)
-        prompts = run.prompts.student(records)
-        with run.autocast():
-            ro = generate_rollouts(run.model, prompts, cfg.rollouts_per_prompt, cfg.max_response_len,
-                                   cfg.rollout_batch, cfg.share_prefill, **cfg.sampling())  # fmt: skip
-    has_entropy = getattr(run, "engine", None) is None  # opd.loop.Run.step: a vLLM engine's rollouts have no entropy
-    if not has_entropy:
+        prompts = ctx.prompts.student(records)
+        with ctx.objective.autocast():
+            ro = generate_rollouts(ctx.model, prompts, s.rollouts_per_prompt, s.max_response_len, s.rollout_batch,
+                                   s.share_prefill, **s.distribution)  # fmt: skip
+    if not ctx.has_entropy:
         ro.entropy = torch.zeros_like(ro.entropy)
     rows = ro.prompt_index.tolist()
-    eligible = torch.tensor([run.prompts.eligible(records[j]) for j in rows], dtype=torch.bool) & ro.valid
+    eligible = torch.tensor([ctx.prompts.eligible(records[j]) for j in rows], dtype=torch.bool) & ro.valid
     area = torch.tensor([records[j].area_ratio for j in rows])
     phi = rollout_features(ro.logp, ro.entropy, ro.response_mask, ro.prompt_len, area)
-    return HeldBatch(records, ro, prompts, phi, eligible, run.selector.predict(phi), has_entropy=has_entropy)
+    return HeldBatch(records, ro, prompts, phi, eligible, selector.predict(phi), has_entropy=ctx.has_entropy)
 
 
-def _micro_batches(run, batch: HeldBatch, rows: torch.Tensor):
+def _micro_batches(ctx: AuditContext, batch: HeldBatch, rows: torch.Tensor):
     """(sel, student inputs, teacher inputs per teacher view, mask, width, response, old log-probs) per
     micro-batch of `rows`, as `opd.distill` forms them on one rank (`distill.plan_rows`: grouped by teacher length,
     --micro-batch rows and --micro-batch-tokens; the teachers on the run's privileged views, the student on its
     own view; a view's randomness seeded by the record's place)."""
-    cfg, device, ro = run.context.loss, run.acc.device, batch.rollouts
+    obj = ctx.objective
+    cfg, device, ro, pad = obj.loss, obj.device, batch.rollouts, obj.ids["pad"]
     teacher_prompts: dict[tuple[str, int], object] = {}
 
     def teacher_prompt(view: str, j: int):
         if (view, j) not in teacher_prompts:
-            teacher_prompts[view, j] = run.prompts.encode(view, batch.records[j], j)
+            teacher_prompts[view, j] = ctx.prompts.encode(view, batch.records[j], j)
         return teacher_prompts[view, j]
 
-    for sel in plan_rows(ro, teacher_prompt, rows, cfg, run.teacher_views[0]):
+    for sel in plan_rows(ro, teacher_prompt, rows, cfg.micro_batch, cfg.micro_batch_tokens, obj.teacher_views[0]):
         pids = ro.prompt_index[sel].tolist()
         t_inputs = []
-        for view in run.teacher_views:
+        for view in obj.teacher_views:
             prompts = [teacher_prompt(view, j) for j in pids]
-            inputs, mask, width = micro_batch_inputs(prompts, ro, sel, run.ids["pad"], device)
+            inputs, mask, width = micro_batch_inputs(prompts, ro, sel, pad, device)
             t_inputs.append(inputs)
-        s_inputs, _, _ = micro_batch_inputs([batch.student_prompts[j] for j in pids], ro, sel, run.ids["pad"], device)
+        s_inputs, _, _ = micro_batch_inputs([batch.student_prompts[j] for j in pids], ro, sel, pad, device)
         response, old_logp = ro.response_ids[sel, :width].to(device), ro.logp[sel, :width].to(device)
         yield sel, s_inputs, t_inputs, mask, width, response, old_logp
 
 
 @torch.no_grad()
-def score_utility(run, batch: HeldBatch) -> torch.Tensor:
+def score_utility(ctx: AuditContext, batch: HeldBatch) -> torch.Tensor:
     """u_i (Eq. 9) of every candidate of the batch from the run's teacher; stores and returns it."""
-    cfg, device = run.context.loss, run.acc.device
+    cfg, device = ctx.objective.loss, ctx.objective.device
     utility = torch.full((len(batch.rollouts),), float("nan"))
     rows = batch.eligible.nonzero().squeeze(-1)
-    with _preserved(run):
-        for sel, s_inputs, t_inputs, mask, width, response, old_logp in _micro_batches(run, batch, rows):
+    with _preserved(ctx):
+        for sel, s_inputs, t_inputs, mask, width, response, old_logp in _micro_batches(ctx, batch, rows):
             weights = budgeted_weights(torch.ones(len(sel), device=device), mask)
-            with run.autocast():
-                _, _, u, _ = micro_batch_loss(run.model, run.teacher, s_inputs, t_inputs, mask, width, weights, cfg,
+            with ctx.objective.autocast():
+                _, _, u, _ = micro_batch_loss(ctx.model, ctx.teacher, s_inputs, t_inputs, mask, width, weights, cfg,
                                               response, old_logp)  # fmt: skip
             utility[sel] = u.float().cpu()
     batch.utility = utility
     return utility
 
 
-def audit_utility(run, records: list[Record], n_batches: int = 10, seed: int = 1234,
+def audit_utility(ctx: AuditContext, selector, records: list[Record], n_batches: int = 10, seed: int = 1234,
                   fractions=(0.1, 0.25, 0.5, 0.75, 1.0), n_boot: int = 2000) -> dict:
     """Figure 3 on `n_batches` held batches of `records` (prompts_per_step prompts each).
 
@@ -304,9 +346,9 @@ def audit_utility(run, records: list[Record], n_batches: int = 10, seed: int = 1
     ranking, and the per-batch utilities. The selector must have had an update for "learned".
     """
     batches = []
-    for b, recs in enumerate(held_records(records, run.cfg.data.prompts_per_step, n_batches, seed)):
-        batch = sample_batch(run, recs, mix_seed(seed, b))
-        score_utility(run, batch)
+    for b, recs in enumerate(held_records(records, ctx.prompts_per_step, n_batches, seed)):
+        batch = sample_batch(ctx, selector, recs, mix_seed(seed, b))
+        score_utility(ctx, batch)
         batches.append(batch)
     grid = np.round(np.linspace(0, 1, 41), 4).tolist()
     fractions = list(fractions)
@@ -366,17 +408,18 @@ def prompt_coverage(batches: list[HeldBatch], fraction: float = 0.25, seed: int 
 # ----------------------------------------------------------------------------- gradient geometry
 
 
-def opd_gradient(run, batch: HeldBatch, rows: torch.Tensor, sample_weights: torch.Tensor | None = None) -> torch.Tensor:
+def opd_gradient(ctx: AuditContext, batch: HeldBatch, rows: torch.Tensor,
+                 sample_weights: torch.Tensor | None = None) -> torch.Tensor:  # fmt: skip
     """Flat gradient of the run's loss over `rows` (global row ids of the batch) w.r.t. the policy: Eq. 11's token
-    mean, or the run's --loss-agg (`opd.distill.aggregation_weights`, its denominator over `rows`).
+    mean, or the run's --loss-agg (`opd.loss.aggregation_weights`, its denominator over `rows`).
 
     Uses the training path (`opd.distill.micro_batch_loss` with the aggregation's weights, the run's micro-batches:
     the teacher on its privileged view, the student on its own, the method's divergence); nothing is stepped and
     no .grad is written. `sample_weights` (len(rows),): Eq. 11's Hajek form with these w_i (unbiased selection's
     1 / pi_i; token-mean only, as train.py requires).
     """
-    cfg, device, ro = run.context.loss, run.acc.device, batch.rollouts
-    params = [p for p in run.model.parameters() if p.requires_grad]
+    cfg, device, ro, model = ctx.objective.loss, ctx.objective.device, batch.rollouts, ctx.model
+    params = [p for p in model.parameters() if p.requires_grad]
     total = [torch.zeros_like(p) for p in params]
     w_of = None if sample_weights is None else dict(zip(rows.tolist(), sample_weights.double().tolist()))
     if cfg.aggregation != "token-mean":  # sequence-mean, micro-batch: |S|, the rows with a valid token
@@ -387,14 +430,14 @@ def opd_gradient(run, batch: HeldBatch, rows: torch.Tensor, sample_weights: torc
         denominator = int(ro.lengths[rows].sum())
     if denominator == 0:
         return torch.cat([t.flatten() for t in total])
-    dtype = torch.float64 if next(run.model.parameters()).dtype == torch.float64 else torch.float32  # as distill's
-    with _preserved(run):
-        for sel, s_inputs, t_inputs, mask, width, response, old_logp in _micro_batches(run, batch, rows):
+    dtype = torch.float64 if next(model.parameters()).dtype == torch.float64 else torch.float32  # as distill's
+    with _preserved(ctx):
+        for sel, s_inputs, t_inputs, mask, width, response, old_logp in _micro_batches(ctx, batch, rows):
             w = None if w_of is None else torch.tensor([w_of[i] for i in sel.tolist()], device=device)
             weights = aggregation_weights(cfg.aggregation, torch.ones(len(sel), device=device), mask, denominator,
                                           dtype, w)  # (n, T) the run's loss over `rows`  # fmt: skip
-            with run.autocast():
-                loss, _, _, _ = micro_batch_loss(run.model, run.teacher, s_inputs, t_inputs, mask, width, weights, cfg,
+            with ctx.objective.autocast():
+                loss, _, _, _ = micro_batch_loss(model, ctx.teacher, s_inputs, t_inputs, mask, width, weights, cfg,
                                                  response, old_logp)  # fmt: skip
             grads = torch.autograd.grad(loss, params, allow_unused=True)
             for t, g in zip(total, grads):
@@ -403,7 +446,7 @@ def opd_gradient(run, batch: HeldBatch, rows: torch.Tensor, sample_weights: torc
     return torch.cat([t.flatten().double().cpu() for t in total])
 
 
-def frozen_selection(run, batch: HeldBatch, rho: float) -> torch.Tensor:
+def frozen_selection(batch: HeldBatch, rho: float) -> torch.Tensor:
     """S for the geometry audit: top floor(rho |C|) by the frozen selector's u^ (entropy before its
     first update), no exploration."""
     candidates = batch.eligible.nonzero().squeeze(-1)
@@ -411,22 +454,24 @@ def frozen_selection(run, batch: HeldBatch, rho: float) -> torch.Tensor:
     return top_subset(scores, candidates, query_budget(rho, candidates.numel())).sort().values
 
 
-def gradient_geometry(run, records: list[Record], rho: float = 0.25, n_batches: int = 5, seed: int = 4321) -> dict:
+def gradient_geometry(ctx: AuditContext, selector, records: list[Record], rho: float = 0.25, n_batches: int = 5,
+                      seed: int = 4321) -> dict:  # fmt: skip
     """Figure 4 at the run's current state: per held batch ||g_S||, ||g_U||, cos(g_S, g_U); summary."""
     rows = []
-    for b, recs in enumerate(held_records(records, run.cfg.data.prompts_per_step, n_batches, seed)):
-        batch = sample_batch(run, recs, mix_seed(seed, b))
-        selected = frozen_selection(run, batch, rho)
+    for b, recs in enumerate(held_records(records, ctx.prompts_per_step, n_batches, seed)):
+        batch = sample_batch(ctx, selector, recs, mix_seed(seed, b))
+        selected = frozen_selection(batch, rho)
         candidates = batch.eligible.nonzero().squeeze(-1)
         unselected = candidates[~torch.isin(candidates, selected)]
-        g_s, g_u = opd_gradient(run, batch, selected), opd_gradient(run, batch, unselected)
+        g_s, g_u = opd_gradient(ctx, batch, selected), opd_gradient(ctx, batch, unselected)
         rows.append({"batch": b, "selected": int(selected.numel()), "unselected": int(unselected.numel()),
                      "norm_selected": float(g_s.norm()), "norm_unselected": float(g_u.norm()),
                      "cosine": cosine(g_s, g_u), "by": "learned" if batch.predicted is not None else "entropy"})
     return {"rho": rho, "rows": rows, "summary": geometry_summary(rows)}
 
 
-def selection_audit(run, records: list[Record], n_batches: int = 5, draws: int = 4, seed: int = 4321) -> dict:
+def selection_audit(ctx: AuditContext, selector, records: list[Record], n_batches: int = 5, draws: int = 4,
+                    seed: int = 4321) -> dict:  # fmt: skip
     """What the run's own selection does to the gradient, at its current state, on held batches.
 
     Per batch: the full-query gradient g_C (Eq. 11 over every candidate) and, for `draws` draws of the run's
@@ -437,24 +482,23 @@ def selection_audit(run, records: list[Record], n_batches: int = 5, draws: int =
     every candidate's true utility (Eq. 9, the teacher on all of C)."""
     import copy
 
-    check_auditable(run)
+    check_auditable(ctx)
     rows = []
-    for b, recs in enumerate(held_records(records, run.cfg.data.prompts_per_step, n_batches, seed)):
-        batch = sample_batch(run, recs, mix_seed(seed, b))
+    for b, recs in enumerate(held_records(records, ctx.prompts_per_step, n_batches, seed)):
+        batch = sample_batch(ctx, selector, recs, mix_seed(seed, b))
         candidates = batch.eligible.nonzero().squeeze(-1)
         if candidates.numel() == 0:
             continue
-        u = score_utility(run, batch).double()
-        g_c = opd_gradient(run, batch, candidates)
-        budget = query_budget(run.cfg.selection.rho, candidates.numel())
+        u = score_utility(ctx, batch).double()
+        g_c = opd_gradient(ctx, batch, candidates)
+        budget = query_budget(ctx.rho, candidates.numel())
         prompt_of = batch.rollouts.prompt_index
         grads, cos, captured = [], [], []
         for d in range(draws):
-            selector = copy.deepcopy(run.selector)
-            chosen = selector.select(batch.phi, batch.eligible, budget, 10**6 + b * draws + d, batch.has_entropy,
-                                     prompt_of)  # fmt: skip
-            w = None if selector.last_pi is None else 1.0 / selector.last_pi
-            g = opd_gradient(run, batch, chosen, w)
+            draw = copy.deepcopy(selector)
+            chosen = draw.select(batch.phi, batch.eligible, budget, 10**6 + b * draws + d, batch.has_entropy, prompt_of)
+            w = None if draw.last_pi is None else 1.0 / draw.last_pi
+            g = opd_gradient(ctx, batch, chosen, w)
             grads.append(g)
             cos.append(cosine(g, g_c))
             total = float(u[candidates].sum())

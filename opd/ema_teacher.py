@@ -205,7 +205,8 @@ class AdapterTeacher(Teacher):
     def update(self, student: torch.nn.Module, tau: float) -> None:
         """Algorithm 1, line 13 on the adapter: theta-bar <- (1 - tau) theta-bar + tau theta (the base is shared)."""
         if self.adapter is not None:
-            from opd.lora import ema_adapter
+            from opd.lora import adapter_pairs
 
-            ema_adapter(self.model, self.adapter, tau)
+            with torch.no_grad():
+                ema_(adapter_pairs(self.model, self.adapter), tau)  # the adapters' parameters (tau = 1: a copy)
 

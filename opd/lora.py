@@ -172,15 +172,6 @@ def copy_adapter(model: nn.Module, source: str, target: str) -> None:
         t.copy_(s)
 
 
-@torch.no_grad()
-def ema_adapter(model: nn.Module, target: str, tau: float) -> None:
-    """theta-bar <- (1 - tau) theta-bar + tau theta on the adapters' parameters (tau = 1: a copy), by
-    `opd.ema_teacher.ema_` (the full model's update)."""
-    from opd.ema_teacher import ema_
-
-    ema_(adapter_pairs(model, target), tau)
-
-
 def adapter_state(model: nn.Module, name: str, state_dict: dict | None = None) -> dict[str, torch.Tensor]:
     """The adapter's weights under peft's names for `name` = default (CPU copies)."""
     from peft import get_peft_model_state_dict

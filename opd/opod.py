@@ -31,7 +31,7 @@ forward; OPOD queries every row: its settings are --policy full --rho 1):
        B = clip(log pi_T(a* | x, z) - log pi_T(a* | x), -C, C)         (`verification_gain`)
        r = r_task + 0.2 A + 0.1 B,  C = 2
 
-   r_task = 1 when the project's answer parser (`opd.eval.answers`, `task_reward`) finds the record's
+   r_task = 1 when the project's answer parser (`opd.answers`, `task_reward`) finds the record's
    answer in the decoded response, else 0. Guesses: A's "answer tokens" are all of the response's valid
    tokens (our responses are the answer); "x, z" is the teacher's view with the response z in the reference
    slot of `views.REFERENCE_TEMPLATE` (DAPD's bridge), "x" the teacher's own prompt, a* the answer's tokens
@@ -63,13 +63,12 @@ from dataclasses import dataclass
 
 import torch
 
+from opd.answers import exact_match, parse_choice, parse_yes_no, split_options
 from opd.chat import completion_inputs
 from opd.chunked import sampled_logp_from_hidden
 from opd.cli import Section
 from opd.distill import distill
 from opd.ema_teacher import lm_head_weight
-from opd.eval.answers import exact_match, parse_choice, parse_yes_no
-from opd.eval.benchmarks import split_options
 from opd.objective import DistillResult, Objective, ObjectiveContext, StepBatch
 from opd.policy_gradient import PolicyGradient, row_advantages
 from opd.schedule import MicroBatch, Stopwatch, TeacherCost, lockstep, record_forward

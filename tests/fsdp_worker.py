@@ -57,7 +57,7 @@ def steps(a) -> None:
         teachers = list(dict.fromkeys(run.teachers.teachers.values()))  # every teacher (DAPD: both anchors)
         for step in range(2):
             before = sum(t.rows_scored for t in teachers)
-            high = cfg.prompts_per_step * cfg.rollouts_per_prompt // 2 if a.skew else None  # rank 0's rows
+            high = cfg.data.prompts_per_step * cfg.sampling.rollouts_per_prompt // 2 if a.skew else None  # rank 0's rows
             rows.append(run.step(step, fixed_rollouts(run, step, high_entropy_below=high)))
             teacher_rows.append(sum(t.rows_scored for t in teachers) - before)
         counts = run.acc.gather(torch.tensor(teacher_rows)).view(run.acc.num_processes, -1)

@@ -72,9 +72,18 @@ def argv(name: str, out: Path, teacher: Path) -> tuple[int, list[str]]:
     return ranks, [*BASE, "--out", str(out), *flags]
 
 
-def run_case(name: str, out: Path, teacher: Path) -> list[dict]:
-    """The measured ledger rows of case `name` (a subprocess: a fresh interpreter, as a user's run)."""
+def run_case(name: str, out: Path, teacher: Path, in_process: bool = False) -> list[dict]:
+    """The measured ledger rows of case `name`: a subprocess (a fresh interpreter, as a user's run), or with
+    `in_process` a one-rank case in this process (the model's float32 casts in float64 here too)."""
     ranks, flags = argv(name, out, teacher)
+    if in_process and ranks == 1:
+        from float64 import float64_model
+
+        import train
+
+        float64_model()
+        train.main(flags)
+        return [measured(json.loads(line)) for line in (out / "ledger.jsonl").read_text().splitlines() if line.strip()]
     env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": str(ROOT)}
     me = [str(Path(__file__).resolve()), "--worker"]
     if ranks == 1:

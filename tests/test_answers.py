@@ -4,7 +4,7 @@ import re
 
 import pytest
 
-from opd.eval.answers import (
+from opd.answers import (
     exact_match,
     free_form_match,
     grade,

@@ -1,6 +1,7 @@
 """The recorded ledgers (tests/golden.py) stay what they were: a restructuring changes no result.
 
-Each case runs train.py's command line again (3 steps of the tiny model in float64, one or two ranks) and compares
+Each case runs train.py's command line again (3 steps of the tiny model in float64; one rank in this process, two
+under torchrun) and compares
 every ledger field that is a result: counts exactly, floats to a relative 1e-9. The bound: every float is a float64
 computation (tests/float64.py), whose rounding differs between CPUs (vector widths, summation orders) by a few ulps
 (~1e-16 relative); three AdamW steps (each dividing by sqrt(v), ~1e3 amplification at most on these sizes) keep the
@@ -39,7 +40,7 @@ def golden_teacher(tmp_path_factory):
 def test_a_recorded_ledger_is_reproduced(name, tmp_path, golden_teacher):
     recorded = json.loads(GOLDEN.read_text())
     assert name in recorded, f"{name} has no recorded ledger: python tests/golden.py {name!r}"
-    rows = run_case(name, tmp_path / "run", golden_teacher)
+    rows = run_case(name, tmp_path / "run", golden_teacher, in_process=True)
     assert len(rows) == len(recorded[name])
     for got, want in zip(rows, recorded[name]):
         assert_same_row(name, got, want)

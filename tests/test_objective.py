@@ -11,10 +11,11 @@ from float64 import float64_model
 from opd.chat import collate, encode_prompt
 from opd.dapd import DAPD, DAPDConfig
 from opd.data import load_records
-from opd.distill import Distillation, DistillConfig
+from opd.distillation import Distillation
 from opd.divergence import budgeted_loss, topk_divergence
-from opd.ema_teacher import EMATeacher, Teacher, response_logits
+from opd.ema_teacher import EMAConfig, EMATeacher, Teacher, response_logits
 from opd.external_teachers import TeacherSet
+from opd.loss import LossConfig
 from opd.methods import METHODS
 from opd.model import load_model, load_processor, special_ids
 from opd.objective import Objective, ObjectiveContext, StepBatch
@@ -42,10 +43,10 @@ def context(tiny, teachers, **kw) -> ObjectiveContext:
         images, question = (get_view(view) if isinstance(view, str) else view)(record, seed)
         return encode_prompt(processor_ or processor, images, question, bool(thinking), 512)
 
-    base = dict(accelerator=acc, student=student, policy=lambda: student, teachers=teachers(student, model_dir),
+    base = dict(accelerator=acc, student=student, model=lambda: student, teachers=teachers(student, model_dir),
                 encode=encode, processor=processor, ids=special_ids(student), autocast=nullcontext, student_view="full",
-                teacher_views=("crop",), distill=DistillConfig(k=7, micro_batch=2, loss_chunk=3), max_response_len=8,
-                ema_tau=0.5, ema_every=1)  # fmt: skip
+                teacher_views=("crop",), loss=LossConfig(topk=7, micro_batch=2, chunk=3, support="student_tail"), max_response_len=8,
+                ema=EMAConfig(tau=0.5, every=1))  # fmt: skip
     return ObjectiveContext(**(base | kw))
 
 

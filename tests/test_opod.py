@@ -115,8 +115,8 @@ def test_opods_kl_is_a_hajek_token_mean_under_unbiased_selection(tmp_path, tiny,
         z = response_logits(run.objective.reference.model, s_in, ro.response_ids.shape[1]).double()  # (N, T, V)
     ref = torch.log_softmax(z, -1).gather(-1, ro.response_ids[..., None]).squeeze(-1)  # (N, T) log pi_ref(y_t)
     seen = {}
-    step_batch = run.step_batch
-    run.step_batch = lambda *a, **k: seen.setdefault("batch", step_batch(*a, **k))
+    step_batch = run.prompts.batch
+    run.prompts.batch = lambda *a, **k: seen.setdefault("batch", step_batch(*a, **k))
     row = run.step(0, ro)
     batch = seen["batch"]
     assert batch.weights is not None and row["selected"] > 0

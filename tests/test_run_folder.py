@@ -104,7 +104,7 @@ def test_overwrite_deletes_nothing_until_every_input_is_built(tmp_path, tiny, ot
         raise RuntimeError("wandb: not logged in")
 
     with monkeypatch.context() as m:
-        m.setattr(train, "Trackers", failing)
+        m.setattr(opd.loop, "Trackers", failing)
         with pytest.raises(RuntimeError, match="not logged in"):
             train.main(["--steps", "3", "--out", str(out), "--overwrite"])
     assert snapshot(out) == before and not (out / opd.run_folder.OVERWRITTEN).exists()

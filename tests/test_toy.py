@@ -152,14 +152,15 @@ def test_audit_on_a_run_leaves_it_unchanged_and_gradients_add_up(tiny, tmp_path,
     rng_state = torch.get_rng_state()
     replay = len(run.selector.model.replay)
 
-    batch = audit.sample_batch(run, run.records[:4], seed=3)
-    u = audit.score_utility(run, batch)
+    ctx = audit.AuditContext.of(run)
+    batch = audit.sample_batch(ctx, run.selector, run.records[:4], seed=3)
+    u = audit.score_utility(ctx, batch)
     c = batch.eligible.nonzero().squeeze(-1)
     assert c.numel() > 2 and torch.isfinite(u[c]).all() and (u[c] >= 0).all() and torch.isnan(u[~batch.eligible]).all()
-    s = audit.frozen_selection(run, batch, 0.5)
+    s = audit.frozen_selection(batch, 0.5)
     assert s.numel() == math.floor(0.5 * c.numel())
     rest = c[~torch.isin(c, s)]
-    g_s, g_r, g_all = (audit.opd_gradient(run, batch, rows) for rows in (s, rest, c))
+    g_s, g_r, g_all = (audit.opd_gradient(ctx, batch, rows) for rows in (s, rest, c))
     t_s, t_r = (int(batch.rollouts.lengths[rows].sum()) for rows in (s, rest))
     # Eq. 11's token weights are float32 (budgeted_weights): each gradient is its exact value times fl32(1 / tokens), off
     # by <= F32_EPS / 2 relative, element by element; the float64 sums' order adds ~1e-16 relative.
@@ -174,7 +175,7 @@ def test_audit_on_a_run_leaves_it_unchanged_and_gradients_add_up(tiny, tmp_path,
     assert torch.equal(torch.get_rng_state(), rng_state)
     assert len(run.selector.model.replay) == replay
 
-    geo = audit.gradient_geometry(run, run.records, rho=0.5, n_batches=1)
+    geo = audit.gradient_geometry(ctx, run.selector, run.records, rho=0.5, n_batches=1)
     assert geo["rows"][0]["selected"] > 0 and -1 <= geo["rows"][0]["cosine"] <= 1
 
 

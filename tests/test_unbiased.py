@@ -243,13 +243,13 @@ def test_unbiased_training_weighs_each_selected_row_by_one_over_pi(tmp_path, tin
         d = topk_divergence(response_logits(run.model, s_in, width), response_logits(run.teacher.model, t_in, width),
                             run.cfg.loss.topk, run.cfg.loss.alpha)  # (N, T) Eq. 3 on full logits, before the update  # fmt: skip
     seen = {}
-    step_batch = run.step_batch
+    step_batch = run.prompts.batch
 
     def spy(*args, **kw):
         seen["batch"] = step_batch(*args, **kw)
         return seen["batch"]
 
-    run.step_batch = spy
+    run.prompts.batch = spy
     row = run.step(0, rollouts)
     batch = seen["batch"]
     pi = run.selector.last_pi
@@ -347,7 +347,8 @@ def test_the_audits_sample_and_aggregate_as_the_run_trains(tmp_path, tiny, monke
     calls = []
     generate = audit.generate_rollouts
     monkeypatch.setattr(audit, "generate_rollouts", lambda *a, **k: calls.append((a, k)) or generate(*a, **k))
-    batch = audit.sample_batch(run, run.records[:4], seed=3)
+    ctx = audit.AuditContext.of(run)
+    batch = audit.sample_batch(ctx, run.selector, run.records[:4], seed=3)
     (args, kwargs), = calls
     assert args[5:] == (False,) and kwargs == {"temperature": 1.3, "top_k": 5, "top_p": 0.9}
     records = run.prompts.of_step(0)
@@ -358,19 +359,19 @@ def test_the_audits_sample_and_aggregate_as_the_run_trains(tmp_path, tiny, monke
     lengths = ro.lengths
     s, u = c[: c.numel() // 2], c[c.numel() // 2 :]
     assert c.numel() >= 4 and lengths[s].sum() * u.numel() != lengths[u].sum() * s.numel()
-    g_s, g_u, g_c = (audit.opd_gradient(run, held, rows) for rows in (s, u, c))
+    g_s, g_u, g_c = (audit.opd_gradient(ctx, held, rows) for rows in (s, u, c))
     by_rows = (s.numel() * g_s + u.numel() * g_u) / c.numel()
     by_tokens = (lengths[s].sum() * g_s + lengths[u].sum() * g_u) / lengths[c].sum()
     bound = 1e-9 * float(g_c.abs().max())
     assert float((g_c - by_rows).abs().max()) <= bound
     assert float((g_c - by_tokens).abs().max()) > 1e3 * bound
 
-    run.engine = object()  # as a vLLM run: the engine's rollouts carry no token entropy
-    batch = audit.sample_batch(run, run.records[:4], seed=3)
+    ctx.has_entropy = False  # as a vLLM run: the engine's rollouts carry no token entropy
+    batch = audit.sample_batch(ctx, run.selector, run.records[:4], seed=3)
     assert not batch.has_entropy and bool((batch.phi[:, 2] == 0).all())
     seen = []
     select = opd.selectors.Selector.select
     monkeypatch.setattr(opd.selectors.Selector, "select", lambda self, *a, **k: seen.append(a[4]) or select(self, *a, **k))
     monkeypatch.setattr(audit, "sample_batch", lambda *a, **k: batch)
-    audit.selection_audit(run, run.records, n_batches=1, draws=1)
+    audit.selection_audit(ctx, run.selector, run.records, n_batches=1, draws=1)
     assert seen == [False]

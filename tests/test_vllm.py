@@ -437,21 +437,21 @@ def test_engine_step_measures_one_step_and_leaves_no_folder(monkeypatch):
     steps, and each run's temporary output folder is removed once its ledger is read."""
     import json as json_
 
-    import train
+    import opd.loop
     from bench import engine_step
 
     outs = []
 
     class FakeRun:  # writes the ledger a 1-step run writes, no model
         def __init__(self, cfg):
-            self.out = Path(cfg.out)
+            self.out = Path(cfg.folder.out)
             outs.append(self.out)
 
         def train(self):
             row = {f"{p}_s": 1.0 for p in engine_step.PHASES} | {"step_s": 8.0, "candidate_tokens": 32}
             (self.out / "ledger.jsonl").write_text(json_.dumps(row) + "\n")
 
-    monkeypatch.setattr(train, "Run", FakeRun)
+    monkeypatch.setattr(opd.loop, "Run", FakeRun)
     result = engine_step.run_engine("hf", Path("model"), Path("data"), 1, 8, None)
     assert result["steps_measured"] == 1 and result["warmup_included"] and result["generation_share"] == 1.0 / 8.0
     assert len(outs) == 1 and not outs[0].exists()

@@ -56,6 +56,7 @@ from typing import Callable, Iterator
 
 from PIL import Image
 
+from opd.answers import clean_question, split_options
 from opd.cli import UserError
 
 
@@ -131,16 +132,6 @@ def load_image(src) -> Image.Image:
     raise TypeError(f"cannot load an image from {type(src).__name__}")
 
 
-_INSTRUCTIONS = (
-    "Answer with the option's letter from the given choices directly.",
-    "Answer with the option letter from the given choices directly.",
-    "Answer the option letter directly.",
-    "Please answer yes or no.",
-    "Answer yes or no.",
-    "Select from the following choices.",
-)
-
-
 def prompt_text(item: BenchItem) -> str:
     """The question, its options as "(A) text" lines, and a short answer instruction."""
     lines = [item.question]
@@ -150,66 +141,6 @@ def prompt_text(item: BenchItem) -> str:
     elif item.kind == "yesno":
         lines.append("Answer yes or no.")
     return "\n".join(lines)
-
-
-# ----------------------------------------------------------------------------- option parsing
-
-_PAREN_MARK = re.compile(r"\(([A-Za-z])\)[ \t]*")
-_LINE_MARK = re.compile(r"(?m)^[ \t]*([A-Z])[.:)][ \t]+")
-_INLINE_MARK = re.compile(r"(?:(?<=\s)|(?<=^)|(?<=,))([A-Z])[:.][ \t]+")
-
-
-def _chain(marks: list[re.Match]) -> list[re.Match]:
-    """The longest run of markers lettered A, B, C, ... in order (last one on ties)."""
-    best: list[re.Match] = []
-    for i, m in enumerate(marks):
-        if m.group(1).upper() != "A":
-            continue
-        run = [m]
-        for n in marks[i + 1:]:
-            if n.group(1).upper() == chr(ord(run[-1].group(1).upper()) + 1):
-                run.append(n)
-        if len(run) >= len(best):
-            best = run
-    return best if len(best) >= 2 else []
-
-
-def split_options(text: str) -> tuple[str, dict[str, str]]:
-    """Split "question (A) x (B) y" / "A. x" lines / "Options: A: x, B: y" into question and options.
-
-    Option keys come back upper case ("(a) Open" -> "A"). The last option ends at its line's end, so
-    a trailing instruction line is dropped. No options found: ``(text, {})``.
-    """
-    for pattern, scope in ((_PAREN_MARK, None), (_LINE_MARK, None), (_INLINE_MARK, "options")):
-        start = 0
-        if scope:
-            hit = re.search(r"(?:Options|Choices)\s*:\s*", text, re.IGNORECASE)
-            if not hit:
-                continue
-            start = hit.end()
-        marks = _chain([m for m in pattern.finditer(text) if m.start() >= start])
-        if not marks:
-            continue
-        options = {}
-        for m, n in zip(marks, marks[1:] + [None]):
-            body = text[m.end(): n.start() if n else len(text)]
-            if n is None:  # the last option ends with its line and loses a trailing instruction
-                body = _clean_question(body.split("\n")[0])
-            options[m.group(1).upper()] = body.strip().rstrip(",;").strip()
-        head = text[: hit.start()] if scope else text[: marks[0].start()]
-        return _clean_question(head), options
-    return _clean_question(text), {}
-
-
-def _clean_question(text: str) -> str:
-    text = text.replace("<image>", "").strip()
-    changed = True
-    while changed:
-        changed = False
-        for phrase in _INSTRUCTIONS:
-            if text.lower().endswith(phrase.lower()):
-                text, changed = text[: -len(phrase)].rstrip(), True
-    return text
 
 
 def _letter(value) -> str:
@@ -372,7 +303,7 @@ def _from_prompt(bench, index, prompt, answer, category, image, crop, meta, wher
 
     ``split=False`` (a row marked open-ended) never reads options out of the prompt.
     """
-    question, options = split_options(str(prompt)) if split else (_clean_question(str(prompt)), {})
+    question, options = split_options(str(prompt)) if split else (clean_question(str(prompt)), {})
     answer = str(answer).strip()
     if options:
         return _choice(bench, index, question, options, answer, category, image, crop, meta, where)
@@ -387,7 +318,7 @@ def _mcq_row(bench: str, row: Row, images: _ImageSource, n: int, meta_fields=())
     question = str(_get(row, "question", "text"))
     options = {k: str(fields[k]).strip() for k in "ABCDEFGHIJ" if _get(row, k, required=False) is not None}
     if options:
-        question = _clean_question(question)
+        question = clean_question(question)
     else:
         question, options = split_options(question)
     if not options:
@@ -455,7 +386,7 @@ def _mmvp_row(row: Row, images: _ImageSource, n: int, image_dir: Path | None) ->
         image = ImageRef(f"{row[1]} field 'image'", path=found[0] if found else image_dir / f"{number}.jpg")
     else:
         image = images.ref(_get(row, "image"), row[1], "image")
-    return _choice("mmvp", str(number), _clean_question(str(_get(row, "Question", "question"))), options,
+    return _choice("mmvp", str(number), clean_question(str(_get(row, "Question", "question"))), options,
                    _get(row, "Correct Answer", "answer"), "mmvp", image, meta={"pair": (number - 1) // 2 + 1},
                    where=row[1])
 
@@ -495,7 +426,7 @@ def _pope_row(row: Row, images: _ImageSource, n: int) -> BenchItem:
     if _get(row, "image_source", required=False) is not None:
         meta["image_source"] = str(row[0]["image_source"])
     image = images.ref(_get(row, "image"), row[1], "image")
-    question = _clean_question(str(_get(row, "question")))
+    question = clean_question(str(_get(row, "question")))
     index = f"{split}/{_index(row, n, 'id', 'question_id')}"
     return BenchItem("pope", index, question, {}, answer, "yesno", split, image, None, meta)
 

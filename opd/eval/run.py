@@ -19,7 +19,7 @@ from pathlib import Path
 
 from opd.cli import UserError
 from opd.eval.benchmarks import BenchmarkDataError, load_benchmark
-from opd.eval.cli import EvalConfig
+from opd.eval.config import EvalConfig
 
 
 def resolve_model(path: str, ranks=None) -> str:

@@ -23,7 +23,7 @@ from __future__ import annotations
 
 import torch
 
-from opd.audit import HeldBatch, score_utility
+from opd.audit import AuditContext, HeldBatch, score_utility
 from opd.chat import collate
 from opd.features import rollout_features
 from opd.rollout import generate_rollouts
@@ -83,15 +83,16 @@ class Diagnosed:
         run, cfg = self.run, self.run.cfg
         records = run.prompts.of_step(step)
         prompts = run.prompts.student(records)
-        torch.manual_seed(mix_seed(cfg.seed, step, run.acc.process_index))  # as Run.step seeds its sampling
+        torch.manual_seed(mix_seed(cfg.run.seed, step, run.acc.process_index))  # as Run.step seeds its sampling
+        s = cfg.sampling
         with run.autocast():
-            ro = generate_rollouts(run.model, prompts, cfg.rollouts_per_prompt, cfg.max_response_len,
-                                   cfg.rollout_batch, cfg.share_prefill)  # fmt: skip
+            ro = generate_rollouts(run.model, prompts, s.rollouts_per_prompt, s.max_response_len, s.rollout_batch,
+                                   s.share_prefill)  # fmt: skip
         rows = ro.prompt_index.tolist()
         eligible = torch.tensor([run.prompts.eligible(records[j]) for j in rows], dtype=torch.bool) & ro.valid
         area = torch.tensor([records[j].area_ratio for j in rows])
         phi = rollout_features(ro.logp, ro.entropy, ro.response_mask, ro.prompt_len, area)
-        self.u_all = score_utility(run, HeldBatch(records, ro, prompts, phi, eligible, None))
+        self.u_all = score_utility(AuditContext.of(run), HeldBatch(records, ro, prompts, phi, eligible, None))
         teacher_p = letter_probs(run, run.teacher.model, records, run.teacher_views[0])
         student_p = letter_probs(run, run.model, records, "full")
         self.captured = {}
@@ -102,7 +103,7 @@ class Diagnosed:
         first = ro.response_ids[:, 0].tolist()
         diag = {
             "step": step,
-            "budget": query_budget(cfg.rho, int(eligible.sum())),
+            "budget": query_budget(cfg.selection.rho, int(eligible.sum())),
             "prompt": rows,
             "gold": [list(OPTIONS).index(r.answer) for r in records],
             "sampled": [letters.index(t) if t in letters else -1 for t in first],

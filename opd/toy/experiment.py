@@ -117,13 +117,13 @@ def train_one(job: dict) -> dict:
     done = out / "done.json"
     if (finished := finished_or_cleared(out)) is not None:
         return finished
-    from opd.audit import audit_utility, gradient_geometry
+    from opd.audit import AuditContext, audit_utility, gradient_geometry
     from opd.config import TrainConfig
     from opd.data import load_records
     from opd.loop import Run
 
     tcfg = TrainConfig(**job["train"], out=str(out))
-    steps = tcfg.steps
+    steps = tcfg.run.steps
     t0 = time.perf_counter()
     geometry = []
     checkpoints = set(job.get("geometry_steps", ()))
@@ -136,7 +136,7 @@ def train_one(job: dict) -> dict:
             row = run.step(step)
             run.log(row)
             if step + 1 in checkpoints:
-                g = gradient_geometry(run, audit_records, rho=0.25, n_batches=job["grad_batches"])
+                g = gradient_geometry(AuditContext.of(run), run.selector, audit_records, rho=0.25, n_batches=job["grad_batches"])
                 geometry.append({"step": step + 1, **g})
             if (step + 1) % max(1, steps // 4) == 0:
                 say(f"  {spec['name']} seed {spec['seed']}: step {step + 1}/{steps}, loss {row['loss']:.4f}, "
@@ -145,12 +145,13 @@ def train_one(job: dict) -> dict:
         summary = run.finish()
         audit = None
         if job.get("audit_batches"):
-            audit = audit_utility(run, audit_records, n_batches=job["audit_batches"])
+            audit = audit_utility(AuditContext.of(run), run.selector, audit_records, n_batches=job["audit_batches"])
         selection = None
         if job.get("selection_batches"):  # the run's own selection against the full-query gradient (opd.audit)
             from opd.audit import selection_audit
 
-            selection = selection_audit(run, audit_records, job["selection_batches"], job.get("selection_draws", 4))
+            selection = selection_audit(AuditContext.of(run), run.selector, audit_records, job["selection_batches"],
+                                        job.get("selection_draws", 4))  # fmt: skip
     train_s = time.perf_counter() - t0
     if geometry:
         write_atomic(out / "geometry.json", json.dumps(geometry, indent=1) + "\n")

@@ -27,8 +27,8 @@ from pathlib import Path
 
 import torch
 
+from opd.answers import parse_choice
 from opd.chat import collate, encode_prompt
-from opd.eval.answers import parse_choice
 from opd.ledger import write_atomic
 from opd.views import get_view, reference_prompt
 

@@ -243,16 +243,21 @@ def world_figure(root, world, n: int = 6) -> str:
 
 def plots(root, runs: dict, base: dict) -> list[str]:
     """Figures 2, 5, 3 and 4 analogues (OUT/fig*.png) from the runs of Table 3; returns the file names."""
-    plt = _pyplot()
-    files = []
     acc = {n: np.array([r["full"] for r in rs]) for n, rs in runs.items()}
-    full = acc.get("full-100")
-    tok = {}
-    full_tok = full_tokens(runs)
-    for n, rs in runs.items():
-        tok[n] = np.array([100 * r["ledger"]["scored_tokens"] / full_tok[r["seed"]] for r in rs if full_tok.get(r["seed"])])
+    files = [_budget_figure(root, acc, base), _cost_figure(root, runs, acc, base)]
+    audits = [r["audit"] for r in runs.get("learned-25", []) if r.get("audit")]
+    if audits:
+        files.append(_audit_figure(root, audits))
+    geometry = [r["geometry"] for r in runs.get("learned-25", []) if r.get("geometry")]
+    if geometry:
+        files.append(_geometry_figure(root, geometry[0]))
+    return files
 
-    # Figure 2: accuracy vs budget
+
+def _budget_figure(root, acc: dict, base: dict) -> str:
+    """Figure 2 analogue: full-image accuracy against the budget rho."""
+    plt = _pyplot()
+    full = acc.get("full-100")
     fig, ax = plt.subplots(figsize=(5.2, 3.6))
     learned = sorted([(int(n.split("-")[1]), acc[n]) for n in acc if n.startswith("learned")] +
                      ([(100, full)] if full is not None else []))
@@ -278,9 +283,15 @@ def plots(root, runs: dict, base: dict) -> list[str]:
     ax.set_title("Figure 2 analogue: accuracy vs budget", fontsize=9)
     fig.tight_layout()
     save_figure(fig, root / "fig2_budget.png", dpi=130)
-    files.append("fig2_budget.png")
+    return "fig2_budget.png"
 
-    # Figure 5: accuracy vs cost
+
+def _cost_figure(root, runs: dict, acc: dict, base: dict) -> str:
+    """Figure 5 analogue: full-image accuracy against the teacher's scored tokens (% of Full querying's)."""
+    plt = _pyplot()
+    full_tok = full_tokens(runs)
+    tok = {n: np.array([100 * r["ledger"]["scored_tokens"] / full_tok[r["seed"]] for r in rs if full_tok.get(r["seed"])])
+           for n, rs in runs.items()}  # fmt: skip
     fig, ax = plt.subplots(figsize=(5.2, 3.6))
     for n in order(runs):
         if tok.get(n) is not None and tok[n].size:
@@ -294,54 +305,56 @@ def plots(root, runs: dict, base: dict) -> list[str]:
     ax.set_title("Figure 5 analogue: accuracy vs teacher cost", fontsize=9)
     fig.tight_layout()
     save_figure(fig, root / "fig5_cost.png", dpi=130)
-    files.append("fig5_cost.png")
+    return "fig5_cost.png"
 
-    audits = [r["audit"] for r in runs.get("learned-25", []) if r.get("audit")]
-    if audits:
-        fig, (a1, a2) = plt.subplots(1, 2, figsize=(9, 3.6))
-        grid = np.array(audits[0]["grid"]) * 100
-        for key, style in (("oracle", "-"), ("learned", "-"), ("entropy", "--"), ("random", ":")):
-            curves = [a["curve"][key] for a in audits if key in a["curve"]]
-            if curves:
-                a1.plot(grid, 100 * np.mean(curves, 0), style, label=key)
-        a1.axvline(25, color="gray", lw=0.8)
-        a1.set_xlabel("top fraction of candidates queried (%)")
-        a1.set_ylabel("utility captured (%)")
-        a1.legend(fontsize=7)
-        a1.set_title("(a) cumulative utility capture", fontsize=9)
-        bands = audits[0]["bands"]["bands"]
-        means = [b["mean"] for b in bands]
-        err = [[b["mean"] - b["low"] for b in bands], [b["high"] - b["mean"] for b in bands]]
-        a2.bar(["0-25", "25-50", "50-75", "75-100"], means, yerr=err, capsize=3, color="tab:blue")
-        a2.set_xlabel(f"predicted rank band (%), by {audits[0]['bands_by']}")
-        a2.set_ylabel("mean utility u_i")
-        p = audits[0]["bands"]["tests"][0]["p_holm"]
-        a2.set_title(f"(b) utility by rank band, 95% bootstrap CI\n(seed 0; top vs next: p_Holm = {p:.3f})", fontsize=8)
-        fig.tight_layout()
-        save_figure(fig, root / "fig3_audit.png", dpi=130)
-        files.append("fig3_audit.png")
 
-    geometry = [r["geometry"] for r in runs.get("learned-25", []) if r.get("geometry")]
-    if geometry:
-        g = geometry[0]
-        steps = [c["step"] for c in g]
-        fig, (a1, a2) = plt.subplots(1, 2, figsize=(9, 3.4))
-        for c in g:
-            rs = [row["norm_selected"] / row["norm_unselected"] for row in c["rows"] if row["norm_unselected"] > 0]
-            a1.plot([c["step"]] * len(rs), rs, ".", color="tab:gray", alpha=0.6)
-            a2.plot([c["step"]] * len(c["rows"]), [row["cosine"] for row in c["rows"]], ".", color="tab:gray", alpha=0.6)
-        a1.plot(steps, [c["summary"]["norm_ratio"] for c in g], "o-", label="ratio of mean norms")
-        a1.axhline(1, color="k", lw=0.8)
-        a1.set_xlabel("training step")
-        a1.set_ylabel("||g_S|| / ||g_U||")
-        a1.legend(fontsize=7)
-        a1.set_title("(a) selected vs unselected OPD gradient norm", fontsize=9)
-        a2.plot(steps, [c["summary"]["mean_cosine"] for c in g], "o-")
-        a2.axhline(0, color="k", lw=0.8)
-        a2.set_xlabel("training step")
-        a2.set_ylabel("cos(g_S, g_U)")
-        a2.set_title("(b) cosine of selected and unselected gradients", fontsize=9)
-        fig.tight_layout()
-        save_figure(fig, root / "fig4_geometry.png", dpi=130)
-        files.append("fig4_geometry.png")
-    return files
+def _audit_figure(root, audits: list) -> str:
+    """Figure 3 analogue: cumulative utility capture and utility by predicted-rank band (Learned-25's audits)."""
+    plt = _pyplot()
+    fig, (a1, a2) = plt.subplots(1, 2, figsize=(9, 3.6))
+    grid = np.array(audits[0]["grid"]) * 100
+    for key, style in (("oracle", "-"), ("learned", "-"), ("entropy", "--"), ("random", ":")):
+        curves = [a["curve"][key] for a in audits if key in a["curve"]]
+        if curves:
+            a1.plot(grid, 100 * np.mean(curves, 0), style, label=key)
+    a1.axvline(25, color="gray", lw=0.8)
+    a1.set_xlabel("top fraction of candidates queried (%)")
+    a1.set_ylabel("utility captured (%)")
+    a1.legend(fontsize=7)
+    a1.set_title("(a) cumulative utility capture", fontsize=9)
+    bands = audits[0]["bands"]["bands"]
+    means = [b["mean"] for b in bands]
+    err = [[b["mean"] - b["low"] for b in bands], [b["high"] - b["mean"] for b in bands]]
+    a2.bar(["0-25", "25-50", "50-75", "75-100"], means, yerr=err, capsize=3, color="tab:blue")
+    a2.set_xlabel(f"predicted rank band (%), by {audits[0]['bands_by']}")
+    a2.set_ylabel("mean utility u_i")
+    p = audits[0]["bands"]["tests"][0]["p_holm"]
+    a2.set_title(f"(b) utility by rank band, 95% bootstrap CI\n(seed 0; top vs next: p_Holm = {p:.3f})", fontsize=8)
+    fig.tight_layout()
+    save_figure(fig, root / "fig3_audit.png", dpi=130)
+    return "fig3_audit.png"
+
+
+def _geometry_figure(root, g: list) -> str:
+    """Figure 4 analogue: selected against unselected gradient norms and cosines over training (Learned-25's)."""
+    plt = _pyplot()
+    steps = [c["step"] for c in g]
+    fig, (a1, a2) = plt.subplots(1, 2, figsize=(9, 3.4))
+    for c in g:
+        rs = [row["norm_selected"] / row["norm_unselected"] for row in c["rows"] if row["norm_unselected"] > 0]
+        a1.plot([c["step"]] * len(rs), rs, ".", color="tab:gray", alpha=0.6)
+        a2.plot([c["step"]] * len(c["rows"]), [row["cosine"] for row in c["rows"]], ".", color="tab:gray", alpha=0.6)
+    a1.plot(steps, [c["summary"]["norm_ratio"] for c in g], "o-", label="ratio of mean norms")
+    a1.axhline(1, color="k", lw=0.8)
+    a1.set_xlabel("training step")
+    a1.set_ylabel("||g_S|| / ||g_U||")
+    a1.legend(fontsize=7)
+    a1.set_title("(a) selected vs unselected OPD gradient norm", fontsize=9)
+    a2.plot(steps, [c["summary"]["mean_cosine"] for c in g], "o-")
+    a2.axhline(0, color="k", lw=0.8)
+    a2.set_xlabel("training step")
+    a2.set_ylabel("cos(g_S, g_U)")
+    a2.set_title("(b) cosine of selected and unselected gradients", fontsize=9)
+    fig.tight_layout()
+    save_figure(fig, root / "fig4_geometry.png", dpi=130)
+    return "fig4_geometry.png"
