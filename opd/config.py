@@ -142,8 +142,9 @@ def cross_problems(cfg: TrainConfig, world: int) -> list[str]:
     problems = []
     if cfg.data.prompts_per_step % world:
         problems.append(f"--prompts-per-step {cfg.data.prompts_per_step} does not split over {world} processes")
-    if sel.unbiased and loss.aggregation != "token-mean":
-        problems.append("--unbiased weighs Eq. 11's token mean (its Hajek form): it needs --loss-agg token-mean")
+    if sel.unbiased and loss.aggregation not in ("token-mean", "token-sum"):
+        problems.append("--unbiased weighs Eq. 11's token mean (its Hajek form) or a token sum: it needs --loss-agg "
+                        "token-mean or token-sum")
     if loss.is_clip and not sampling.untruncated:
         problems.append("--is-clip's ratio compares the student with the sampling distribution: it needs untruncated "
                         "sampling (--sample-top-p 1 --sample-top-k 0)")
@@ -170,6 +171,10 @@ def method_problems(cfg: TrainConfig) -> list[str]:
                         "--teachers route.json")
     if method.objective.needs_ema_teacher and cfg.ema.tau == 0:
         problems.append(f"--method {name}: --ema-tau 0 (a fixed teacher) does not apply ({method.objective.needs_ema_teacher})")
+    allowed = method.objective.aggregations
+    if allowed and cfg.loss.aggregation not in allowed:
+        problems.append(f"--method {name}: --loss-agg {cfg.loss.aggregation} does not apply (it implements "
+                        f"{', '.join(allowed)})")
     defaults, values = {f.name: f.default for f in TrainConfig.flag_list()}, cfg.flags()
     for flag, reason in method.objective.refuses.items():
         if values[flag] != defaults[flag]:

@@ -8,6 +8,8 @@ that turns per-token divergences into the step's loss:
     sequence-mean  (1 / |S|) sum_{i in S} (1 / T_i) sum_t m_it D_it                        (OPSD's per-sequence mean)
     micro-batch    sum_b (n_b / |S|) sum_{i in b, t} m_it D_it / sum_{i in b, t} m_it      (verl: a token mean per
                                                                                           micro-batch b, weighted by rows)
+    token-sum      sum_{i,t} z_i m_it D_it                                                 (tinker's losses: a sum over
+                                                                                          tokens, no normalisation)
 
 |S| counts the selected rows with at least one valid token, over all ranks; the micro-batches are this loop's
 (grouped by length, `opd.schedule.plan_micro_batches`), not verl's. The denominators are global: one all-reduce,
@@ -24,7 +26,7 @@ import torch
 from opd.cli import Section
 from opd.divergence import budgeted_weights, check_loss
 
-AGGREGATIONS = ("token-mean", "sequence-mean", "micro-batch")
+AGGREGATIONS = ("token-mean", "sequence-mean", "micro-batch", "token-sum")
 """How Eq. 11 averages over S (`LossConfig.aggregation`, `--loss-agg`): see the module docstring."""
 
 
@@ -42,7 +44,8 @@ class LossConfig(Section):
     """Both sides' logits divided by it before the divergence (OPSD: 1.1); the utility labels use it too."""
     aggregation: str = "token-mean"
     """Eq. 11's aggregation: token-mean (one mean over S's tokens, BAS-OPD), sequence-mean (each row's token mean,
-    averaged over rows: OPSD) or micro-batch (a token mean per micro-batch, summed weighted by rows: verl's)."""
+    averaged over rows: OPSD), micro-batch (a token mean per micro-batch, summed weighted by rows: verl's) or token-sum
+    (the tokens' sum, no mean: tinker's, Thinking Machines' on-policy distillation)."""
     is_clip: float = 0.0
     """Importance-ratio clip c (Vision-OPD's is_clip 2): each token's loss times min(pi/pi_old, c); 0 = off."""
     micro_batch: int = 4
@@ -103,9 +106,12 @@ def aggregation_weights(aggregation: str, row_weights: torch.Tensor, mask: torch
     """One micro-batch's per-token weights (n, T) of the loss's aggregation (`AGGREGATIONS`): Eq. 11's
     `budgeted_weights` with the global token count (token-mean; with `sample_weights` its Hajek form), each row's
     1 / T_i over the global |S| (sequence-mean), or the micro-batch's own token mean times its rows / |S|
-    (micro-batch). `row_weights` (n,) multiplies each row's (OPOD's beta)."""
+    (micro-batch), or 1 per token (token-sum; with `sample_weights`, the Horvitz-Thompson sum). `row_weights` (n,)
+    multiplies each row's (OPOD's beta)."""
     if aggregation == "token-mean":
         return budgeted_weights(row_weights, mask, denominator, dtype, sample_weights)
+    if aggregation == "token-sum":
+        return budgeted_weights(row_weights, mask, 1.0, dtype, sample_weights)
     lengths = mask.sum(-1).to(dtype).clamp(min=1)  # (n,) T_i
     if aggregation == "sequence-mean":
         return budgeted_weights(row_weights.to(dtype) / lengths, mask, denominator, dtype)
@@ -133,7 +139,8 @@ def selected_rows(accelerator, lengths: torch.Tensor, selected: torch.Tensor) ->
 
 def loss_denominator(accelerator, aggregation: str, lengths: torch.Tensor, selected: torch.Tensor,
                      sample_weights=None) -> float | int:  # fmt: skip
-    """The step's denominator of the aggregation: Eq. 11's token count (token-mean) or |S| (the others)."""
-    if aggregation == "token-mean":
+    """The step's denominator of the aggregation: Eq. 11's token count (token-mean, and token-sum, whose weights do
+    not divide by it: there it only says whether S holds a token) or |S| (the others)."""
+    if aggregation in ("token-mean", "token-sum"):
         return global_denominator(accelerator, lengths, selected, sample_weights)
     return selected_rows(accelerator, lengths, selected)

@@ -18,10 +18,12 @@ over `--preset` and under the flags given.
 | dapd | DAPD | full (+ reference or own rollout as context) | anchors base / snapshot, six pairs | full vocabulary | clamped forward KL at tau 1.1 | pair weights (sum 2) |
 | opod | OPOD | full | routed external teachers, full | student top-k + tail | JSD_alpha + group-relative PG | beta_m ReLU(log pi_T - log pi_theta) |
 | gkd | GKD (TRL's GKDTrainer) | full | an external teacher (`--teacher-model`), full | full vocabulary | JSD_beta (`--alpha` is GKD's beta) | 1 |
+| tm-opd | Thinking Machines' on-policy distillation | full | an external teacher, full | (labels: student top-k + tail) | importance-sampled PG of A_t = -(log pi_old - log pi_T) | 1 |
 
 Each method names its objective class (`opd.objective`): `opd.distillation.Distillation` for every method that is
-a loss and a view, `opd.dapd.DAPD` (six KL pairs against two anchors) and `opd.opod.OPOD` (the gated distillation,
-the per-teacher controller and the verified-reward policy gradient). This table is the one registry: the loop
+a loss and a view, `opd.dapd.DAPD` (six KL pairs against two anchors), `opd.opod.OPOD` (the gated distillation,
+the per-teacher controller and the verified-reward policy gradient) and `opd.tm_opd.TMOPD` (the teacher's per-token
+reverse-KL advantage through an importance-sampled policy gradient). This table is the one registry: the loop
 (`opd.loop`) imports no objective and never tests a method's name. docs/EXTENDING.md: adding a method.
 """
 
@@ -32,6 +34,7 @@ from opd.distillation import Distillation
 from opd.divergence import check_loss
 from opd.objective import Objective
 from opd.opod import OPOD
+from opd.tm_opd import TMOPD
 from opd.views import VIEWS
 from opd.weights import NEGATIVE_VIEW, TOKEN_WEIGHTS
 
@@ -133,6 +136,13 @@ METHODS: dict[str, Method] = {
             teacher_view="full", token_weight="gate", objective=OPOD, external_teachers="required",
             settings=FULL_QUERY,
         ),  # fmt: skip
+        Method(
+            "tm-opd", "Thinking Machines' on-policy distillation (thinking-machines-lab/tinker-cookbook, "
+            "tinker_cookbook/distillation/train_on_policy.py; blog post 'On-Policy Distillation', 2025)",
+            teacher_view="full", objective=TMOPD, external_teachers="required", settings=FULL_QUERY,
+            recipe=dict(lora_r=128, lr=1e-4, rollouts_per_prompt=4, sample_temperature=1.0, weight_decay=0.0,
+                        grad_clip=0.0, adam_beta2=0.95, loss_agg="token-sum"),
+        ),  # fmt: skip  (recipes/distillation/on_policy_distillation.py; tinker's AdamParams; rl/train.py's optim step)
     )
 }
 

@@ -146,6 +146,8 @@ class Objective:
     Config: type | None = None
     refuses: dict[str, str] = {}
     needs_ema_teacher: str = ""
+    aggregations: tuple[str, ...] = ()
+    """The --loss-agg values it implements ((): every one of `opd.loss.AGGREGATIONS`)."""
 
     @classmethod
     def build_teachers(cls, teachers, initial_teacher: Callable[[], object]):

@@ -41,6 +41,12 @@ class OptimConfig(Section):
     """AdamW weight decay of the policy."""
     grad_clip: float = 1.0
     """Gradient-norm clip of the policy update (not in the paper; the peers' 1.0); 0 = no clipping."""
+    adam_beta1: float = 0.9
+    """AdamW's beta1 (torch's default)."""
+    adam_beta2: float = 0.999
+    """AdamW's beta2 (torch's default; tinker's: 0.95)."""
+    adam_eps: float = 1e-8
+    """AdamW's epsilon (torch's default)."""
 
     def check(self) -> list[str]:
         problems = []
@@ -53,10 +59,15 @@ class OptimConfig(Section):
                 problems.append(f"--{flag} {value}: must be >= 0")
         if not self.grad_clip >= 0:
             problems.append(f"--grad-clip {self.grad_clip}: must be >= 0 (0 = no clipping)")
+        if not (0 <= self.adam_beta1 < 1 and 0 <= self.adam_beta2 < 1):
+            problems.append(f"--adam-beta1 {self.adam_beta1} and --adam-beta2 {self.adam_beta2}: each must lie in [0, 1)")
+        if not self.adam_eps > 0:
+            problems.append(f"--adam-eps {self.adam_eps}: must be > 0")
         return problems
 
     def adamw(self, params) -> torch.optim.AdamW:
-        return torch.optim.AdamW(params, lr=self.lr, weight_decay=self.weight_decay)
+        return torch.optim.AdamW(params, lr=self.lr, betas=(self.adam_beta1, self.adam_beta2), eps=self.adam_eps,
+                                 weight_decay=self.weight_decay)  # fmt: skip
 
 
 def clip_gradients(accelerator, student, max_norm: float) -> float:

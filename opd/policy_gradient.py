@@ -13,9 +13,10 @@ rho = pi_theta / pi_old, 1 but for the sampling's rounding. Optionally + kl KL(p
 estimator on the sampled tokens against a reference model (OPOD's initial policy), its coefficient from the
 sampling log-probs (on-policy).
 
-The advantage comes from a hook `advantage(mb, mask) -> (P,)`, run in the micro-batch before the
-student's forward: a precomputed table (OPOD: one A_i per row) or a teacher forward of its own (TM-OPD: the
-teacher's log-prob of each sampled token), so that a teacher never runs outside the lockstep. Every rank runs
+The advantage comes from a hook `advantage(mb, mask, h, w) -> (P,)`, run in the micro-batch after the student's
+forward (h, w: its detached final hidden states at the valid positions and its LM head): a precomputed table (OPOD:
+one A_i per row) or a teacher forward of its own (TM-OPD: the teacher's log-prob of each sampled token, and the
+selector's labels from both sides' hidden states), so that a teacher never runs outside the lockstep. Every rank runs
 as many micro-batches as the busiest one (`opd.schedule.lockstep`); the last backward synchronises DDP (a rank
 without rows: a zero-weighted one).
 """
@@ -46,7 +47,7 @@ def row_advantages(advantages: dict[int, float]) -> Callable:
     """An `advantage` hook for one advantage per row (OPOD's group-relative A_i): each row's tokens get its A_i
     (rows absent from `advantages`, padding's row 0, get 0)."""
 
-    def advantage(mb: MicroBatch, mask: torch.Tensor) -> torch.Tensor:
+    def advantage(mb: MicroBatch, mask: torch.Tensor, h=None, w=None) -> torch.Tensor:
         a = torch.tensor([advantages.get(i, 0.0) for i in mb.rows.tolist()], device=mask.device)  # (n,)
         return a.unsqueeze(-1).expand(mask.shape)[mask]  # (P,)
 
@@ -67,17 +68,20 @@ class PolicyGradient:
     """A frozen model (`opd.ema_teacher.Teacher`) for KL(pi_theta || pi_ref); None: no KL term."""
     kl: float = 0.0
 
-    def run(self, batch: StepBatch, advantage: Callable, denominator: float, sync: bool = True,
-            release=()) -> tuple[float, float]:  # fmt: skip
+    def run(self, batch: StepBatch, advantage: Callable, denominator: float, sync: bool = True, release=(),
+            plans: dict | None = None) -> tuple[float, float]:  # fmt: skip
         """Backpropagates this rank's share of L_pg (or L_is) + the KL on S, each row's terms times its 1 / pi_i under
-        unbiased selection. `advantage(mb, mask)` -> (P,) the valid positions' A_it (it may run teacher forwards:
-        `release` names their models, freed before each backward). Returns this rank's (pg value, KL value)."""
+        unbiased selection. `advantage(mb, mask, h, w)` -> (P,) the valid positions' A_it (it may run teacher
+        forwards: `release` names their models, freed before each backward). `plans` ({group: [local row ids]}):
+        the micro-batches (default: S grouped by length, one group). Returns this rank's (pg value, KL value)."""
         ctx, ro, sel = self.ctx, batch.rollouts, batch.selected
         cfg = ctx.loss
-        plan = [sel[g] for g in plan_micro_batches(ro.lengths[sel], cfg.micro_batch, cfg.micro_batch_tokens)] if sel.numel() else []
+        if plans is None:
+            plan = plan_micro_batches(ro.lengths[sel], cfg.micro_batch, cfg.micro_batch_tokens) if sel.numel() else []
+            plans = {"pg": [sel[g] for g in plan]}
         values = [0.0, 0.0]
         extra = [self.reference.model] if self.reference is not None else []
-        for mb in lockstep(ctx, batch, {"pg": plan}, sync, release=[*release, *extra]):
+        for mb in lockstep(ctx, batch, plans, sync, release=[*release, *extra]):
             with mb.synced():
                 self._micro_batch(batch, mb, advantage, denominator, values)
         return values[0], values[1]
@@ -89,11 +93,7 @@ class PolicyGradient:
         inputs, mask, width = micro_batch_inputs([batch.student_prompts[p] for p in pids], ro, rows, ctx.ids["pad"], device)
         y = ro.response_ids[rows, :width].to(device)[mask]  # (P,)
         old = ro.logp[rows, :width].to(device)[mask]  # (P,) log pi_old(y_t), the sampling's
-        a = advantage(mb, mask).to(device)  # (P,) A_it, detached
-        if batch.weights is not None and mb.real:  # unbiased selection: each position times its row's 1 / pi_i
-            a = a * batch.weights[rows].to(device=device, dtype=a.dtype).unsqueeze(-1).expand(mask.shape)[mask]
-        coef = -self.weight * a / n  # (P,) d L_pg / d log pi(y_t)
-        kl_terms = None
+        kl_terms = d_kl = None
         if self.reference is not None:  # KL(pi_theta || pi_ref), k3 on the sampled tokens
             with ctx.autocast(), mb.teacher(self.reference):
                 h_r = self.reference.hidden(inputs, width)[mask]
@@ -103,11 +103,17 @@ class PolicyGradient:
             if batch.weights is not None and mb.real:
                 w_pos = batch.weights[rows].to(device=device, dtype=kl_terms.dtype).unsqueeze(-1).expand(mask.shape)[mask]
                 kl_terms, d_kl = kl_terms * w_pos, d_kl * w_pos
-            coef = coef + self.kl * d_kl / n
-        coef = mb.weight(coef)
         with ctx.autocast():
             h = response_hidden(ctx.student, inputs, width)[mask]  # (P, H)
             w = lm_head_weight(getattr(ctx.student, "module", ctx.student))
+        a = advantage(mb, mask, h.detach(), w.detach()).to(device)  # (P,) A_it, detached
+        if batch.weights is not None and mb.real:  # unbiased selection: each position times its row's 1 / pi_i
+            a = a * batch.weights[rows].to(device=device, dtype=a.dtype).unsqueeze(-1).expand(mask.shape)[mask]
+        coef = -self.weight * a / n  # (P,) d L_pg / d log pi(y_t)
+        if d_kl is not None:
+            coef = coef + self.kl * d_kl / n
+        coef = mb.weight(coef)
+        with ctx.autocast():
             loss, logp = weighted_logp_from_hidden(h, w, y, coef.double() * ctx.accelerator.num_processes,
                                                    chunk or max(1, h.shape[0]), old if self.importance else None)  # fmt: skip
         mb.backward(loss)

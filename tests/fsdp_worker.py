@@ -98,7 +98,7 @@ def resume(a) -> None:
     for name, run in (("whole", whole), ("resumed", resumed)):
         result[name] = {"params": full_state_dict(run.model), "teacher": full_state_dict(run.teacher.model)}
     # The export against the in-memory model: the same inputs through both, on rank 0's copy of the export.
-    records = resumed.prompts(0)
+    records = resumed.prompts.of_step(0)
     batch = collate(resumed.student_prompts(records), resumed.ids["pad"])
     with torch.no_grad():
         in_memory = resumed.model(**batch, use_cache=False).logits

@@ -38,6 +38,7 @@ CASES: dict[str, list[str]] = {
     "dapd": ["--method", "dapd"],
     "gkd": ["--method", "gkd", "--teacher-model", TEACHER],
     "opod": ["--method", "opod", "--teacher-model", TEACHER],
+    "tm-opd (budgeted)": ["--method", "tm-opd", "--teacher-model", TEACHER, "--policy", "learned", "--rho", "0.25"],
     "lora": ["--lora-r", "4", "--lr", "1e-3"],
     "cap": ["--max-per-prompt", "1"],
     "unbiased": ["--unbiased"],

@@ -114,6 +114,24 @@ def test_fsdp_opod_equals_one_unsharded_rank_when_one_rank_has_no_selected_row(t
 
 
 @pytest.mark.slow
+def test_fsdp_tm_opd_equals_one_unsharded_rank_when_one_rank_has_no_selected_row(tmp_path, tiny):
+    """Thinking Machines' on-policy distillation sharded on 2 ranks: the external teacher sharded like the policy, its
+    forward inside the policy-gradient pass's micro-batches (rank 1, without selected rows, pads each with an
+    uncounted one); the importance-sampled token sum equals the unsharded run's."""
+    from opd.tiny import build_tiny_model
+
+    teacher = build_tiny_model(tmp_path / "t1", seed=1)
+    args = ["--methods", "tm-opd", "--policy", "entropy", "--skew", "--teacher-model", str(teacher), "--dtype", "float64"]
+    one = torch.load(_worker(tmp_path / "one", 1, *args) / "tm-opd.pt", weights_only=False)
+    two = torch.load(_worker(tmp_path / "two", 2, *args, "--fsdp") / "tm-opd.pt", weights_only=False)
+    _assert_same_run(one, two, "tm-opd")
+    for r1, r2 in zip(one["rows"], two["rows"]):
+        assert r1["teacher_rows_full"] == r2["teacher_rows_full"]
+        assert r1["teacher_kl"] == pytest.approx(r2["teacher_kl"], rel=1e-9, abs=1e-12)
+    assert two["per_teacher"][1].tolist() == [0] and two["per_teacher"][0, 0] > 0
+
+
+@pytest.mark.slow
 def test_fsdp_routed_external_teachers_equal_one_unsharded_rank(tmp_path, tiny):
     """--teachers on 2 sharded ranks: each external teacher is sharded like the policy and runs as many micro-batches
     on every rank as on the busiest one (rank 1, which holds no selected row, pads every teacher's with

@@ -84,7 +84,7 @@ def test_eligibility_follows_what_a_view_needs(records):
 
 
 def test_method_table():
-    assert list(METHODS) == ["bas-opd", "vision-opd", "rp-opsd", "opd-v", "opsd", "dapd", "gkd", "opod"]
+    assert list(METHODS) == ["bas-opd", "vision-opd", "rp-opsd", "opd-v", "opsd", "dapd", "gkd", "opod", "tm-opd"]
     for m in METHODS.values():
         m.check()
     assert get_method("opd-v").teacher_views == ("crop", "masked")
