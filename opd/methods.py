@@ -92,9 +92,15 @@ class Method:
 
 FULL_QUERY = dict(policy="full", rho=1.0)
 VERL = dict(warmup_steps=10, loss_agg="micro-batch")
-"""Vision-OPD, OPD-V, RP-OPSD on verl: 10 warm-up steps (lr_warmup_steps / warmup_steps: 10), verl's aggregation."""
+"""Vision-OPD, OPD-V, RP-OPSD on verl: 10 warm-up steps (lr_warmup_steps / warmup_steps: 10), then constant; verl's
+per-micro-batch token mean (RP-OPSD at one row per micro-batch: a per-sequence mean)."""
 TRL_SAMPLING = dict(sample_temperature=1.1, sample_top_p=0.95, sample_top_k=20)
 """OPSD's (scripts/run_opsd.sh) and DAPD's rollout sampling."""
+TRL_OPTIM = dict(lr_schedule="linear", weight_decay=0.0)
+"""transformers' `TrainingArguments` defaults, which OPSD, DAPD and GKD (TRL trainers) keep: linear decay to 0, no
+weight decay (the verl siblings' 0.01 is verl's)."""
+SEVEN = "q_proj,k_proj,v_proj,o_proj,gate_proj,up_proj,down_proj"
+"""OPSD's and DAPD's LoRA targets (run_opsd.sh; DAPD's train.py LORA_TARGETS): not the linear-attention layers."""
 
 METHODS: dict[str, Method] = {
     m.name: m
@@ -104,8 +110,8 @@ METHODS: dict[str, Method] = {
         Method(
             "rp-opsd", "RP-OPSD (arXiv 2607.24447; wmm7777/RP-OPSD, config/best.yaml)",
             student_view="half_resolution", teacher_view="full", support="teacher", divergence="bc_rkl",
-            settings=dict(FULL_QUERY, alpha=1.0), recipe=VERL,
-        ),  # fmt: skip
+            settings=dict(FULL_QUERY, alpha=1.0), recipe=dict(VERL, loss_agg="sequence-mean"),
+        ),  # fmt: skip  (scripts/train.sh: ppo_micro_batch_size_per_gpu=1, no dynamic batch: verl's mean is per sequence)
         Method(
             "opd-v", "OPD-V (arXiv 2608.05131; aniri15/OPD-V, random-mask negative, trust-region)",
             negative_view="masked", token_weight="trust_region", settings=FULL_QUERY, recipe=VERL,
@@ -114,23 +120,25 @@ METHODS: dict[str, Method] = {
             "opsd", "OPSD (arXiv 2601.18734; siyan-zhao/OPSD, fixed teacher; full-vocabulary JSD in its recipe)",
             teacher_view="reference_answer", support="teacher_renorm", settings=dict(FULL_QUERY, ema_tau=0.0),
             recipe=dict(
-                TRL_SAMPLING, lora_r=64, lora_alpha=128.0, lora_dropout=0.05,
-                lora_targets="q_proj,k_proj,v_proj,o_proj,gate_proj,up_proj,down_proj", lr=2e-4,
+                TRL_SAMPLING, **TRL_OPTIM, lora_r=64, lora_alpha=128.0, lora_dropout=0.0, lora_targets=SEVEN, lr=2e-4,
                 loss_temperature=1.1, support="full", loss_agg="sequence-mean",
-            ),  # scripts/run_opsd.sh (commit d75fcc7); its main loss is the full-vocabulary JSD (--top_k_loss 0)
+            ),  # scripts/run_opsd.sh (commit d75fcc7); its main loss is the full-vocabulary JSD (--top_k_loss 0); dropout 0:
+            # opsd_trainer.py's disable_dropout_in_model after the adapter is attached
         ),  # fmt: skip
         Method(
             "dapd", "DAPD (arXiv 2608.01735; uanu2002/DAPD, dapd/objective.py, dapd/trainer.py)",
             teacher_view="reference_answer", support="full", divergence="clamped_kl", objective=DAPD,
             external_teachers="refused", settings=dict(FULL_QUERY, ema_tau=1.0, ema_every=100),
-            recipe=dict(TRL_SAMPLING, lora_r=64, lora_alpha=128.0, lr=5e-6, grad_clip=0.1, lr_schedule="linear",
-                        schedule_steps=500, dapd_context_thinking=True),  # fmt: skip
+            recipe=dict(TRL_SAMPLING, **TRL_OPTIM, lora_r=64, lora_alpha=128.0, lora_dropout=0.0, lora_targets=SEVEN,
+                        lr=5e-6, grad_clip=0.1, schedule_steps=500, dapd_context_thinking=True),  # fmt: skip
         ),  # fmt: skip
         Method(
             "gkd", "GKD (Agarwal et al. 2024, arXiv 2306.13649; TRL's GKDTrainer): on-policy distillation from a "
             "separate teacher checkpoint", teacher_view="full", support="full", external_teachers="required",
-            settings=dict(FULL_QUERY, alpha=0.5), recipe=dict(sample_temperature=0.9, loss_temperature=0.9),
-        ),  # fmt: skip  (TRL's GKDConfig: beta 0.5, temperature 0.9 for sampling and in the loss)
+            settings=dict(FULL_QUERY, alpha=0.5),
+            recipe=dict(TRL_OPTIM, sample_temperature=0.9, loss_temperature=1.0, lr=2e-5),
+        ),  # fmt: skip  (TRL's GKDConfig: beta 0.5, temperature 0.9 for sampling only: GKDTrainer calls generalized_jsd_loss
+        # without one; lr 2e-5 SFTConfig's)
         Method(
             "opod", "OPOD (arXiv 2607.20918; no public code, formulas transcribed: medium confidence)",
             teacher_view="full", token_weight="gate", objective=OPOD, external_teachers="required",

@@ -99,7 +99,7 @@ def resume(a) -> None:
         result[name] = {"params": full_state_dict(run.model), "teacher": full_state_dict(run.teacher.model)}
     # The export against the in-memory model: the same inputs through both, on rank 0's copy of the export.
     records = resumed.prompts.of_step(0)
-    batch = collate(resumed.student_prompts(records), resumed.ids["pad"])
+    batch = collate(resumed.prompts.student(records), resumed.ids["pad"])
     with torch.no_grad():
         in_memory = resumed.model(**batch, use_cache=False).logits
     ckpt = Path(a.out) / "split" / (Path(a.out) / "split" / "latest").read_text().strip()
