@@ -44,10 +44,12 @@ def main(argv: list[str] | None = None) -> dict:
         return cfg.flags()
     from transformers.utils import logging as hf_logging
 
-    from opd.loop import Run
+    from opd.loop import Run, end_processes
 
     hf_logging.disable_progress_bar()  # weight loading/saving bars would break the training bar
-    return Run(cfg).train()
+    summary = Run(cfg).train()
+    end_processes()  # every rank, once the run is done: no communication thread outlives the process group
+    return summary
 
 
 if __name__ == "__main__":

@@ -2,6 +2,7 @@
 
     python experiments/selection.py --out runs/selection     # 2 tasks x 7 policies x 5 seeds: 70 OPD runs, resumable
     python experiments/selection.py --smoke                  # one seed, 2 steps per run (the test)
+    python experiments/selection.py --out runs/selection --variants learned-25-ht,learned-25-strat   # part 2's rows
 
 Both toy tasks, on the same world and bases as their own experiments:
 
@@ -12,7 +13,9 @@ Both toy tasks, on the same world and bases as their own experiments:
 Per task and seed: Full, Random-25, Entropy-25, Learned-25 (top-K, as published), Learned-25 and Entropy-25
 unbiased (`--unbiased`: S sampled with inclusion probabilities that grow with the score, the loss weighted by
 1 / pi), and Learned-25 with a per-prompt cap (`--max-per-prompt`, K spread evenly: ceil(K / prompts) per
-prompt). Each run is scored by eval.py in both views (the full image; the crop view is the teacher's pathway:
+prompt). Part 2 (`--variants all`, or by name): Learned-25 unbiased with the Horvitz-Thompson estimator
+(`--estimator ht`) at eps 0.1, 0.3 and 0.5 and with pi proportional to T_i sqrt(u^_i) (`--inclusion-size gradient`),
+and stratified by prompt (`--strata prompt`) at eps 0.1 and 0.5. Each run is scored by eval.py in both views (the full image; the crop view is the teacher's pathway:
 a collapse shows there), and at its end `opd.audit.selection_audit` measures, on held batches, the cosine of the
 run's own budgeted gradient (its selector's draws, weighted as in training) to the full-query gradient, and the
 share of the true utility its S captures.
@@ -47,11 +50,28 @@ VARIANTS = {
     "learned-25-unbiased": ("learned", 25, {"unbiased": True}),
     "entropy-25-unbiased": ("entropy", 25, {"unbiased": True}),
     "learned-25-cap": ("learned", 25, {"max_per_prompt": "even"}),
+    # part 2 (docs/SELECTION.md): Horvitz-Thompson, stratified by prompt, the uniform share, the gradient-size map
+    "learned-25-ht": ("learned", 25, {"unbiased": True, "estimator": "ht"}),
+    "learned-25-ht-eps30": ("learned", 25, {"unbiased": True, "estimator": "ht", "explore": 0.3}),
+    "learned-25-ht-eps50": ("learned", 25, {"unbiased": True, "estimator": "ht", "explore": 0.5}),
+    "learned-25-ht-grad": ("learned", 25, {"unbiased": True, "estimator": "ht", "inclusion_size": "gradient"}),
+    "learned-25-strat": ("learned", 25, {"unbiased": True, "estimator": "ht", "strata": "prompt"}),
+    "learned-25-strat-eps50": ("learned", 25, {"unbiased": True, "estimator": "ht", "strata": "prompt", "explore": 0.5}),
 }
 """Run name -> (policy, percent, train.py settings); 'even' is ceil(K / prompts per step)."""
 LABELS = {"full-100": "Full querying", "random-25": "Random-25", "entropy-25": "Entropy-25",
           "learned-25": "Learned-25 (top-K)", "learned-25-unbiased": "Learned-25 unbiased",
-          "entropy-25-unbiased": "Entropy-25 unbiased", "learned-25-cap": "Learned-25 capped per prompt"}  # fmt: skip
+          "entropy-25-unbiased": "Entropy-25 unbiased", "learned-25-cap": "Learned-25 capped per prompt",
+          "learned-25-ht": "Learned-25 unbiased HT", "learned-25-ht-eps30": "Learned-25 unbiased HT, eps 0.3",
+          "learned-25-ht-eps50": "Learned-25 unbiased HT, eps 0.5",
+          "learned-25-ht-grad": "Learned-25 unbiased HT, pi ~ T sqrt(u^)",
+          "learned-25-strat": "Learned-25 stratified by prompt (HT)",
+          "learned-25-strat-eps50": "Learned-25 stratified by prompt (HT), eps 0.5"}  # fmt: skip
+PART_1 = ("full-100", "random-25", "entropy-25", "learned-25", "learned-25-unbiased", "entropy-25-unbiased",
+          "learned-25-cap")  # fmt: skip
+"""The variants of the first measurement (docs/SELECTION.md); the default --variants."""
+BASELINES = ("full-100", "random-25", "entropy-25", "learned-25")
+"""The paper's policies (grey in the plot); the others are the remedies (blue)."""
 CROP_DROP = 10.0
 """Points of crop-view accuracy below the base's after which a run counts as collapsed (its teacher pathway)."""
 
@@ -64,8 +84,8 @@ class SelectionConfig:
     """Output folder: world/, base-letter/, base-explain/, runs/<task>/<policy>/seed<k>/, report.md and plots."""
     tasks: str = "letter,explain"
     """The toy tasks: letter (one-letter answers, 32 prompts x 2 rollouts) and explain (explained answers, 8 x 8)."""
-    variants: str = ",".join(VARIANTS)
-    """The policies run on each task (names of VARIANTS)."""
+    variants: str = ",".join(PART_1)
+    """The policies run on each task (names of VARIANTS; 'all': every one)."""
     seeds: int = 5
     """Training seeds 0..seeds-1 (data order, rollout sampling, selector seed)."""
     letter_steps: int = 120
@@ -118,7 +138,7 @@ def world_config(cfg):
 
 
 def specs(cfg: SelectionConfig) -> list[dict]:
-    names = [v.strip() for v in cfg.variants.split(",") if v.strip()]
+    names = list(VARIANTS) if cfg.variants.strip() == "all" else [v.strip() for v in cfg.variants.split(",") if v.strip()]
     unknown = [n for n in names if n not in VARIANTS]
     if unknown:
         from opd.cli import UserError
@@ -161,36 +181,53 @@ def job(cfg: SelectionConfig, spec: dict, root: Path) -> dict:
 
 
 def collect(root: Path, all_specs: list[dict]) -> dict:
-    """{task: {variant: [record per seed]}} from the finished run folders (opd.toy.experiment.read_run)."""
+    """{task: {variant: [record per seed]}} from the finished run folders (opd.toy.experiment.read_run), each with
+    its mean distinct prompts in S per step (the ledger's selected_prompts)."""
+    from opd.ledger import read_ledger
+
     runs: dict = {}
     for spec in all_specs:
         if (rec := read_run(root, spec)) is not None:
             rec["selection"] = rec["selection"]["summary"] if rec["selection"] else None
+            rows = read_ledger(run_folder(root, spec) / "ledger.jsonl")
+            rec["selected_prompts"] = float(np.mean([r["selected_prompts"] for r in rows])) if rows else float("nan")
             runs.setdefault(spec["task"], {}).setdefault(spec["variant"], []).append(rec)
     return runs
 
 
+def paired(rs: list[dict], reference: list[dict] | None) -> str:
+    """'+d, w of n above': the mean difference in full-image accuracy to the reference policy on the same seeds and
+    how many of those seeds are above it ('' without a reference run of any of these seeds)."""
+    ref = {r["spec"]["seed"]: r["full"] for r in reference or []}
+    diffs = [r["full"] - ref[r["spec"]["seed"]] for r in rs if r["spec"]["seed"] in ref]
+    if not diffs:
+        return ""
+    return f"{np.mean(diffs):+.2f}, {sum(d > 0 for d in diffs)} of {len(diffs)} above"
+
+
 def task_table(task: str, runs: dict, base: dict) -> list[str]:
+    """The task's table: one row per variant run (accuracy, paired with Random-25, collapse, cost, the audit)."""
     full_tokens = np.mean([r["ledger"]["scored_tokens"] for r in runs.get("full-100", [])]) if runs.get("full-100") else None
-    lines = ["| Policy | Full-image accuracy | Per seed | Crop view (end) | Collapsed seeds | Tokens vs Full | "
-             "Utility captured | cos(g_S, g_C) | cos(mean g_S, g_C) | Largest 1/pi |", "| --- | ---: | --- | ---: | ---: | ---: | ---: | ---: | ---: | ---: |"]  # fmt: skip
-    for name in VARIANTS:
-        rs = runs.get(name)
-        if not rs:
-            lines.append(f"| {LABELS[name]} | not run | | | | | | | | |")
-            continue
+    lines = ["| Policy | Full-image accuracy | Per seed | vs Random-25, same seed | Crop view (end) | Collapsed seeds | "
+             "Tokens vs Full | Tokens of C | Prompts in S | Utility captured | cos(g_S, g_C) | cos(mean g_S, g_C) | "
+             "Largest 1/pi |", "| --- | ---: | --- | --- | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: |"]  # fmt: skip
+    for name in [n for n in VARIANTS if runs.get(n)]:
+        rs = sorted(runs[name], key=lambda r: r["spec"]["seed"])
         full = [r["full"] for r in rs]
         crop = [r["crop"] for r in rs]
         collapsed = sum(c < base["crop"] - CROP_DROP for c in crop)
         tokens = np.mean([r["ledger"]["scored_tokens"] for r in rs])
         ratio = f"{100 * tokens / full_tokens:.1f}%" if full_tokens else "-"
+        of_c = f"{100 * np.mean([r['ledger']['token_ratio'] for r in rs]):.1f}%"
+        vs = paired(rs, runs.get("random-25")) if name != "random-25" else ""
         sel = [r["selection"] for r in rs if r.get("selection")]
         pick = lambda k: f"{np.mean([s[k] for s in sel]):.3f}" if sel else "-"  # noqa: E731
         captured = f"{100 * np.mean([s['captured'] for s in sel]):.1f}%" if sel else "100%"
         weight = max(r["max_weight"] for r in rs)
-        lines.append(f"| {LABELS[name]} | {mean_std(full)} | {', '.join(f'{x:.1f}' for x in full)} | {mean_std(crop)} | "
-                     f"{collapsed} of {len(rs)} | {ratio} | {captured} | {pick('cosine') if sel else '1'} | "
-                     f"{pick('cosine_of_mean') if sel else '1'} | {weight:.1f} |")  # fmt: skip
+        prompts = np.mean([r["selected_prompts"] for r in rs])
+        lines.append(f"| {LABELS[name]} | {mean_std(full)} | {', '.join(f'{x:.1f}' for x in full)} | {vs} | "
+                     f"{mean_std(crop)} | {collapsed} of {len(rs)} | {ratio} | {of_c} | {prompts:.1f} | {captured} | "
+                     f"{pick('cosine') if sel else '1'} | {pick('cosine_of_mean') if sel else '1'} | {weight:.1f} |")  # fmt: skip
     return lines
 
 
@@ -213,7 +250,7 @@ def plot(root: Path, runs: dict) -> str:
         means = [np.mean([r["full"] for r in runs[task][n]]) for n in names]
         for j, n in enumerate(names):
             ax.scatter([j] * len(runs[task][n]), [r["full"] for r in runs[task][n]], color="0.3", s=12, zorder=3)
-        ax.bar(range(len(names)), means, color=["0.6" if "unbiased" not in n and "cap" not in n else "tab:blue" for n in names])
+        ax.bar(range(len(names)), means, color=["0.6" if n in BASELINES else "tab:blue" for n in names])
         ax.set_xticks(range(len(names)), labels, fontsize=7)
         ax.set_ylabel("full-image accuracy (%)")
         ax.set_title(f"{task}: accuracy per seed (dots) and mean (bars)")

@@ -409,14 +409,15 @@ def prompt_coverage(batches: list[HeldBatch], fraction: float = 0.25, seed: int 
 
 
 def opd_gradient(ctx: AuditContext, batch: HeldBatch, rows: torch.Tensor,
-                 sample_weights: torch.Tensor | None = None) -> torch.Tensor:  # fmt: skip
+                 sample_weights: torch.Tensor | None = None, full_tokens: float | None = None) -> torch.Tensor:  # fmt: skip
     """Flat gradient of the run's loss over `rows` (global row ids of the batch) w.r.t. the policy: Eq. 11's token
     mean, or the run's --loss-agg (`opd.loss.aggregation_weights`, its denominator over `rows`).
 
     Uses the training path (`opd.distill.micro_batch_loss` with the aggregation's weights, the run's micro-batches:
     the teacher on its privileged view, the student on its own, the method's divergence); nothing is stepped and
     no .grad is written. `sample_weights` (len(rows),): Eq. 11's Hajek form with these w_i (unbiased selection's
-    1 / pi_i; token-mean only, as train.py requires).
+    1 / pi_i; token-mean only, as train.py requires); with `full_tokens` (T_C) its Horvitz-Thompson form instead
+    (--estimator ht, `opd.loss.loss_denominator`).
     """
     cfg, device, ro, model = ctx.objective.loss, ctx.objective.device, batch.rollouts, ctx.model
     params = [p for p in model.parameters() if p.requires_grad]
@@ -424,6 +425,8 @@ def opd_gradient(ctx: AuditContext, batch: HeldBatch, rows: torch.Tensor,
     w_of = None if sample_weights is None else dict(zip(rows.tolist(), sample_weights.double().tolist()))
     if cfg.aggregation != "token-mean":  # sequence-mean, micro-batch: |S|, the rows with a valid token
         denominator = int((ro.lengths[rows] > 0).sum())
+    elif w_of is not None and full_tokens is not None and int(ro.lengths[rows].sum()):
+        denominator = float(full_tokens)
     elif w_of is not None:
         denominator = float(sum(w_of[i] * int(ro.lengths[i]) for i in rows.tolist()))
     else:
@@ -477,9 +480,9 @@ def selection_audit(ctx: AuditContext, selector, records: list[Record], n_batche
     Per batch: the full-query gradient g_C (Eq. 11 over every candidate) and, for `draws` draws of the run's
     selector as it trains (a copy of it, so the run's selector is untouched; top-K, uniform, capped or sampled
     with its inclusion probabilities), the budgeted gradient g_S (with unbiased selection's 1 / pi_i weights,
-    Eq. 11's Hajek form). Reports cos(g_S, g_C) per draw (bias and noise), cos(mean over draws of g_S, g_C)
-    (mostly the bias: the noise averages out over draws), and the utility S captures: sum_S u_i / sum_C u_i with
-    every candidate's true utility (Eq. 9, the teacher on all of C)."""
+    Eq. 11's Hajek form, or Horvitz-Thompson's under --estimator ht). Reports cos(g_S, g_C) per draw (bias and
+    noise), cos(mean over draws of g_S, g_C) (mostly the bias: the noise averages out over draws), and the utility
+    S captures: sum_S u_i / sum_C u_i with every candidate's true utility (Eq. 9, the teacher on all of C)."""
     import copy
 
     check_auditable(ctx)
@@ -498,7 +501,7 @@ def selection_audit(ctx: AuditContext, selector, records: list[Record], n_batche
             draw = copy.deepcopy(selector)
             chosen = draw.select(batch.phi, batch.eligible, budget, 10**6 + b * draws + d, batch.has_entropy, prompt_of)
             w = None if draw.last_pi is None else 1.0 / draw.last_pi
-            g = opd_gradient(ctx, batch, chosen, w)
+            g = opd_gradient(ctx, batch, chosen, w, draw.full_query_tokens(batch.rollouts.lengths, batch.eligible))
             grads.append(g)
             cos.append(cosine(g, g_c))
             total = float(u[candidates].sum())

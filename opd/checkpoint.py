@@ -20,6 +20,7 @@ overwrites every weight and moment from sharded/. DCP reshards on load, so anoth
 can resume it; the same number continues to the same result (rollouts are seeded per rank).
 """
 
+import contextlib
 import json
 import os
 import shutil
@@ -37,8 +38,8 @@ from torch.distributed.checkpoint.state_dict import (
 )
 
 from opd.cli import Section
-from opd.ledger import write_atomic
 from opd.sharding import full_state_dict
+from opd.storage import disk_full, is_full, write_atomic
 
 
 @dataclass
@@ -63,15 +64,48 @@ class CheckpointConfig(Section):
         return problems
 
 
+WRITE_FAILED = ("PytorchStreamWriter failed", "unexpected pos", "file write failed")
+"""How torch.save reports a write that the disk refused (its C++ writer's RuntimeError carries no errno)."""
+
+
+def folder_bytes(folder: Path) -> int:
+    """The bytes of the files below `folder` (0 when it is missing)."""
+    return sum(p.stat().st_size for p in folder.rglob("*") if p.is_file()) if folder.is_dir() else 0
+
+
+@contextlib.contextmanager
+def written_whole(out_dir: Path, tmp: Path, name: str):
+    """A checkpoint's temporary folder either completes or is removed: on any failure `tmp` is deleted, and a full
+    disk or quota (`opd.storage.is_full`, or torch.save's failed writer) is one `DiskFullError` line naming the
+    folder, the checkpoint and about the space it needs (the last checkpoint's size, else what was written)."""
+    try:
+        yield
+    except BaseException as exc:
+        written = folder_bytes(tmp)
+        shutil.rmtree(tmp, ignore_errors=True)
+        if isinstance(exc, Exception) and (is_full(exc) or any(t in str(exc) for t in WRITE_FAILED)):
+            before = find_latest(out_dir)
+            then = (f"continue with --resume {out_dir} (from {before.name})" if before is not None else
+                    "run the same command again (no checkpoint was written: the run starts over)")  # fmt: skip
+            raise disk_full(out_dir, name, max(written, folder_bytes(before) if before else 0), then) from None
+        raise
+
+
 def save_checkpoint(out_dir: str | Path, step: int, policy, processor, teacher, state: dict, keep: int = 1,
                     adapters: dict | None = None) -> Path:  # fmt: skip
     """Writes checkpoint-{step} (step = the next step to run) and points DIR/latest at it. `adapters` (LoRA,
     `opd.lora`): {"policy": adapter, "teacher": adapter or None}: policy/ and teacher/ hold those adapters of
-    `policy` instead of whole models."""
+    `policy` instead of whole models. A failed write leaves no temporary folder (`written_whole`)."""
     out_dir = Path(out_dir)
     final = out_dir / f"checkpoint-{step:06d}"
     tmp = out_dir / f".checkpoint-{step:06d}.tmp"
     shutil.rmtree(tmp, ignore_errors=True)
+    with written_whole(out_dir, tmp, final.name):
+        _write_checkpoint(tmp, policy, processor, teacher, state, step, adapters)
+    return _publish(out_dir, tmp, final, state, keep)
+
+
+def _write_checkpoint(tmp: Path, policy, processor, teacher, state: dict, step: int, adapters: dict | None) -> None:
     if adapters is not None:
         from opd.lora import save_adapter
 
@@ -84,7 +118,8 @@ def save_checkpoint(out_dir: str | Path, step: int, policy, processor, teacher, 
     if teacher is not None:  # None: a frozen external teacher, reloaded from its own checkpoint on resume
         teacher.save_pretrained(tmp / "teacher")
     torch.save({**state, "step": step}, tmp / "state.pt")
-    return _publish(out_dir, tmp, final, state, keep)
+    if "config" in state:
+        (tmp / "train_config.json").write_text(json.dumps(state["config"], indent=2) + "\n")
 
 
 def _sync_tree(folder: Path) -> None:
@@ -102,8 +137,6 @@ def _publish(out_dir: Path, tmp: Path, final: Path, state: dict, keep: int) -> P
     DIR/latest at it and removes checkpoints beyond `keep`. A folder already named `final` (a resume from an
     earlier checkpoint writes that step again) is renamed aside first and deleted only once `latest` names the
     new one."""
-    if "config" in state:
-        (tmp / "train_config.json").write_text(json.dumps(state["config"], indent=2) + "\n")
     _sync_tree(tmp)
     replaced = final.with_name(f".{final.name}.old")
     shutil.rmtree(replaced, ignore_errors=True)
@@ -112,10 +145,32 @@ def _publish(out_dir: Path, tmp: Path, final: Path, state: dict, keep: int) -> P
     tmp.rename(final)
     write_atomic(out_dir / "latest", final.name + "\n")
     shutil.rmtree(replaced, ignore_errors=True)
+    prune(out_dir, keep)
+    return final
+
+
+def find_latest(out_dir: Path) -> Path | None:
+    """The checkpoint DIR/latest names, when it is there."""
+    latest = Path(out_dir) / "latest"
+    if not latest.is_file():
+        return None
+    ckpt = Path(out_dir) / latest.read_text().strip()
+    return ckpt if ckpt.is_dir() else None
+
+
+def prune(out_dir: Path, keep: int) -> None:
+    """Keeps the `keep` newest checkpoints, the one DIR/latest names among them; removes the rest and a kill's
+    leftovers (`.checkpoint-*.tmp`, `.checkpoint-*.old`). Run after every save and when a run resumes (a kill
+    between `latest` and the pruning left an old checkpoint beside the new one)."""
+    out_dir = Path(out_dir)
+    final = find_latest(out_dir)
+    if final is None:
+        return
     old = sorted(p for p in out_dir.glob("checkpoint-*") if p.is_dir() and p != final)
     for p in old[: max(0, len(old) - (keep - 1))]:
         shutil.rmtree(p, ignore_errors=True)
-    return final
+    for p in out_dir.glob(".checkpoint-*"):
+        shutil.rmtree(p, ignore_errors=True)
 
 
 def _sharded_state(policy, teacher, optimizer) -> dict:
@@ -156,21 +211,31 @@ def save_sharded(out_dir: str | Path, step: int, policy, teacher, optimizer, sta
         shutil.rmtree(tmp, ignore_errors=True)
         tmp.mkdir(parents=True)
     dist.barrier()
-    dcp.save(_sharded_state(policy, teacher, optimizer), checkpoint_id=tmp / "sharded")
-    if processor is not None:
-        if adapters is not None:  # LoRA: the adapters (the teacher's is an adapter of the policy)
-            export_pretrained(policy, tmp / "policy", processor, adapters["policy"])
-            if adapters.get("teacher"):
-                export_pretrained(policy, tmp / "teacher", None, adapters["teacher"])
-        else:
-            export_pretrained(policy, tmp / "policy", processor)
-            if teacher is not None:
-                export_pretrained(teacher, tmp / "teacher")
+    with written_whole(out_dir, tmp, final.name):
+        dcp.save(_sharded_state(policy, teacher, optimizer), checkpoint_id=tmp / "sharded")
+        if processor is not None:
+            _export_sharded(tmp, policy, teacher, processor, adapters)
+        if main:
+            torch.save({**state, "step": step}, tmp / "state.pt")
+            if "config" in state:
+                (tmp / "train_config.json").write_text(json.dumps(state["config"], indent=2) + "\n")
     if main:
-        torch.save({**state, "step": step}, tmp / "state.pt")
         _publish(out_dir, tmp, final, state, keep)
     dist.barrier()
     return final
+
+
+def _export_sharded(tmp: Path, policy, teacher, processor, adapters: dict | None) -> None:
+    """The last sharded checkpoint's policy/ and teacher/ exports (LoRA: the adapters; the teacher's is an adapter
+    of the policy)."""
+    if adapters is not None:
+        export_pretrained(policy, tmp / "policy", processor, adapters["policy"])
+        if adapters.get("teacher"):
+            export_pretrained(policy, tmp / "teacher", None, adapters["teacher"])
+    else:
+        export_pretrained(policy, tmp / "policy", processor)
+        if teacher is not None:
+            export_pretrained(teacher, tmp / "teacher")
 
 
 def load_sharded(ckpt: str | Path, policy, teacher, optimizer) -> None:

@@ -285,7 +285,7 @@ def _typed(value, flag: Flag, where: str):
 
 
 RESUMABLE = (
-    "resume", "out", "steps", "save_every", "keep_checkpoints", "report_to", "run_label",
+    "resume", "out", "allow_data_change", "steps", "save_every", "keep_checkpoints", "report_to", "run_label",
     "eval_every", "eval_data", "eval_benchmarks", "eval_limit", "eval_views", "eval_max_new_tokens", "eval_batch",
     "micro_batch", "micro_batch_tokens", "loss_chunk", "rollout_batch", "share_prefill", "grad_checkpointing", "vllm_url",
     "fsdp_generation",

@@ -162,7 +162,9 @@ class DAPD(Objective):
                "is_clip": "its clamped KL has no importance ratio",
                "loss_agg": "each pair is a token mean over its completion's tokens",
                "loss_temperature": "its clamped KL has its own temperature (--dapd-temperature)",
-               "support": "its KL is over the full vocabulary"}  # fmt: skip
+               "support": "its KL is over the full vocabulary",
+               "estimator": "its reference completions' tokens over C, a Horvitz-Thompson denominator, are not counted; "
+                            "--estimator hajek weighs its pairs"}  # fmt: skip
     needs_ema_teacher = "its snapshot anchor is the run's EMA teacher, refreshed by --ema-tau (DAPD's 1)"
 
     @classmethod

@@ -168,7 +168,8 @@ def distill(ctx, batch: StepBatch, row_weights: torch.Tensor | None = None, sync
     if token_sums is not None and (cfg.token_weight != "none" or cfg.is_clip):
         sums = token_sums
         sums.update(token_weight=torch.zeros(len(ro)), teacher_logp=torch.zeros(len(ro)))
-    res.global_tokens = loss_denominator(ctx.accelerator, cfg.aggregation, ro.lengths, sel, batch.weights)
+    res.global_tokens = loss_denominator(ctx.accelerator, cfg.aggregation, ro.lengths, sel, batch.weights,
+                                         batch.full_tokens)  # Hajek's sum_S w_i T_i, or Horvitz-Thompson's T_C
     if res.global_tokens == 0:  # S is empty everywhere: no teacher call, zero distillation term
         return res
     weights = torch.ones(len(ro)) if row_weights is None else row_weights.float().cpu()

@@ -26,7 +26,7 @@ adapter; `--out` puts it elsewhere). From policy/ it is the model `eval.py --mod
 peft with the adapter the shards hold (its rank from lora_A, scaled by --lora-alpha), loaded, merged.
 
 eval.py calls `ensure_export` when given a sharded checkpoint without policy/. A full disk while writing is one
-line naming the folder and the model's size, and leaves no temporary folder (`opd.eval.storage`). Nothing here
+line naming the folder and the model's size, and leaves no temporary folder (`opd.storage`). Nothing here
 depends on the current folder but a relative --model in train_config.json (read as train.py was given it).
 
 Memory: the full policy in its training dtype (float32: 4 bytes per parameter, 16 GB for a 4B model) on the CPU.
@@ -262,8 +262,8 @@ def write_export(model, state: dict | None, processor_source: str, out: Path) ->
     """`model.save_pretrained(out, state_dict=state)` (as `opd.checkpoint.export_pretrained`) with the processor, into
     a temporary sibling renamed into place; a full disk is one line naming the folder and the model's size, and
     leaves no temporary folder."""
-    from opd.eval.storage import room
     from opd.model import load_processor
+    from opd.storage import room
 
     with room(out.parent, f"the export {out.name}/", _needed(model, state)):
         out.parent.mkdir(parents=True, exist_ok=True)

@@ -176,7 +176,11 @@ def load_teacher(path: str, what: str, policy_processor, policy_vocab: int, load
     from opd.ema_teacher import Teacher, lm_head_weight
 
     path = teacher_source(path)
-    processor = load_processor(path)
+    try:
+        processor = load_processor(path)
+    except UserError as exc:  # named by its flag (or route file and route), the path said once
+        reason = str(exc).replace(f"model {path} ", "it ").replace(f"model '{path}' ", "it ").removesuffix(f": {path}")
+        raise UserError(f"{what}: {reason}") from None
     check_same_tokenizer(policy_processor, processor, what, policy_vocab, policy_vocab)
     model = load_model(path)
     check_same_tokenizer(policy_processor, processor, what, policy_vocab, lm_head_weight(model).shape[0])

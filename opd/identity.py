@@ -62,7 +62,7 @@ class DigestCache:
     def save(self) -> None:
         if not self.dirty:
             return
-        from opd.eval.storage import write_atomic  # a full disk: one line, no temporary file left
+        from opd.storage import write_atomic  # a full disk: one line, no temporary file left
 
         write_atomic(self.path, json.dumps(self.entries, indent=1, sort_keys=True))
         self.dirty = False

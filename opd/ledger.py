@@ -25,18 +25,9 @@ from pathlib import Path
 
 import torch
 
+from opd.storage import write_atomic  # noqa: F401 (the run's summary files are written through it)
+
 REQUIRED = ("step", "candidates", "budget", "selected", "scored_tokens", "teacher_forward_s", "step_s")
-
-
-def write_atomic(path: Path, text: str) -> None:
-    """Writes a file through a temporary sibling and os.replace, so readers never see half of it."""
-    path = Path(path)
-    tmp = path.with_name(f".{path.name}.tmp")
-    with tmp.open("w", encoding="utf-8") as f:
-        f.write(text)
-        f.flush()
-        os.fsync(f.fileno())
-    os.replace(tmp, path)
 
 
 PHASES = ("prompt", "generation", "select", "teacher_forward", "student", "optimizer", "ema", "selector", "wait")

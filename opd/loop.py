@@ -20,13 +20,14 @@ import math
 import time
 import warnings
 from dataclasses import dataclass
+from pathlib import Path
 
 import torch
 from accelerate import Accelerator, PartialState
 from tqdm.auto import tqdm
 
 from opd.build import ModelBuilder, Resume, default_sources
-from opd.checkpoint import load_config, save_checkpoint, save_sharded
+from opd.checkpoint import find_latest, load_config, prune, save_checkpoint, save_sharded
 from opd.cli import UserError
 from opd.config import TrainConfig, refuse_changed_settings
 from opd.data import load_records, parse_columns
@@ -44,6 +45,7 @@ from opd.sampler import Sampler
 from opd.selectors import Selector, query_budget
 from opd.sharding import generation
 from opd.step_record import StepRecord
+from opd.storage import DiskFullError
 from opd.tracking import Trackers, parse_report_to
 from opd.views import get_view
 
@@ -87,6 +89,17 @@ def local_rows(selected: torch.Tensor, pi: torch.Tensor | None, rank: int, n_loc
     return local, weights
 
 
+def end_processes() -> None:
+    """After a finished run, on every rank: a barrier, then the process group destroyed (under torchrun or accelerate
+    launch), so that no rank exits while another still communicates and no gloo/NCCL thread is left running at the
+    interpreter's exit (which aborted a rank with "terminate called without an active exception")."""
+    import torch.distributed as dist
+
+    if dist.is_available() and dist.is_initialized():
+        dist.barrier()
+        PartialState().destroy_process_group()
+
+
 class Run:
     """One training run: Algorithm 1 on every rank (`step`), its checkpoints, ledger and summary (`train`)."""
 
@@ -118,6 +131,7 @@ class Run:
         found = self.folder.existing_run()
         self.steps = cfg.run.steps or len(self.records) // cfg.data.prompts_per_step
         resume = self._resume()
+        self.folder.identify_data(data_path)
         models = ModelBuilder(cfg, acc, self.folder, self.initial_model, resume).build(self.method.objective)
         self.student, self.optimizer, self.processor = models.student, models.optimizer, models.processor
         self.teachers = models.teachers
@@ -183,13 +197,16 @@ class Run:
         if main:
             self.folder.digests.save()
         try:
-            self.trackers = Trackers(self.acc, parse_report_to(cfg.trackers.report_to), self.out, "bas-opd",
+            self.trackers = Trackers(self.acc, parse_report_to(cfg.trackers.report_to), self.out, cfg.trackers.project,
                                      cfg.trackers.run_label or f"{self.out.name} {self.run_name}", cfg.flags(),
-                                     resume=bool(cfg.folder.resume))  # fmt: skip
+                                     resume=bool(cfg.folder.resume), settings=cfg.trackers)  # fmt: skip
         except BaseException:
             self.folder.restore(aside)
             raise
         self.folder.drop(aside)
+        latest = find_latest(self.out)
+        if main and cfg.folder.resume and latest is not None and latest.resolve() == Path(cfg.folder.resume).resolve():
+            prune(self.out, cfg.checkpoint.keep_checkpoints)  # a kill after `latest` moved left the previous one
         self.ledger = Ledger(self.out / "ledger.jsonl", self.start if cfg.folder.resume else None) if main else None
         self.objective_keys: list[str] = []  # the objective's own ledger fields (its tracker namespace)
 
@@ -239,6 +256,7 @@ class Run:
         local, weights = local_rows(selected, pi, acc.process_index, len(rollouts))
         # Lines 11-12: the teacher on this rank's rows of S only; the method's objective backpropagated.
         batch = self.prompts.batch(step, ids, rollouts, student_prompts, local, weights)
+        batch.full_tokens = self.selector.full_query_tokens(cand.lengths, cand.eligible)  # --estimator ht: T_C
         before, t0 = self._rows_scored(), time.perf_counter()
         res = self.objective(batch)
         seconds = time.perf_counter() - t0
@@ -316,12 +334,19 @@ class Run:
         return {**scores, "eval_s": time.perf_counter() - t0}
 
     def train(self) -> dict:
-        """Runs steps start..steps-1, checkpoints, and returns the Table 7/8 summary."""
+        """Runs steps start..steps-1, checkpoints, and returns the Table 7/8 summary. A full disk at the first
+        checkpoint leaves the folder as before the run (nothing to resume: the same command starts over)."""
+        restart = False
         try:
             return self._train()
+        except DiskFullError:
+            restart = find_latest(self.out) is None
+            raise
         finally:
             self.trackers.finish()
             self.sampler.stop()
+            if restart:
+                self.folder.clear()
             self.folder.release()
 
     def _train(self) -> dict:
@@ -336,6 +361,8 @@ class Run:
         if main:
             print(f"train.py: {self.acc.num_processes} process(es), steps {self.start}..{self.steps - 1}; "
                   f"writing {self.out}/ledger.jsonl, summary.md and checkpoints", flush=True)
+            for place in self.trackers.where():
+                print(f"train.py: {place}", flush=True)
         # loss: Eq. 11 this step; queried: teacher calls |S| / budget K (Eq. 4); utility: mean u_i over S (Eq. 9)
         bar = tqdm(total=self.steps, initial=self.start, desc=self.run_name, disable=not main)
         step = self.start

@@ -138,9 +138,18 @@ def selected_rows(accelerator, lengths: torch.Tensor, selected: torch.Tensor) ->
 
 
 def loss_denominator(accelerator, aggregation: str, lengths: torch.Tensor, selected: torch.Tensor,
-                     sample_weights=None) -> float | int:  # fmt: skip
+                     sample_weights=None, full_tokens: float | None = None) -> float | int:  # fmt: skip
     """The step's denominator of the aggregation: Eq. 11's token count (token-mean, and token-sum, whose weights do
-    not divide by it: there it only says whether S holds a token) or |S| (the others)."""
+    not divide by it: there it only says whether S holds a token) or |S| (the others). `full_tokens` (unbiased
+    selection's --estimator ht, `StepBatch.full_tokens`): the token mean's Horvitz-Thompson denominator T_C, the
+    tokens of every candidate, in place of the Hajek form's sum_S w_i T_i,
+
+        L_HT = sum_{i in S} w_i sum_t m_it D_it / T_C,    E[L_HT] = sum_{i in C} sum_t m_it D_it / T_C exactly,
+
+    returned when S holds a token anywhere (0 otherwise: the same all-reduce runs first, on every rank)."""
     if aggregation in ("token-mean", "token-sum"):
-        return global_denominator(accelerator, lengths, selected, sample_weights)
+        tokens = global_denominator(accelerator, lengths, selected, sample_weights)
+        if full_tokens is not None and aggregation == "token-mean" and tokens:
+            return float(full_tokens)
+        return tokens
     return selected_rows(accelerator, lengths, selected)

@@ -54,6 +54,10 @@ class StepBatch:
     weights: torch.Tensor | None = None
     """(N_local,) unbiased selection's w_i = 1 / pi_i for the rows of S (`opd.selectors`), which every objective
     applies to its per-row terms (Eq. 11's Hajek form); None: every row 1 (top-K, uniform, full)."""
+    full_tokens: float | None = None
+    """Unbiased selection with --estimator ht: T_C, the valid response tokens of every candidate in C over all ranks
+    (`opd.selectors.Selector.full_query_tokens`), the token mean's Horvitz-Thompson denominator in place of the
+    Hajek form's sum_S w_i T_i (`opd.loss.loss_denominator`); None: the Hajek form, or no weights."""
 
 
 @dataclass

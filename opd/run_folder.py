@@ -37,6 +37,9 @@ class FolderConfig(Section):
     """Continue from a run folder (its latest checkpoint) or a checkpoint folder, with the run's own settings."""
     overwrite: bool = False
     """Start over in an --out folder that holds a run, deleting its ledger, summary and checkpoints."""
+    allow_data_change: bool = False
+    """With --resume: continue although --data's files changed since the run started (refused otherwise); the result
+    then differs from an uninterrupted run's."""
 
     def check(self) -> list[str]:
         problems = []
@@ -52,8 +55,10 @@ VLLM_PUSH = ".vllm-push"
 OVERWRITTEN = ".overwritten"
 """DIR/.overwritten/: an --overwrite's old run, set aside until the new one has started its trackers."""
 RUN_FILES = ("ledger.jsonl", "summary.json", "summary.md", "latest", "tb", "mlruns", "wandb", "trackers.json",
-             ".summary.json.tmp", ".summary.md.tmp", OVERWRITTEN, VLLM_PUSH)  # fmt: skip
-"""What a training run writes into its --out folder, besides checkpoint-NNNNNN/ (and a kill's leftovers)."""
+             OVERWRITTEN, VLLM_PUSH)  # fmt: skip
+"""What a training run writes into its --out folder, besides checkpoint-NNNNNN/ (and a kill's leftovers: temporary
+siblings of the checkpoints and of the summaries, RUN_PREFIXES)."""
+RUN_PREFIXES = ("checkpoint-", ".checkpoint-", ".summary.", ".ledger.", ".latest.")
 DIGESTS = ".digests.json"
 """DIR/.digests.json: the digest cache of the frozen models a run loads (`opd.identity.DigestCache`)."""
 
@@ -62,7 +67,7 @@ def run_files(out: Path) -> list[Path]:
     """The files and folders of a training run in `out` (none when it holds no run)."""
     if not out.is_dir():
         return []
-    return sorted(p for p in out.iterdir() if p.name in RUN_FILES or p.name.startswith(("checkpoint-", ".checkpoint-")))
+    return sorted(p for p in out.iterdir() if p.name in RUN_FILES or p.name.startswith(RUN_PREFIXES))
 
 
 def checkpoint_of(path: str) -> Path:
@@ -161,6 +166,13 @@ class RunFolder:
             path.rename(target)
         aside.rmdir()
 
+    def clear(self) -> None:
+        """Removes this run's files (rank 0): a run that wrote no checkpoint cannot be resumed, so its folder goes
+        back to holding no run."""
+        if self.main:
+            for path in run_files(self.out):
+                shutil.rmtree(path) if path.is_dir() else path.unlink(missing_ok=True)
+
     @staticmethod
     def drop(aside: Path | None) -> None:
         if aside is not None:
@@ -180,6 +192,26 @@ class RunFolder:
             )
         self.identities[role] = ident
         return path
+
+    def identify_data(self, path: str) -> None:
+        """Records the identity of the training data (its file's or folder's digest, or a hub id) and refuses a resume
+        whose data changed since the run started, unless --allow-data-change. The images a JSONL names are not
+        hashed: the file itself (its problems, answers, crops and image paths) is."""
+        target = Path(path)
+        if target.is_file():
+            ident = "sha256:" + self.digests.file(target)
+        elif target.is_dir():
+            ident = "sha256:" + self.digests.folder(target)
+        else:
+            ident = f"hf:{path}"
+        before = self.stored_identities.get("--data")
+        if before is not None and before != ident and not self.cfg.allow_data_change:
+            raise UserError(
+                f"--resume {self.cfg.resume}: --data {path} changed since the run started ({before[:19]}... then, "
+                f"{ident[:19]}... now): a resumed run trains on its own data; restore it, start a new run, or give "
+                "--allow-data-change to continue on the changed data (the result will differ from an uninterrupted run)"
+            )
+        self.identities["--data"] = ident
 
     def note_world_size(self, ckpt: Path, state: dict) -> None:
         """One line when a run resumes on another number of processes (rollouts are seeded per rank)."""

@@ -25,6 +25,17 @@ uniform (pi = K / |C|, every w_i equal: plain Eq. 11).
 
 A per-prompt cap (`max_per_prompt`, `--max-per-prompt N`): at most N rows of S per prompt, for the top-K and
 uniform policies (spreading the supervision over prompts; `capped`); with fewer than K rows allowed, S is smaller.
+
+Unbiased selection's three further choices (docs/SELECTION.md, departures 61-63):
+
+- the estimator (`--estimator`): hajek (the default, above) or ht, Horvitz-Thompson: the weighted token sum over
+  T_C, the tokens of every candidate in C (known before the teacher runs; `Selector.full_query_tokens`), exactly
+  unbiased for the full-query token mean where the Hajek ratio is biased O(1/K);
+- the design (`--strata`): none (one sample of K from C) or prompt: each prompt's candidates a stratum, K spread
+  over them evenly (`stratum_allocation`), exactly K rows in all, sampled inside each stratum with exact
+  per-stratum inclusion probabilities (`stratified_probabilities`, `sample_stratified`);
+- what pi is proportional to (`--inclusion-size`): the score, or the predicted size of the row's gradient
+  contribution T_i sqrt(score), the variance-minimising rule with the score as the proxy (`inclusion_sizes`).
 """
 
 import math
@@ -38,6 +49,12 @@ from opd.predictor import OnlineUtilityModel, PredictorConfig
 from opd.seeding import seeded_generator
 
 POLICIES = ("full", "random", "entropy", "learned")
+ESTIMATORS = ("hajek", "ht")
+"""Unbiased selection's normalisation of Eq. 11 (`SelectionConfig.estimator`): Hajek's ratio or Horvitz-Thompson."""
+STRATA = ("none", "prompt")
+"""Unbiased selection's design (`SelectionConfig.strata`): one sample from C, or one per prompt."""
+INCLUSION_SIZES = ("score", "gradient")
+"""What unbiased selection's pi is proportional to (`SelectionConfig.inclusion_size`, `inclusion_sizes`)."""
 
 
 @dataclass
@@ -54,6 +71,16 @@ class SelectionConfig(Section):
     unbiased: bool = False
     """Sample S with inclusion probabilities that grow with the score (learned: predicted utility; entropy: mean
     entropy) instead of taking the top K, and weigh each row's loss by 1 / pi (Eq. 11's Hajek form; opd/selectors.py)."""
+    estimator: str = "hajek"
+    """With --unbiased, how the 1 / pi-weighted token sum of Eq. 11 is normalised: hajek (by sum_S w_i T_i:
+    consistent, biased O(1/K); today's runs) or ht (Horvitz-Thompson: by the tokens of every candidate in C, known
+    before the teacher runs: exactly unbiased). Under --loss-agg token-sum both are the same weighted sum."""
+    strata: str = "none"
+    """With --unbiased: none (S one sample of K rows from C) or prompt (stratified: each prompt's candidates a
+    stratum, K spread evenly over them, exactly K rows in all, per-stratum inclusion probabilities)."""
+    inclusion_size: str = "score"
+    """With --unbiased, what pi is proportional to before the uniform mix: score, or gradient (T_i sqrt(score), the
+    predicted size of the row's gradient contribution: the variance-minimising rule, docs/SELECTION.md)."""
     max_per_prompt: int = 0
     """At most N rows of S per prompt (top-K and uniform policies); 0 = no cap."""
     no_exploration: bool = False
@@ -90,7 +117,20 @@ class SelectionConfig(Section):
         if self.max_per_prompt < 0:
             problems.append(f"--max-per-prompt {self.max_per_prompt}: must be at least 1 (0 = no cap)")
         if self.unbiased and self.max_per_prompt:
-            problems.append("--unbiased and --max-per-prompt: a cap would change the inclusion probabilities; choose one")
+            problems.append("--unbiased and --max-per-prompt: a cap would change the inclusion probabilities; choose one "
+                            "(--strata prompt spreads an unbiased S over the prompts)")
+        return problems + self.check_unbiased_design()
+
+    def check_unbiased_design(self) -> list[str]:
+        """--estimator, --strata, --inclusion-size: a known value, and other than the default only with --unbiased."""
+        problems = []
+        for flag, value, known, default in (("--estimator", self.estimator, ESTIMATORS, "hajek"),
+                                            ("--strata", self.strata, STRATA, "none"),
+                                            ("--inclusion-size", self.inclusion_size, INCLUSION_SIZES, "score")):  # fmt: skip
+            if value not in known:
+                problems.append(f"{flag} {value!r}: choose one of {', '.join(known)}")
+            elif value != default and not self.unbiased:
+                problems.append(f"{flag} {value} applies to sampled selection: it needs --unbiased")
         return problems
 
 
@@ -210,6 +250,94 @@ def sample_with_probabilities(pi: torch.Tensor, generator: torch.Generator) -> t
     return perm[positions]
 
 
+def inclusion_sizes(scores: torch.Tensor, lengths: torch.Tensor, rule: str = "score") -> torch.Tensor:
+    """x (n,): what unbiased selection's pi is proportional to before the uniform mix (`inclusion_probabilities`).
+
+        score:     x_i = score_i                      (pi proportional to the predicted utility, or the entropy)
+        gradient:  x_i = T_i sqrt(max(score_i, 0))    (pi proportional to the predicted size of row i's gradient)
+
+    Why the second (docs/SELECTION.md, "The variance"): the Horvitz-Thompson estimate sum_{i in S} g_i / pi_i of the
+    full-query gradient G = sum_{i in C} g_i has, for independent inclusions, E||G^ - G||^2 = sum_i (1 / pi_i - 1)
+    ||g_i||^2; minimised under sum_i pi_i = K (Lagrange: ||g_i||^2 / pi_i^2 = lambda) it gives pi_i proportional to
+    ||g_i||, capped at 1. Row i's part of Eq. 11 is g_i = sum_t grad D_it / T_C; the JSD is quadratic in the logits'
+    gap near agreement, so ||grad D_it|| grows as sqrt(D_it), and for a row whose tokens push one way
+    ||g_i|| T_C ~ sum_t sqrt(D_it) <= T_i sqrt(mean_t D_it) (Cauchy-Schwarz). u_i (Eq. 9) is that mean times
+    overlap and confidence, and the score is its prediction: x_i = T_i sqrt(u^_i). lengths (n,) T_i, known before
+    the teacher runs (phi's response length). float64 for 'gradient'; 'score' returns the scores as given."""
+    if rule == "score":
+        return scores
+    if rule != "gradient":
+        raise ValueError(f"unknown inclusion size {rule!r}; known: {', '.join(INCLUSION_SIZES)}")
+    return lengths.double() * scores.double().clamp(min=0.0).sqrt()  # (n,)
+
+
+def stratum_allocation(counts: torch.Tensor, k: int) -> torch.Tensor:
+    """a (H,) float64: the budget k spread evenly over H strata of counts c_h (water-filling),
+
+        a_h = min(c_h, lambda),    lambda such that sum_h a_h = k,
+
+    a stratum smaller than the even share taken whole and its remainder shared by the others; 0 <= a_h <= c_h.
+    A share within 1e-9 of an integer is set to it (so that rounding leaves no near-zero fraction)."""
+    c = counts.double()  # (H,)
+    if not 0 <= k <= float(c.sum()):
+        raise ValueError(f"cannot allocate {k} rows over strata of {int(c.sum())}")
+    a = torch.zeros_like(c)
+    full = torch.zeros(c.numel(), dtype=torch.bool)
+    for _ in range(c.numel()):  # each pass takes at least one more stratum whole, or ends
+        free = ~full
+        if not free.any():
+            break
+        share = (k - float(c[full].sum())) / int(free.sum())
+        whole = free & (c <= share)
+        if not whole.any():
+            a[free] = share
+            break
+        full |= whole
+        a[full] = c[full]
+    near = (a - a.round()).abs() < 1e-9
+    return torch.where(near, a.round(), a)
+
+
+def stratified_probabilities(sizes: torch.Tensor, stratum: torch.Tensor, k: int, uniform_mix: float):
+    """Inclusion probabilities of the stratified design (`sample_stratified`): pi (n,), and the within-stratum
+    probabilities given the stratum's count, low (n,) for f_h rows and high (n,) for f_h + 1, and r (H,).
+
+    Stratum h (rows with stratum == h, ids 0..H-1) gets a_h of the k rows (`stratum_allocation`), a_h = f_h + r_h
+    with f_h = floor(a_h): f_h + 1 rows with probability r_h, else f_h (drawn jointly so that the counts sum to k).
+    Given n rows, stratum h samples them with pi_i(n) = `inclusion_probabilities`(x_h, n, uniform_mix), so
+
+        pi_i = (1 - r_h) pi_i(f_h) + r_h pi_i(f_h + 1)        (exact; sum over the stratum = a_h, over C = k)."""
+    n_strata = int(stratum.max()) + 1 if stratum.numel() else 0
+    counts = torch.bincount(stratum, minlength=n_strata)  # (H,)
+    a = stratum_allocation(counts, k)  # (H,)
+    f = a.floor()
+    r = a - f  # (H,) in [0, 1)
+    low = torch.zeros(stratum.numel(), dtype=torch.float64)
+    high = torch.zeros_like(low)
+    for h in range(n_strata):
+        rows = (stratum == h).nonzero().squeeze(-1)  # (c_h,)
+        low[rows] = inclusion_probabilities(sizes[rows], int(f[h]), uniform_mix)
+        high[rows] = inclusion_probabilities(sizes[rows], int(f[h]) + 1, uniform_mix) if r[h] > 0 else low[rows]
+    pi = (1 - r[stratum]) * low + r[stratum] * high  # (n,)
+    return pi, low, high, r
+
+
+def sample_stratified(low: torch.Tensor, high: torch.Tensor, stratum: torch.Tensor, r: torch.Tensor,
+                      generator: torch.Generator) -> torch.Tensor:  # fmt: skip
+    """The rows (indices into the n candidates) of one stratified draw (`stratified_probabilities`): the strata that
+    get f_h + 1 rows drawn with probabilities r (`sample_with_probabilities`: exactly sum_h r_h of them, so the
+    counts sum to k), then each stratum in order sampled with its probabilities for its count (high where it got the
+    extra row, else low). Every row's inclusion probability is exactly the design's pi; |S| = k exactly."""
+    extra = torch.zeros(r.numel(), dtype=torch.bool)
+    extra[sample_with_probabilities(r, generator)] = True  # (H,)
+    chosen = []
+    for h in range(r.numel()):
+        rows = (stratum == h).nonzero().squeeze(-1)  # (c_h,)
+        pi_h = high[rows] if extra[h] else low[rows]
+        chosen.append(rows[sample_with_probabilities(pi_h, generator)])
+    return torch.cat(chosen) if chosen else torch.zeros(0, dtype=torch.long)
+
+
 def check_finite(scores: torch.Tensor, policy: str, has_entropy: bool, step: int) -> None:
     """RuntimeError, before sampling, when unbiased selection's scores hold NaN or infinity: names their source
     (f_psi's predicted utilities, or the rollouts' mean entropy / NLL features) and the remedy."""
@@ -237,24 +365,40 @@ class Selector:
     `last_pi` when unbiased (the loss weighs row i by 1 / pi_i; None otherwise); `observe` takes the labels."""
 
     def __init__(self, policy: str, epsilon: float = 0.10, predictor: PredictorConfig | None = None,
-                 unbiased: bool = False, max_per_prompt: int = 0):  # fmt: skip
+                 unbiased: bool = False, max_per_prompt: int = 0, estimator: str = "hajek", strata: str = "none",
+                 inclusion_size: str = "score"):  # fmt: skip
         if policy not in POLICIES:
             raise ValueError(f"unknown selection policy {policy!r}; known: {', '.join(POLICIES)}")
         if unbiased and policy not in ("entropy", "learned"):
             raise ValueError(f"unbiased selection samples by a score: entropy or learned, not {policy!r}")
         if unbiased and max_per_prompt:
             raise ValueError("a per-prompt cap would change the inclusion probabilities of unbiased selection")
+        if estimator not in ESTIMATORS or strata not in STRATA or inclusion_size not in INCLUSION_SIZES:
+            raise ValueError(f"unknown estimator {estimator!r}, strata {strata!r} or inclusion size {inclusion_size!r}")
+        if not unbiased and (estimator, strata, inclusion_size) != ("hajek", "none", "score"):
+            raise ValueError("the estimator, strata and inclusion size apply to unbiased (sampled) selection only")
         self.policy = policy
         self.epsilon = epsilon
         self.unbiased = unbiased
         self.max_per_prompt = max_per_prompt
+        self.estimator, self.strata, self.inclusion_size = estimator, strata, inclusion_size
         self.cfg = predictor or PredictorConfig()
         self.model = OnlineUtilityModel(self.cfg) if policy == "learned" else None
         self.last_pi: torch.Tensor | None = None
 
     @classmethod
     def from_config(cls, selection: SelectionConfig, predictor: PredictorConfig) -> "Selector":
-        return cls(selection.policy, selection.epsilon, predictor, selection.unbiased, selection.max_per_prompt)
+        return cls(selection.policy, selection.epsilon, predictor, selection.unbiased, selection.max_per_prompt,
+                   selection.estimator, selection.strata, selection.inclusion_size)  # fmt: skip
+
+    def full_query_tokens(self, lengths: torch.Tensor, eligible: torch.Tensor) -> float | None:
+        """Eq. 11's Horvitz-Thompson denominator under --estimator ht: T_C = sum_{i in C} T_i, the valid response
+        tokens of every candidate (lengths, eligible (N,): the global rows, gathered over ranks; known before the
+        teacher runs), so that sum_{i in S} w_i sum_t m_it D_it / T_C is exactly unbiased for the full-query token
+        mean. None under the Hajek form (the objectives' sum_S w_i T_i) and without --unbiased."""
+        if not self.unbiased or self.estimator != "ht":
+            return None
+        return float(lengths[eligible].sum())
 
     def select(self, phi: torch.Tensor, eligible: torch.Tensor, budget: int, step: int, has_entropy: bool = True,
                prompt_of: torch.Tensor | None = None) -> torch.Tensor:  # fmt: skip
@@ -272,16 +416,7 @@ class Selector:
         if self.policy == "learned":
             self.model.normalizer.update(phi[candidates])  # Algorithm 1, line 4: update on C
         if self.unbiased:
-            if self.policy == "entropy":
-                scores = entropy_scores(phi, has_entropy)[candidates]
-            elif self.model.trained:
-                scores = self.model.predict(phi)[candidates]
-            else:  # before f_psi's first update: uniform
-                scores = torch.ones(candidates.numel())
-            check_finite(scores, self.policy, has_entropy, step)
-            pi_c = inclusion_probabilities(scores, budget, self.epsilon)  # (|C|,)
-            picked = sample_with_probabilities(pi_c, generator)
-            chosen, pi = candidates[picked], pi_c[picked]
+            chosen, pi = self._sample(phi, candidates, budget, step, has_entropy, prompt_of, generator)
         elif self.policy == "full":
             chosen = capped(candidates, candidates.numel(), prompt_of, cap)
         elif self.policy == "random":
@@ -306,6 +441,28 @@ class Selector:
         if chosen.numel() > budget:  # Eq. 4's budget is never exceeded (an explicit check: not gone under -O)
             raise RuntimeError(f"the query budget was exceeded: |S| = {chosen.numel()} > K = {budget}")
         return chosen, pi
+
+    def _sample(self, phi, candidates, budget, step, has_entropy, prompt_of, generator):
+        """Unbiased selection: S (global ids) and its rows' inclusion probabilities, sampled from C with pi growing
+        with the score (or the predicted gradient size), in one sample or one per prompt."""
+        if self.policy == "entropy":
+            scores = entropy_scores(phi, has_entropy)[candidates]
+        elif self.model.trained:
+            scores = self.model.predict(phi)[candidates]
+        else:  # before f_psi's first update: uniform
+            scores = torch.ones(candidates.numel())
+        check_finite(scores, self.policy, has_entropy, step)
+        sizes = inclusion_sizes(scores, phi[candidates, 3], self.inclusion_size)  # (|C|,) phi[:, 3]: T_i (Eq. 5)
+        if self.strata == "prompt":
+            if prompt_of is None:
+                raise ValueError("--strata prompt needs each row's prompt (prompt_of)")
+            stratum = torch.unique(prompt_of[candidates], return_inverse=True)[1]  # (|C|,) 0..H-1 by prompt id
+            pi_c, low, high, r = stratified_probabilities(sizes, stratum, budget, self.epsilon)  # (|C|,)
+            picked = sample_stratified(low, high, stratum, r, generator)
+        else:
+            pi_c = inclusion_probabilities(sizes, budget, self.epsilon)  # (|C|,)
+            picked = sample_with_probabilities(pi_c, generator)
+        return candidates[picked], pi_c[picked]
 
     def predict(self, phi: torch.Tensor) -> torch.Tensor | None:
         """u^ for logging and audits (learned policy only)."""

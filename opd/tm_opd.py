@@ -109,7 +109,8 @@ class TMOPD(Objective):
     def __call__(self, batch: StepBatch) -> DistillResult:
         ctx, ro, sel = self.ctx, batch.rollouts, batch.selected
         res = DistillResult(utility=torch.full((len(ro),), float("nan")), teachers={lab: TeacherCost() for lab in self.labels})
-        res.global_tokens = loss_denominator(ctx.accelerator, ctx.loss.aggregation, ro.lengths, sel, batch.weights)
+        res.global_tokens = loss_denominator(ctx.accelerator, ctx.loss.aggregation, ro.lengths, sel, batch.weights,
+                                             batch.full_tokens)  # fmt: skip
         if res.global_tokens == 0:  # S is empty everywhere: no teacher call, zero loss (every rank alike)
             res.loss_share, res.metrics = 0.0, {"teacher_kl": 0.0}
             return res

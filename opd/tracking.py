@@ -19,6 +19,7 @@ from __future__ import annotations
 import json
 import math
 import os
+import re
 import uuid
 from dataclasses import dataclass
 from pathlib import Path
@@ -30,6 +31,17 @@ PACKAGES = {"tensorboard": "tensorboard", "wandb": "wandb", "mlflow": "mlflow", 
             "comet_ml": "comet_ml", "aim": "aim", "clearml": "clearml", "dvclive": "dvclive", "swanlab": "swanlab"}  # fmt: skip
 """accelerate's tracker names -> the pip package that provides each."""
 STATE = "trackers.json"
+PROJECT = "bas-opd"
+"""The trackers' project when neither --tracker-project nor $WANDB_PROJECT names one."""
+VALID = re.compile(r"[^A-Za-z0-9_\-. :/]")
+"""What a metric name may not hold in some tracker (MLflow allows alphanumerics, _ - . space : and /; the others
+are laxer)."""
+
+
+def metric_name(key: str) -> str:
+    """A metric's name, valid in every tracker accelerate offers: each other character becomes '_'
+    ('eval/zoombench@crop' -> 'eval/zoombench_crop'). The one mapping from a ledger field to a tracker name."""
+    return VALID.sub("_", key)
 
 
 @dataclass
@@ -41,6 +53,22 @@ class TrackerConfig(Section):
     trackio, comet_ml, aim, clearml, dvclive, swanlab; none for none (opd/tracking.py)."""
     run_label: str | None = None
     """The run's name in the trackers (default: the --out folder's name and the policy, e.g. 'tiny learned-25')."""
+    tracker_project: str | None = None
+    """The trackers' project (W&B's project, MLflow's experiment, ...); none: $WANDB_PROJECT, else 'bas-opd'."""
+    wandb_entity: str | None = None
+    """W&B's entity (a team or user); none: $WANDB_ENTITY, else W&B's default."""
+    tracker_tags: str | None = None
+    """Tags of the tracker run, comma-separated (W&B's tags, MLflow's tags)."""
+    tracker_group: str | None = None
+    """The group of the tracker run (W&B's group: e.g. one per sweep or seed set)."""
+
+    @property
+    def project(self) -> str:
+        return self.tracker_project or os.environ.get("WANDB_PROJECT") or PROJECT
+
+    @property
+    def tags(self) -> list[str]:
+        return [t.strip() for t in (self.tracker_tags or "").split(",") if t.strip()]
 
     def check(self) -> list[str]:
         try:
@@ -86,7 +114,7 @@ COST = ("teacher_rows", "scored_tokens", "candidate_tokens", "teacher_tokens", "
 def metrics(row: dict, objective: str = "", objective_keys=()) -> dict[str, float]:
     """A ledger row as tracker scalars in the fixed namespaces (non-finite and non-numeric values left out)."""
     out = {"loss/distill": row.get("loss"), "loss/grad_norm": row.get("grad_norm"), "loss/selector": row.get("selector"),
-           "loss/skipped": float(row.get("skipped", False))}  # fmt: skip
+           "loss/skipped": float(row.get("skipped", False)), "optim/lr": row.get("lr")}  # fmt: skip
     out |= {f"select/{k}": row.get(k) for k in SELECT}
     if row.get("candidate_prompts"):
         out["select/prompt_coverage"] = row["selected_prompts"] / row["candidate_prompts"]
@@ -98,16 +126,17 @@ def metrics(row: dict, objective: str = "", objective_keys=()) -> dict[str, floa
     out["cost/eval_s"] = row.get("eval_s")
     prefix = objective or "objective"
     out |= {f"{prefix}/{k}": row.get(k) for k in objective_keys}
-    return {k: float(v) for k, v in out.items() if _scalar(v) is not None and math.isfinite(float(v))}
+    return {metric_name(k): float(v) for k, v in out.items() if _scalar(v) is not None and math.isfinite(float(v))}
 
 
 class Trackers:
     """The run's trackers (none when `names` is empty): started on the main process, resumed where they can be."""
 
     def __init__(self, accelerator, names: list[str], out: Path, project: str, run_name: str, config: dict,
-                 resume: bool):  # fmt: skip
+                 resume: bool, settings: TrackerConfig | None = None):  # fmt: skip
         self.acc, self.names, self.out = accelerator, names, Path(out)
         self.state: dict = {}
+        self.settings = settings or TrackerConfig()
         if not names:
             return
         from accelerate.tracking import LOGGER_TYPE_TO_CLASS
@@ -126,12 +155,12 @@ class Trackers:
 
                     os.environ.setdefault("MLFLOW_ALLOW_FILE_STORE", "true")  # MLflow 3 keeps the file store opt-in
                     mlflow.set_tracking_uri((self.out / "mlruns").resolve().as_uri())
-                trackers.append(cls(experiment_name=project, run_id=self.state.get("mlflow"), run_name=run_name))
+                tags = {t: "true" for t in self.settings.tags} | ({"group": self.settings.tracker_group}
+                                                              if self.settings.tracker_group else {})  # fmt: skip
+                trackers.append(cls(experiment_name=project, run_id=self.state.get("mlflow"), run_name=run_name,
+                                    tags=tags or None))  # fmt: skip
             elif name == "wandb":
-                run_id = self.state.get("wandb") or uuid.uuid4().hex[:12]  # kept in DIR/trackers.json for a resume
-                (self.out / "wandb").mkdir(parents=True, exist_ok=True)
-                trackers.append(cls(project, id=run_id, resume="allow", name=run_name, dir=str(self.out)))
-                self.state["wandb"] = run_id
+                trackers.append(self._wandb(cls, project, run_name))
             elif cls.requires_logging_directory:
                 trackers.append(cls(project, str(self.out)))
             else:
@@ -142,6 +171,24 @@ class Trackers:
             if "mlflow" in names:
                 self.state["mlflow"] = accelerator.get_tracker("mlflow").tracker.info.run_id
             write_atomic(path, json.dumps(self.state, indent=1) + "\n")
+
+    def _wandb(self, cls, project: str, run_name: str):
+        """W&B's tracker: its run id kept in DIR/trackers.json for a resume, its files under DIR/wandb, the entity,
+        tags and group of the run's settings."""
+        run_id = self.state.get("wandb") or uuid.uuid4().hex[:12]
+        (self.out / "wandb").mkdir(parents=True, exist_ok=True)
+        s = self.settings
+        extra = {k: v for k, v in (("entity", s.wandb_entity or os.environ.get("WANDB_ENTITY")),
+                                   ("tags", s.tags or None), ("group", s.tracker_group)) if v}  # fmt: skip
+        self.state["wandb"] = run_id
+        return cls(project, id=run_id, resume="allow", name=run_name, dir=str(self.out), **extra)
+
+    def where(self) -> list[str]:
+        """Where each tracker writes, in words, for the run's first lines."""
+        places = {"tensorboard": f"TensorBoard logs in {self.out / 'tb'} (tensorboard --logdir {self.out / 'tb'})",
+                  "wandb": f"W&B run files in {self.out / 'wandb'} (project {self.settings.project})",
+                  "mlflow": "MLflow runs in " + os.environ.get("MLFLOW_TRACKING_URI", str(self.out / "mlruns"))}  # fmt: skip
+        return [places.get(n, f"{n} (project {self.settings.project})") for n in self.names]
 
     def log(self, row: dict, objective: str = "", objective_keys=()) -> None:
         if self.names:

@@ -1,9 +1,9 @@
-"""eval.py on a full disk (opd.eval.storage): every write (predictions, settings.json, model_digests.json, scored.jsonl,
+"""eval.py on a full disk (opd.storage): every write (predictions, settings.json, model_digests.json, scored.jsonl,
 results.json, results.md, the judge cache, opd.export's folder) that meets ENOSPC is one line naming the folder,
 the file and roughly the space needed; no temporary file is left, no torn row; once there is room the same
 command continues to the result an undisturbed run gives.
 
-The full disk is `full_disk`: the one low-level write of opd.eval.storage (`write_all`) writes half of what it is
+The full disk is `full_disk`: the one low-level write of opd.storage (`write_all`) writes half of what it is
 given to the named file, then raises OSError(ENOSPC), as a write that reaches the end of the disk does.
 """
 
@@ -20,8 +20,8 @@ import pytest
 from bench_fixtures import write_vstar_fixture
 
 import eval as eval_py
+from opd import storage
 from opd.cli import UserError, run_cli
-from opd.eval import storage
 
 KEY = "vstar"
 

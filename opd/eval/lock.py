@@ -22,7 +22,7 @@ from opd.cli import UserError
 
 def take(out: Path) -> bool:
     """Locks `out` (creating it); True when this call created the folder. A held folder is a UserError."""
-    from opd.eval.storage import disk_full, is_full
+    from opd.storage import disk_full, is_full
 
     created = not out.exists()
     try:

@@ -15,7 +15,7 @@ import json
 import re
 from pathlib import Path
 
-from opd.eval.storage import write_atomic
+from opd.storage import write_atomic
 
 COLUMNS = (
     ("vstar", "V*Bench"),

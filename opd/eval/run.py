@@ -249,7 +249,7 @@ def answer_view(cfg: EvalConfig, name: str, key: str, view: str, items: list, ra
     """Answers one view's items not yet stored (`opd.eval.evaluate.predict`); rank 0 returns (score dict, records),
     written to OUT/<key>/scored.jsonl, every other rank None."""
     from opd.eval.evaluate import predict, score_view
-    from opd.eval.storage import write_jsonl_atomic
+    from opd.storage import write_jsonl_atomic
 
     subset = [item for item in items if view == "full" or item.crop is not None]
     subset = subset[: cfg.limit] if cfg.limit else subset
@@ -280,7 +280,7 @@ def gap_note(name: str, results: dict, by_view: dict) -> str:
 def write_outputs(cfg: EvalConfig, engine: Engine, results: dict, notes: list[str], judge, requests: int) -> dict:
     """Rank 0: results.json (scores and meta) and results.md (the Table 1 row, also printed)."""
     from opd.eval.report import default_label, markdown_table, write_results
-    from opd.eval.storage import write_atomic
+    from opd.storage import write_atomic
 
     out = Path(cfg.out)
     label = cfg.label or default_label(out)

@@ -77,6 +77,15 @@ class SFTConfig:
     between resolution and max_resolution pixels a side (the family's resolution base, opd.toy.family)."""
     seed: int = 0
     """Initialisation seed of the model (the data come from the world seed)."""
+    vllm_shapes: bool = False
+    """Attention head_dim 32 and linear-attention key/value head dims 64 (`opd.tiny.build_tiny_vllm_model`'s), the
+    smallest sizes vLLM's CPU backend has kernels for, so that `--rollout-engine vllm` serves the base (the
+    default toy base, opd.toy.default); False: head dims 16, as the experiments' bases."""
+
+
+OPTIONAL = {"max_resolution": 0, "vllm_shapes": False}
+"""SFTConfig fields added after bases were cached: left out of sft.json at these values, so a cached base of the
+experiments (written before them) still matches its config."""
 
 
 def toy_processor(resolution: int, patch: int = 8, merge: int = 4, max_resolution: int = 0):
@@ -97,6 +106,9 @@ def build_model(processor, cfg: SFTConfig):
     config = tiny_config(processor.tokenizer, hidden=cfg.hidden, layers=cfg.layers, vision_depth=cfg.vision_depth,
                          init_range=0.02)
     config.text_config.layer_types = ["linear_attention"] * (cfg.layers - 1) + ["full_attention"]
+    if cfg.vllm_shapes:  # head_dim 32 x partial rotary 0.25 = rotary 8: vLLM's sum(mrope_section [2, 1, 1]) == 8 // 2
+        text = config.text_config
+        text.head_dim, text.linear_key_head_dim, text.linear_value_head_dim = 32, 64, 64
     vision = config.vision_config
     vision.hidden_size, vision.intermediate_size, vision.num_heads = cfg.vision_hidden, 2 * cfg.vision_hidden, cfg.vision_hidden // 16
     vision.patch_size, vision.spatial_merge_size = cfg.patch, cfg.merge
@@ -130,7 +142,7 @@ def train_base(out_dir: str | Path, world: WorldConfig, cfg: SFTConfig, log=prin
 
     `task`: another task's targets (see the module docstring); None = the letter answers."""
     out = Path(out_dir)
-    sft = {k: v for k, v in asdict(cfg).items() if k != "max_resolution" or v}  # 0: as bases made before it
+    sft = {k: v for k, v in asdict(cfg).items() if k not in OPTIONAL or v != OPTIONAL[k]}  # as bases made before
     want = {"version": SFT_VERSION, "sft": sft, "world": asdict(world)}
     if task is not None:
         want["task"] = task.name

@@ -1,6 +1,6 @@
-"""eval.py's writes: atomic files, appended JSON lines, and a full disk as one line.
+"""Writes that survive a stop: atomic files, appended JSON lines, and a full disk as one line.
 
-Every file eval.py writes goes through here (`write_atomic`, `Appender`, `write_jsonl_atomic`), and so does
+Every file eval.py writes goes through here, and train.py's summaries and checkpoints (`opd.checkpoint`) (`write_atomic`, `Appender`, `write_jsonl_atomic`), and so does
 `opd.identity.DigestCache.save` and the export's folder (`opd.export`): a write that meets a full disk or a
 quota (ENOSPC, EDQUOT) becomes one `DiskFullError` line naming the folder, the file and roughly the space it
 needed, and leaves nothing half-written behind:
@@ -51,12 +51,15 @@ def _free(folder: Path) -> str:
     return "unknown"
 
 
-def disk_full(folder: str | Path, what: str, needed: int) -> DiskFullError:
-    """The one-line error of a write of about `needed` bytes (`what`: the file or folder) into `folder`."""
+AGAIN = "run the same command again: it continues where it stopped"
+
+
+def disk_full(folder: str | Path, what: str, needed: int, then: str = AGAIN) -> DiskFullError:
+    """The one-line error of a write of about `needed` bytes (`what`: the file or folder) into `folder`; `then`:
+    how to go on once there is room."""
     folder = Path(folder)
     return DiskFullError(f"{folder}: no space left on the device writing {what} (about {size_text(needed)} needed, "
-                         f"{_free(folder)} free); free some space (or raise the quota) and run the same command "
-                         "again: it continues where it stopped", local=True)
+                         f"{_free(folder)} free); free some space (or raise the quota) and {then}", local=True)
 
 
 FULL_TEXT = ("No space left on device", "Disk quota exceeded", "StorageFull", "QuotaExceeded")
