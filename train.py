@@ -14,8 +14,8 @@ cost summary, printed and written to summary.md). Every flag is a field of a com
 
 import sys
 
-from opd.cli import UserError, build_parser, flag_given, run_cli
-from opd.config import PRESETS, TrainConfig, read_config_file, resolve, resumed_config
+from opd.cli import build_parser, flag_given, run_cli
+from opd.config import PRESETS, TrainConfig, launch_config, read_config_file
 
 
 def parse(argv: list[str] | None) -> tuple[dict, bool]:
@@ -36,9 +36,7 @@ def parse(argv: list[str] | None) -> tuple[dict, bool]:
 def main(argv: list[str] | None = None) -> dict:
     """Trains (or, with --print-config, prints the settings) and returns the summary (the settings' flags)."""
     given, show = parse(argv)
-    if given.get("resume") and given.get("overwrite"):
-        raise UserError("--resume continues a run and --overwrite deletes it: choose one")
-    cfg = resumed_config(given) if given.get("resume") else resolve(given)
+    cfg = launch_config(given)  # --resume, --auto-resume, or a new run
     if show:
         print(cfg.to_yaml(), end="", flush=True)
         return cfg.flags()

@@ -20,7 +20,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from opd.build import ModelConfig
-from opd.checkpoint import CheckpointConfig, load_config
+from opd.checkpoint import CheckpointConfig, find_latest, load_config
 from opd.cli import Flag, Section, UserError, flag_text
 from opd.data import DataConfig
 from opd.ema_teacher import EMAConfig
@@ -33,7 +33,7 @@ from opd.methods import METHODS
 from opd.optim import OptimConfig
 from opd.predictor import PredictorConfig
 from opd.rollout import SamplingConfig
-from opd.run_folder import FolderConfig, checkpoint_of
+from opd.run_folder import FolderConfig, checkpoint_of, run_files
 from opd.selectors import SelectionConfig
 from opd.tracking import TrackerConfig
 
@@ -151,9 +151,6 @@ def cross_problems(cfg: TrainConfig, world: int) -> list[str]:
     elif loss.is_clip and sampling.temperature != loss.temperature:
         problems.append(f"--is-clip's ratio divides the student at --loss-temperature {loss.temperature:g} by the "
                         f"rollouts' log-probs at --sample-temperature {sampling.temperature:g}: give both the same value")
-    if cfg.engine.vllm and cfg.lora.r:
-        problems.append("--rollout-engine vllm pushes whole weights: with --lora-r use --rollout-engine hf (an adapter "
-                        "push is a documented next step)")
     if cfg.run.preset != "tiny" and cfg.data.data is None:
         problems.append(f"--data is required with --preset {cfg.run.preset} (a Vision-OPD-style training JSONL)")
     return problems + loss.check_support(method.divergence) + method_problems(cfg)
@@ -224,7 +221,7 @@ def resolve(given: dict) -> TrainConfig:
     return cfg
 
 
-LAUNCH_ONLY = ("resume", "overwrite")
+LAUNCH_ONLY = ("resume", "overwrite", "auto_resume")
 """Fields of a run's train_config.json that describe how it was launched, not the run: --config drops them."""
 
 
@@ -285,7 +282,7 @@ def _typed(value, flag: Flag, where: str):
 
 
 RESUMABLE = (
-    "resume", "out", "allow_data_change", "steps", "save_every", "keep_checkpoints", "report_to", "run_label",
+    "resume", "out", "auto_resume", "allow_data_change", "steps", "save_every", "keep_checkpoints", "report_to", "run_label",
     "eval_every", "eval_data", "eval_benchmarks", "eval_limit", "eval_views", "eval_max_new_tokens", "eval_batch",
     "micro_batch", "micro_batch_tokens", "loss_chunk", "rollout_batch", "share_prefill", "grad_checkpointing", "vllm_url",
     "fsdp_generation",
@@ -327,6 +324,26 @@ def refuse_changed_settings(cfg: TrainConfig, stored: dict, ckpt: Path, given: s
             f"--resume {ckpt}: {flags}: a resumed run keeps its own settings; it may change only {allowed}{why}. "
             "Start a new run in another --out to change the others"
         )
+
+
+def launch_config(given: dict) -> TrainConfig:
+    """The settings of a launch (flags by name): --resume's run's own (`resumed_config`), a new run's (`resolve`),
+    or with --auto-resume either, by what --out holds: a checkpoint is continued; no checkpoint (an empty folder,
+    or a run killed before its first checkpoint) is started, over whatever is there."""
+    if given.get("resume") and given.get("overwrite"):
+        raise UserError("--resume continues a run and --overwrite deletes it: choose one")
+    if given.get("auto_resume") and (given.get("resume") or given.get("overwrite")):
+        raise UserError("--auto-resume continues the run in --out when there is one and starts it otherwise: give it "
+                        "without --resume or --overwrite")
+    if given.get("resume"):
+        return resumed_config(given)
+    cfg = resolve(given)
+    if not cfg.folder.auto_resume:
+        return cfg
+    out = Path(cfg.folder.out)
+    if find_latest(out) is not None:
+        return resumed_config({**given, "resume": str(out)})
+    return cfg.replace(overwrite=bool(run_files(out)))
 
 
 def resumed_config(given: dict) -> TrainConfig:

@@ -133,6 +133,44 @@ def check_venv(venv: str | Path | None = None) -> Path:
     return python
 
 
+CPU_HEAD_DIMS = (32, 64, 80, 96, 112, 128, 160, 192, 224, 256)
+"""Attention head sizes vLLM's CPU attention backend has kernels for (head_dim 16 does not load)."""
+
+
+def unservable(model_dir: str | Path) -> str | None:
+    """Why vLLM cannot serve the Qwen3.5 checkpoint in `model_dir` (read from its config.json), or None: its M-RoPE
+    sections must add up to half the rotary dimension (vLLM asserts sum(mrope_section) == rotary_dim // 2, with
+    rotary_dim = head_dim x partial_rotary_factor), and on a CPU its head sizes must be ones the backend has."""
+    path = Path(model_dir) / "config.json"
+    if not path.is_file():
+        return None  # a hub id: vLLM reads it itself
+    text = json.loads(path.read_text()).get("text_config", {})
+    rope = text.get("rope_parameters") or text.get("rope_scaling") or {}
+    head = int(text.get("head_dim") or 0)
+    sections = rope.get("mrope_section")
+    if head and sections:
+        rotary = int(head * float(rope.get("partial_rotary_factor", 1.0)))
+        if sum(sections) != rotary // 2:
+            return (f"its rope's mrope_section {sections} adds up to {sum(sections)}, and vLLM needs head_dim {head} x "
+                    f"partial_rotary_factor / 2 = {rotary // 2}")
+    if head and not torch.cuda.is_available():
+        sizes = [("head_dim", head)] + [(k, int(text[k])) for k in ("linear_key_head_dim", "linear_value_head_dim")
+                                        if text.get(k)]  # fmt: skip
+        bad = [f"{k} {v}" for k, v in sizes if v not in CPU_HEAD_DIMS]
+        if bad:
+            return f"its {', '.join(bad)} has no kernel in vLLM's CPU backend (sizes it has: {CPU_HEAD_DIMS})"
+    return None
+
+
+def check_servable(model_dir: str | Path) -> None:
+    """A one-line UserError when vLLM cannot serve `model_dir` (`unservable`), before a server is started."""
+    reason = unservable(model_dir)
+    if reason is not None:
+        raise UserError(f"--rollout-engine vllm: {model_dir} cannot be served by vLLM ({reason}): give a checkpoint "
+                        "vLLM serves (any Qwen3.5 release; the built-in default's is one: run without --model), or "
+                        "use --rollout-engine hf")
+
+
 def server_command(
     python: str | Path,
     model_dir: str | Path,

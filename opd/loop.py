@@ -155,7 +155,7 @@ class Run:
         self.live = LiveEval(cfg.eval, self.steps) if cfg.eval.every else None  # the held items, loaded once
         self.sampler = Sampler(cfg.sampling, cfg.engine, acc, lambda: self.model, self.autocast,
                                cfg.model.fsdp_generation, cfg.run.seed, get_view(self.method.student_view),
-                               self.out)  # fmt: skip
+                               self.out, cfg.lora.scale_alpha / cfg.lora.r if cfg.lora.r else None)  # fmt: skip
         if cfg.engine.vllm:
             length = cfg.data.max_prompt_len + cfg.sampling.max_response_len + 16
             self.sampler.start(self.initial_model, length, cfg.model.fsdp)

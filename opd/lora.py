@@ -227,6 +227,29 @@ def merged(path: str | Path, load_base) -> nn.Module:
     return model.merge_and_unload()
 
 
+def merged_state_dict(state: dict[str, torch.Tensor], scaling: float, adapter: str = STUDENT) -> dict[str, torch.Tensor]:
+    """The weights of the base with `adapter` merged in, under the base model's own names, from a peft model's state
+    dict (`state_dict()`, or `opd.sharding.full_state_dict` of a sharded one): for each adapted linear layer
+
+        W' = W + scaling B A          (peft's `get_delta_weight`: lora_B @ lora_A times alpha / r)
+
+    and every other tensor as it is; the adapters' own tensors (every adapter's) are left out. The model being
+    trained is not touched (peft's `merge_adapter` would change it in place)."""
+    out: dict[str, torch.Tensor] = {}
+    for key, value in state.items():
+        if "lora_" in key:
+            continue
+        name = key.removeprefix("base_model.model.").replace(".base_layer.", ".")
+        a = key.replace(".base_layer.weight", f".lora_A.{adapter}.weight")
+        if key.endswith(".base_layer.weight") and a in state:
+            b = key.replace(".base_layer.weight", f".lora_B.{adapter}.weight")
+            work = torch.float32 if value.dtype in (torch.float16, torch.bfloat16) else value.dtype  # as peft's merge
+            delta = (state[b].to(work) @ state[a].to(work)) * scaling  # (out, in)
+            value = value + delta.to(value.dtype)
+        out[name] = value
+    return out
+
+
 def base_parameters(model: nn.Module) -> int:
     """Elements of the frozen base (everything but the adapters)."""
     return sum(p.numel() for n, p in model.named_parameters() if "lora_" not in n)

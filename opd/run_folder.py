@@ -37,6 +37,10 @@ class FolderConfig(Section):
     """Continue from a run folder (its latest checkpoint) or a checkpoint folder, with the run's own settings."""
     overwrite: bool = False
     """Start over in an --out folder that holds a run, deleting its ledger, summary and checkpoints."""
+    auto_resume: bool = False
+    """Continue the run in --out when it holds a checkpoint (a requeued job's same command), else start it (a
+    folder without a checkpoint is started over); flags that differ from the stored run's are refused as with
+    --resume (verl's resume_mode=auto)."""
     allow_data_change: bool = False
     """With --resume: continue although --data's files changed since the run started (refused otherwise); the result
     then differs from an uninterrupted run's."""

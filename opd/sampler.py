@@ -28,8 +28,9 @@ class Sampler:
     """The rollouts of each step for this rank, from the engine the run names."""
 
     def __init__(self, sampling: SamplingConfig, engine, acc, model, autocast, fsdp_generation: str, seed: int,
-                 student_view, out: Path):  # fmt: skip
+                 student_view, out: Path, lora_scaling: float | None = None):  # fmt: skip
         self.cfg, self.engine_cfg, self.acc = sampling, engine, acc
+        self.lora_scaling = lora_scaling  # LoRA: the adapter is merged into the pushed weights (alpha / r)
         self.model, self.autocast, self.fsdp_generation = model, autocast, fsdp_generation
         self.seed, self.student_view, self.out = seed, student_view, Path(out)
         self.server = None  # the vLLM server (rank 0 may own it: `own`)
@@ -42,7 +43,7 @@ class Sampler:
         written. A resumed run's weights are pushed before its first step."""
         from accelerate.utils import broadcast_object_list
 
-        from opd.engine import VLLMServer, check_venv
+        from opd.engine import VLLMServer, check_servable, check_venv
 
         self.sharded = sharded
         if self.engine_cfg.vllm_url:
@@ -50,6 +51,7 @@ class Sampler:
             return
         url = [None]
         if self.acc.is_main_process:
+            check_servable(initial_model)  # before the venv: the model's own shapes decide
             check_venv()
             self.own = VLLMServer.start(initial_model, seed=self.seed, max_model_len=max_model_len,
                                         log_path=Path(tempfile.gettempdir()) / f"vllm-{os.getpid()}.log")  # fmt: skip
@@ -83,8 +85,11 @@ class Sampler:
         self.stale = True
 
     def push(self) -> None:
-        """The policy's current weights into the engine (rank 0; sharded: gathered by every rank first)."""
-        if self.sharded:
+        """The policy's current weights into the engine (rank 0; sharded: gathered by every rank first). LoRA: the
+        base with the adapter merged in (`opd.lora.merged_state_dict`), under the base model's names."""
+        if self.lora_scaling is not None:
+            self._push_merged()
+        elif self.sharded:
             from opd.checkpoint import export_pretrained
 
             folder = self.out / VLLM_PUSH  # one shared path for every rank (and machine); removed at the end
@@ -95,6 +100,21 @@ class Sampler:
             self.server.push_weights(self.model())
         self.acc.wait_for_everyone()
         self.stale = False
+
+    def _push_merged(self) -> None:
+        """A LoRA policy's merged weights written to DIR/.vllm-push by rank 0 (a sharded one gathered first: a
+        collective on every rank), then pushed."""
+        from opd.lora import merged_state_dict
+        from opd.sharding import full_state_dict, is_sharded
+
+        model = self.model()
+        state = full_state_dict(model) if is_sharded(model) else model.state_dict()
+        if self.acc.is_main_process:
+            folder = self.out / VLLM_PUSH
+            shutil.rmtree(folder, ignore_errors=True)
+            merged = {k: v.detach().cpu() for k, v in merged_state_dict(state, self.lora_scaling).items()}
+            model.get_base_model().save_pretrained(folder, state_dict=merged, safe_serialization=True)
+            self.server.push_weights(folder)
 
     def stop(self) -> None:
         """Stops a server this run started; removes the push folder."""

@@ -92,3 +92,37 @@ def test_a_missing_teacher_checkpoint_names_its_flag_or_route_file_once(tmp_path
     route.write_text(json.dumps({"field": "task", "teachers": {"a": str(tmp_path / "gone")}, "default": "a"}))
     with pytest.raises(UserError, match=f"--teachers {route}: route 'a'"):
         train.main([*TINY, "--method", "opod", "--teachers", str(route), "--out", str(tmp_path / "o")])
+
+
+@pytest.mark.slow
+def test_auto_resume_continues_a_killed_run_and_starts_an_empty_folder(tmp_path, tiny):
+    """The same command with --auto-resume, requeued after a SIGKILL, continues from the last checkpoint; on an empty
+    folder it starts the run; a flag that differs from the stored run's is refused as --resume refuses it."""
+    import os
+    import signal
+    import subprocess
+    import sys
+    import time
+    from pathlib import Path
+
+    root = Path(__file__).resolve().parents[1]
+    out = tmp_path / "run"
+    cmd = [sys.executable, str(root / "train.py"), *TINY, "--steps", "12", "--save-every", "1", "--auto-resume",
+           "--out", str(out)]  # fmt: skip
+    env = {**os.environ, "OMP_NUM_THREADS": "1"}
+    proc = subprocess.Popen(cmd, env=env, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
+    deadline = time.time() + 300
+    while not (out / "latest").is_file() and proc.poll() is None and time.time() < deadline:
+        time.sleep(0.02)
+    proc.send_signal(signal.SIGKILL)  # preempted, right after its first checkpoint
+    proc.wait()
+    assert (out / "latest").is_file()
+    killed_at = int((out / "latest").read_text().split("-")[1])
+    assert killed_at < 12
+    again = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=600)
+    assert again.returncode == 0, again.stderr[-2000:]
+    assert [r["step"] for r in read_ledger(out / "ledger.jsonl")] == list(range(12))
+    refused = subprocess.run([*cmd, "--rho", "0.5"], env=env, capture_output=True, text=True, timeout=300)
+    assert refused.returncode == 2 and "--rho 0.5 (the run has 0.25)" in refused.stderr
+    fresh = subprocess.run([*cmd[:-1], str(tmp_path / "empty")], env=env, capture_output=True, text=True, timeout=300)
+    assert fresh.returncode == 0 and len(read_ledger(tmp_path / "empty" / "ledger.jsonl")) == 12

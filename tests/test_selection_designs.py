@@ -151,7 +151,7 @@ def test_stratified_selection_has_exact_per_stratum_probabilities_and_exactly_k_
     stratum = stratum[torch.randperm(stratum.numel(), generator=g)]  # (n,) interleaved
     scores = torch.rand(stratum.numel(), generator=g, dtype=F64) ** 3
     pi, low, high, r = stratified_probabilities(scores, stratum, k, mix)
-    share = water_level(list(sizes_of), k)
+    share = [round(a, 9) for a in water_level(list(sizes_of), k)]
     for h, a_h in enumerate(share):
         rows = stratum == h
         f = math.floor(a_h + 1e-9)

