@@ -110,3 +110,28 @@ def test_an_objective_imports_no_other_objective_and_no_evaluation_code(objectiv
         others = edges[name] & (objectives - {name})
         evaluation = {m for m in edges[name] if m == "opd.eval" or m.startswith("opd.eval.")}
         assert not others and not evaluation, (name, others, evaluation)
+
+
+@pytest.mark.slow
+def test_the_package_installs_and_its_tools_run_from_any_folder(tmp_path):
+    """`pip install .` installs the library (opd and its subpackages; not the scripts), and `python -m opd.export
+    --help` runs from a folder outside the checkout."""
+    import os
+    import shutil
+    import subprocess
+    import sys
+
+    site = tmp_path / "site"
+    src = tmp_path / "src"  # a copy, so the build leaves nothing in the checkout
+    shutil.copytree(ROOT, src, ignore=shutil.ignore_patterns(".venv*", ".git", "runs", "build", "*.egg-info", "__pycache__"))
+    pip = subprocess.run([sys.executable, "-m", "pip", "install", "--quiet", "--no-deps", "--no-build-isolation",
+                          "--target", str(site), str(src)], capture_output=True, text=True, timeout=600)  # fmt: skip
+    assert pip.returncode == 0, pip.stderr[-2000:]
+    assert (site / "opd" / "eval" / "cli.py").is_file() and (site / "opd" / "toy").is_dir()
+    assert not (site / "train.py").exists() and not (site / "tests").exists()
+    elsewhere = tmp_path / "elsewhere"
+    elsewhere.mkdir()
+    env = {k: v for k, v in os.environ.items() if k != "PYTHONPATH"} | {"PYTHONPATH": str(site)}
+    run = subprocess.run([sys.executable, "-m", "opd.export", "--help"], cwd=elsewhere, env=env, capture_output=True,
+                         text=True, timeout=120)  # fmt: skip
+    assert run.returncode == 0 and "usage: python -m opd.export" in run.stdout, run.stderr[-2000:]
