@@ -206,9 +206,10 @@ class ModelBuilder:
         teacher = None if cfg.teacher.external else AdapterTeacher(unwrapped, "teacher" if ema else None)
         return student, optimizer, teacher, lambda: AdapterTeacher(unwrapped, None)
 
-    def _external(self, processor, policy) -> TeacherSet:
-        """--teacher-model (one frozen teacher) or --teachers (one per route, each checkpoint loaded once)."""
-        cfg, vocab = self.cfg.teacher, lm_head_weight(policy).shape[0]
+    def _external(self, processor, model) -> TeacherSet:
+        """--teacher-model (one frozen teacher) or --teachers (one per route, each checkpoint loaded once); `model`:
+        the policy unwrapped (its vocabulary is the teachers' to match)."""
+        cfg, vocab = self.cfg.teacher, lm_head_weight(model).shape[0]
         if cfg.teacher_model:
             what = f"--teacher-model {cfg.teacher_model}"
             teacher = load_teacher(cfg.teacher_model, what, processor, vocab, lambda p: self.load_frozen(p, what),

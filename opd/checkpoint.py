@@ -91,29 +91,29 @@ def written_whole(out_dir: Path, tmp: Path, name: str):
         raise
 
 
-def save_checkpoint(out_dir: str | Path, step: int, policy, processor, teacher, state: dict, keep: int = 1,
+def save_checkpoint(out_dir: str | Path, step: int, model, processor, teacher, state: dict, keep: int = 1,
                     adapters: dict | None = None) -> Path:  # fmt: skip
     """Writes checkpoint-{step} (step = the next step to run) and points DIR/latest at it. `adapters` (LoRA,
     `opd.lora`): {"policy": adapter, "teacher": adapter or None}: policy/ and teacher/ hold those adapters of
-    `policy` instead of whole models. A failed write leaves no temporary folder (`written_whole`)."""
+    `model` instead of whole models. A failed write leaves no temporary folder (`written_whole`)."""
     out_dir = Path(out_dir)
     final = out_dir / f"checkpoint-{step:06d}"
     tmp = out_dir / f".checkpoint-{step:06d}.tmp"
     shutil.rmtree(tmp, ignore_errors=True)
     with written_whole(out_dir, tmp, final.name):
-        _write_checkpoint(tmp, policy, processor, teacher, state, step, adapters)
+        _write_checkpoint(tmp, model, processor, teacher, state, step, adapters)
     return _publish(out_dir, tmp, final, state, keep)
 
 
-def _write_checkpoint(tmp: Path, policy, processor, teacher, state: dict, step: int, adapters: dict | None) -> None:
+def _write_checkpoint(tmp: Path, model, processor, teacher, state: dict, step: int, adapters: dict | None) -> None:
     if adapters is not None:
         from opd.lora import save_adapter
 
-        save_adapter(policy, adapters["policy"], tmp / "policy")
+        save_adapter(model, adapters["policy"], tmp / "policy")
         if adapters.get("teacher"):
-            save_adapter(policy, adapters["teacher"], tmp / "teacher")
+            save_adapter(model, adapters["teacher"], tmp / "teacher")
     else:
-        policy.save_pretrained(tmp / "policy")
+        model.save_pretrained(tmp / "policy")
     processor.save_pretrained(tmp / "policy")
     if teacher is not None:  # None: a frozen external teacher, reloaded from its own checkpoint on resume
         teacher.save_pretrained(tmp / "teacher")
@@ -173,9 +173,9 @@ def prune(out_dir: Path, keep: int) -> None:
         shutil.rmtree(p, ignore_errors=True)
 
 
-def _sharded_state(policy, teacher, optimizer) -> dict:
+def _sharded_state(model, teacher, optimizer) -> dict:
     """The DCP state of a sharded run: {policy, teacher, optimizer}, each rank's shards (DTensors)."""
-    model_sd, optim_sd = get_state_dict(policy, optimizer)
+    model_sd, optim_sd = get_state_dict(model, optimizer)
     state = {"policy": model_sd, "optimizer": optim_sd}
     if teacher is not None:  # None: a frozen external teacher (not saved)
         state["teacher"] = get_model_state_dict(teacher)
@@ -198,9 +198,9 @@ def export_pretrained(model, folder: Path, processor=None, adapter: str | None =
             processor.save_pretrained(folder)
 
 
-def save_sharded(out_dir: str | Path, step: int, policy, teacher, optimizer, state: dict, keep: int = 1,
+def save_sharded(out_dir: str | Path, step: int, model, teacher, optimizer, state: dict, keep: int = 1,
                  processor=None, adapters: dict | None = None) -> Path:
-    """Every rank: checkpoint-{step} with sharded/ (DCP: policy, teacher, AdamW), state.pt and
+    """Every rank: checkpoint-{step} with sharded/ (DCP: model, teacher, AdamW), state.pt and
     train_config.json written by rank 0; with `processor` also the policy/ and teacher/ export. Renamed into
     place by rank 0 once every rank has written; returns the final folder."""
     out_dir = Path(out_dir)
@@ -212,9 +212,9 @@ def save_sharded(out_dir: str | Path, step: int, policy, teacher, optimizer, sta
         tmp.mkdir(parents=True)
     dist.barrier()
     with written_whole(out_dir, tmp, final.name):
-        dcp.save(_sharded_state(policy, teacher, optimizer), checkpoint_id=tmp / "sharded")
+        dcp.save(_sharded_state(model, teacher, optimizer), checkpoint_id=tmp / "sharded")
         if processor is not None:
-            _export_sharded(tmp, policy, teacher, processor, adapters)
+            _export_sharded(tmp, model, teacher, processor, adapters)
         if main:
             torch.save({**state, "step": step}, tmp / "state.pt")
             if "config" in state:
@@ -225,28 +225,28 @@ def save_sharded(out_dir: str | Path, step: int, policy, teacher, optimizer, sta
     return final
 
 
-def _export_sharded(tmp: Path, policy, teacher, processor, adapters: dict | None) -> None:
+def _export_sharded(tmp: Path, model, teacher, processor, adapters: dict | None) -> None:
     """The last sharded checkpoint's policy/ and teacher/ exports (LoRA: the adapters; the teacher's is an adapter
-    of the policy)."""
+    of the model)."""
     if adapters is not None:
-        export_pretrained(policy, tmp / "policy", processor, adapters["policy"])
+        export_pretrained(model, tmp / "policy", processor, adapters["policy"])
         if adapters.get("teacher"):
-            export_pretrained(policy, tmp / "teacher", None, adapters["teacher"])
+            export_pretrained(model, tmp / "teacher", None, adapters["teacher"])
     else:
-        export_pretrained(policy, tmp / "policy", processor)
+        export_pretrained(model, tmp / "policy", processor)
         if teacher is not None:
             export_pretrained(teacher, tmp / "teacher")
 
 
-def load_sharded(ckpt: str | Path, policy, teacher, optimizer) -> None:
-    """Restores a `save_sharded` checkpoint into a sharded policy, teacher and optimizer (every rank reads
+def load_sharded(ckpt: str | Path, model, teacher, optimizer) -> None:
+    """Restores a `save_sharded` checkpoint into a sharded model, teacher and optimizer (every rank reads
     its own shards; the world size may differ from the one that wrote it)."""
     path = Path(ckpt) / "sharded"
     if not (path / ".metadata").is_file():
         raise FileNotFoundError(f"{ckpt} has no sharded checkpoint ({path}/.metadata): was it written with --fsdp?")
-    sd = _sharded_state(policy, teacher, optimizer)
+    sd = _sharded_state(model, teacher, optimizer)
     dcp.load(sd, checkpoint_id=path)
-    set_state_dict(policy, optimizer, model_state_dict=sd["policy"], optim_state_dict=sd["optimizer"])
+    set_state_dict(model, optimizer, model_state_dict=sd["policy"], optim_state_dict=sd["optimizer"])
     if teacher is not None:
         set_model_state_dict(teacher, sd["teacher"])
 
