@@ -198,8 +198,8 @@ def collect(root: Path, all_specs: list[dict]) -> dict:
 def paired(rs: list[dict], reference: list[dict] | None) -> str:
     """'+d, w of n above': the mean difference in full-image accuracy to the reference policy on the same seeds and
     how many of those seeds are above it ('' without a reference run of any of these seeds)."""
-    ref = {r["spec"]["seed"]: r["full"] for r in reference or []}
-    diffs = [r["full"] - ref[r["spec"]["seed"]] for r in rs if r["spec"]["seed"] in ref]
+    ref = {r["seed"]: r["full"] for r in reference or []}
+    diffs = [r["full"] - ref[r["seed"]] for r in rs if r["seed"] in ref]
     if not diffs:
         return ""
     return f"{np.mean(diffs):+.2f}, {sum(d > 0 for d in diffs)} of {len(diffs)} above"
@@ -212,7 +212,7 @@ def task_table(task: str, runs: dict, base: dict) -> list[str]:
              "Tokens vs Full | Tokens of C | Prompts in S | Utility captured | cos(g_S, g_C) | cos(mean g_S, g_C) | "
              "Largest 1/pi |", "| --- | ---: | --- | --- | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: |"]  # fmt: skip
     for name in [n for n in VARIANTS if runs.get(n)]:
-        rs = sorted(runs[name], key=lambda r: r["spec"]["seed"])
+        rs = sorted(runs[name], key=lambda r: r["seed"])
         full = [r["full"] for r in rs]
         crop = [r["crop"] for r in rs]
         collapsed = sum(c < base["crop"] - CROP_DROP for c in crop)

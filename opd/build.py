@@ -23,13 +23,13 @@ from pathlib import Path
 import torch
 
 from opd import lora as lora_mod
+from opd.builtin import builtin_path, is_builtin
 from opd.checkpoint import load_sharded, load_state, model_source
 from opd.cli import Section, UserError
 from opd.ema_teacher import AdapterTeacher, EMATeacher, Teacher, lm_head_weight
 from opd.external_teachers import TeacherSet, build_routed, load_routes, load_teacher, teacher_source
 from opd.model import DTYPES, load_model, load_processor, resolve_model_source
 from opd.sharding import GENERATION, load_sharded_model, shard_model
-from opd.tiny import tiny_defaults
 
 
 @dataclass
@@ -37,7 +37,9 @@ class ModelConfig(Section):
     """The policy's checkpoint and how it is held: dtype, mixed precision, activation recomputation, sharding."""
 
     model: str | None = None
-    """HF image-text-to-text checkpoint (folder or hub id); none with --preset tiny: the built-in tiny model."""
+    """HF image-text-to-text checkpoint (folder or hub id), a train.py run folder, or a built-in name: 'toy' (the
+    default preset's: the toy world's base, trained on crops) or 'tiny' (a random-weight tiny Qwen3.5); none (--preset
+    tiny): the tiny one."""
     dtype: str = "float32"
     """Weight dtype of policy and teacher (float32 keeps lr 2e-6 updates representable)."""
     mixed_precision: str = "no"
@@ -62,16 +64,21 @@ class ModelConfig(Section):
         return problems
 
 
-def default_sources(model: str | None, data: str | None, accelerator) -> tuple[str, str]:
-    """(model, data) with the built-in tiny ones for what is not given (built once by rank 0, then read by every
-    rank); a train.py run folder as --model is its policy/."""
-    if model is None or data is None:
+def default_sources(model: str | None, data: str | None, accelerator, vllm: bool = False) -> tuple[str, str]:
+    """(model, data) as folder and file: a built-in name ('toy', the default preset's; 'tiny': `opd.builtin`) is
+    built once by rank 0, then read by every rank; what is not given (`--preset tiny`, a TrainConfig without a
+    preset) is the built-in tiny one, with `vllm` (--rollout-engine vllm) the tiny model's vLLM-servable variant; a
+    train.py run folder as --model is its policy/."""
+    wanted = [(model or "tiny", "model", vllm and model is None), (data or "tiny", "data", False)]
+    if any(is_builtin(name, kind) for name, kind, _ in wanted):
         if accelerator.is_main_process:
-            tiny_defaults()
+            for name, kind, variant in wanted:
+                builtin_path(name, kind, variant)
         accelerator.wait_for_everyone()
-        tiny_model, tiny_data = tiny_defaults()
-        model, data = model or str(tiny_model), data or str(tiny_data)
-    model = model_source(model, f"--model {model}")
+    (model, _, variant), (data, _, _) = wanted
+    built = builtin_path(model, "model", variant)
+    model = str(built) if built is not None else model_source(model, f"--model {model}")
+    data = str(builtin_path(data, "data") or data)
     resolve_model_source(model)
     return model, data
 

@@ -266,16 +266,16 @@ def find_checkpoint(path: str | Path) -> Path:
 
 
 def model_source(path: str, what: str) -> str:
-    """What a model name loads (`--model`, `--teacher-model`, a route's teacher, `eval.py --model`): 'tiny' the
-    built-in tiny model's folder; a `train.py` run folder or one of its checkpoint folders (a folder without
-    config.json, holding `latest` or `state.pt`) its checkpoint's `policy/` export; anything else unchanged (a
-    checkpoint folder or hub id, checked by `opd.model.resolve_model_source`). `what` names the flag in errors."""
+    """What a model name loads (`--model`, `--teacher-model`, a route's teacher, `eval.py --model`): a built-in name
+    ('tiny', 'toy': `opd.builtin`) its folder, built on first use; a `train.py` run folder or one of its checkpoint
+    folders (a folder without config.json, holding `latest` or `state.pt`) its checkpoint's `policy/` export;
+    anything else unchanged (a checkpoint folder or hub id, checked by `opd.model.resolve_model_source`). `what`
+    names the flag in errors."""
+    from opd.builtin import builtin_path
     from opd.cli import UserError
 
-    if path == "tiny":
-        from opd.tiny import tiny_defaults
-
-        return str(tiny_defaults()[0])
+    if (builtin := builtin_path(path, "model")) is not None:
+        return str(builtin)
     folder = Path(path).expanduser()
     run_like = (folder / "latest").is_file() or (folder / "state.pt").is_file()
     if not folder.is_dir() or (folder / "config.json").is_file() or not run_like:

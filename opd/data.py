@@ -327,7 +327,8 @@ class DataConfig(Section):
 
     data: str | None = None
     """Training data (Vision-OPD or bbox form): a JSONL file, a parquet file or folder, a `datasets` save_to_disk
-    folder, or a hub id org/name (opd/data.py); none with --preset tiny: the built-in tiny dataset."""
+    folder, a hub id org/name (opd/data.py), or a built-in name: 'toy' (the default preset's: the toy world's
+    training split) or 'tiny'; none (--preset tiny): the tiny dataset."""
     data_split: str | None = None
     """The split of --data when it has several (a DatasetDict folder, a hub id, a parquet folder of split files)."""
     data_columns: str | None = None
@@ -608,7 +609,11 @@ def load_records(path: str | Path, split: str | None = None, columns: dict[str, 
     are written (default `opd.tiny.cache_dir()/data-images`).
 
     JSONL: blank lines are skipped, anything else must be a valid record. Rows are parsed in file order and
-    their images decoded on a few threads; the first bad row in order is the one reported."""
+    their images decoded on a few threads; the first bad row in order is the one reported. A built-in name ('toy',
+    'tiny': `opd.builtin`) is its training JSONL, built on first use."""
+    from opd.builtin import builtin_path
+
+    path = builtin_path(path, "data") or path
     columns = _check_columns(columns)
     text = str(path)
     path = Path(path)

@@ -145,10 +145,13 @@ def teacher_views(rows: list[dict]) -> list[str]:
 
 
 def format_summary(summary: dict, name: str = "this run") -> str:
-    """The summary as the paper's Table 7 (supervision counts) and Table 8 (observed time) in Markdown."""
+    """The summary in Markdown: the live evaluations first when the run had them (--eval-every; --eval-before's
+    scores as 'before training', with the full-image change beside the teacher's query ratio), then the paper's
+    Table 7 (supervision counts) and Table 8 (observed time)."""
     s = summary
     return "\n".join(
         [
+            *_evaluation_lines(s.get("evaluations"), s),
             "| Policy | Candidates | Teacher calls | Query ratio | Scored tokens | Tokens vs. all candidates | Max overrun |",
             "| --- | ---: | ---: | ---: | ---: | ---: | ---: |",
             f"| {name} | {s['candidates']:,} | {s['calls']:,} | {100 * s['query_ratio']:.2f}% | "
@@ -192,3 +195,30 @@ def _model_lines(models: dict) -> list[str]:
     return ["", "| Teacher | Forward rows | Input tokens | Forward sum |", "| --- | ---: | ---: | ---: |"] + [
         f"| {m} | {t['rows']:,} | {t['tokens']:,} | {t['forward_s']:,.2f} s |" for m, t in models.items()
     ]
+
+
+def _evaluation_lines(evaluations: dict | None, summary: dict) -> list[str]:
+    """summary.json's `evaluations` as a table (one row per evaluation) and, with a 'before training' row, one line:
+    each benchmark's full-image score before and after, beside the share of candidates the teacher scored."""
+    if not evaluations or not evaluations.get("rows"):
+        return []
+    from opd.eval.live import format_score, score_label
+
+    rows = evaluations["rows"]
+    keys = list(dict.fromkeys(k for r in rows for k in r if k.startswith("eval/")))
+    data = f" on --eval-data {evaluations['data']}" if evaluations.get("data") else ""
+    lines = [f"| Live evaluation{data} (greedy, eval.py's scoring) | " + " | ".join(map(score_label, keys)) + " |",
+             "| --- |" + " ---: |" * len(keys)]
+    for r in rows:
+        when = "before training" if r["after"] == 0 else f"after step {r['after']}"
+        lines.append(f"| {when} | " + " | ".join(format_score(k, r[k]) if k in r else "-" for k in keys) + " |")
+    lines.append("")
+    first, last = rows[0], rows[-1]
+    if first["after"] == 0 and last["after"] > 0:
+        full = [k for k in keys if "@" not in k and k in first and k in last]
+        moved = "; ".join(f"{score_label(k)} {format_score(k, first[k])} -> {format_score(k, last[k])} "
+                          f"({last[k] - first[k]:+.2f} points)" for k in full)  # fmt: skip
+        lines += [f"Before -> after {last['after']} steps: {moved}, the teacher queried on "
+                  f"{100 * summary['query_ratio']:.2f}% of the candidates ({summary['calls']:,} of "
+                  f"{summary['candidates']:,} rollouts).", ""]
+    return lines

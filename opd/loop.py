@@ -31,7 +31,7 @@ from opd.checkpoint import find_latest, load_config, prune, save_checkpoint, sav
 from opd.cli import UserError
 from opd.config import TrainConfig, refuse_changed_settings
 from opd.data import load_records, parse_columns
-from opd.eval.live import LiveEval
+from opd.eval.live import LiveEval, evaluations, format_scores
 from opd.features import rollout_features
 from opd.ledger import Ledger, format_summary, summarize, write_atomic
 from opd.lora import STUDENT
@@ -124,7 +124,8 @@ class Run:
         self.autocast = autocast(acc.device, cfg.model.mixed_precision)
         self.teacher_views = ((cfg.teacher.teacher_view or self.method.teacher_view),) + self.method.teacher_views[1:]
         self.launch = launch_info(acc.num_processes)
-        self.initial_model, data_path = default_sources(cfg.model.model, cfg.data.data, acc)  # DAPD's base, OPOD's ref
+        self.initial_model, data_path = default_sources(cfg.model.model, cfg.data.data, acc,  # DAPD's base, OPOD's ref
+                                                        vllm=cfg.engine.vllm)
         self.records = load_records(data_path, cfg.data.data_split, parse_columns(cfg.data.data_columns))
         views = (self.method.student_view, *self.teacher_views)
         check_records(self.records, views, data_path, cfg.data.prompts_per_step, cfg.run.method)
@@ -325,13 +326,26 @@ class Run:
 
     def evaluate(self, step: int) -> dict:
         """Live evaluation after step `step` when due (every rank answers its share): eval.py's protocol, the weights
-        in --dtype, no --mixed-precision autocast."""
+        in --dtype, no --mixed-precision autocast; printed (rank 0)."""
         if self.live is None or not self.live.due(step):
             return {}
+        return self._live_scores(f"after step {step + 1}")
+
+    def evaluate_before(self) -> dict:
+        """--eval-before: the live evaluation of the weights a new run starts from (before step 0), printed; {} for a
+        resumed run or without the flag. The first ledger row keeps it (`eval_before`)."""
+        if self.live is None or not self.cfg.eval.before or self.start > 0:
+            return {}
+        return self._live_scores("before training")
+
+    def _live_scores(self, when: str) -> dict:
         t0 = time.perf_counter()
         scores = self.live(self.acc, self.model, self.processor, self.cfg.data.enable_thinking,
                            lambda: generation(self.model, self.cfg.model.fsdp_generation))  # fmt: skip
-        return {**scores, "eval_s": time.perf_counter() - t0}
+        scores["eval_s"] = time.perf_counter() - t0
+        if self.acc.is_main_process:
+            tqdm.write(f"train.py: eval {when} ({scores['eval_s']:.0f} s): {format_scores(scores)}")
+        return scores
 
     def train(self) -> dict:
         """Runs steps start..steps-1, checkpoints, and returns the Table 7/8 summary. A full disk at the first
@@ -364,11 +378,14 @@ class Run:
             for place in self.trackers.where():
                 print(f"train.py: {place}", flush=True)
         # loss: Eq. 11 this step; queried: teacher calls |S| / budget K (Eq. 4); utility: mean u_i over S (Eq. 9)
+        before = self.evaluate_before()
         bar = tqdm(total=self.steps, initial=self.start, desc=self.run_name, disable=not main)
         step = self.start
         try:
             for step in range(self.start, self.steps):
                 row = self.step(step)
+                if before and step == 0:
+                    row["eval_before"] = before
                 row |= self.evaluate(step)
                 self.log(row)
                 bar.update(1)
@@ -395,6 +412,8 @@ class Run:
         summary = summarize(self.ledger.rows)
         summary["world_size"] = self.acc.num_processes
         summary["launches"] = [r["launch"] for r in self.ledger.rows if "launch" in r]
+        if found := evaluations(self.ledger.rows):  # --eval-every's scores (--eval-before's first)
+            summary["evaluations"] = {"data": self.cfg.eval.data, "rows": found}
         return summary
 
     def summary_is_current(self) -> bool:
@@ -423,7 +442,9 @@ class Run:
             write_atomic(self.out / "summary.md", table + "\n")
             print("\n" + table, flush=True)
             latest = self.out / "latest"
-            ckpt = f" and {latest.read_text().strip()}/ (evaluate it with: eval.py --model {self.out})" if latest.is_file() else ""
+            data = f" --data-dir {self.cfg.eval.data}" if self.cfg.eval.data else ""
+            ckpt = (f" and {latest.read_text().strip()}/ (evaluate it with: eval.py --model {self.out}{data})"
+                    if latest.is_file() else "")  # fmt: skip
             print(f"\ntrain.py: wrote {self.out}/ledger.jsonl, summary.md, summary.json{ckpt}", flush=True)
         self.acc.wait_for_everyone()
         return summary

@@ -1,4 +1,5 @@
-"""The built-in default: a tiny random-weight Qwen3.5 and a small generated image/crop dataset, offline.
+"""The built-in tiny model and dataset (`--preset tiny`, the name 'tiny'): a tiny random-weight Qwen3.5 and a small
+generated image/crop dataset, offline. (train.py's default is the toy world, opd.toy.default.)
 
 `build_tiny_model(dir)` writes a `Qwen3_5ForConditionalGeneration` (hidden 64, 4 layers, vision depth 2)
 with a character-level `Qwen3_5Tokenizer` and a `Qwen3VLProcessor` through `save_pretrained`, so training,
@@ -197,10 +198,14 @@ def cache_dir() -> Path:
     return Path(os.environ.get("BAS_OPD_CACHE", Path.home() / ".cache" / "bas-opd"))
 
 
-def tiny_defaults() -> tuple[Path, Path]:
-    """(model folder, training JSONL) of the built-in default, built on first use."""
+def tiny_defaults(vllm: bool = False) -> tuple[Path, Path]:
+    """(model folder, training JSONL) of the built-in tiny model and dataset (`--preset tiny`, the name 'tiny'), built
+    on first use; with `vllm` the model is its vLLM-servable variant (`build_tiny_vllm_model`, cached beside it: what
+    `--preset tiny --rollout-engine vllm` trains)."""
     root = cache_dir()
-    return build_tiny_model(root / f"tiny-model-v{TINY_VERSION}"), build_tiny_dataset(root / f"tiny-data-v{TINY_VERSION}")
+    model = (build_tiny_vllm_model(root / f"tiny-vllm-model-v{TINY_VERSION}") if vllm
+             else build_tiny_model(root / f"tiny-model-v{TINY_VERSION}"))  # fmt: skip
+    return model, build_tiny_dataset(root / f"tiny-data-v{TINY_VERSION}")
 
 
 def build_tiny_vllm_model(out_dir: str | Path, seed: int = 0, max_pixels: int = 64 * 64, **config_kwargs) -> Path:

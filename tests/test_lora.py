@@ -303,7 +303,7 @@ def test_a_sequence_mean_training_step_is_the_mean_of_each_rows_token_mean(tmp_p
     (["--warmup-steps", "9", "--steps", "2"], "--warmup-steps 9: beyond the schedule's 2 steps"),
     (["--sample-top-p", "0"], r"--sample-top-p 0.0: must lie in \(0, 1\]"),
     (["--sample-top-p", "1.5"], r"--sample-top-p 1.5: must lie in \(0, 1\]"),
-    (["--loss-agg", "token-sum"], "--loss-agg 'token-sum': choose one of token-mean, sequence-mean, micro-batch"),
+    (["--loss-agg", "token-median"], "--loss-agg 'token-median': choose one of token-mean, sequence-mean, micro-batch, token-sum"),
     (["--lr-schedule", "step"], "--lr-schedule 'step': choose one of constant, linear, cosine"),
     (["--method", "dapd", "--loss-agg", "sequence-mean"], "--method dapd: --loss-agg does not apply"),
     (["--method", "dapd", "--lora-r", "4", "--ema-tau", "0"], "--method dapd: --ema-tau 0 .a fixed teacher. does not apply"),

@@ -309,8 +309,9 @@ def test_two_ranks_equal_one_rank_with_unbiased_selection(tmp_path, tiny):
 
 
 def test_the_selection_experiment_smoke(tmp_path, tiny):
-    """experiments/selection.py --smoke on one task and two variants: both run, their ledgers hold, the report has
-    the audit's columns (the full experiment: docs/SELECTION.md)."""
+    """experiments/selection.py --smoke on one task and three variants: all run, their ledgers hold, the report has
+    the audit's columns and the pairing with Random-25 (the full experiment: docs/SELECTION.md); the stratified
+    run queries exactly K rows, one per prompt (K = 16 of 32 prompts x 2 rollouts: half the prompts, a row each)."""
     import importlib.util
     import sys
     from pathlib import Path
@@ -321,13 +322,19 @@ def test_the_selection_experiment_smoke(tmp_path, tiny):
     sys.modules[spec.name] = driver  # dataclasses resolve string annotations through sys.modules
     spec.loader.exec_module(driver)
     out = tmp_path / "sel"
-    text = driver.main(["--smoke", "--tasks", "letter", "--variants", "learned-25-unbiased,learned-25-cap", "--out", str(out)])
+    text = driver.main(["--smoke", "--tasks", "letter", "--variants", "random-25,learned-25-unbiased,learned-25-cap",
+                        "--out", str(out)])  # fmt: skip
     assert "all hold." in text and "| Learned-25 unbiased |" in text and "| Learned-25 capped per prompt |" in text
+    assert "of 1 above |" in text  # paired with Random-25's seed
     data = json.loads((out / "report.json").read_text())
     unbiased = data["runs"]["letter"]["learned-25-unbiased"][0]
     assert unbiased["selection"]["cosine"] <= 1 and 0 <= unbiased["selection"]["captured"] <= 1
     capped_rows = read_ledger(out / "runs" / "letter" / "learned-25-cap" / "seed0" / "ledger.jsonl")
     assert all(r["selected_prompts"] == r["selected"] for r in capped_rows)  # K = 16 of 32 prompts: one row each
+    text = driver.main(["--smoke", "--tasks", "letter", "--variants", "learned-25-strat", "--out", str(out)])
+    assert "| Learned-25 stratified by prompt (HT) |" in text and "all hold." in text
+    strat_rows = read_ledger(out / "runs" / "letter" / "learned-25-strat" / "seed0" / "ledger.jsonl")
+    assert all(r["selected_prompts"] == r["selected"] == r["budget"] for r in strat_rows)
 
 
 def test_the_audits_sample_and_aggregate_as_the_run_trains(tmp_path, tiny, monkeypatch):

@@ -14,6 +14,7 @@ from __future__ import annotations
 
 from pathlib import Path
 
+from opd.builtin import builtin_path, is_builtin
 from opd.cli import UserError, build_parser
 from opd.eval.backends import BACKENDS
 from opd.eval.benchmarks import LOADERS, expected_files, has_files
@@ -32,6 +33,8 @@ def parse_args(argv: list[str] | None) -> tuple[EvalConfig, list[str] | None]:
     compare = args.pop("compare")
     preset = args.pop("preset")
     given = {k: v for k, v in args.items() if v is not None}
+    if is_builtin(given.get("data_dir"), "bench"):  # the toy world's held-out items: ZoomBench's slot, with crops
+        given = {"benchmarks": "zoombench", "view": "crop", **given}
     return dataclasses.replace(EvalConfig(preset=preset, **PRESETS[preset]), **given), compare
 
 
@@ -56,9 +59,10 @@ def check_config(cfg: EvalConfig) -> list[str]:
     if cfg.vllm_url and cfg.backend != "vllm":
         problems.append("--vllm-url is for --backend vllm")
     if cfg.model is None and cfg.backend != "openai":
-        problems.append("--model is required (a checkpoint folder, hub id, train.py run folder, or 'tiny')")
+        problems.append("--model is required (a checkpoint folder, hub id, train.py run folder, 'toy' or 'tiny')")
     if cfg.data_dir is None:
-        problems.append("--data-dir is required (a folder with one sub-folder per benchmark; see docs/EVAL.md)")
+        problems.append("--data-dir is required (a folder with one sub-folder per benchmark, see docs/EVAL.md; or "
+                        "'toy': the toy world's held-out items)")
     if cfg.view not in ("full", "crop"):
         problems.append(f"--view {cfg.view!r}: choose full or crop")
     if cfg.dtype not in ("auto", "float32", "bfloat16", "float16", "float64"):
@@ -85,8 +89,21 @@ def check_config(cfg: EvalConfig) -> list[str]:
         problems.append(f"--judge-url {cfg.judge_url!r}: expected an http:// or https:// URL")
     if problems:
         raise UserError("; ".join(problems))
-    check_data(names, cfg.data_dir)
+    if not is_builtin(cfg.data_dir, "bench"):  # a built-in name: its files are checked once built (`builtin_data`)
+        check_data(names, cfg.data_dir)
     return list(dict.fromkeys(names))
+
+
+def builtin_data(cfg: EvalConfig, names: list[str]) -> EvalConfig:
+    """`cfg` with a built-in --data-dir ('toy': `opd.builtin`) as its folder, built on first use, and its files
+    checked; any other --data-dir unchanged."""
+    import dataclasses
+
+    folder = builtin_path(cfg.data_dir, "bench")
+    if folder is None:
+        return cfg
+    check_data(names, str(folder))
+    return dataclasses.replace(cfg, data_dir=str(folder))
 
 
 def check_data(names: list[str], data_dir: str) -> None:
@@ -120,6 +137,7 @@ def main(argv: list[str] | None = None) -> dict:
         print(text, end="")
         return {"compare": text}
     names = check_config(cfg)
+    cfg = builtin_data(cfg, names)
 
     from opd.eval.lock import holding
     from opd.eval.parallel import init_ranks

@@ -15,7 +15,8 @@ class EvalConfig:
     """Starting values (only 'default'; flags set everything)."""
     model: str | None = None
     """HF image-text-to-text checkpoint (folder or hub id), a train.py run or checkpoint folder (its policy/;
-    a sharded --fsdp checkpoint is exported there first), or 'tiny' for the built-in tiny model. With
+    a sharded --fsdp checkpoint is exported there first), or a built-in name: 'toy' (the toy world's base, untrained
+    by OPD: train.py's default starts from it) or 'tiny' (a random-weight tiny model). With
     --backend openai optional: it identifies the served weights (the resume key: its files' digest, taken on
     trust: the server's weights are not compared with them) and gives the vision and end-of-sequence token ids
     (a LoRA run's adapter: its base's). Without it the key is the served name, which cannot tell two weights
@@ -40,7 +41,9 @@ class EvalConfig:
     benchmarks: str = ALL_BENCHMARKS
     """Comma-separated benchmarks: vstar, zoombench, hrbench4k, mmvp, cvbench, mmstar, pope."""
     data_dir: str | None = None
-    """Folder holding one sub-folder per benchmark, as shipped (docs/EVAL.md lists the files)."""
+    """Folder holding one sub-folder per benchmark, as shipped (docs/EVAL.md lists the files), or 'toy': the toy
+    world's held-out items (built on first use; --benchmarks then defaults to zoombench, whose slot they fill, and
+    --view to crop: both views)."""
     out: str = "runs/eval"
     """Output folder: <benchmark>/predictions.jsonl, results.json, results.md, judge_cache.jsonl."""
     view: str = "full"

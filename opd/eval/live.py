@@ -13,6 +13,11 @@ each batch's `generate` every rank says whether it could encode its prompts (a g
 prompt that fails on one rank (an image that does not decode) stops every rank with that one-line error, instead of
 leaving the others waiting in the policy's collectives. Nothing is written besides the ledger row and the trackers:
 eval.py stays the tool for the reported numbers (its own resumable folder).
+
+`--eval-before` also scores the policy once before step 0 (the weights the run starts from: the "before" of a
+before/after comparison; the ledger's first row holds it as `eval_before`). `--eval-data toy` is the toy world's
+held-out items (`opd.builtin`, built on first use): the default preset's. The run prints every evaluation on the
+console and lists them in summary.md (`format_scores`, `opd.ledger.format_summary`).
 """
 
 from __future__ import annotations
@@ -29,7 +34,8 @@ class LiveEvalConfig(Section):
     every: int = 0
     """Score the policy on held benchmark items every N steps and at the last (opd/eval/live.py); 0 = never."""
     data: str | None = None
-    """The benchmark folder of --eval-every (eval.py's --data-dir: one sub-folder per benchmark)."""
+    """The benchmark folder of --eval-every (eval.py's --data-dir: one sub-folder per benchmark), or 'toy': the toy
+    world's held-out items (zoombench, with crops; built on first use)."""
     benchmarks: str = "zoombench"
     """Benchmarks of --eval-every, comma-separated (eval.py's names)."""
     limit: int = 100
@@ -40,6 +46,9 @@ class LiveEvalConfig(Section):
     """Most new tokens per answer of --eval-every."""
     batch: int = 8
     """Prompts per generate() call of --eval-every."""
+    before: bool = False
+    """With --eval-every: also score the policy before step 0 (the weights the run starts from), for a before/after
+    comparison (the console and summary.md show both)."""
 
     PREFIX = "eval_"
 
@@ -51,11 +60,13 @@ class LiveEvalConfig(Section):
 
     def check(self) -> list[str]:
         """Problems with the flags, each naming its flag (the data folder is checked too)."""
+        from opd.builtin import is_builtin
         from opd.eval.benchmarks import LOADERS, expected_files, has_files
 
         if not self.every:
-            return [f"--eval-data {self.data} has no effect without --eval-every N (evaluate every N steps): give "
-                    "--eval-every, or drop --eval-data"] if self.data else []
+            unused = [f for f, v in (("--eval-data", self.data), ("--eval-before", self.before)) if v]
+            return [f"{' and '.join(unused)} has no effect without --eval-every N (evaluate every N steps): give "
+                    f"--eval-every, or drop {' and '.join(unused)}"] if unused else []
         problems = []
         if self.every < 0:
             problems.append(f"--eval-every {self.every}: must be >= 0")
@@ -65,7 +76,7 @@ class LiveEvalConfig(Section):
         unknown = [n for n in self.names() if n not in LOADERS]
         if unknown or not self.names():
             problems.append(f"--eval-benchmarks {self.benchmarks!r}: choose from {', '.join(LOADERS)}")
-        elif not all(has_files(n, self.data) for n in self.names()):
+        elif not is_builtin(self.data, "bench") and not all(has_files(n, self.data) for n in self.names()):
             missing = [n for n in self.names() if not has_files(n, self.data)]
             problems.append(f"--eval-data {self.data}: no files for {', '.join(missing)} (expected "
                             f"{'; '.join(f'{n}/ with {expected_files(n)}' for n in missing)})")
@@ -80,6 +91,7 @@ class LiveEval:
     """The held subsets, loaded once; `due(step)` and `__call__` (every rank alike)."""
 
     def __init__(self, settings: LiveEvalConfig, steps: int):
+        from opd.builtin import builtin_path
         from opd.eval.benchmarks import BenchmarkDataError, load_benchmark
 
         self.settings, self.steps = settings, steps
@@ -87,9 +99,10 @@ class LiveEval:
         """The last evaluation's replies, index -> reply by (benchmark, view), every rank's (gathered): kept for
         tests/test_live_eval.py, which compares them with eval.py's on the step's checkpoint (a few KB)."""
         self.items = {}
+        data = builtin_path(settings.data, "bench") or settings.data  # 'toy': built here on first use
         for name in settings.names():
             try:
-                items = load_benchmark(name, settings.data)
+                items = load_benchmark(name, data)
             except (BenchmarkDataError, ImportError) as exc:  # a bad file (named with row and field); no pyarrow
                 raise UserError(f"--eval-data: benchmark '{name}': {exc}") from None
             for view in settings.view_list():
@@ -163,3 +176,38 @@ def _answer(policy, processor, items, batch: int, max_new_tokens: int, enable_th
     finally:
         policy.train(was_training)
     return replies
+
+
+def evaluations(rows: list[dict]) -> list[dict]:
+    """The live evaluations a ledger's rows hold, in order: {"after": steps trained (0: --eval-before's, in the first
+    row as `eval_before`), "eval/<name>...": score} (summary.json's `evaluations`, summary.md's table)."""
+    out = []
+    for row in rows:
+        if isinstance(row.get("eval_before"), dict):
+            out.append({"after": row["step"], **_scores_of(row["eval_before"])})
+        if scores := _scores_of(row):
+            out.append({"after": row["step"] + 1, **scores})
+    return out
+
+
+def _scores_of(row: dict) -> dict[str, float]:
+    return {k: v for k, v in row.items() if k.startswith("eval/")}
+
+
+def score_label(key: str) -> str:
+    """A score's column name: 'eval/zoombench' -> 'zoombench, full image', '...@crop' -> 'zoombench, crop',
+    '...@crop_gap' -> 'zoombench, crop - full'."""
+    name, _, view = key.removeprefix("eval/").partition("@")
+    return f"{name}, " + {"": "full image", "crop": "crop", "crop_gap": "crop - full"}.get(view, view)
+
+
+def format_score(key: str, value: float) -> str:
+    """A score as the tables print it: two decimals, a gap signed; 'n/a' for NaN (no item answered)."""
+    if value != value:  # NaN
+        return "n/a"
+    return f"{value:+.2f}" if key.endswith("_gap") else f"{value:.2f}"
+
+
+def format_scores(scores: dict) -> str:
+    """One evaluation in one line for the console: 'zoombench, full image 47.50; zoombench, crop 100.00; ...'."""
+    return "; ".join(f"{score_label(k)} {format_score(k, v)}" for k, v in _scores_of(scores).items())

@@ -23,7 +23,7 @@ from opd.eval.config import EvalConfig
 
 
 def resolve_model(path: str, ranks=None) -> str:
-    """What to load for --model (`opd.checkpoint.model_source`: 'tiny', a train.py run or checkpoint folder's
+    """What to load for --model (`opd.checkpoint.model_source`: 'toy', 'tiny', a train.py run or checkpoint folder's
     policy/), then `opd.model.resolve_model_source` (a checkpoint folder, made absolute, or a hub id). A sharded
     (--fsdp) checkpoint without policy/ is exported first (`opd.export.ensure_export`, one line saying so; by rank 0
     alone under a launcher): to its policy/, a LoRA run's to merged/ (its adapter merged into the base)."""
