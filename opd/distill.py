@@ -31,7 +31,7 @@ LM-head weights are read after their model's forward, when FSDP has gathered the
 the teacher is resharded after each micro-batch's loss, before the student's backward.
 
 The family (`opd.methods`): the teacher runs once per selected row and teacher view (OPD-V: the
-crop and the masked crop); the support and divergence are the method's (`DistillConfig.support`,
+crop and the masked crop); the support and divergence are the method's (`opd.loss.LossConfig.support`,
 `.divergence`), and a per-token weight w_t (OPD-V's trust region from the two teachers' sampled-token
 log-probs; Vision-OPD's importance ratio with `is_clip`; OPOD's gate) multiplies Eq. 11's weights, whose
 denominator still counts every selected valid token. The token weights are a table of functions of the

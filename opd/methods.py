@@ -1,7 +1,7 @@
 """The family of on-policy self-distillation methods that share Algorithm 1's loop, as data.
 
 Each method names the student's view, the teacher's view(s), the support of the per-token
-divergence, the divergence, and the per-token weight; `train.py` reads the table and never branches
+divergence, the divergence, and the per-token weight; the loop (`opd/loop.py`) reads the table and never branches
 on a method's name. BAS-OPD's budgeted selection (Eq. 4, Algorithm 1 lines 4-9) sits on top of any
 of them: `--policy` / `--rho` decide which rows the method's teacher(s) score, before any teacher
 computation, and K = floor(rho |C|) counts rows (a row scored by two teachers is one call of the
@@ -67,10 +67,10 @@ class Method:
     label: str | None = None
     """The prefix of a run's table label (`learned-25` -> `opsd learned-25`); None: the method's name."""
     settings: dict = field(default_factory=dict)
-    """TrainConfig fields the method's paper sets for what it is (full querying, its teacher's update, alpha),
+    """Flags (by name) the method's paper sets for what it is (full querying, its teacher's update, alpha),
     applied over the preset and under the flags given; the toy-world family comparison uses these alone."""
     recipe: dict = field(default_factory=dict)
-    """TrainConfig fields of the method's published training recipe around its loss (LoRA, learning-rate schedule,
+    """Flags (by name) of the method's published training recipe around its loss (LoRA, learning-rate schedule,
     rollout sampling, loss temperature, aggregation; docs/FAMILY.md cites each): `--method M` applies them too, so
     that M alone runs as published; flags given still win."""
 

@@ -141,7 +141,7 @@ class Objective:
     `opd.tm_opd.TMOPD`).
 
     Class attributes: `name` (the prefix of its flags), `Config` (its config dataclass, or None), `refuses` (the
-    run's flags that do not apply to it, {TrainConfig field: reason}: `opd.config` refuses the run, naming
+    run's flags that do not apply to it, {flag name: reason}: `opd.config` refuses the run, naming
     the flag and the reason, when the field's value differs from TrainConfig's default, whether or not the flag
     was given; the method's own settings must leave these fields at their defaults), `needs_ema_teacher` (a reason
     when the objective anchors on the run's EMA teacher, so --ema-tau 0, a fixed teacher, is refused; '': none)."""
