@@ -18,7 +18,7 @@ from pathlib import Path
 
 import pytest
 from bench_fixtures import write_all_fixtures
-from test_tracking import tensorboard_scalars, wandb_history
+from tracker_readers import tensorboard_scalars, wandb_history
 
 import train
 from opd.cli import UserError

@@ -54,7 +54,7 @@ def test_eval_rows_are_logged_and_equal_eval_py_on_the_checkpoint(tmp_path, tiny
     assert rows[1]["eval/pope"] == pytest.approx(res["pope"]["score"])
     assert rows[1]["eval/zoombench"] == pytest.approx(res["zoombench"]["score"])
     assert rows[1]["eval/zoombench@crop"] == pytest.approx(res["zoombench@crop"]["score"])
-    from test_tracking import tensorboard_scalars
+    from tracker_readers import tensorboard_scalars
 
     assert [s for s, _ in tensorboard_scalars(out / "tb")["eval/pope"]] == [1, 3]
 
@@ -68,7 +68,7 @@ def test_eval_rows_are_logged_and_equal_eval_py_on_the_checkpoint(tmp_path, tiny
 def test_bad_eval_flags_are_one_line(tmp_path, tiny, bench, flags, message):
     flags = [f.format(bench=bench, tmp=tmp_path) for f in flags]
     with pytest.raises(UserError, match=message):
-        train.main(flags + ["--out", str(tmp_path / "r")])
+        train.main(["--preset", "tiny", *flags, "--out", str(tmp_path / "r")])
 
 
 @pytest.mark.slow
@@ -78,7 +78,7 @@ def test_two_ranks_evaluate_their_shares_without_hanging(tmp_path, tiny, bench):
     for fsdp in ([], ["--fsdp"]):
         out = tmp_path / ("fsdp" if fsdp else "ddp")
         cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", "2", str(ROOT / "train.py"),
-               "--steps", "4", "--eval-every", "2", "--eval-data", str(bench), "--eval-benchmarks", "pope",
+               "--preset", "tiny", "--steps", "4", "--eval-every", "2", "--eval-data", str(bench), "--eval-benchmarks", "pope",
                "--eval-limit", "20", "--eval-max-new-tokens", "4", "--out", str(out), *fsdp]  # fmt: skip
         proc = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=600,
                               env={**os.environ, "OMP_NUM_THREADS": "1"})  # fmt: skip

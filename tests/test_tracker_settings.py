@@ -2,53 +2,17 @@
 $WANDB_PROJECT (or --tracker-project), its entity, tags and group; metric names valid in every tracker (MLflow's
 rules, the strictest), one mapping; the run says where its logs go. Read back with each tracker's own reader."""
 
-import glob
 import json
-from pathlib import Path
 
 import pytest
 from bench_fixtures import write_all_fixtures
-from test_tracking import tensorboard_scalars, wandb_history
+from tracker_readers import tensorboard_scalars, wandb_history, wandb_run_record
 
 import train
 from opd.ledger import read_ledger
 from opd.tracking import metric_name
 
 TINY = ["--preset", "tiny", "--steps", "2", "--save-every", "0"]
-
-
-def wandb_records(folder: Path) -> list:
-    """The records of a W&B offline run: its .wandb transaction log (a 7-byte ':W&B' header, then LevelDB log blocks
-    of 32 KiB holding W&B's own protobuf `Record`s), parsed with wandb's protobuf module."""
-    import struct
-
-    from wandb.proto import wandb_internal_pb2 as pb
-
-    data = Path(glob.glob(str(folder / "wandb" / "offline-run-*" / "run-*.wandb"))[0]).read_bytes()
-    pos, raw, part = 7, [], b""
-    while pos + 7 <= len(data):
-        if 32768 - pos % 32768 < 7:  # a block's tail too short for a header is padding
-            pos += 32768 - pos % 32768
-            continue
-        _crc, length, kind = struct.unpack("<IHB", data[pos : pos + 7])
-        chunk, pos = data[pos + 7 : pos + 7 + length], pos + 7 + length
-        if kind == 1:
-            raw.append(chunk)
-        elif kind in (2, 3):
-            part = chunk if kind == 2 else part + chunk
-        elif kind == 4:
-            raw.append(part + chunk)
-    records = []
-    for r in raw:
-        rec = pb.Record()
-        rec.ParseFromString(r)
-        records.append(rec)
-    return records
-
-
-def wandb_run_record(folder: Path):
-    """The run record (project, entity, tags, group) of a W&B offline run."""
-    return next(r.run for r in wandb_records(folder) if r.WhichOneof("record_type") == "run")
 
 
 def test_the_learning_rate_reaches_every_tracker_and_wandb_takes_its_project_tags_and_group(tmp_path, tiny, monkeypatch,

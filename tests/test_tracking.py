@@ -2,12 +2,10 @@
 tracker's own reader (TensorBoard's event files, MLflow's client on its local file store, W&B's offline transaction
 log parsed with its own protobuf records), not a mock; a resume continues the same tracker run."""
 
-import glob
 import json
-import struct
-from pathlib import Path
 
 import pytest
+from tracker_readers import tensorboard_scalars, wandb_history  # noqa: E402 (tests/ on the path)
 
 import train
 from opd.cli import UserError
@@ -15,19 +13,11 @@ from opd.ledger import read_ledger
 from opd.tracking import metrics, parse_report_to
 
 
-def tensorboard_scalars(folder: Path) -> dict[str, list[tuple[int, float]]]:
-    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
-
-    acc = EventAccumulator(str(folder), size_guidance={"scalars": 0})
-    acc.Reload()
-    return {tag: [(e.step, e.value) for e in acc.Scalars(tag)] for tag in acc.Tags()["scalars"]}
-
-
 def test_tensorboard_and_mlflow_hold_the_ledgers_metrics_in_their_namespaces(tmp_path, tiny, monkeypatch):
     pytest.importorskip("mlflow")
     monkeypatch.delenv("MLFLOW_TRACKING_URI", raising=False)
     out = tmp_path / "t"
-    train.main(["--steps", "3", "--report-to", "tensorboard,mlflow", "--out", str(out)])
+    train.main(["--preset", "tiny", "--steps", "3", "--report-to", "tensorboard,mlflow", "--out", str(out)])
     rows = read_ledger(out / "ledger.jsonl")
     tb = tensorboard_scalars(out / "tb")
     for tag, key in (("loss/distill", "loss"), ("select/selected", "selected"), ("select/budget", "budget"),
@@ -51,41 +41,12 @@ def test_tensorboard_and_mlflow_hold_the_ledgers_metrics_in_their_namespaces(tmp
     assert sorted({s for s, _ in tensorboard_scalars(out / "tb")["loss/distill"]}) == [0, 1, 2, 3, 4]
 
 
-def wandb_history(folder: Path) -> list[dict]:
-    """The history records of a W&B offline run: its .wandb transaction log (a 7-byte ':W&B' header, then LevelDB
-    log blocks of 32 KiB holding W&B's own protobuf `Record`s), parsed with wandb's protobuf module."""
-    from wandb.proto import wandb_internal_pb2 as pb
-
-    data = Path(glob.glob(str(folder / "wandb" / "offline-run-*" / "run-*.wandb"))[0]).read_bytes()
-    assert data[:4] == b":W&B"
-    pos, records, part = 7, [], b""
-    while pos + 7 <= len(data):
-        if 32768 - pos % 32768 < 7:  # a block's tail too short for a header is padding
-            pos += 32768 - pos % 32768
-            continue
-        _crc, length, kind = struct.unpack("<IHB", data[pos : pos + 7])
-        chunk, pos = data[pos + 7 : pos + 7 + length], pos + 7 + length
-        if kind == 1:  # FULL
-            records.append(chunk)
-        elif kind in (2, 3):  # FIRST, MIDDLE
-            part = chunk if kind == 2 else part + chunk
-        elif kind == 4:  # LAST
-            records.append(part + chunk)
-    history = []
-    for raw in records:
-        rec = pb.Record()
-        rec.ParseFromString(raw)
-        if rec.WhichOneof("record_type") == "history":
-            history.append({i.key or "/".join(i.nested_key): json.loads(i.value_json) for i in rec.history.item})
-    return history
-
-
 def test_wandb_offline_holds_the_ledgers_metrics(tmp_path, tiny, monkeypatch):
     pytest.importorskip("wandb")
     monkeypatch.setenv("WANDB_MODE", "offline")
     monkeypatch.setenv("WANDB_SILENT", "true")
     out = tmp_path / "w"
-    train.main(["--steps", "2", "--report-to", "wandb", "--method", "dapd", "--policy", "random", "--rho", "0.5",
+    train.main(["--preset", "tiny", "--steps", "2", "--report-to", "wandb", "--method", "dapd", "--policy", "random", "--rho", "0.5",
                 "--out", str(out)])  # fmt: skip
     rows = read_ledger(out / "ledger.jsonl")
     history = wandb_history(out)
@@ -103,7 +64,7 @@ def test_tracker_names_are_checked_in_one_line():
     with pytest.raises(UserError, match=r"aim not installed \(pip install aim"):
         parse_report_to("aim")
     with pytest.raises(UserError, match="unknown tracker"):
-        train.main(["--report-to", "neptune", "--out", "/nonexistent/x"])
+        train.main(["--preset", "tiny", "--report-to", "neptune", "--out", "/nonexistent/x"])
 
 
 def test_metrics_namespaces_leave_out_what_is_not_a_number():
