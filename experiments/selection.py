@@ -55,6 +55,8 @@ VARIANTS = {
     "learned-25-ht-eps30": ("learned", 25, {"unbiased": True, "estimator": "ht", "explore": 0.3}),
     "learned-25-ht-eps50": ("learned", 25, {"unbiased": True, "estimator": "ht", "explore": 0.5}),
     "learned-25-ht-grad": ("learned", 25, {"unbiased": True, "estimator": "ht", "inclusion_size": "gradient"}),
+    "learned-25-ht-grad-eps50": ("learned", 25, {"unbiased": True, "estimator": "ht", "inclusion_size": "gradient",
+                                                 "explore": 0.5}),
     "learned-25-strat": ("learned", 25, {"unbiased": True, "estimator": "ht", "strata": "prompt"}),
     "learned-25-strat-eps50": ("learned", 25, {"unbiased": True, "estimator": "ht", "strata": "prompt", "explore": 0.5}),
 }
@@ -65,6 +67,7 @@ LABELS = {"full-100": "Full querying", "random-25": "Random-25", "entropy-25": "
           "learned-25-ht": "Learned-25 unbiased HT", "learned-25-ht-eps30": "Learned-25 unbiased HT, eps 0.3",
           "learned-25-ht-eps50": "Learned-25 unbiased HT, eps 0.5",
           "learned-25-ht-grad": "Learned-25 unbiased HT, pi ~ T sqrt(u^)",
+          "learned-25-ht-grad-eps50": "Learned-25 unbiased HT, pi ~ T sqrt(u^), eps 0.5",
           "learned-25-strat": "Learned-25 stratified by prompt (HT)",
           "learned-25-strat-eps50": "Learned-25 stratified by prompt (HT), eps 0.5"}  # fmt: skip
 PART_1 = ("full-100", "random-25", "entropy-25", "learned-25", "learned-25-unbiased", "entropy-25-unbiased",

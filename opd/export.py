@@ -63,19 +63,20 @@ def run_model_source(ckpt: Path, config: dict | None = None) -> tuple[str, dict]
     UserError when that model is gone. The stored --model is read as train.py was given it: a relative path is
     relative to the current folder (train.py's, when run from where the run was started); when it is not there,
     the error names train_config.json's field `model` and the folder it was looked for in."""
+    from opd.builtin import is_builtin
     from opd.checkpoint import model_source
     from opd.model import resolve_model_source
 
     config = run_config(ckpt) if config is None else config
     name = config.get("model")
-    if name is None:  # --preset tiny without --model: the built-in tiny model (rebuilt if its cache is gone)
-        from opd.tiny import tiny_defaults
+    if name is None:  # --preset tiny without --model: the built-in tiny model (rebuilt if its cache is gone; its
+        from opd.tiny import tiny_defaults  # vLLM-servable variant for a --rollout-engine vllm run, opd.build)
 
-        return str(tiny_defaults()[0]), config
+        return str(tiny_defaults(vllm=config.get("rollout_engine") == "vllm")[0]), config
     try:
         return resolve_model_source(model_source(name, f"--model {name}")), config
     except UserError as exc:
-        relative = name != "tiny" and not Path(name).expanduser().is_absolute()
+        relative = not is_builtin(name, "model") and not Path(name).expanduser().is_absolute()
         where = f"; a relative path is read from the current folder, {Path.cwd()}" if relative else ""
         raise UserError(f"{ckpt}: the run's --model {name} (train_config.json field 'model'{where}) is not there "
                         f"({exc}); the export needs its config and processor: restore it"

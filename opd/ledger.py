@@ -215,7 +215,7 @@ def _evaluation_lines(evaluations: dict | None, summary: dict) -> list[str]:
     lines.append("")
     first, last = rows[0], rows[-1]
     if first["after"] == 0 and last["after"] > 0:
-        full = [k for k in keys if "@" not in k and k in first and k in last]
+        full = [k for k in keys if score_label(k).endswith(", full image") and k in first and k in last]
         moved = "; ".join(f"{score_label(k)} {format_score(k, first[k])} -> {format_score(k, last[k])} "
                           f"({last[k] - first[k]:+.2f} points)" for k in full)  # fmt: skip
         lines += [f"Before -> after {last['after']} steps: {moved}, the teacher queried on "

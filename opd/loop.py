@@ -45,7 +45,7 @@ from opd.sampler import Sampler
 from opd.selectors import Selector, query_budget
 from opd.sharding import generation
 from opd.step_record import StepRecord
-from opd.storage import DiskFullError
+from opd.storage import DiskFullError, drop_temporaries
 from opd.tracking import Trackers, parse_report_to
 from opd.views import get_view
 
@@ -438,6 +438,8 @@ class Run:
         if self.acc.is_main_process:
             summary = self.summary()
             table = format_summary(summary, self.run_name)
+            for name in ("summary.json", "summary.md"):  # a kill mid-write of an earlier launch (the folder is ours)
+                drop_temporaries(self.out / name)
             write_atomic(self.out / "summary.json", json.dumps(summary, indent=2) + "\n")
             write_atomic(self.out / "summary.md", table + "\n")
             print("\n" + table, flush=True)

@@ -114,6 +114,14 @@ def write_atomic(path: str | Path, data: str | bytes) -> Path:
     return path
 
 
+def drop_temporaries(path: str | Path) -> None:
+    """Deletes the temporary siblings a `write_atomic` of `path` killed before its rename left behind
+    (`.NAME.*.tmp`, and an earlier version's `.NAME.tmp`). Only for a folder this process holds (a run's lock)."""
+    path = Path(path)
+    for tmp in path.parent.glob(f".{path.name}.*tmp"):
+        tmp.unlink(missing_ok=True)
+
+
 def json_line(row: dict) -> bytes:
     """One JSONL row as eval.py stores it (UTF-8, non-ASCII kept, unknown types as str)."""
     return (json.dumps(row, ensure_ascii=False, default=str) + "\n").encode("utf-8")

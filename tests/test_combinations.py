@@ -176,5 +176,5 @@ def test_a_combination_trains_obeys_the_budget_and_logs(index, world, tmp_path, 
             assert r["selected"] == r["budget"] and "max_weight" in r
         assert r["world_size"] == (1 if case["ranks"] == "1" else 2)
     if case["live"] != "off":
-        assert {"eval/zoombench", "eval/zoombench@crop"} <= set(rows[1])
+        assert {"eval/zoombench", "eval/zoombench_crop"} <= set(rows[1])
     assert sorted(set(tracker_steps(case, out))) == [r["step"] for r in rows]

@@ -93,7 +93,7 @@ def test_non_finite_floats_and_unused_flags_are_refused_by_name():
                          ({"loss_temperature": float("inf")}, "--loss-temperature inf"),
                          ({"lora_alpha": 16.0}, "--lora-alpha has no effect without --lora-r"),
                          ({"lora_targets": "q_proj"}, "--lora-targets has no effect without --lora-r"),
-                         ({"eval_data": "d"}, "--eval-data d has no effect without --eval-every"),
+                         ({"eval_data": "d"}, "--eval-data has no effect without --eval-every"),
                          ({"vllm_url": "http://x"}, "--vllm-url http://x has no effect with --rollout-engine hf"),
                          ({"report_to": "tensorboard,none"}, "'none' means no tracker")):  # fmt: skip
         problems = TrainConfig(**flags).problems()

@@ -371,7 +371,7 @@ def test_training_from_parquet_and_save_to_disk_gives_the_jsonl_ledger(tmp_path,
     table = dataset_of(rows, jsonl.parent)
     table.to_parquet(str(tmp_path / "train.parquet"))
     table.save_to_disk(str(tmp_path / "saved"))
-    common = ["--steps", "2", "--policy", "random", "--rho", "0.5"]
+    common = ["--preset", "tiny", "--steps", "2", "--policy", "random", "--rho", "0.5"]
     ledgers = {}
     for name, data in (("jsonl", jsonl), ("parquet", tmp_path / "train.parquet"), ("saved", tmp_path / "saved")):
         train.main([*common, "--data", str(data), "--out", str(tmp_path / name)])

@@ -185,7 +185,7 @@ def test_every_checkpoint_of_a_sharded_run_is_evaluable(tiny, tmp_path):
 
     run = tmp_path / "run"
     t0 = time.perf_counter()
-    _torchrun("train.py", "--fsdp", "--steps", "2", "--save-every", "1", "--keep-checkpoints", "2", "--out", str(run))
+    _torchrun("train.py", "--preset", "tiny", "--fsdp", "--steps", "2", "--save-every", "1", "--keep-checkpoints", "2", "--out", str(run))
     say(f"torchrun 2 ranks train.py --fsdp --steps 2: {time.perf_counter() - t0:.1f} s")
     first, last = run / "checkpoint-000001", run / "checkpoint-000002"
     assert sorted(p.name for p in first.iterdir()) == ["sharded", "state.pt", "train_config.json"]

@@ -196,7 +196,7 @@ def test_a_trained_lora_run_exports_what_eval_scores(tiny, tmp_path, vstar):
     from opd.model import load_model
 
     run = tmp_path / "run"
-    train.main(["--lora-r", "8", "--lora-alpha", "24", "--policy", "random", "--rho", "0.5", "--steps", "2",
+    train.main(["--preset", "tiny", "--lora-r", "8", "--lora-alpha", "24", "--policy", "random", "--rho", "0.5", "--steps", "2",
                 "--lr", "1e-2", "--out", str(run)])  # fmt: skip (a large lr: the adapter moves off zero)
     out = export_checkpoint(run)
     assert out.name == "merged" and (out / "model.safetensors").is_file()
@@ -216,7 +216,7 @@ def test_two_rank_fsdp_lora_checkpoints_export_alike(tiny, tmp_path, vstar):
     merged from its policy/ adapter (the trainer's gathered export), bit for bit; checkpoint-000001 (sharded only)
     exports and eval.py scores it."""
     run = tmp_path / "run"
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", "2", "train.py", "--fsdp",
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", "2", "train.py", "--preset", "tiny", "--fsdp",
            "--lora-r", "8", "--policy", "random", "--rho", "0.5", "--steps", "2", "--save-every", "1",
            "--keep-checkpoints", "2", "--lr", "1e-2", "--out", str(run)]  # fmt: skip
     proc = subprocess.run(cmd, env={**os.environ, "OMP_NUM_THREADS": "1"}, capture_output=True, text=True, timeout=900,

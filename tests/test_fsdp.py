@@ -197,7 +197,7 @@ def test_fsdp_cli_run_keeps_the_ddp_ledger(tmp_path, tiny):
     (tests/float64_train.py: train.py with the model's float32 casts in float64): the runs reduce the gradients
     otherwise (all-reduce, reduce-scatter), and in float32 the weights' differences could flip a sampled token of a
     later step's rollouts on another CPU; in float64 the losses agree to float64 summation order."""
-    common = ["--policy", "learned", "--rho", "0.25", "--steps", "3", "--dtype", "float64"]
+    common = ["--preset", "tiny", "--policy", "learned", "--rho", "0.25", "--steps", "3", "--dtype", "float64"]
     script = ROOT / "tests" / "float64_train.py"
     _launch(tmp_path, 2, script, *common, "--out", str(tmp_path / "ddp"))
     _launch(tmp_path, 2, script, *common, "--fsdp", "--out", str(tmp_path / "fsdp"))
@@ -214,7 +214,7 @@ def test_fsdp_cli_run_keeps_the_ddp_ledger(tmp_path, tiny):
 
 def test_an_unknown_generation_mode_is_refused_by_name(tmp_path):
     with pytest.raises(UserError, match="--fsdp-generation 'eager': choose one of gathered, layerwise"):
-        train.main(["--fsdp", "--fsdp-generation", "eager", "--out", str(tmp_path)])
+        train.main(["--preset", "tiny", "--fsdp", "--fsdp-generation", "eager", "--out", str(tmp_path)])
 
 
 @pytest.mark.slow

@@ -127,10 +127,10 @@ def test_a_gkd_step_is_trls_batch_mean_over_the_queried_rows(tmp_path, tiny, gkd
 
 
 def test_gkd_runs_with_a_budget_and_needs_a_teacher(tmp_path, tiny, gkd_teacher):
-    train.main(["--method", "gkd", "--teacher-model", str(gkd_teacher), "--policy", "learned", "--rho", "0.25",
+    train.main(["--preset", "tiny", "--method", "gkd", "--teacher-model", str(gkd_teacher), "--policy", "learned", "--rho", "0.25",
                 "--steps", "2", "--out", str(tmp_path / "g")])  # fmt: skip
     rows = read_ledger(tmp_path / "g" / "ledger.jsonl")
     assert len(rows) == 2 and all(r["selected"] == r["budget"] == r["candidates"] // 4 for r in rows)
     assert all(r["teacher_rows"] == r["selected"] and r["teacher_rows_full"] == r["selected"] for r in rows)
     with pytest.raises(opd.cli.UserError, match="--method gkd distils from a separate teacher checkpoint"):
-        train.main(["--method", "gkd", "--out", str(tmp_path / "none")])
+        train.main(["--preset", "tiny", "--method", "gkd", "--out", str(tmp_path / "none")])

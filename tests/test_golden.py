@@ -1,12 +1,16 @@
 """The recorded ledgers (tests/golden.py) stay what they were: a restructuring changes no result.
 
 Each case runs train.py's command line again (3 steps of the tiny model in float64; one rank in this process, two
-under torchrun) and compares
-every ledger field that is a result: counts exactly, floats to a relative 1e-9. The bound: every float is a float64
-computation (tests/float64.py), whose rounding differs between CPUs (vector widths, summation orders) by a few ulps
-(~1e-16 relative); three AdamW steps (each dividing by sqrt(v), ~1e3 amplification at most on these sizes) keep the
-difference below ~1e-12, so 1e-9 leaves three orders of margin; a change of the computation (a lost token, a
-weight, another micro-batch mean) moves a float32-sized 1e-7 at the least.
+under torchrun) and compares every ledger field that is a result: counts exactly, floats to a relative 1e-4.
+
+The bound. The model computes in float64 (tests/float64.py), but some of its inputs are float32 values: the image
+processor's pixel values and the rotary embeddings' cos and sin tables. Their last bit differs between machines (CPU
+type, library builds): the cases recorded on an AMD EPYC and rerun on an Intel Xeon agreed in every count and
+differed in their floats by float32's rounding, 1e-8 relative at step 0 and up to 3e-5 after three steps (the
+`cap` case; the median case 3e-7). So the bound is float32's epsilon (1.2e-7) times the ~1e3 that three AdamW
+steps (each dividing by sqrt(v)) can amplify it: 1e-4. A change of the computation is caught by the counts
+(selected rows, tokens, budgets: exact) and by the floats: a lost token, a weight or a mean taken over other rows
+moves the loss or the gradient norm by 1e-3 or more.
 """
 
 import json
@@ -15,7 +19,7 @@ import math
 import pytest
 from golden import CASES, GOLDEN, run_case, teacher_model
 
-REL = 1e-9
+REL = 1e-4
 
 
 def assert_same_row(name: str, got: dict, want: dict) -> None:

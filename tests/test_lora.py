@@ -130,7 +130,7 @@ def test_a_lora_run_checkpoints_adapters_eval_scores_it_and_resume_is_exact(tmp_
     merged into its base), and 2 + 2 resumed steps equal 4 uninterrupted ones (ledger and adapters)."""
     import eval as eval_py
 
-    common = ["--lora-r", "8", "--policy", "learned", "--rho", "0.5", "--save-every", "2"]
+    common = ["--preset", "tiny", "--lora-r", "8", "--policy", "learned", "--rho", "0.5", "--save-every", "2"]
     train.main([*common, "--steps", "4", "--out", str(tmp_path / "whole")])
     train.main([*common, "--steps", "2", "--out", str(tmp_path / "split")])
     train.main(["--resume", str(tmp_path / "split"), "--steps", "4"])
@@ -170,7 +170,7 @@ def test_the_learning_rate_per_step_follows_its_schedule(tmp_path, tiny, name, w
     """The ledger's lr of each step (the rate its update used) against the formula; a resume continues the schedule
     it started with (its span: --schedule-steps, else the first launch's --steps, restored with the scheduler)."""
     out = tmp_path / name
-    flags = ["--lr", "1e-3", "--lr-schedule", name, "--warmup-steps", str(warmup), "--schedule-steps", str(span),
+    flags = ["--preset", "tiny", "--lr", "1e-3", "--lr-schedule", name, "--warmup-steps", str(warmup), "--schedule-steps", str(span),
              "--policy", "random", "--rho", "0.5", "--save-every", "3"]  # fmt: skip
     train.main([*flags, "--steps", "3", "--out", str(out)])
     train.main(["--resume", str(out), "--steps", "6"])
@@ -311,7 +311,7 @@ def test_a_sequence_mean_training_step_is_the_mean_of_each_rows_token_mean(tmp_p
 ])  # fmt: skip
 def test_bad_lora_and_recipe_flags_are_one_line(tmp_path, tiny, flags, message):
     with pytest.raises(UserError, match=message):
-        train.main(flags + ["--out", str(tmp_path / "r")])
+        train.main(["--preset", "tiny", *flags, "--out", str(tmp_path / "r")])
 
 
 def test_every_method_alone_records_its_published_recipe(tmp_path, tiny):
@@ -324,10 +324,10 @@ def test_every_method_alone_records_its_published_recipe(tmp_path, tiny):
             continue
         extra = ["--teacher-model", "tiny"] if method.external_teachers == "required" else []
         out = tmp_path / name
-        train.main(["--method", name, "--steps", "2", "--out", str(out), *extra])
+        train.main(["--preset", "tiny", "--method", name, "--steps", "2", "--out", str(out), *extra])
         stored = json.loads((out / "checkpoint-000002" / "train_config.json").read_text())
         assert {k: stored[k] for k in method.recipe} == method.recipe, name
-    train.main(["--method", "opsd", "--steps", "1", "--lora-r", "0", "--loss-agg", "token-mean", "--out", str(tmp_path / "w")])
+    train.main(["--preset", "tiny", "--method", "opsd", "--steps", "1", "--lora-r", "0", "--loss-agg", "token-mean", "--out", str(tmp_path / "w")])
     stored = json.loads((tmp_path / "w" / "checkpoint-000001" / "train_config.json").read_text())
     assert stored["lora_r"] == 0 and stored["loss_agg"] == "token-mean" and stored["sample_temperature"] == 1.1
 
@@ -339,7 +339,7 @@ def test_two_rank_fsdp_lora_equals_two_rank_ddp_lora(tmp_path, tiny):
     and the same adapters at the end; a sharded run stopped after 2 steps and resumed ends with the same adapters (its
     EMA teacher's adapter is in the policy's shards; a warm-up schedule's rate is restored with the optimizer)."""
     script = ROOT / "tests" / "float64_train.py"
-    common = ["--lora-r", "8", "--policy", "learned", "--rho", "0.25", "--dtype", "float64", "--lr-schedule", "linear",
+    common = ["--preset", "tiny", "--lora-r", "8", "--policy", "learned", "--rho", "0.25", "--dtype", "float64", "--lr-schedule", "linear",
               "--warmup-steps", "1", "--schedule-steps", "3", "--save-every", "2"]  # fmt: skip
 
     def launch(*args):

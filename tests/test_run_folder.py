@@ -74,7 +74,7 @@ def test_overwrite_deletes_nothing_until_every_input_is_built(tmp_path, tiny, ot
     """Each bad input of the audit stops `--overwrite` with one UserError and the old run byte for byte intact; so
     does a tracker that fails to start (after it began writing DIR/tb)."""
     out = tmp_path / "x"
-    train.main(["--steps", "2", "--out", str(out)])
+    train.main(["--preset", "tiny", "--steps", "2", "--out", str(out)])
     before = snapshot(out)
     rows = tiny_rows(tiny)
     two_marks = write_rows(tmp_path / "marks.jsonl", [rows[0] | {"problem": "<image>" + rows[0]["problem"]}]
@@ -84,7 +84,7 @@ def test_overwrite_deletes_nothing_until_every_input_is_built(tmp_path, tiny, ot
     no_default = tmp_path / "nodefault.json"
     no_default.write_text(json.dumps({"field": "task", "teachers": {"a": "tiny"}}))
     cases = [
-        (["--teacher-model", "/no/such"], "no such model folder: /no/such"),
+        (["--teacher-model", "/no/such"], "--teacher-model /no/such: no such model folder"),
         (["--teacher-model", str(other_models["other"])], "its tokenizer differs from the policy's"),
         (["--method", "opod", "--teachers", str(missing_route)], "no such model folder"),
         (["--method", "opod", "--teachers", str(no_default)], "no field 'task' in --teachers"),
@@ -95,7 +95,7 @@ def test_overwrite_deletes_nothing_until_every_input_is_built(tmp_path, tiny, ot
     ]
     for flags, error in cases:
         with pytest.raises(UserError, match=error):
-            train.main(["--steps", "3", "--out", str(out), "--overwrite", *flags])
+            train.main(["--preset", "tiny", "--steps", "3", "--out", str(out), "--overwrite", *flags])
         assert snapshot(out) == before, flags
 
     def failing(*args, **kwargs):
@@ -106,9 +106,9 @@ def test_overwrite_deletes_nothing_until_every_input_is_built(tmp_path, tiny, ot
     with monkeypatch.context() as m:
         m.setattr(opd.loop, "Trackers", failing)
         with pytest.raises(RuntimeError, match="not logged in"):
-            train.main(["--steps", "3", "--out", str(out), "--overwrite"])
+            train.main(["--preset", "tiny", "--steps", "3", "--out", str(out), "--overwrite"])
     assert snapshot(out) == before and not (out / opd.run_folder.OVERWRITTEN).exists()
-    train.main(["--steps", "1", "--out", str(out), "--overwrite"])  # a good one still replaces the run
+    train.main(["--preset", "tiny", "--steps", "1", "--out", str(out), "--overwrite"])  # a good one still replaces the run
     assert not (out / opd.run_folder.OVERWRITTEN).exists()
     assert [r["step"] for r in read_ledger(out / "ledger.jsonl")] == [0]
 
@@ -125,12 +125,12 @@ def test_a_second_run_is_refused_while_another_process_holds_the_folder(tmp_path
     try:
         assert holder.stdout.readline().strip() == "held"
         with pytest.raises(UserError, match=rf"{out} is in use by another run \(pid {holder.pid} on .*\): wait"):
-            train.main(["--steps", "1", "--out", str(out)])
+            train.main(["--preset", "tiny", "--steps", "1", "--out", str(out)])
         assert not (out / "ledger.jsonl").exists()
     finally:
         holder.kill()
         holder.wait()
-    train.main(["--steps", "1", "--out", str(out)])  # the kill released it
+    train.main(["--preset", "tiny", "--steps", "1", "--out", str(out)])  # the kill released it
     assert [r["step"] for r in read_ledger(out / "ledger.jsonl")] == [0]
 
 
@@ -138,7 +138,7 @@ def test_two_runs_started_at_once_into_one_folder_one_is_refused(tmp_path, tiny)
     """The audit's race: two train.py processes at once into one new folder. Exactly one trains; the other exits 2
     with one line; the ledger has one row per step."""
     out = tmp_path / "race"
-    cmd = [sys.executable, str(ROOT / "train.py"), "--steps", "2", "--out", str(out)]
+    cmd = [sys.executable, str(ROOT / "train.py"), "--preset", "tiny", "--steps", "2", "--out", str(out)]
     env = {**os.environ, "OMP_NUM_THREADS": "1"}
     procs = [subprocess.Popen(cmd, cwd=ROOT, env=env, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
              for _ in range(2)]  # fmt: skip
@@ -156,7 +156,7 @@ def test_two_runs_started_at_once_into_one_folder_one_is_refused(tmp_path, tiny)
 def test_an_out_that_is_a_file_is_one_line(tmp_path, tiny):
     (tmp_path / "f").write_text("x")
     with pytest.raises(UserError, match=r"^--out .*f: is a file; a run needs a folder$"):
-        train.main(["--steps", "1", "--out", str(tmp_path / "f")])
+        train.main(["--preset", "tiny", "--steps", "1", "--out", str(tmp_path / "f")])
     assert (tmp_path / "f").read_text() == "x"
 
 
@@ -177,7 +177,7 @@ def test_resume_refuses_a_teacher_whose_weights_changed(tmp_path, tiny, other_mo
     teacher = tmp_path / "teacher"
     shutil.copytree(other_models["same"], teacher)
     out = tmp_path / "t"
-    train.main(["--steps", "2", "--save-every", "1", "--out", str(out), "--teacher-model", str(teacher)])
+    train.main(["--preset", "tiny", "--steps", "2", "--save-every", "1", "--out", str(out), "--teacher-model", str(teacher)])
     weights = teacher / "model.safetensors"
     original = weights.read_bytes()
     changed = bytearray(original)
@@ -192,7 +192,7 @@ def test_resume_refuses_a_teacher_whose_weights_changed(tmp_path, tiny, other_mo
 
 def test_resume_of_a_complete_run_rewrites_a_missing_or_stale_summary(tmp_path, tiny, capsys):
     out = tmp_path / "s"
-    train.main(["--steps", "3", "--out", str(out)])
+    train.main(["--preset", "tiny", "--steps", "3", "--out", str(out)])
     good = json.loads((out / "summary.json").read_text())
     md = (out / "summary.md").read_text()
     stamp = lambda: ((st := (out / "summary.json").stat()).st_ino, st.st_mtime_ns)  # noqa: E731 (a rewrite renames)
@@ -206,16 +206,17 @@ def test_resume_of_a_complete_run_rewrites_a_missing_or_stale_summary(tmp_path, 
             (out / "summary.json").write_text(json.dumps({**good, "steps": 2}))
         else:
             (out / "summary.json").write_text('{"steps": 3, "cand')
-            (out / ".summary.json.tmp").write_text("half")
+            (out / ".summary.json.tmp").write_text("half")  # an earlier version's temporary
+            (out / ".summary.json.k2q9x1.tmp").write_text("half")  # storage.write_atomic's, killed before its rename
         train.main(["--resume", str(out)])
         assert json.loads((out / "summary.json").read_text()) == good, damage
         assert (out / "summary.md").read_text() == md
-        assert not (out / ".summary.json.tmp").exists()
+        assert list(out.glob(".summary.*")) == []
 
 
 def test_a_resume_on_another_number_of_processes_says_so(tmp_path, tiny, capsys):
     out = tmp_path / "w"
-    train.main(["--steps", "1", "--out", str(out)])
+    train.main(["--preset", "tiny", "--steps", "1", "--out", str(out)])
     state_path = out / "checkpoint-000001" / "state.pt"
     state = torch.load(state_path, weights_only=False)
     assert state["world_size"] == 1
@@ -290,13 +291,13 @@ def test_the_audits_bad_inputs_are_one_line_with_exit_code_2(tmp_path, tiny, oth
     through_the_command_line = ("non-UTF-8 data", "flag typo", "unknown model_type")  # the rest in this process
     for case, (flags, expected) in cases.items():
         if case in through_the_command_line:
-            proc = run_train_py("--steps", "1", "--out", out, *flags)
+            proc = run_train_py("--preset", "tiny", "--steps", "1", "--out", out, *flags)
             lines = [line for line in proc.stderr.splitlines() if line.strip()]
             assert proc.returncode == 2 and len(lines) == 1, (case, proc.stderr[-2000:])
             assert lines[0].startswith("train.py: error: ") and expected in lines[0], (case, lines[0])
         else:  # the same UserError that run_cli prints as that one line (tests/test_training.py checks run_cli)
             with pytest.raises(UserError) as caught:
-                train.main(["--steps", "1", "--out", str(out), *map(str, flags)])
+                train.main(["--preset", "tiny", "--steps", "1", "--out", str(out), *map(str, flags)])
             assert expected in str(caught.value) and "\n" not in str(caught.value), (case, str(caught.value))
 
 
@@ -304,7 +305,7 @@ def test_model_accepts_a_train_py_run_folder_as_eval_py_does(tmp_path, tiny):
     """--model RUN starts from the run's exported policy (its last checkpoint), as eval.py --model and
     --teacher-model take it."""
     first = tmp_path / "first"
-    train.main(["--steps", "1", "--out", str(first)])
+    train.main(["--preset", "tiny", "--steps", "1", "--out", str(first)])
     run = opd.loop.Run(small_config(tmp_path, model=str(first)))
     ckpt = first / (first / "latest").read_text().strip()
     assert run.initial_model == str(ckpt / "policy")

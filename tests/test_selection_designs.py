@@ -283,7 +283,7 @@ def test_the_new_flags_are_checked(flags, message):
 
 def test_a_bad_estimator_is_one_line(tmp_path):
     with pytest.raises(opd.cli.UserError, match="--estimator ht applies to sampled selection"):
-        train.main(["--estimator", "ht", "--out", str(tmp_path)])
+        train.main(["--preset", "tiny", "--estimator", "ht", "--out", str(tmp_path)])
 
 
 @pytest.mark.parametrize("strata", ["none", "prompt"])

@@ -160,7 +160,7 @@ def test_routing_files_and_unrouted_records_are_refused_in_one_line(tmp_path, ti
 ])  # fmt: skip
 def test_impossible_teacher_combinations_are_refused_by_name(tmp_path, flags, message):
     with pytest.raises(UserError, match=message):
-        train.main(flags + ["--out", str(tmp_path)])
+        train.main(["--preset", "tiny", *flags, "--out", str(tmp_path)])
 
 
 def test_teacher_names_tiny_and_run_folders(tmp_path, tiny):

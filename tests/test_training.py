@@ -372,7 +372,7 @@ def test_resume_continues_to_the_same_result(tmp_path, tiny):
 )
 def test_impossible_flags_are_refused_by_name(tmp_path, flags, message):
     with pytest.raises(UserError, match=message.replace("(", r"\(")):
-        train.main(flags + ["--out", str(tmp_path)])
+        train.main(["--preset", "tiny", *flags, "--out", str(tmp_path)])
 
 
 @pytest.mark.parametrize("args,words", [
@@ -381,7 +381,7 @@ def test_impossible_flags_are_refused_by_name(tmp_path, flags, message):
     (["--resume", "no/such/run"], "--resume no/such/run: no checkpoint in no/such/run"),
 ])  # fmt: skip
 def test_user_errors_are_one_line_with_exit_code_2(tmp_path, args, words):
-    proc = subprocess.run([sys.executable, str(ROOT / "train.py"), *args, "--out", str(tmp_path / "r")],
+    proc = subprocess.run([sys.executable, str(ROOT / "train.py"), "--preset", "tiny", *args, "--out", str(tmp_path / "r")],
                           capture_output=True, text=True, timeout=120, cwd=tmp_path)  # fmt: skip
     assert proc.returncode == 2, proc.stderr
     lines = [line for line in proc.stderr.splitlines() if line.strip()]
@@ -391,7 +391,7 @@ def test_user_errors_are_one_line_with_exit_code_2(tmp_path, args, words):
 
 def test_cli_default_run_prints_the_cost_summary_and_writes_a_loadable_checkpoint(tmp_path, tiny, capsys):
     out = tmp_path / "cli"
-    summary = train.main(["--policy", "learned", "--rho", "0.25", "--steps", "3", "--out", str(out)])
+    summary = train.main(["--preset", "tiny", "--policy", "learned", "--rho", "0.25", "--steps", "3", "--out", str(out)])
     printed = capsys.readouterr().out
     assert "| Policy | Candidates | Teacher calls | Query ratio | Scored tokens" in printed
     assert "| learned-25 |" in printed
@@ -409,10 +409,10 @@ def test_cli_default_run_prints_the_cost_summary_and_writes_a_loadable_checkpoin
 
 def test_a_new_run_refuses_a_folder_holding_a_run_and_overwrite_replaces_it(tmp_path, tiny):
     out = str(tmp_path / "x")
-    train.main(["--steps", "3", "--save-every", "1", "--keep-checkpoints", "3", "--out", out])
+    train.main(["--preset", "tiny", "--steps", "3", "--save-every", "1", "--keep-checkpoints", "3", "--out", out])
     before = (tmp_path / "x" / "ledger.jsonl").read_text()
     with pytest.raises(UserError, match=rf"--out {out} holds a run .*--resume {out}.*--overwrite"):
-        train.main(["--steps", "2", "--out", out])
+        train.main(["--preset", "tiny", "--steps", "2", "--out", out])
     assert (tmp_path / "x" / "ledger.jsonl").read_text() == before  # untouched
     assert sorted(p.name for p in (tmp_path / "x").glob("checkpoint-*")) == [f"checkpoint-00000{i}" for i in (1, 2, 3)]
     broken = tmp_path / "broken.jsonl"
@@ -420,9 +420,9 @@ def test_a_new_run_refuses_a_folder_holding_a_run_and_overwrite_replaces_it(tmp_
     for flags, error in ((["--model", str(tmp_path / "no-such-model")], "no such model folder"),
                          (["--data", str(broken)], f"{broken}:1")):  # fmt: skip
         with pytest.raises(UserError, match=error):  # checked before --overwrite deletes anything
-            train.main(["--steps", "2", "--out", out, "--overwrite", *flags])
+            train.main(["--preset", "tiny", "--steps", "2", "--out", out, "--overwrite", *flags])
         assert (tmp_path / "x" / "ledger.jsonl").read_text() == before
-    train.main(["--steps", "2", "--out", out, "--overwrite"])
+    train.main(["--preset", "tiny", "--steps", "2", "--out", out, "--overwrite"])
     assert [r["step"] for r in read_ledger(tmp_path / "x" / "ledger.jsonl")] == [0, 1]
     assert sorted(p.name for p in (tmp_path / "x").glob("checkpoint-*")) == ["checkpoint-000002"]
 
@@ -438,13 +438,13 @@ def test_ctrl_c_keeps_the_checkpoints_and_says_how_to_go_on(tmp_path, tiny, monk
 
     monkeypatch.setattr(opd.loop.Run, "step", stopped_at_2)
     with pytest.raises(SystemExit) as stop:
-        train.run_cli(train.main, ["--steps", "4", "--save-every", "1", "--out", str(out)], "train.py")
+        train.run_cli(train.main, ["--preset", "tiny", "--steps", "4", "--save-every", "1", "--out", str(out)], "train.py")
     assert stop.value.code == 130
     err = capsys.readouterr().err.strip().splitlines()[-1]
     assert err == f"train.py: interrupted: at step 2; {out} keeps checkpoint-000002: continue with --resume {out} " \
                   "(the ledger's later rows are retrained)"
     with pytest.raises(KeyboardInterrupt, match="before the first checkpoint .*--overwrite"):
-        train.main(["--steps", "4", "--save-every", "3", "--out", str(tmp_path / "d")])
+        train.main(["--preset", "tiny", "--steps", "4", "--save-every", "3", "--out", str(tmp_path / "d")])
     with pytest.raises(UserError, match=f"no checkpoint in .*start over with --out {tmp_path / 'd'} --overwrite"):
         train.main(["--resume", str(tmp_path / "d")])
     monkeypatch.setattr(opd.loop.Run, "step", step)
@@ -454,7 +454,7 @@ def test_ctrl_c_keeps_the_checkpoints_and_says_how_to_go_on(tmp_path, tiny, monk
 
 def test_resume_takes_the_runs_own_settings_and_refuses_method_changes(tmp_path, tiny, capsys):
     out = str(tmp_path / "r")
-    train.main(["--steps", "3", "--save-every", "2", "--keep-checkpoints", "2", "--policy", "random", "--rho", "0.5", "--out", out])
+    train.main(["--preset", "tiny", "--steps", "3", "--save-every", "2", "--keep-checkpoints", "2", "--policy", "random", "--rho", "0.5", "--out", out])
     (tmp_path / "r" / "latest").write_text("checkpoint-000002\n")  # as if stopped after step 2
     for flags, field in ((["--rho", "0.25"], "--rho 0.25"), (["--policy", "entropy"], "--policy 'entropy'"),
                          (["--seed", "1"], "--seed 1"), (["--preset", "paper-4b"], "--preset 'paper-4b'")):  # fmt: skip

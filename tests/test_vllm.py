@@ -399,7 +399,7 @@ def test_a_vllm_engine_run_trains_and_resumes(vllm_engine, tmp_path, monkeypatch
     from opd.ledger import read_ledger
 
     out = tmp_path / "vllm-run"
-    common = ["--rollout-engine", "vllm", "--vllm-url", vllm_engine.server.url, "--model", str(vllm_engine.model_a),
+    common = ["--preset", "tiny", "--rollout-engine", "vllm", "--vllm-url", vllm_engine.server.url, "--model", str(vllm_engine.model_a),
               "--data", str(vllm_engine.data), "--policy", "learned", "--rho", "0.25"]  # fmt: skip
     from opd.engine import VLLMServer
 
@@ -428,7 +428,7 @@ def test_a_vllm_engine_run_without_the_venv_is_one_line_before_anything_is_writt
 
     monkeypatch.setenv("BAS_OPD_VLLM_VENV", str(tmp_path / "no-venv"))
     with pytest.raises(UserError, match="scripts/install_vllm.sh"):
-        train.main(["--rollout-engine", "vllm", "--steps", "1", "--out", str(tmp_path / "r")])
+        train.main(["--preset", "tiny", "--rollout-engine", "vllm", "--steps", "1", "--out", str(tmp_path / "r")])
     assert not (tmp_path / "r").exists()
 
 
@@ -521,7 +521,7 @@ def test_a_lora_run_pushes_the_merged_weights_and_trains_with_the_engine(vllm_en
     monkeypatch.setattr(opd.sampler.Sampler, "_push_merged", push_and_check)
     out = tmp_path / "lora-vllm"
     try:
-        train.main(["--rollout-engine", "vllm", "--vllm-url", vllm_engine.server.url, "--model", str(vllm_engine.model_a),
+        train.main(["--preset", "tiny", "--rollout-engine", "vllm", "--vllm-url", vllm_engine.server.url, "--model", str(vllm_engine.model_a),
                     "--data", str(vllm_engine.data), "--lora-r", "8", "--lr", "1e-2", "--policy", "learned", "--rho",
                     "0.25", "--steps", "3", "--out", str(out), "--report-to", "none"])  # fmt: skip
     finally:
@@ -542,6 +542,6 @@ def test_a_model_the_engine_cannot_serve_is_refused_in_one_line_before_any_serve
     monkeypatch.setenv("BAS_OPD_VLLM_VENV", str(tmp_path / "no-venv"))
     model, data = tiny_defaults()
     with pytest.raises(UserError, match="cannot be served by vLLM .*mrope_section.*--rollout-engine hf"):
-        train.main(["--rollout-engine", "vllm", "--model", str(model), "--data", str(data), "--steps", "1",
+        train.main(["--preset", "tiny", "--rollout-engine", "vllm", "--model", str(model), "--data", str(data), "--steps", "1",
                     "--out", str(tmp_path / "r")])  # fmt: skip
     assert not (tmp_path / "r").exists()

@@ -1,11 +1,13 @@
 """Evaluation while training (`train.py --eval-every N --eval-data DIR`): the current policy scored on a held subset
-of the paper's benchmarks with eval.py's protocol, logged to the ledger and the trackers as `eval/<benchmark>`.
+of the paper's benchmarks with eval.py's protocol, logged to the ledger and the trackers as `eval/<benchmark>` (the
+full view), `eval/<benchmark>_crop` and `eval/<benchmark>_crop_gap`: names every tracker accepts, the same in the
+ledger and the trackers (eval.py's own results name the crop view `<benchmark>@crop`).
 
 Every N steps (after the step's update) and at the last step, each benchmark's first `--eval-limit` items (those with
 a crop, in the crop view) are answered greedily (`opd.eval.inference.answer_items`: the model's own chat template,
 the non-thinking prompt unless --enable-thinking, a neutral generation config) in each of `--eval-views` (full; crop:
 the collapse warning sign, the teacher's pathway), and graded and scored as eval.py does (`opd.eval.evaluate.score_view`,
-`opd.eval.metrics`); `eval/<name>@crop_gap` is eval.py's zoom gap (`opd.eval.metrics.zoom_gap`: crop minus full
+`opd.eval.metrics`); `eval/<name>_crop_gap` is eval.py's zoom gap (`opd.eval.metrics.zoom_gap`: crop minus full
 accuracy on the items answered in both views). Every rank takes part: it answers its share of the items (items r,
 r + N, ...), padded to the longest share so that every rank runs the same number of `generate` calls (a sharded
 policy gathers collectively), and the replies are gathered to every rank; rank 0's scores go into the row. Before
@@ -25,6 +27,10 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from opd.cli import Section, UserError
+
+CROP = "_crop"
+"""The crop view's suffix of a live-evaluation metric (`eval/zoombench_crop`, `eval/zoombench_crop_gap`): '@', eval.py's
+own mark for the view, is not a valid tracker name (MLflow refuses it), and the ledger keeps the trackers' names."""
 
 
 @dataclass
@@ -117,7 +123,7 @@ class LiveEval:
         return bool(every) and ((step + 1) % every == 0 or step + 1 == self.steps)
 
     def __call__(self, accelerator, policy, processor, enable_thinking: bool, generation) -> dict[str, float]:
-        """{'eval/<name>' (the full view) or 'eval/<name>@crop': score, 'eval/<name>@crop_gap': crop - full} on every
+        """{'eval/<name>' (the full view) or 'eval/<name>_crop': score, 'eval/<name>_crop_gap': crop - full} on every
         rank; `generation()` is the policy's generation context (a sharded one gathers there)."""
         from accelerate.utils import gather_object
 
@@ -140,12 +146,12 @@ class LiveEval:
             stored = {index: {"reply": reply, "view": view} for index, reply in gathered}
             self.replies[name, view] = {index: reply for index, reply in gathered}
             result, records[name, view] = score_view(name, items, stored)
-            key = f"eval/{name}" + ("" if view == "full" else "@crop")
+            key = f"eval/{name}" + ("" if view == "full" else CROP)
             out[key] = float(result["score"]) if result.get("score") is not None else float("nan")
         for name in s.names():
             if (name, "crop") in records and (name, "full") in records:  # the same items in both views
                 gap = zoom_gap(records[name, "full"], records[name, "crop"])
-                out[f"eval/{name}@crop_gap"] = float(gap["gap"]) if gap["n"] else float("nan")
+                out[f"eval/{name}{CROP}_gap"] = float(gap["gap"]) if gap["n"] else float("nan")
         return out
 
 
@@ -195,10 +201,14 @@ def _scores_of(row: dict) -> dict[str, float]:
 
 
 def score_label(key: str) -> str:
-    """A score's column name: 'eval/zoombench' -> 'zoombench, full image', '...@crop' -> 'zoombench, crop',
-    '...@crop_gap' -> 'zoombench, crop - full'."""
-    name, _, view = key.removeprefix("eval/").partition("@")
-    return f"{name}, " + {"": "full image", "crop": "crop", "crop_gap": "crop - full"}.get(view, view)
+    """A score's column name: 'eval/zoombench' -> 'zoombench, full image', '..._crop' -> 'zoombench, crop',
+    '..._crop_gap' -> 'zoombench, crop - full' (a ledger written before the names were made tracker-valid has
+    '@crop' and '@crop_gap': read alike)."""
+    name = key.removeprefix("eval/").replace("@crop", CROP)
+    for suffix, view in ((CROP + "_gap", "crop - full"), (CROP, "crop")):
+        if name.endswith(suffix):
+            return f"{name.removesuffix(suffix)}, {view}"
+    return f"{name}, full image"
 
 
 def format_score(key: str, value: float) -> str:

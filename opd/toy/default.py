@@ -8,7 +8,7 @@ only (`opd.toy.sft`, the experiments' recipe: 150 steps), so that it reads crops
 regional-to-global gap a run then closes. Unlike the experiments' bases it has vLLM-servable shapes
 (`SFTConfig.vllm_shapes`), so `--rollout-engine vllm` serves it.
 
-`toy_defaults()` builds both on first use under `opd.tiny.cache_dir()/toy-v<VERSION>/` (world/, base/) and reuses
+`toy_defaults()` builds both on first use under `opd.tiny.cache_dir()/toy-<digest>/` (world/, base/) and reuses
 them after: under a file lock (one builder; another process waits for it and then reuses its folders), with one
 torch thread (the same weights whatever the machine's cores), each folder written whole (`export_world`,
 `train_base`).
@@ -25,10 +25,8 @@ from pathlib import Path
 from opd.toy.sft import SFTConfig
 from opd.toy.world import WorldConfig
 
-VERSION = "1"
-"""Part of the cache folder's name: a change to WORLD or SFT takes a new one (the old folder stays)."""
-WORLD = WorldConfig(seed=0, n_opd=1280, n_audit=0, n_eval=200)
-"""The default world: 1280 training records (one epoch of the toy preset: 40 steps of 32 prompts) and 200 held-out
+WORLD = WorldConfig(seed=0, n_opd=1920, n_audit=0, n_eval=200)
+"""The default world: 1920 training records (one epoch of the toy preset: 60 steps of 32 prompts) and 200 held-out
 items (the preset's live evaluation and `eval.py --data-dir toy`)."""
 SFT = SFTConfig(steps=150, vllm_shapes=True)
 """The default base: the experiments' recipe (150 steps of 16 crops, lr 1e-3) in vLLM-servable shapes."""
@@ -47,13 +45,22 @@ class ToyDefault:
 
 
 def root() -> Path:
-    from opd.tiny import cache_dir
+    """cache_dir()/toy-<digest>: the digest of WORLD, SFT and their code versions, so that a change to any of them
+    builds a new folder (an old one stays as it was)."""
+    import hashlib
+    import json
+    from dataclasses import asdict
 
-    return cache_dir() / f"toy-v{VERSION}"
+    from opd.tiny import cache_dir
+    from opd.toy.sft import SFT_VERSION
+    from opd.toy.world import WORLD_VERSION
+
+    key = json.dumps([WORLD_VERSION, asdict(WORLD), SFT_VERSION, asdict(SFT)], sort_keys=True)
+    return cache_dir() / f"toy-{hashlib.sha256(key.encode()).hexdigest()[:12]}"
 
 
 def toy_defaults(log=None) -> ToyDefault:
-    """The default toy world and base, built on first use (about 45 s on one CPU core, said through `log`, default
+    """The default toy world and base, built on first use (about a minute on one CPU core, said through `log`, default
     print) and reused after."""
     folder = root()
     toy = ToyDefault(folder / "base", folder / "world" / "train.jsonl", folder / "world" / "bench")
@@ -61,7 +68,7 @@ def toy_defaults(log=None) -> ToyDefault:
         return toy
     say = log or (lambda line: print(line, flush=True))
     folder.mkdir(parents=True, exist_ok=True)
-    with _locked(folder.parent / f".toy-v{VERSION}.lock"):
+    with _locked(folder.parent / f".{folder.name}.lock"):
         if not _complete(folder):  # another process may have built it while this one waited
             _build(folder, say)
     return toy
