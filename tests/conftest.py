@@ -5,6 +5,11 @@ import os
 import pytest
 import torch
 
+import opd.toy.default
+
+SHIPPED_TOY_WORLD = opd.toy.default.WORLD
+"""train.py's default world as shipped (read at collection, before any test replaces it)."""
+
 
 @pytest.fixture(scope="session", autouse=True)
 def tiny_cache(tmp_path_factory):
@@ -17,6 +22,26 @@ def tiny_cache(tmp_path_factory):
         os.environ.pop("BAS_OPD_CACHE", None)
     else:
         os.environ["BAS_OPD_CACHE"] = old
+
+
+@pytest.fixture(autouse=True)
+def no_full_toy_default(request, monkeypatch):
+    """A quick test that reaches train.py's default (the toy world of 1920 records and its base: a minute to build,
+    a minute to train) fails at once, naming `--preset tiny`; the slow tests and tests/test_default.py's small toy
+    world (which replaces opd.toy.default.WORLD) may build it."""
+    if request.node.get_closest_marker("slow"):
+        return
+    import opd.toy.default as toy
+
+    build = toy._build
+
+    def refuse(folder, say):
+        if toy.WORLD == SHIPPED_TOY_WORLD:
+            raise AssertionError("a quick test trains train.py's default toy world: pass --preset tiny (or use "
+                                 "tests/test_default.py's small_toy)")
+        return build(folder, say)
+
+    monkeypatch.setattr(toy, "_build", refuse)
 
 
 @pytest.fixture(scope="session", autouse=True)

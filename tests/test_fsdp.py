@@ -268,6 +268,7 @@ def test_memory_table_counts_and_terms(tmp_path):
     assert all(rows["9b", "ddp", n]["peak"] > 80e9 for n in (1, 4, 8))
 
 
+@pytest.mark.slow
 def test_fsdp_generation_benchmark_quick(tmp_path, capsys):
     from bench import fsdp_generation
 

@@ -41,7 +41,7 @@ def test_token_advantages_and_their_discounted_sum_are_the_formulas():
 def test_a_budgeted_step_is_the_published_loss_written_out_in_float64(tmp_path, tiny):
     float64_model()
     teacher_dir = build_tiny_model(tmp_path / "teacher", seed=1)
-    cfg = resolve(dict(out=str(tmp_path / "run"), method="tm-opd", teacher_model=str(teacher_dir), policy="random",
+    cfg = resolve(dict(preset="tiny", out=str(tmp_path / "run"), method="tm-opd", teacher_model=str(teacher_dir), policy="random",
                        rho=0.5, max_response_len=8, steps=1, micro_batch=3, dtype="float64", lora_r=4,
                        lr=0.0))  # fmt: skip (lr 0: the formula below reads the weights the step's gradient saw)
     assert (cfg.loss.aggregation, cfg.sampling.rollouts_per_prompt, cfg.optim.adam_beta2) == ("token-sum", 4, 0.95)

@@ -490,7 +490,7 @@ def test_torchrun_two_processes_record_two_ranks(tmp_path, tiny):
     """The README's 2-process CPU command runs two ranks, and the run says so."""
     out = tmp_path / "two"
     cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", "2", str(ROOT / "train.py"),
-           "--steps", "1", "--out", str(out)]  # fmt: skip
+           "--preset", "tiny", "--steps", "1", "--out", str(out)]  # fmt: skip
     proc = subprocess.run(cmd, env={**os.environ, "OMP_NUM_THREADS": "1"}, capture_output=True, text=True, timeout=300, cwd=ROOT)
     assert proc.returncode == 0, proc.stderr[-3000:]
     summary = json.loads((out / "summary.json").read_text())
@@ -549,7 +549,8 @@ def test_two_process_ddp_matches_one_process(tmp_path, tiny, policy, skew, metho
 def test_accelerate_launch_runs_the_default(tmp_path, tiny):
     env = {**os.environ, "OMP_NUM_THREADS": "2"}
     cmd = [sys.executable, "-m", "accelerate.commands.launch", "--num_processes", "1", "--cpu",
-           str(ROOT / "train.py"), "--policy", "learned", "--rho", "0.25", "--steps", "2", "--out", str(tmp_path / "acc")]  # fmt: skip
+           str(ROOT / "train.py"), "--preset", "tiny", "--policy", "learned", "--rho", "0.25", "--steps", "2", "--out",
+           str(tmp_path / "acc")]  # fmt: skip
     proc = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=600, cwd=ROOT)
     assert proc.returncode == 0, proc.stderr[-3000:]
     assert "| learned-25 |" in proc.stdout

@@ -272,12 +272,12 @@ def test_unbiased_training_weighs_each_selected_row_by_one_over_pi(tmp_path, tin
 ])  # fmt: skip
 def test_bad_selection_flags_are_one_line(tmp_path, flags, message):
     with pytest.raises(opd.cli.UserError, match=message):
-        train.main(flags + ["--out", str(tmp_path)])
+        train.main(["--preset", "tiny", *flags, "--out", str(tmp_path)])
 
 
 def test_the_ledger_obeys_eq_4_with_unbiased_and_capped_selection(tmp_path, tiny):
     for name, flags in (("u", ["--policy", "learned", "--unbiased"]), ("c", ["--policy", "learned", "--max-per-prompt", "2"])):
-        train.main([*flags, "--rho", "0.25", "--steps", "4", "--out", str(tmp_path / name)])
+        train.main(["--preset", "tiny", *flags, "--rho", "0.25", "--steps", "4", "--out", str(tmp_path / name)])
         rows = read_ledger(tmp_path / name / "ledger.jsonl")
         assert len(rows) == 4
         for r in rows:
@@ -308,6 +308,7 @@ def test_two_ranks_equal_one_rank_with_unbiased_selection(tmp_path, tiny):
     assert_same_weights(one["params"], two["params"], lr=1e-3, steps=2, what="params")
 
 
+@pytest.mark.slow
 def test_the_selection_experiment_smoke(tmp_path, tiny):
     """experiments/selection.py --smoke on one task and three variants: all run, their ledgers hold, the report has
     the audit's columns and the pairing with Random-25 (the full experiment: docs/SELECTION.md); the stratified
