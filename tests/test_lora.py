@@ -274,7 +274,7 @@ def test_a_sequence_mean_training_step_is_the_mean_of_each_rows_token_mean(tmp_p
     """--loss-agg sequence-mean through opd.loop.Run (float64): the step's loss is (1 / |S|) sum_i mean_t D_it from full
     logits (a different number from the token mean, since the rows differ in length)."""
     from float64 import float64_model
-    from test_training import perturb
+    from test_training import divergence_before_update, perturb
 
     float64_model()
     run = opd.loop.Run(small_config(tmp_path, policy="full", rho=1.0, loss_agg="sequence-mean", dtype="float64", lr=0.0))
@@ -282,13 +282,7 @@ def test_a_sequence_mean_training_step_is_the_mean_of_each_rows_token_mean(tmp_p
     rollouts = fixed_rollouts(run, 0)
     records = run.prompts.of_step(0)
     index = rollouts.prompt_index.tolist()
-    s_in = collate([run.prompts.student(records)[j] for j in index], run.ids["pad"], rollouts.response_ids, rollouts.response_mask)
-    crop = [run.prompts.encode("crop", r, 0) if r.eligible else run.prompts.student([r])[0] for r in records]
-    t_in = collate([crop[j] for j in index], run.ids["pad"], rollouts.response_ids, rollouts.response_mask)
-    with torch.no_grad():
-        width = rollouts.response_ids.shape[1]
-        d = topk_divergence(response_logits(run.model, s_in, width), response_logits(run.teacher.model, t_in, width),
-                            run.cfg.loss.topk, run.cfg.loss.alpha)  # fmt: skip
+    d = divergence_before_update(run, rollouts, records)  # (N, T) Eq. 3
     row = run.step(0, rollouts)
     eligible = torch.tensor([records[j].eligible for j in index])
     mask = rollouts.response_mask

@@ -293,11 +293,7 @@ def test_one_training_step_takes_the_horvitz_thompson_form(tmp_path, tiny, strat
     full logits (an explicit sum), not the Hajek ratio; with --strata prompt every prompt's rows in S are the floor
     or the ceiling of its even share and |S| = K."""
     from float64 import float64_model
-    from test_training import perturb
-
-    from opd.chat import collate
-    from opd.divergence import topk_divergence
-    from opd.ema_teacher import response_logits
+    from test_training import divergence_before_update, perturb
 
     float64_model()
     run = opd.loop.Run(small_config(tmp_path, policy="entropy", unbiased=True, estimator="ht", strata=strata, rho=0.5,
@@ -306,13 +302,7 @@ def test_one_training_step_takes_the_horvitz_thompson_form(tmp_path, tiny, strat
     rollouts = fixed_rollouts(run, 0)
     records = run.prompts.of_step(0)
     index = rollouts.prompt_index.tolist()
-    s_in = collate([run.prompts.student(records)[j] for j in index], run.ids["pad"], rollouts.response_ids, rollouts.response_mask)
-    crop = [run.prompts.encode("crop", r, 0) if r.eligible else run.prompts.student([r])[0] for r in records]
-    t_in = collate([crop[j] for j in index], run.ids["pad"], rollouts.response_ids, rollouts.response_mask)
-    with torch.no_grad():
-        width = rollouts.response_ids.shape[1]
-        d = topk_divergence(response_logits(run.model, s_in, width), response_logits(run.teacher.model, t_in, width),
-                            run.cfg.loss.topk, run.cfg.loss.alpha).double()  # (N, T) Eq. 3, before the update  # fmt: skip
+    d = divergence_before_update(run, rollouts, records).double()  # (N, T) Eq. 3, before the update
     seen = {}
     step_batch = run.prompts.batch
     run.prompts.batch = lambda *a, **kw: seen.setdefault("batch", step_batch(*a, **kw))

@@ -55,6 +55,25 @@ def perturb(model, scale: float = 0.05, seed: int = 7) -> None:
         p.add_(torch.randn(p.shape, generator=gen) * scale)
 
 
+def divergence_before_update(run, rollouts, records) -> torch.Tensor:
+    """d (N, T): Eq. 3 per token of `rollouts` from whole logits, the student on the full image and the teacher on
+    each record's crop (the full image where it has none), with the run's top-k and alpha, before any update: the
+    independent side of the tests that write a step's loss out."""
+    from opd.chat import collate
+    from opd.divergence import topk_divergence
+    from opd.ema_teacher import response_logits
+
+    index = rollouts.prompt_index.tolist()
+    s_in = collate([run.prompts.student(records)[j] for j in index], run.ids["pad"], rollouts.response_ids,
+                   rollouts.response_mask)  # fmt: skip
+    crop = [run.prompts.encode("crop", r, 0) if r.eligible else run.prompts.student([r])[0] for r in records]
+    t_in = collate([crop[j] for j in index], run.ids["pad"], rollouts.response_ids, rollouts.response_mask)
+    with torch.no_grad():
+        width = rollouts.response_ids.shape[1]
+        return topk_divergence(response_logits(run.model, s_in, width), response_logits(run.teacher.model, t_in, width),
+                               run.cfg.loss.topk, run.cfg.loss.alpha)  # fmt: skip
+
+
 class Spy:
     """Wraps a function and keeps every result."""
 
