@@ -516,7 +516,7 @@ def test_torchrun_two_processes_record_two_ranks(tmp_path, tiny):
     first = read_ledger(out / "ledger.jsonl")[0]
     assert summary["world_size"] == 2 and first["world_size"] == 2
     assert first["launch"]["world_size"] == 2 and first["launch"]["launcher"] == "torchrun"
-    assert summary["launches"] == [first["launch"]] and "train.py --steps 1" in first["launch"]["command"]
+    assert summary["launches"] == [first["launch"]] and "train.py --preset tiny --steps 1" in first["launch"]["command"]
 
 
 def _run_worker(out: Path, nproc: int, *args: str) -> dict:
