@@ -104,6 +104,7 @@ def test_two_steps_of_dapd_with_the_ledgers_counts(tmp_path, tiny):
     assert summary["teacher_models"]["snapshot"]["rows"] == 2 * summary["calls"]
 
 
+@pytest.mark.slow
 def test_dapd_resume_equals_the_uninterrupted_run(tmp_path, tiny):
     """Stopped after 2 of 3 steps and resumed: the same policy, snapshot (refreshed after step 2, in the resumed part)
     and ledger."""

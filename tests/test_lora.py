@@ -308,6 +308,7 @@ def test_bad_lora_and_recipe_flags_are_one_line(tmp_path, tiny, flags, message):
         train.main(["--preset", "tiny", *flags, "--out", str(tmp_path / "r")])
 
 
+@pytest.mark.slow
 def test_every_method_alone_records_its_published_recipe(tmp_path, tiny):
     """train.py --method M --steps 2 writes the recipe of opd.methods (the values the README's table shows) into
     train_config.json; a flag given wins over the recipe."""

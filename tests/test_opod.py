@@ -73,6 +73,7 @@ def test_opod_routes_each_response_to_its_teacher(tmp_path, tiny, teacher_models
     assert row["teacher_rows"] == sum(sum(v) for v in seen.values())
 
 
+@pytest.mark.slow
 def test_opod_resume_equals_the_uninterrupted_run(tmp_path, tiny, teacher_models):  # noqa: F811
     """The controller's state (beta, eps, warm-up) is in the checkpoint: stopped after 2 of 4 steps and resumed gives
     the same policy and ledger (betas included)."""
