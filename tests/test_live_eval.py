@@ -167,3 +167,17 @@ def test_a_benchmark_that_needs_pyarrow_without_it_is_one_line(tmp_path, monkeyp
     monkeypatch.setattr(benchmarks, "load_benchmark", no_pyarrow)
     with pytest.raises(UserError, match=r"^--eval-data: benchmark 'pope': reading .* needs pyarrow"):
         LiveEval(LiveEvalConfig(every=1, data=str(tmp_path), benchmarks="pope"), steps=1)
+
+
+def test_a_ledger_written_with_the_old_crop_names_reads_under_todays():
+    """A run resumed from a ledger whose live evaluations were named `eval/<name>@crop` (before the names were made
+    tracker-valid): its summary has one column per score, under today's `_crop` names."""
+    from opd.eval.live import evaluations, score_label
+
+    rows = [{"step": 0, "eval_before": {"eval/zoombench": 40.0, "eval/zoombench@crop": 90.0, "eval/zoombench@crop_gap": 50.0}},
+            {"step": 1, "eval/zoombench": 45.0, "eval/zoombench_crop": 95.0, "eval/zoombench_crop_gap": 50.0}]  # fmt: skip
+    assert evaluations(rows) == [
+        {"after": 0, "eval/zoombench": 40.0, "eval/zoombench_crop": 90.0, "eval/zoombench_crop_gap": 50.0},
+        {"after": 2, "eval/zoombench": 45.0, "eval/zoombench_crop": 95.0, "eval/zoombench_crop_gap": 50.0}]
+    assert [score_label(k) for k in ("eval/zoombench", "eval/zoombench_crop", "eval/zoombench_crop_gap")] == [
+        "zoombench, full image", "zoombench, crop", "zoombench, crop - full"]  # fmt: skip

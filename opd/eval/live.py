@@ -197,7 +197,9 @@ def evaluations(rows: list[dict]) -> list[dict]:
 
 
 def _scores_of(row: dict) -> dict[str, float]:
-    return {k: v for k, v in row.items() if k.startswith("eval/")}
+    """The row's live-evaluation scores under today's names (a row an earlier version wrote has '@crop': read as
+    '_crop', so that a resumed run's summary has one column per score)."""
+    return {k.replace("@crop", CROP): v for k, v in row.items() if k.startswith("eval/")}
 
 
 def score_label(key: str) -> str:
