@@ -204,9 +204,8 @@ def _scores_of(row: dict) -> dict[str, float]:
 
 def score_label(key: str) -> str:
     """A score's column name: 'eval/zoombench' -> 'zoombench, full image', '..._crop' -> 'zoombench, crop',
-    '..._crop_gap' -> 'zoombench, crop - full' (a ledger written before the names were made tracker-valid has
-    '@crop' and '@crop_gap': read alike)."""
-    name = key.removeprefix("eval/").replace("@crop", CROP)
+    '..._crop_gap' -> 'zoombench, crop - full' (keys as `_scores_of` gives them: an old ledger's '@crop' renamed)."""
+    name = key.removeprefix("eval/")
     for suffix, view in ((CROP + "_gap", "crop - full"), (CROP, "crop")):
         if name.endswith(suffix):
             return f"{name.removesuffix(suffix)}, {view}"
