@@ -229,7 +229,7 @@ def run_strategy(strategy: str, model_dir: Path, data: Path, a, out: Path) -> di
     finally:
         opd.sampler.generate_rollouts = real_generate
     peak = torch.cuda.max_memory_allocated() if cuda else None
-    result = {"strategy": strategy, "load_s": load_s, "match_row": match_row, "match_selected": selected[0].tolist(),
+    result = {"strategy": strategy, "load_s": load_s, "match_row": match_row, "match_selected": selected[0][0].tolist(),
               "rows": rows, "peak_bytes": peak, "params_after_match": params}  # fmt: skip
     del run
     gc.collect()

@@ -499,8 +499,9 @@ def selection_audit(ctx: AuditContext, selector, records: list[Record], n_batche
         grads, cos, captured = [], [], []
         for d in range(draws):
             draw = copy.deepcopy(selector)
-            chosen = draw.select(batch.phi, batch.eligible, budget, 10**6 + b * draws + d, batch.has_entropy, prompt_of)
-            w = None if draw.last_pi is None else 1.0 / draw.last_pi
+            chosen, pi = draw.select(batch.phi, batch.eligible, budget, 10**6 + b * draws + d, batch.has_entropy,
+                                     prompt_of)  # fmt: skip
+            w = None if pi is None else 1.0 / pi
             g = opd_gradient(ctx, batch, chosen, w, draw.full_query_tokens(batch.rollouts.lengths, batch.eligible))
             grads.append(g)
             cos.append(cosine(g, g_c))

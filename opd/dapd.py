@@ -71,8 +71,7 @@ from opd.ema_teacher import lm_head_weight, response_hidden
 from opd.external_teachers import TeacherSet
 from opd.loss import global_denominator
 from opd.objective import DistillResult, Objective, ObjectiveContext, StepBatch
-from opd.schedule import MicroBatch, Stopwatch, TeacherCost, lockstep, plan_micro_batches, record_forward
-from opd.utility import sample_utility
+from opd.schedule import MicroBatch, Stopwatch, lockstep, plan_micro_batches, record_forward
 from opd.views import View, get_view, reference_prompt
 
 
@@ -190,18 +189,17 @@ class DAPD(Objective):
         acc, dc, device = ctx.accelerator, ctx.loss, ctx.device
         ro, sel = batch.rollouts, batch.selected
         eos = ctx.ids["eos"][0]
-        res = DistillResult(utility=torch.full((len(ro),), float("nan")), teachers={lab: TeacherCost() for lab in self.labels})
+        # Each completion's token count over all ranks (Hajek: sum_i w_i T_i), as the family's Eq. 11 denominator:
+        # the rollouts' is the result's (`begin`), the references' one more all-reduce.
+        res = DistillResult.begin(ctx, batch, self.labels)
         refs = {j: reference_completion(ctx.tokenizer, batch.records[j].reference, eos, ctx.max_response_len)
                 for j in {*ro.prompt_index[sel].tolist(), int(ro.prompt_index[0])}}  # fmt: skip (row 0: padding)
         w = batch.weights  # unbiased selection's 1 / pi_i (None: 1): every pair's token mean in its Hajek form
-        # Each completion's token count over all ranks (Hajek: sum_i w_i T_i), as the family's Eq. 11 denominator.
         ref_lengths = torch.tensor([len(refs[int(j)]) if int(j) in refs else 0 for j in ro.prompt_index.tolist()])
-        n_roll = global_denominator(acc, ro.lengths, sel, w)
-        n_ref = global_denominator(acc, ref_lengths, sel, w)
-        res.global_tokens = n_roll
+        n_roll, n_ref = res.global_tokens, global_denominator(acc, ref_lengths, sel, w)
         sums = torch.zeros(len(PAIRS), dtype=torch.float64)  # this rank's sum of D per pair
         res.loss_share = 0.0
-        if res.global_tokens == 0:  # S is empty everywhere: no anchor forward, zero loss
+        if res.empty:  # S is empty everywhere: no anchor forward, zero loss
             res.metrics = {f"kl_{p.name}": 0.0 for p in PAIRS}
             return res
         denominators = {"rollout": float(n_roll), "reference": max(1.0 if w is None else 1e-300, float(n_ref))}
@@ -292,9 +290,8 @@ class DAPD(Objective):
                     h_s = response_hidden(ctx.student, inputs, width)[mask]  # (P, H)
                     w_s = lm_head_weight(getattr(ctx.student, "module", ctx.student))
                     weight = mb.weight(torch.ones(h_s.shape[0], device=device) * (scale / denominators[completion]))
-                    if batch.weights is not None and mb.real:  # each position times its row's 1 / pi_i
-                        w_rows = batch.weights[rows].to(device=device, dtype=weight.dtype).unsqueeze(-1)
-                        w_pos = w_rows.expand(mask.shape)[mask]  # (P,)
+                    w_pos = batch.position_weights(rows, mask, weight.dtype) if mb.real else None  # (P,) 1 / pi_i
+                    if w_pos is not None:  # each position times its row's 1 / pi_i
                         weight = weight * w_pos
                     timing: dict[str, float] = {}
                     utility = dc.topk if pairs[0] is PAIRS[0] else 0
@@ -308,16 +305,11 @@ class DAPD(Objective):
             if not mb.real:
                 continue
             for k, p in enumerate(pairs):
-                d_k = d[k].double() if batch.weights is None else d[k].double() * w_pos.double()
+                d_k = d[k].double() if w_pos is None else d[k].double() * w_pos.double()
                 sums[PAIRS.index(p)] += float(d_k.sum())
                 res.teachers[f"{p.anchor}:{p.name}"].seconds += timing.get("teacher_s", 0.0) / len(pairs)
             if terms is not None:  # pair 1 (the OPSD pair): Eq. 7-9
-                flat = torch.zeros((*mask.shape, 3), dtype=terms.dtype, device=device)
-                flat[mask] = terms
-                d_, o, c = flat.unbind(-1)
-                o = torch.ones_like(o) if dc.no_overlap else o
-                c = torch.ones_like(c) if dc.no_confidence else c
-                res.utility[rows] = sample_utility(d_, o, c, mask).float().cpu()
+                res.label(rows, terms, mask, dc)
         mb.free()  # sharded: the anchors' gathered roots (LM heads) are freed
 
     def after_update(self, step: int) -> None:

@@ -63,10 +63,10 @@ from opd.chat import micro_batch_inputs
 from opd.chunked import budgeted_loss_from_hidden, sampled_logp, sampled_logp_from_hidden, topk_divergence_from_logits
 from opd.divergence import upcast, weighted_sum
 from opd.ema_teacher import Teacher, lm_head_weight, response_hidden, response_logits
-from opd.loss import LossConfig, aggregation_weights, loss_denominator
-from opd.objective import DistillResult, StepBatch
-from opd.schedule import MicroBatch, TeacherCost, lockstep, plan_rows, record_forward, timed
-from opd.utility import sample_utility
+from opd.loss import LossConfig, aggregation_weights
+from opd.objective import DistillResult, StepBatch, teacher_inputs, teacher_plans
+from opd.schedule import MicroBatch, TeacherCost, lockstep, timed
+from opd.utility import labels_from_terms
 from opd.weights import SampledLogp, TokenWeight, token_weight
 
 
@@ -139,16 +139,13 @@ def micro_batch_loss(student, teacher: Teacher, s_inputs, t_inputs: list, mask, 
             for key, values in flat.items():
                 extras[key] = torch.zeros(mask.shape, dtype=values.dtype, device=device).masked_scatter(mask, values)
         per_token = torch.zeros(mask.shape, dtype=d_alpha.dtype, device=device).masked_scatter(mask, d_alpha)
-        terms = torch.zeros((*mask.shape, 3), dtype=flat_terms.dtype, device=device)
-        terms[mask] = flat_terms
-    d, o, c = terms.unbind(-1)  # (n, T) each, Eq. 7-8
-    o = torch.ones_like(o) if cfg.no_overlap else o
-    c = torch.ones_like(c) if cfg.no_confidence else c
-    return loss, per_token, sample_utility(d, o, c, mask), [cost.seconds for cost in costs]
+        terms = flat_terms  # (P, 3) at the valid positions
+    u = labels_from_terms(terms, mask, not cfg.no_overlap, not cfg.no_confidence)  # (n,) Eq. 9 from Eq. 7-8's terms
+    return loss, per_token, u, [cost.seconds for cost in costs]
 
 
 def distill(ctx, batch: StepBatch, row_weights: torch.Tensor | None = None, sync: bool = True,
-            token_sums: dict | None = None) -> DistillResult:  # fmt: skip
+            token_sums: dict | None = None, labels: list[str] | None = None) -> DistillResult:  # fmt: skip
     """Backpropagates this rank's share of Eq. 11 on S against the run's teacher(s) and returns its sums and the
     utility labels of S.
 
@@ -159,25 +156,20 @@ def distill(ctx, batch: StepBatch, row_weights: torch.Tensor | None = None, sync
     Hajek form (numerator and the global denominator weighted, `divergence.budgeted_weights`). sync=False: no
     backward synchronises DDP gradients (a later pass of the caller does). token_sums (a dict), with a token weight:
     receives per row (N_local,) the sums over its valid tokens of w_t ('token_weight') and of log pi_T(y_t)
-    ('teacher_logp'), 0 outside S (OPOD's controller and reward)."""
-    cfg, ro, sel, teachers = ctx.loss, batch.rollouts, batch.selected, ctx.teachers
-    names, views = teachers.names, ctx.teacher_views
-    res = DistillResult(utility=torch.full((len(ro),), float("nan")),
-                        teachers={teachers.label(n, v): TeacherCost() for n in names for v in views})  # fmt: skip
+    ('teacher_logp'), 0 outside S (OPOD's controller and reward). labels: the result's teacher labels, in the
+    caller's order (default: every teacher in every teacher view, `distill_labels`)."""
+    cfg, ro, teachers = ctx.loss, batch.rollouts, ctx.teachers
+    res = DistillResult.begin(ctx, batch, labels or distill_labels(ctx))
     sums: dict = {}
     if token_sums is not None and (cfg.token_weight != "none" or cfg.is_clip):
         sums = token_sums
         sums.update(token_weight=torch.zeros(len(ro)), teacher_logp=torch.zeros(len(ro)))
-    res.global_tokens = loss_denominator(ctx.accelerator, cfg.aggregation, ro.lengths, sel, batch.weights,
-                                         batch.full_tokens)  # Hajek's sum_S w_i T_i, or Horvitz-Thompson's T_C
-    if res.global_tokens == 0:  # S is empty everywhere: no teacher call, zero distillation term
+    if res.empty:  # S is empty everywhere: no teacher call, zero distillation term
         return res
     weights = torch.ones(len(ro)) if row_weights is None else row_weights.float().cpu()
     float64 = next(ctx.student.parameters()).dtype == torch.float64  # Eq. 11's weights in float64 for a float64 policy
     dtype = torch.float64 if float64 else torch.float32
-    routed = {n: sel[[batch.route[i] == n for i in sel.tolist()]] if sel.numel() else sel for n in names}
-    plans = {n: plan_rows(ro, lambda view, j, n=n: batch.teacher_prompt(n, view, j), routed[n], cfg.micro_batch,
-                          cfg.micro_batch_tokens, views[0]) for n in names}  # fmt: skip
+    plans = teacher_plans(ctx, batch, ctx.teacher_views[0])
     models = [t.model for t in teachers.teachers.values()]
     for mb in lockstep(ctx, batch, plans, sync, release=models):
         with mb.synced():
@@ -185,21 +177,22 @@ def distill(ctx, batch: StepBatch, row_weights: torch.Tensor | None = None, sync
     return res
 
 
+def distill_labels(ctx) -> list[str]:
+    """The ledger labels of the pass's teacher forwards: every teacher in every teacher view, in a fixed order."""
+    t = ctx.teachers
+    return [t.label(n, v) for n in t.names for v in ctx.teacher_views]
+
+
 def _micro_batch(ctx, batch: StepBatch, mb: MicroBatch, res: DistillResult, row_weights, dtype, sums: dict) -> None:
     """One micro-batch of `mb.rows` (local ids) scored by teacher `mb.group`: teacher forward(s), student forward, Eq.
     11's share backpropagated; its sums, labels and costs go into `res`. Padding: the same forwards and backward with
     zero weights, on the student's prompts for every view; nothing is counted or labelled."""
-    cfg, ro, device, name = ctx.loss, batch.rollouts, ctx.device, mb.group
-    teacher, rows, label = ctx.teachers.teachers[name], mb.rows, ctx.teachers.label
-    prompt_ids = ro.prompt_index[rows].tolist()
-    t_inputs = []
-    for view in ctx.teacher_views:
-        prompts = [batch.teacher_prompt(name, view, p) if mb.real else batch.student_prompts[p] for p in prompt_ids]
-        inputs, mask, width = micro_batch_inputs(prompts, ro, rows, ctx.ids["pad"], device)
-        t_inputs.append(inputs)
-        if mb.real:
-            record_forward(res.teachers[label(name, view)], inputs, mask, sum(len(p) for p in prompts))
-    s_inputs, _, _ = micro_batch_inputs([batch.student_prompts[p] for p in prompt_ids], ro, rows, ctx.ids["pad"], device)
+    cfg, ro, device = ctx.loss, batch.rollouts, ctx.device
+    teacher, rows = ctx.teachers.teachers[mb.group], mb.rows
+    views = [teacher_inputs(ctx, batch, mb, view, res) for view in ctx.teacher_views]  # booked unless padding
+    t_inputs, mask, width = [v[0] for v in views], views[0][1], views[0][2]
+    s_inputs, _, _ = micro_batch_inputs([batch.student_prompts[p] for p in ro.prompt_index[rows].tolist()], ro, rows,
+                                        ctx.ids["pad"], device)  # fmt: skip
     w_i = None if batch.weights is None else batch.weights[rows].to(device)  # (n,) 1 / pi_i
     weights = aggregation_weights(cfg.aggregation, row_weights[rows].to(device), mask, res.global_tokens, dtype,
                                   w_i)  # (n, T) Eq. 11's (or the method's aggregation)
@@ -220,5 +213,5 @@ def _micro_batch(ctx, batch: StepBatch, mb: MicroBatch, res: DistillResult, row_
     res.utility[rows] = u.float().cpu()
     for key in sums:  # with a token weight: its per-row sums (OPOD's gate and teacher log-probs)
         sums[key][rows] = extras[key].sum(-1).float().cpu()
-    for view, sec in zip(ctx.teacher_views, seconds):
-        res.teachers[label(name, view)].seconds += sec
+    for (_, _, _, cost), sec in zip(views, seconds):
+        cost.seconds += sec

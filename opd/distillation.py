@@ -10,9 +10,8 @@ from __future__ import annotations
 
 import torch
 
-from opd.distill import distill
+from opd.distill import distill, distill_labels
 from opd.objective import DistillResult, Objective, StepBatch
-from opd.schedule import TeacherCost
 
 
 class Distillation(Objective):
@@ -23,13 +22,10 @@ class Distillation(Objective):
     @property
     def labels(self) -> list[str]:
         """The ledger labels of every teacher forward this objective can run, in a fixed order."""
-        t = self.ctx.teachers
-        return [t.label(n, v) for n in t.names for v in self.ctx.teacher_views]
+        return distill_labels(self.ctx)
 
     def __call__(self, batch: StepBatch) -> DistillResult:
-        res = distill(self.ctx, batch)
-        res.teachers = {lab: res.teachers.get(lab, TeacherCost()) for lab in self.labels}  # every label, in order
-        return res
+        return distill(self.ctx, batch)
 
     def after_update(self, step: int) -> None:
         """Algorithm 1, line 13 after a valid update, every `ema.every` steps (DAPD's snapshot: tau = 1)."""

@@ -1,25 +1,18 @@
-"""Algorithm 1 of the paper as one loop on accelerate (DDP, or FSDP2 with --fsdp), on every rank in lockstep.
+"""One training run on accelerate (DDP, or FSDP2 with --fsdp): Algorithm 1's steps and the run around them.
 
-Each step (`Run.step`): every rank samples rollouts for its shard of the prompts (line 3); features are
-all-gathered and every rank makes the same budgeted selection S (lines 4-9); the method's objective runs the
-teacher on the rank's rows of S only and backpropagates its loss (lines 11-12); AdamW and the teachers' update
-follow a valid step (line 13); the utility labels of S are all-gathered and every rank updates the same CPU
-selector (line 14). `StepRecord` gathers the step's ledger row (DIR/ledger.jsonl: the teacher cost of each step).
-
-Notation: C is the step's set of candidates (the rows whose views can be built: a crop for the crop teacher), S the
-selected subset, K = floor(rho |C|) its budget (Eq. 4), pi_i a row's inclusion probability under unbiased selection
-and 1 / pi_i its weight in the loss (Eq. 11's Hajek form). The rest of the run lives elsewhere: its settings in
-`opd.config`, its folder (lock, resume, overwrite, identities) in `opd.run_folder`, its models and teachers in
-`opd.build`, its prompts in `opd.prompts`, its rollouts in `opd.sampler`, the objectives behind `opd.objective`.
+The steps are `opd.stepper.Stepper` (Algorithm 1, lines 3-14, on every rank in lockstep). `Run` is their lifecycle:
+it builds and checks everything before anything is replaced (`_build`: the settings checked, the folder locked, the
+records, models, teachers, prompts, selector, objective, schedule and sampler), resumes a checkpoint, starts the
+trackers, runs the steps with live evaluation and checkpoints (`train`), and writes the summary (Tables 7/8). The rest
+of the run lives elsewhere: its settings in `opd.config`, its folder (lock, resume, overwrite, identities) in
+`opd.run_folder`, its models and teachers in `opd.build`, its prompts in `opd.prompts`, its rollouts in `opd.sampler`,
+the objectives behind `opd.objective`.
 """
 
 from __future__ import annotations
 
 import json
-import math
 import time
-import warnings
-from dataclasses import dataclass
 from pathlib import Path
 
 import torch
@@ -32,61 +25,21 @@ from opd.cli import UserError
 from opd.config import TrainConfig, refuse_changed_settings
 from opd.data import load_records, parse_columns
 from opd.eval.live import LiveEval, evaluations, format_scores
-from opd.features import rollout_features
 from opd.ledger import Ledger, format_summary, summarize, write_atomic
 from opd.lora import STUDENT
 from opd.model import autocast, special_ids
 from opd.objective import ObjectiveContext
-from opd.optim import clip_gradients, lr_scheduler, restore_group_lr
+from opd.optim import lr_scheduler, restore_group_lr
 from opd.prompts import Prompts, check_records
 from opd.rollout import Rollouts
-from opd.run_folder import RunFolder, checkpoint_of, launch_info
+from opd.run_folder import RunFolder, checkpoint_of, eval_command, launch_info
 from opd.sampler import Sampler
-from opd.selectors import Selector, query_budget
+from opd.selectors import Selector
 from opd.sharding import generation
-from opd.step_record import StepRecord
+from opd.stepper import Stepper
 from opd.storage import DiskFullError, drop_temporaries
 from opd.tracking import Trackers, parse_report_to
 from opd.views import get_view
-
-
-@dataclass
-class Candidates:
-    """The step's rows over all ranks (rank 0's first): features phi (Eq. 5), eligibility (C), lengths, prompts."""
-
-    phi: torch.Tensor  # (N, 6)
-    eligible: torch.Tensor  # (N,) bool
-    lengths: torch.Tensor  # (N,) valid response tokens
-    prompt_of: torch.Tensor  # (N,) record ids
-
-    @property
-    def size(self) -> int:
-        """|C|."""
-        return int(self.eligible.sum())
-
-
-def gather_candidates(acc, phi_local, eligible_local, rollouts: Rollouts, prompt_ids: torch.Tensor) -> Candidates:
-    """Algorithm 1, line 4 over all ranks: this rank's rows all-gathered (four collectives, every rank)."""
-    device = acc.device
-    return Candidates(
-        acc.gather(phi_local.to(device)).cpu(),  # (N, 6)
-        acc.gather(eligible_local.long().to(device)).cpu().bool(),  # (N,)
-        acc.gather(rollouts.lengths.to(device)).cpu(),  # (N,)
-        acc.gather(prompt_ids.to(device)).cpu(),  # (N,)
-    )
-
-
-def local_rows(selected: torch.Tensor, pi: torch.Tensor | None, rank: int, n_local: int):
-    """This rank's rows of S (local ids) and, under unbiased selection, every local row's loss weight: 1 / pi_i for
-    the rows of S (Eq. 11's Hajek form), 1 elsewhere; None without it."""
-    offset = rank * n_local
-    mine = (selected >= offset) & (selected < offset + n_local)
-    local = selected[mine] - offset
-    weights = None
-    if pi is not None:
-        weights = torch.ones(n_local, dtype=torch.float64)
-        weights[local] = 1.0 / pi[mine]
-    return local, weights
 
 
 def end_processes() -> None:
@@ -160,7 +113,9 @@ class Run:
         if cfg.engine.vllm:
             length = cfg.data.max_prompt_len + cfg.sampling.max_response_len + 16
             self.sampler.start(self.initial_model, length, cfg.model.fsdp)
-        self.warned_no_eligible = False
+        self.stepper = Stepper(acc, cfg.selection.rho, cfg.optim.grad_clip, self.records, self.prompts, self.sampler,
+                               self.selector, self.objective, self.student, self.optimizer, self.scheduler,
+                               self.teachers)  # fmt: skip
         if resume is not None:
             self._load_state(resume.state)
         self._start_trackers(found)
@@ -176,7 +131,7 @@ class Run:
         self.start = resume.start
         if self.steps < self.start:
             raise UserError(f"--steps {self.steps}: the checkpoint {ckpt} is already at step {self.start}")
-        self.folder.note_world_size(ckpt, resume.state)
+        self.folder.note_resume(ckpt, resume.state)
         return resume
 
     def _load_state(self, state: dict) -> None:
@@ -188,7 +143,7 @@ class Run:
             restore_group_lr(self.optimizer, self.scheduler)  # the sharded path loaded the optimizer first
         self.selector.load_state_dict(state["selector"])
         self.objective.load_state_dict(state.get("objective", {}))
-        self.warned_no_eligible = state.get("warned_no_eligible", False)
+        self.stepper.warned_no_eligible = state.get("warned_no_eligible", False)
 
     def _start_trackers(self, found: list) -> None:
         """--overwrite sets the old run aside (only now, with every input built); the trackers start (one that
@@ -209,7 +164,6 @@ class Run:
         if main and cfg.folder.resume and latest is not None and latest.resolve() == Path(cfg.folder.resume).resolve():
             prune(self.out, cfg.checkpoint.keep_checkpoints)  # a kill after `latest` moved left the previous one
         self.ledger = Ledger(self.out / "ledger.jsonl", self.start if cfg.folder.resume else None) if main else None
-        self.objective_keys: list[str] = []  # the objective's own ledger fields (its tracker namespace)
 
     @property
     def run_name(self) -> str:
@@ -222,81 +176,16 @@ class Run:
         """The policy unwrapped (DDP's module; a sharded or plain one as it is)."""
         return self.acc.unwrap_model(self.student)
 
-    def _rows_scored(self) -> int:
-        return sum(t.rows_scored for t in dict.fromkeys(self.teachers.teachers.values()))
-
     def step(self, step: int, rollouts: Rollouts | None = None) -> dict:
-        """One iteration of Algorithm 1 on every rank; `rollouts` may stand in for sampling (tests). Returns the
-        ledger row."""
-        rec, acc = StepRecord(self.acc, step), self.acc
-        with rec.phase("prompt"):
-            ids = self.prompts.ids(step)
-            records = [self.records[i] for i in ids]
-            student_prompts = self.prompts.student(records)
-        # Line 3: y_i ~ p_theta(. | x_i, q_i) for every prompt of this rank.
-        has_entropy = True
-        with rec.phase("generation"):
-            if rollouts is None:
-                rollouts, has_entropy = self.sampler(step, records, student_prompts)
-        # Line 4: detached features phi_i (Eq. 5), all-gathered so that every rank sees the global candidates C.
-        rows = rollouts.prompt_index.tolist()
-        area = torch.tensor([records[j].area_ratio for j in rows])
-        phi = rollout_features(rollouts.logp, rollouts.entropy, rollouts.response_mask, rollouts.prompt_len, area)
-        with rec.phase("wait"):
-            cand = gather_candidates(acc, phi, self.prompts.candidates(records, rollouts), rollouts,
-                                     torch.tensor([ids[j] for j in rows]))  # fmt: skip
-        budget = query_budget(self.cfg.selection.rho, cand.size)  # Eq. 4: K = floor(rho |C|)
-        if cand.size == 0 and not self.warned_no_eligible:
-            warnings.warn(f"step {step}: no crop-eligible rollout in the batch; training with zero distillation")
-            self.warned_no_eligible = True
-        # Lines 5-9: S from the global candidates, before any teacher computation.
-        with rec.phase("select"):
-            selected = self.selector.select(cand.phi, cand.eligible, budget, step, has_entropy, cand.prompt_of)
-        pi = self.selector.last_pi  # unbiased selection: S's inclusion probabilities (else None)
-        rec.candidates(cand, budget, selected, pi)
-        local, weights = local_rows(selected, pi, acc.process_index, len(rollouts))
-        # Lines 11-12: the teacher on this rank's rows of S only; the method's objective backpropagated.
-        batch = self.prompts.batch(step, ids, rollouts, student_prompts, local, weights)
-        batch.full_tokens = self.selector.full_query_tokens(cand.lengths, cand.eligible)  # --estimator ht: T_C
-        before, t0 = self._rows_scored(), time.perf_counter()
-        res = self.objective(batch)
-        seconds = time.perf_counter() - t0
-        with rec.phase("optimizer"):
-            grad_norm = clip_gradients(acc, self.student, self.cfg.optim.grad_clip)
-        rec.objective(res, seconds, self._rows_scored() - before)
-        # Line 13: AdamW, then the teachers' update, after a valid step only.
-        self._update(step, rec, grad_norm)
-        # Line 14: the labels of S (gathered), replay and the selector's update, on every rank alike.
-        with rec.phase("wait"):
-            utility = acc.gather(res.utility.to(acc.device)).cpu()  # (N,) NaN outside S
-        with rec.phase("selector"):
-            metrics = self.selector.observe(cand.phi[selected], utility[selected], step)
-        rec.selector(float(utility[selected].nanmean()) if selected.numel() else float("nan"), metrics)
-        self.objective_keys = list(res.metrics)
-        return rec.row()
-
-    def _update(self, step: int, rec: StepRecord, grad_norm: float) -> None:
-        """Algorithm 1, line 13: AdamW and the teachers' update (`Objective.after_update`) when the loss and the gradient
-        are finite; the schedule moves either way."""
-        valid = math.isfinite(rec.loss) and math.isfinite(grad_norm)
-        if valid:
-            with rec.phase("optimizer"):
-                self.optimizer.step()
-            with rec.phase("ema"):
-                self.objective.after_update(step)
-            self.sampler.updated()  # the vLLM engine gets the new weights before its next generation
-        else:
-            warnings.warn(f"step {step}: non-finite loss or gradient ({rec.loss}, {grad_norm}); update and EMA skipped")
-        self.optimizer.zero_grad(set_to_none=True)
-        lr = self.scheduler.get_last_lr()[0]  # the rate this step's update used
-        self.scheduler.step()
-        rec.update(grad_norm, lr, valid)
+        """One iteration of Algorithm 1 on every rank (`opd.stepper.Stepper.step`); `rollouts` may stand in for
+        sampling (tests). Returns the ledger row."""
+        return self.stepper.step(step, rollouts)
 
     def save(self, next_step: int) -> None:
         """A checkpoint of the run after `next_step` steps (atomic; sharded: every rank writes its shards)."""
         cfg = self.cfg
         state = {
-            "selector": self.selector.state_dict(), "config": cfg.flags(), "warned_no_eligible": self.warned_no_eligible,
+            "selector": self.selector.state_dict(), "config": cfg.flags(), "warned_no_eligible": self.stepper.warned_no_eligible,
             "objective": self.objective.state_dict(), "identities": self.folder.identities,
             "world_size": self.acc.num_processes, "scheduler": self.scheduler.state_dict(),
             "schedule_span": self.schedule_span,
@@ -322,7 +211,7 @@ class Run:
         if row["step"] == self.start:  # the first row of this launch says what ran
             row = {**row, "launch": self.launch}
         self.ledger.append(row)
-        self.trackers.log(row, self.objective.name, self.objective_keys)
+        self.trackers.log(row, self.objective.name, self.stepper.objective_keys)
 
     def evaluate(self, step: int) -> dict:
         """Live evaluation after step `step` when due (every rank answers its share): eval.py's protocol, the weights
@@ -444,9 +333,8 @@ class Run:
             write_atomic(self.out / "summary.md", table + "\n")
             print("\n" + table, flush=True)
             latest = self.out / "latest"
-            data = f" --data-dir {self.cfg.eval.data}" if self.cfg.eval.data else ""
-            ckpt = (f" and {latest.read_text().strip()}/ (evaluate it with: eval.py --model {self.out}{data})"
-                    if latest.is_file() else "")  # fmt: skip
+            hint = eval_command(self.out, self.cfg.eval.data, self.cfg.data.data)
+            ckpt = f" and {latest.read_text().strip()}/ (evaluate it with: {hint})" if latest.is_file() else ""
             print(f"\ntrain.py: wrote {self.out}/ledger.jsonl, summary.md, summary.json{ckpt}", flush=True)
         self.acc.wait_for_everyone()
         return summary

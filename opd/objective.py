@@ -29,8 +29,11 @@ from dataclasses import dataclass, field
 
 import torch
 
+from opd.chat import micro_batch_inputs
+from opd.loss import loss_denominator
 from opd.rollout import Rollouts
-from opd.schedule import TeacherCost
+from opd.schedule import MicroBatch, TeacherCost, plan_rows, record_forward
+from opd.utility import labels_from_terms
 
 
 @dataclass
@@ -59,6 +62,19 @@ class StepBatch:
     (`opd.selectors.Selector.full_query_tokens`), the token mean's Horvitz-Thompson denominator in place of the
     Hajek form's sum_S w_i T_i (`opd.loss.loss_denominator`); None: the Hajek form, or no weights."""
 
+    def routed(self, teacher: str) -> torch.Tensor:
+        """Local row ids of S routed to `teacher` (a name of the run's teacher set), in S's order."""
+        sel = self.selected
+        return sel[[self.route[i] == teacher for i in sel.tolist()]] if sel.numel() else sel
+
+    def position_weights(self, rows: torch.Tensor, mask: torch.Tensor, dtype) -> torch.Tensor | None:
+        """Unbiased selection's 1 / pi_i of each row of `rows`, at each of its valid positions (P,) in mask's
+        row-major order; None without it (every weight 1)."""
+        if self.weights is None:
+            return None
+        w = self.weights[rows].to(device=mask.device, dtype=dtype)  # (n,)
+        return w.unsqueeze(-1).expand(mask.shape)[mask]  # (P,)
+
 
 @dataclass
 class DistillResult:
@@ -84,6 +100,28 @@ class DistillResult:
     """This rank's share of the step's loss (summed over ranks: the loss); None: loss_sum / global_tokens."""
     metrics: dict = field(default_factory=dict)
     """Extra ledger fields of the objective (already the same on every rank)."""
+
+    @classmethod
+    def begin(cls, ctx: ObjectiveContext, batch: StepBatch, labels: list[str]) -> DistillResult:
+        """The step's result before any teacher forward: no row labelled (NaN), every label's cost zero, and the
+        loss's global denominator (`opd.loss.loss_denominator`: one all-reduce, run by every rank). `empty`: S holds
+        no token on any rank, so no teacher runs and the distillation term is zero (Appendix A.3)."""
+        ro = batch.rollouts
+        res = cls(utility=torch.full((len(ro),), float("nan")), teachers={lab: TeacherCost() for lab in labels})
+        res.global_tokens = loss_denominator(ctx.accelerator, ctx.loss.aggregation, ro.lengths, batch.selected,
+                                             batch.weights, batch.full_tokens)  # fmt: skip
+        return res
+
+    @property
+    def empty(self) -> bool:
+        """S holds no valid token on any rank."""
+        return self.global_tokens == 0
+
+    def label(self, rows: torch.Tensor, terms: torch.Tensor, mask: torch.Tensor, loss) -> None:
+        """Eq. 9's labels u_i of `rows` from their per-position terms (d, o, c) ((P, 3) or (n, T, 3);
+        `opd.utility.labels_from_terms`), with the run's ablations (`loss`: the `opd.loss.LossConfig`)."""
+        u = labels_from_terms(terms, mask, not loss.no_overlap, not loss.no_confidence)
+        self.utility[rows] = u.float().cpu()
 
     @property
     def teacher_s(self) -> float:
@@ -134,6 +172,27 @@ class ObjectiveContext:
     @property
     def tokenizer(self):
         return self.processor.tokenizer
+
+
+def teacher_plans(ctx: ObjectiveContext, batch: StepBatch, view: str) -> dict[str, list[torch.Tensor]]:
+    """S's rows routed to each teacher ({name: micro-batches of local row ids}, in the teachers' fixed order), each
+    teacher's rows grouped by their length in `view` (prompt + response; `opd.schedule.plan_rows`)."""
+    cfg = ctx.loss
+    return {n: plan_rows(batch.rollouts, lambda v, j, n=n: batch.teacher_prompt(n, v, j), batch.routed(n),
+                         cfg.micro_batch, cfg.micro_batch_tokens, view) for n in ctx.teachers.names}  # fmt: skip
+
+
+def teacher_inputs(ctx: ObjectiveContext, batch: StepBatch, mb: MicroBatch, view: str, res: DistillResult):
+    """The micro-batch's inputs for its teacher (`mb.group`) in `view`: (inputs, mask (n, T), width, cost). A real
+    slot's forward is booked (rows, tokens) under its ledger label and `cost` is that label's `TeacherCost` (for its
+    seconds); a padding slot runs on the student's prompts, booked nowhere (cost None)."""
+    ro, pids = batch.rollouts, batch.rollouts.prompt_index[mb.rows].tolist()
+    prompts = [batch.teacher_prompt(mb.group, view, p) if mb.real else batch.student_prompts[p] for p in pids]
+    inputs, mask, width = micro_batch_inputs(prompts, ro, mb.rows, ctx.ids["pad"], ctx.device)
+    cost = res.teachers[ctx.teachers.label(mb.group, view)] if mb.real else None
+    if cost is not None:
+        record_forward(cost, inputs, mask, sum(len(p) for p in prompts))
+    return inputs, mask, width, cost
 
 
 class Objective:

@@ -67,11 +67,11 @@ from opd.answers import exact_match, parse_choice, parse_yes_no, split_options
 from opd.chat import completion_inputs
 from opd.chunked import sampled_logp_from_hidden
 from opd.cli import Section
-from opd.distill import distill
+from opd.distill import distill, distill_labels
 from opd.ema_teacher import lm_head_weight
 from opd.objective import DistillResult, Objective, ObjectiveContext, StepBatch
 from opd.policy_gradient import PolicyGradient, row_advantages
-from opd.schedule import MicroBatch, Stopwatch, TeacherCost, lockstep, record_forward
+from opd.schedule import MicroBatch, Stopwatch, lockstep, record_forward
 from opd.views import View, get_view, reference_prompt
 
 
@@ -217,8 +217,7 @@ class OPOD(Objective):
     def labels(self) -> list[str]:
         t = self.ctx.teachers
         extra = ("verify", "answer") if self.config.reward_b else ()
-        distilled = [t.label(n, v) for n in t.names for v in self.ctx.teacher_views]  # the distillation pass's
-        return distilled + [t.label(n, v) for n in t.names for v in extra]
+        return distill_labels(self.ctx) + [t.label(n, v) for n in t.names for v in extra]  # the pass's, then B's
 
     def __call__(self, batch: StepBatch) -> DistillResult:
         ctx, c = self.ctx, self.config
@@ -226,11 +225,10 @@ class OPOD(Objective):
         ro, sel, names = batch.rollouts, batch.selected, ctx.teachers.names
         beta = torch.tensor([self.controller.beta.get(r, 0.0) if r is not None else 0.0 for r in batch.route])
         token_sums: dict = {}  # per row: sum of the gate c_t and of log pi_T(y_t)
-        res = distill(ctx, batch, row_weights=beta, sync=False, token_sums=token_sums)  # 1. L_tc, gated, beta per row
-        res.teachers = {lab: res.teachers.get(lab, TeacherCost()) for lab in self.labels}
+        res = distill(ctx, batch, row_weights=beta, sync=False, token_sums=token_sums, labels=self.labels)  # 1. L_tc
         res.metrics = {f"beta_{n}": self.controller.beta[n] for n in names}
         self.pending = {}
-        if res.global_tokens == 0:  # S is empty everywhere: nothing more to do (every rank alike)
+        if res.empty:  # S is empty everywhere: nothing more to do (every rank alike)
             return res
         rows = sel.tolist()
         lengths = ro.lengths.double()

@@ -100,15 +100,16 @@ class PolicyGradient:
                 ref = sampled_logp_from_hidden(h_r, lm_head_weight(self.reference.model), y, chunk or max(1, h_r.shape[0]))
             mb.free()  # sharded: its gathered root (LM head) freed before the student's forward
             kl_terms, d_kl = k3(ref, old.to(ref.dtype))  # (P,) each
-            if batch.weights is not None and mb.real:
-                w_pos = batch.weights[rows].to(device=device, dtype=kl_terms.dtype).unsqueeze(-1).expand(mask.shape)[mask]
+            w_pos = batch.position_weights(rows, mask, kl_terms.dtype) if mb.real else None  # (P,) 1 / pi_i
+            if w_pos is not None:
                 kl_terms, d_kl = kl_terms * w_pos, d_kl * w_pos
         with ctx.autocast():
             h = response_hidden(ctx.student, inputs, width)[mask]  # (P, H)
             w = lm_head_weight(getattr(ctx.student, "module", ctx.student))
         a = advantage(mb, mask, h.detach(), w.detach()).to(device)  # (P,) A_it, detached
-        if batch.weights is not None and mb.real:  # unbiased selection: each position times its row's 1 / pi_i
-            a = a * batch.weights[rows].to(device=device, dtype=a.dtype).unsqueeze(-1).expand(mask.shape)[mask]
+        w_pos = batch.position_weights(rows, mask, a.dtype) if mb.real else None  # (P,) 1 / pi_i
+        if w_pos is not None:  # unbiased selection: each position times its row's 1 / pi_i
+            a = a * w_pos
         coef = -self.weight * a / n  # (P,) d L_pg / d log pi(y_t)
         if d_kl is not None:
             coef = coef + self.kl * d_kl / n

@@ -114,10 +114,12 @@ class Prompts:
         return torch.tensor([self.eligible(records[j]) for j in rows], dtype=torch.bool) & rollouts.valid
 
     def batch(self, step: int, record_ids: list[int], rollouts: Rollouts, student_prompts: list,
-              selected: torch.Tensor, weights: torch.Tensor | None = None) -> StepBatch:  # fmt: skip
+              selected: torch.Tensor, weights: torch.Tensor | None = None,
+              full_tokens: float | None = None) -> StepBatch:  # fmt: skip
         """What the objective gets for one step on this rank (`opd.objective.StepBatch`): its records, rollouts and
-        prompts, the local rows of S, the teachers' prompts (encoded once per step, each with its teacher's
-        processor; a view's randomness seeded by (seed, step, record id)) and each row's teacher."""
+        prompts, the local rows of S (with unbiased selection their `weights` 1 / pi_i, and under --estimator ht C's
+        token total `full_tokens`), the teachers' prompts (encoded once per step, each with its teacher's processor;
+        a view's randomness seeded by (seed, step, record id)) and each row's teacher."""
         records = [self.records[i] for i in record_ids]
         cache: dict[tuple, object] = {}
         teachers = self.teachers.teachers
@@ -131,4 +133,4 @@ class Prompts:
 
         route = [self.teachers.route(records[j]) for j in rollouts.prompt_index.tolist()]
         return StepBatch(step, records, list(record_ids), rollouts, student_prompts, selected, teacher_prompt, route,
-                         weights)  # fmt: skip
+                         weights, full_tokens)  # fmt: skip

@@ -361,8 +361,8 @@ def entropy_scores(phi: torch.Tensor, has_entropy: bool) -> torch.Tensor:
 
 
 class Selector:
-    """One selection policy. `select` returns sorted global indices of S and keeps their inclusion probabilities in
-    `last_pi` when unbiased (the loss weighs row i by 1 / pi_i; None otherwise); `observe` takes the labels."""
+    """One selection policy. `select` returns S (sorted global indices) and, when unbiased, their inclusion
+    probabilities pi (the loss weighs row i by 1 / pi_i; None otherwise); `observe` takes the labels."""
 
     def __init__(self, policy: str, epsilon: float = 0.10, predictor: PredictorConfig | None = None,
                  unbiased: bool = False, max_per_prompt: int = 0, estimator: str = "hajek", strata: str = "none",
@@ -384,7 +384,6 @@ class Selector:
         self.estimator, self.strata, self.inclusion_size = estimator, strata, inclusion_size
         self.cfg = predictor or PredictorConfig()
         self.model = OnlineUtilityModel(self.cfg) if policy == "learned" else None
-        self.last_pi: torch.Tensor | None = None
 
     @classmethod
     def from_config(cls, selection: SelectionConfig, predictor: PredictorConfig) -> "Selector":
@@ -401,14 +400,10 @@ class Selector:
         return float(lengths[eligible].sum())
 
     def select(self, phi: torch.Tensor, eligible: torch.Tensor, budget: int, step: int, has_entropy: bool = True,
-               prompt_of: torch.Tensor | None = None) -> torch.Tensor:  # fmt: skip
-        """S for one step, sorted global row ids. phi (N, 6) global features (Eq. 5), eligible (N,) bool, budget K
-        (Eq. 4), prompt_of (N,) each row's prompt (for the per-prompt cap). Unbiased: `last_pi` (|S|,) holds the
-        inclusion probabilities of S's rows, in S's order."""
-        chosen, self.last_pi = self._select(phi, eligible, budget, step, has_entropy, prompt_of)
-        return chosen
-
-    def _select(self, phi, eligible, budget, step, has_entropy, prompt_of):
+               prompt_of: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor | None]:  # fmt: skip
+        """(S, pi) for one step: S the sorted global row ids (|S|,), and under unbiased selection pi (|S|,) the
+        inclusion probabilities of S's rows, in S's order (None otherwise). phi (N, 6) global features (Eq. 5),
+        eligible (N,) bool, budget K (Eq. 4), prompt_of (N,) each row's prompt (for the per-prompt cap)."""
         candidates = eligible.nonzero().squeeze(-1)  # (|C|,)
         cap = self.max_per_prompt
         generator = seeded_generator(self.cfg.seed, step)

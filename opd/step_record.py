@@ -1,8 +1,8 @@
 """The ledger row of one step (DIR/ledger.jsonl, Appendix C's cost ledger), gathered as the step runs.
 
-The loop (`opd.loop`) hands `StepRecord` what each line of Algorithm 1 produced; the record times the phases
-(`phase`), sums the teacher's cost over ranks and keeps the slowest rank's seconds. Every method here runs the same
-collectives on every rank, in the same order (`objective`: one all-reduce of the counts, one all-gather of the
+The step (`opd.stepper.Stepper`) hands `StepRecord` what each line of Algorithm 1 produced; the record times the
+phases (`phase`), sums the teacher's cost over ranks and keeps the slowest rank's seconds. Every method here runs the
+same collectives on every rank, in the same order (`objective`: one all-reduce of the counts, one all-gather of the
 teacher seconds; `row`: one all-gather of the phases).
 
 Fields: step, rollouts, candidates |C|, budget K (Eq. 4), selected |S|, overrun max(0, |S| - K), teacher_rows
@@ -59,22 +59,22 @@ class StepRecord:
         }
         self.pi = pi
 
-    def objective(self, res, seconds: float, rows_scored: int) -> None:
+    def objective(self, res, loss: float, seconds: float, rows_scored: int) -> None:
         """The objective's result on this rank (Algorithm 1, lines 11-12): its teacher forwards (rows, real and padded
-        tokens, summed over ranks; seconds, the slowest rank's) and its share of the loss (summed: the loss).
-        `seconds` the objective's wall time (teacher and student), `rows_scored` the teachers' rows this step."""
+        tokens, summed over ranks; seconds, the slowest rank's), and the step's loss (the ranks' shares summed by the
+        step). `seconds` the objective's wall time (teacher and student), `rows_scored` the teachers' rows this step."""
         self.timer.seconds["teacher_forward"] += res.teacher_s
         self.timer.seconds["student"] += seconds - res.teacher_s
         self.labels = list(res.teachers)  # the objective's labels, the same on every rank
         self.metrics = res.metrics
         with self.phase("wait"):
             costs = [[c.rows, c.tokens, c.padded_tokens] for c in res.teachers.values()]
-            counts = [res.share, rows_scored, *(x for c in costs for x in c)]
+            counts = [rows_scored, *(x for c in costs for x in c)]
             sums = self.acc.reduce(torch.tensor(counts, device=self.device, dtype=torch.float64), "sum").cpu()
             view_s = [c.seconds for c in res.teachers.values()]
             view_s = self.acc.gather(torch.tensor([view_s], device=self.device, dtype=torch.float64)).cpu().max(0).values
-        self.loss, self.teacher_rows = float(sums[0]), int(sums[1])
-        self.per_view = sums[2:].view(len(self.labels), 3).long()  # (labels, 3)
+        self.loss, self.teacher_rows = loss, int(sums[0])
+        self.per_view = sums[1:].view(len(self.labels), 3).long()  # (labels, 3)
         self.view_s = view_s
 
     def update(self, grad_norm: float, lr: float, valid: bool) -> None:

@@ -35,15 +35,12 @@ from dataclasses import dataclass
 
 import torch
 
-from opd.chat import micro_batch_inputs
 from opd.chunked import budgeted_loss_from_hidden
 from opd.cli import Section
 from opd.ema_teacher import lm_head_weight
-from opd.loss import loss_denominator
-from opd.objective import DistillResult, Objective, ObjectiveContext, StepBatch
+from opd.objective import DistillResult, Objective, ObjectiveContext, StepBatch, teacher_inputs, teacher_plans
 from opd.policy_gradient import PolicyGradient
-from opd.schedule import MicroBatch, TeacherCost, plan_rows, record_forward, timed
-from opd.utility import sample_utility
+from opd.schedule import MicroBatch, timed
 from opd.weights import TokenWeight
 
 
@@ -107,43 +104,33 @@ class TMOPD(Objective):
         return [t.label(n, v) for n in t.names for v in self.ctx.teacher_views[:1]]
 
     def __call__(self, batch: StepBatch) -> DistillResult:
-        ctx, ro, sel = self.ctx, batch.rollouts, batch.selected
-        res = DistillResult(utility=torch.full((len(ro),), float("nan")), teachers={lab: TeacherCost() for lab in self.labels})
-        res.global_tokens = loss_denominator(ctx.accelerator, ctx.loss.aggregation, ro.lengths, sel, batch.weights,
-                                             batch.full_tokens)  # fmt: skip
-        if res.global_tokens == 0:  # S is empty everywhere: no teacher call, zero loss (every rank alike)
+        ctx = self.ctx
+        res = DistillResult.begin(ctx, batch, self.labels)
+        if res.empty:  # S is empty everywhere: no teacher call, zero loss (every rank alike)
             res.loss_share, res.metrics = 0.0, {"teacher_kl": 0.0}
             return res
         n = 1.0 if ctx.loss.aggregation == "token-sum" else float(res.global_tokens)
-        view, names = ctx.teacher_views[0], ctx.teachers.names
-        plans = {name: plan_rows(ro, lambda v, j, name=name: batch.teacher_prompt(name, v, j),
-                                 sel[[batch.route[i] == name for i in sel.tolist()]] if sel.numel() else sel,
-                                 ctx.loss.micro_batch, ctx.loss.micro_batch_tokens, view) for name in names}  # fmt: skip
         kl = torch.zeros(2, dtype=torch.float64)  # this rank's sum of log pi_old - log pi_T over S's tokens, tokens
         models = [t.model for t in ctx.teachers.teachers.values()]
         hook = lambda mb, mask, h, w: self._advantages(batch, mb, mask, h, w, res, kl)  # noqa: E731
-        res.loss_share, _ = self.pg.run(batch, hook, n, release=models, plans=plans)
+        res.loss_share, _ = self.pg.run(batch, hook, n, release=models,
+                                        plans=teacher_plans(ctx, batch, ctx.teacher_views[0]))  # fmt: skip
         total = ctx.accelerator.reduce(kl.to(ctx.device), "sum").cpu()  # every rank, also with nothing to do
         res.metrics = {"teacher_kl": float(total[0] / total[1].clamp(min=1))}  # their metric: the mean over tokens
         return res
 
     @torch.no_grad()
     def _advantages(self, batch: StepBatch, mb: MicroBatch, mask, h_s, w_s, res: DistillResult, kl) -> torch.Tensor:
-        """The teacher `mb.group` on the micro-batch's rows (counted unless padding): A_t (P,), and the rows' labels
+        """The teacher `mb.group` on the micro-batch's rows (booked unless padding): A_t (P,), and the rows' labels
         u_i (Eq. 9) into `res.utility`."""
-        ctx, ro, rows, name = self.ctx, batch.rollouts, mb.rows, mb.group
-        teacher, view, label = ctx.teachers.teachers[name], ctx.teacher_views[0], ctx.teachers.label(name, ctx.teacher_views[0])
-        pids = ro.prompt_index[rows].tolist()
-        prompts = [batch.teacher_prompt(name, view, p) if mb.real else batch.student_prompts[p] for p in pids]
-        inputs, _, width = micro_batch_inputs(prompts, ro, rows, ctx.ids["pad"], ctx.device)
-        cost = res.teachers[label] if mb.real else None
+        ctx, ro, rows, cfg = self.ctx, batch.rollouts, mb.rows, self.ctx.loss
+        teacher = ctx.teachers.teachers[mb.group]
+        inputs, _, width, cost = teacher_inputs(ctx, batch, mb, ctx.teacher_views[0], res)
         with ctx.autocast(), mb.teacher(teacher), timed(cost, ctx.device):
             h_t = teacher.hidden(inputs, width)[mask]  # (P, H)
-        if mb.real:
-            record_forward(cost, inputs, mask, sum(len(p) for p in prompts))
         y = ro.response_ids[rows, :width].to(ctx.device)[mask]  # (P,)
         old = ro.logp[rows, :width].to(ctx.device)[mask]  # (P,) log pi_old(y_t)
-        cfg, extras, timing = ctx.loss, {}, {}
+        extras, timing = {}, {}
         ones = TokenWeight(lambda s: torch.ones_like(s.student), y)  # w_t = 1: only log pi_T(y_t) comes back
         with ctx.autocast():
             _, _, terms = budgeted_loss_from_hidden(
@@ -151,19 +138,13 @@ class TMOPD(Objective):
                 cfg.alpha, cfg.chunk or max(1, h_s.shape[0]), support=cfg.support, divergence=cfg.divergence,
                 tokens=ones, timing=timing, extras=extras,
             )  # fmt: skip
-        if cost is not None:
-            cost.seconds += timing.get("teacher_s", 0.0)  # the teacher's LM head inside the fused pass
         teacher_logp = extras["teacher_logp"]  # (P,) at the logits' precision (float32, float64)
         old = old.to(teacher_logp.dtype)
         per_token = torch.zeros(mask.shape, dtype=teacher_logp.dtype, device=ctx.device)
         per_token[mask] = token_advantages(old, teacher_logp, self.config.kl_coef)
         advantage = discounted_future_sum(per_token, mask, self.config.discount)[mask]  # (P,)
-        if mb.real:
-            flat = torch.zeros((*mask.shape, 3), dtype=terms.dtype, device=ctx.device)
-            flat[mask] = terms
-            d, o, c = flat.unbind(-1)
-            o = torch.ones_like(o) if cfg.no_overlap else o
-            c = torch.ones_like(c) if cfg.no_confidence else c
-            res.utility[rows] = sample_utility(d, o, c, mask).float().cpu()
+        if cost is not None:  # a real slot: its teacher LM-head time, the labels, the KL metric
+            cost.seconds += timing.get("teacher_s", 0.0)  # the teacher's LM head inside the fused pass
+            res.label(rows, terms, mask, cfg)
             kl += torch.tensor([float((old - teacher_logp).double().sum()), float(mask.sum())], dtype=torch.float64)
         return advantage

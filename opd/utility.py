@@ -75,6 +75,22 @@ def sample_utility(d: torch.Tensor, o: torch.Tensor, c: torch.Tensor, mask: torc
     return (m * d * o * c).sum(-1) / m.sum(-1).clamp(min=1.0)
 
 
+def labels_from_terms(terms: torch.Tensor, mask: torch.Tensor, use_overlap: bool = True,
+                      use_confidence: bool = True) -> torch.Tensor:
+    """Eq. 9 from a loss pass's per-position terms (d, o, c) of Eq. 7-8: u_i per row, detached.
+
+    terms: (P, 3) at mask's valid positions (row-major, as `terms[mask]`) or (n, T, 3); mask: (n, T) -> (n,).
+    `use_overlap` / `use_confidence` False set o / c to 1 (the ablations of Table 4)."""
+    if terms.dim() == 2:  # the valid positions only: back onto the (n, T) grid
+        grid = torch.zeros((*mask.shape, 3), dtype=terms.dtype, device=terms.device)
+        grid[mask] = terms
+        terms = grid
+    d, o, c = terms.detach().unbind(-1)  # (n, T) each
+    o = o if use_overlap else torch.ones_like(o)
+    c = c if use_confidence else torch.ones_like(c)
+    return sample_utility(d, o, c, mask)
+
+
 @torch.no_grad()
 def utility_labels(
     student_logits: torch.Tensor,
@@ -89,12 +105,8 @@ def utility_labels(
     student_logits, teacher_logits: (N, T, V) over the same response tokens; mask: (N, T).
     `use_overlap` / `use_confidence` False set o / c to 1 (the ablations of Table 4).
     """
-    d, o, c = utility_terms(student_logits.detach(), teacher_logits.detach(), k)  # (N, T) each
-    if not use_overlap:
-        o = torch.ones_like(o)
-    if not use_confidence:
-        c = torch.ones_like(c)
-    return sample_utility(d, o, c, mask)
+    terms = torch.stack(utility_terms(student_logits.detach(), teacher_logits.detach(), k), -1)  # (N, T, 3)
+    return labels_from_terms(terms, mask, use_overlap, use_confidence)
 
 
 def recency_weights(collected_at: torch.Tensor, step: int, half_life: float = 10.0) -> torch.Tensor:

@@ -50,7 +50,7 @@ def main() -> None:
 
         perturb(run.model)
     selected, select = [], run.selector.select
-    run.selector.select = lambda *args, **kw: selected.append((select(*args, **kw), run.selector.last_pi)) or selected[-1][0]
+    run.selector.select = lambda *args, **kw: selected.append(select(*args, **kw)) or selected[-1]
     rows, teacher_rows = [], []
     teachers = list(dict.fromkeys(run.teachers.teachers.values()))  # every teacher (DAPD: both anchors)
     for step in range(2):

@@ -36,7 +36,7 @@ def test_two_steps_of_opod_with_one_teacher(tmp_path, tiny, teacher_models):  # 
         row = run.step(step, ro)
         run.log(row)
         s = row["selected"]
-        prompts = len(set(ro.prompt_index[chosen[-1]].tolist()))
+        prompts = len(set(ro.prompt_index[chosen[-1][0]].tolist()))
         assert not row["skipped"] and s == row["budget"] > 0
         assert (row["teacher_rows_full"], row["teacher_rows_verify"], row["teacher_rows_answer"]) == (s, s, prompts)
         assert sum(seen) == row["teacher_rows"] == 2 * s + prompts

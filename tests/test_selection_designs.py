@@ -246,22 +246,22 @@ def test_the_selector_samples_the_design_and_never_exceeds_the_budget():
         size = "gradient" if trial % 2 else "score"
         for k in sorted({0, 1, c.numel() // 2, c.numel()}):
             sel = Selector("entropy", 0.2, unbiased=True, strata="prompt", inclusion_size=size, estimator="ht")
-            s = sel.select(phi, eligible, k, trial, prompt_of=prompt_of)
+            s, pi_s = sel.select(phi, eligible, k, trial, prompt_of=prompt_of)
             assert s.numel() == k and bool(eligible[s].all()) and s.unique().numel() == k
             stratum = torch.unique(prompt_of[c], return_inverse=True)[1]
             x = phi[c, 3].double() * phi[c, 2].double().sqrt() if size == "gradient" else phi[c, 2]
             pi = stratified_probabilities(x, stratum, k, 0.2)[0]
             want = {int(i): float(p) for i, p in zip(c, pi)}
-            assert sel.last_pi.tolist() == pytest.approx([want[int(i)] for i in s], abs=1e-12)
+            assert pi_s.tolist() == pytest.approx([want[int(i)] for i in s], abs=1e-12)
     a = Selector("learned", 0.1, unbiased=True, strata="prompt")
     b = Selector("learned", 0.1, unbiased=True, strata="prompt")
-    assert a.select(phi, eligible, 3, 7, prompt_of=prompt_of).tolist() == b.select(phi, eligible, 3, 7, prompt_of=prompt_of).tolist()
+    assert a.select(phi, eligible, 3, 7, prompt_of=prompt_of)[0].tolist() == b.select(phi, eligible, 3, 7, prompt_of=prompt_of)[0].tolist()
     draws = {tuple(Selector("entropy", 0.1, unbiased=True, strata="prompt").select(phi, eligible, 3, step,
-                                                                                   prompt_of=prompt_of).tolist())
+                                                                                   prompt_of=prompt_of)[0].tolist())
              for step in range(20)}  # fmt: skip
     assert len(draws) > 1
     with pytest.raises(ValueError, match="prompt_of"):
-        Selector("entropy", 0.1, unbiased=True, strata="prompt").select(phi, eligible, 2, 0)
+        Selector("entropy", 0.1, unbiased=True, strata="prompt").select(phi, eligible, 2, 0)[0]
 
 
 @pytest.mark.parametrize("flags,message", [
@@ -304,10 +304,11 @@ def test_one_training_step_takes_the_horvitz_thompson_form(tmp_path, tiny, strat
     index = rollouts.prompt_index.tolist()
     d = divergence_before_update(run, rollouts, records).double()  # (N, T) Eq. 3, before the update
     seen = {}
-    step_batch = run.prompts.batch
+    step_batch, select = run.prompts.batch, run.selector.select
     run.prompts.batch = lambda *a, **kw: seen.setdefault("batch", step_batch(*a, **kw))
+    run.selector.select = lambda *a, **kw: seen.setdefault("selection", select(*a, **kw))
     row = run.step(0, rollouts)
-    batch, pi = seen["batch"], run.selector.last_pi
+    batch, pi = seen["batch"], seen["selection"][1]
     eligible = torch.tensor([records[j].eligible for j in index])
     t_c = float(rollouts.lengths[eligible].sum())
     assert batch.full_tokens == t_c and row["candidate_tokens"] == t_c

@@ -82,7 +82,7 @@ def trained_selector(seed: int = 0, n_steps: int = 3, epsilon: float = 0.1) -> S
     for step in range(n_steps):
         phi = make_phi(40, seed=100 + step)
         eligible = torch.ones(40, dtype=torch.bool)
-        chosen = sel.select(phi, eligible, 20, step)
+        chosen = sel.select(phi, eligible, 20, step)[0]
         u = phi[chosen, 0] * 0.3 + 0.5
         sel.observe(phi[chosen], u, step)
     assert sel.model.trained
@@ -109,7 +109,7 @@ def test_policies_return_valid_subsets(policy, n, budget):
     for step in range(3):
         phi = make_phi(n, seed=step)
         eligible = make_eligible(n, seed=step)
-        chosen = sel.select(phi, eligible, budget, 10 + step)
+        chosen = sel.select(phi, eligible, budget, 10 + step)[0]
         check_valid(chosen, eligible, budget)
 
 
@@ -118,7 +118,7 @@ def test_budget_larger_than_candidates_returns_all_candidates(policy):
     sel = trained_selector() if policy == "learned-trained" else Selector(policy)
     phi = make_phi(12, seed=5)
     eligible = make_eligible(12, seed=5, p=0.5)
-    chosen = sel.select(phi, eligible, 50, 4)
+    chosen = sel.select(phi, eligible, 50, 4)[0]
     assert chosen.tolist() == eligible.nonzero().squeeze(-1).tolist()
 
 
@@ -126,7 +126,7 @@ def test_full_returns_all_candidates():
     phi = make_phi(30, seed=1)
     eligible = make_eligible(30, seed=1)
     n_c = int(eligible.sum())
-    chosen = Selector("full").select(phi, eligible, query_budget(1.0, n_c), 0)
+    chosen = Selector("full").select(phi, eligible, query_budget(1.0, n_c), 0)[0]
     assert chosen.tolist() == [i for i in range(30) if eligible[i]]
 
 
@@ -139,14 +139,14 @@ def test_unknown_policy_raises():
 def test_zero_budget_selects_nothing(policy):
     sel = trained_selector() if policy == "learned-trained" else Selector(policy)
     phi = make_phi(20, seed=2)
-    chosen = sel.select(phi, torch.ones(20, dtype=torch.bool), 0, 7)
+    chosen = sel.select(phi, torch.ones(20, dtype=torch.bool), 0, 7)[0]
     assert chosen.numel() == 0
 
 
 @pytest.mark.parametrize("policy", ["full", "random", "entropy", "learned", "learned-trained"])
 def test_no_candidates_selects_nothing(policy):
     sel = trained_selector() if policy == "learned-trained" else Selector(policy)
-    chosen = sel.select(make_phi(10, seed=3), torch.zeros(10, dtype=torch.bool), 0, 2)
+    chosen = sel.select(make_phi(10, seed=3), torch.zeros(10, dtype=torch.bool), 0, 2)[0]
     assert chosen.numel() == 0
 
 
@@ -156,14 +156,14 @@ def test_random_is_deterministic_per_seed_and_step():
     a = Selector("random", predictor=PredictorConfig(seed=0))
     b = Selector("random", predictor=PredictorConfig(seed=0))
     torch.manual_seed(123)  # the global RNG must play no part
-    sa = a.select(phi, eligible, 10, 5)
+    sa = a.select(phi, eligible, 10, 5)[0]
     torch.manual_seed(456)
-    sb = b.select(phi, eligible, 10, 5)
+    sb = b.select(phi, eligible, 10, 5)[0]
     assert torch.equal(sa, sb)
-    assert torch.equal(a.select(phi, eligible, 10, 5), sa)  # calling again: same draw
-    assert not torch.equal(a.select(phi, eligible, 10, 6), sa)  # another step
+    assert torch.equal(a.select(phi, eligible, 10, 5)[0], sa)  # calling again: same draw
+    assert not torch.equal(a.select(phi, eligible, 10, 6)[0], sa)  # another step
     c = Selector("random", predictor=PredictorConfig(seed=1))
-    assert not torch.equal(c.select(phi, eligible, 10, 5), sa)  # another selector seed
+    assert not torch.equal(c.select(phi, eligible, 10, 5)[0], sa)  # another selector seed
     # The draw is the seeded CPU permutation of A.1 (seed, step).
     cand = eligible.nonzero().squeeze(-1)
     perm = torch.randperm(cand.numel(), generator=seeded_generator(0, 5))[:10]
@@ -177,7 +177,7 @@ def test_random_is_roughly_uniform_over_candidates():
     sel = Selector("random")
     counts = torch.zeros(20)
     for step in range(400):
-        counts[sel.select(phi, eligible, 5, step)] += 1
+        counts[sel.select(phi, eligible, 5, step)[0]] += 1
     assert counts[3] == 0 and counts[7] == 0
     expected = 400 * 5 / 18  # ~111 per candidate
     live = counts[eligible]
@@ -193,18 +193,18 @@ def test_entropy_picks_top_by_mean_entropy_ties_to_lower_index():
     eligible[2] = False
     sel = Selector("entropy")
     # Top-3 by entropy among eligible: 6 (0.95), then the 0.9 ties 1, 4, 8 -> lowest indices 1, 4.
-    assert sel.select(phi, eligible, 3, 0).tolist() == [1, 4, 6]
-    assert sel.select(phi, eligible, 1, 0).tolist() == [6]
+    assert sel.select(phi, eligible, 3, 0)[0].tolist() == [1, 4, 6]
+    assert sel.select(phi, eligible, 1, 0)[0].tolist() == [6]
     # Without entropy: mean NLL (phi[:, 0]) -> 0 (5), 3 (4), 5 (3).
-    assert sel.select(phi, eligible, 3, 0, has_entropy=False).tolist() == [0, 3, 5]
+    assert sel.select(phi, eligible, 3, 0, has_entropy=False)[0].tolist() == [0, 3, 5]
     # Independent check on random features: the K largest phi[:, 2] among eligible.
     phi = make_phi(40, seed=8)
     eligible = make_eligible(40, seed=8)
     cand = [i for i in range(40) if eligible[i]]
     want = sorted(sorted(cand, key=lambda i: -float(phi[i, 2]))[:9])
-    assert sel.select(phi, eligible, 9, 3).tolist() == want
+    assert sel.select(phi, eligible, 9, 3)[0].tolist() == want
     want_nll = sorted(sorted(cand, key=lambda i: -float(phi[i, 0]))[:9])
-    assert sel.select(phi, eligible, 9, 3, has_entropy=False).tolist() == want_nll
+    assert sel.select(phi, eligible, 9, 3, has_entropy=False)[0].tolist() == want_nll
 
 
 def test_entropy_ties_to_lower_index_on_a_large_batch():
@@ -214,7 +214,7 @@ def test_entropy_ties_to_lower_index_on_a_large_batch():
     phi[::3, 2] = 1.0  # 100 rows tied at the top score, 200 tied at 0
     eligible = torch.ones(n, dtype=torch.bool)
     eligible[0] = False
-    chosen = Selector("entropy").select(phi, eligible, 120, 0)
+    chosen = Selector("entropy").select(phi, eligible, 120, 0)[0]
     # All 99 eligible top rows, then the 21 lowest-index rows among the zeros.
     zeros = [i for i in range(1, n) if i % 3 != 0][:21]
     assert chosen.tolist() == sorted(list(range(3, n, 3)) + zeros)
@@ -260,11 +260,11 @@ def test_learned_is_uniform_before_first_update():
         learned = Selector("learned", predictor=PredictorConfig(seed=seed))
         rnd = Selector("random", predictor=PredictorConfig(seed=seed))
         for step in (0, 1, 7):
-            assert torch.equal(learned.select(phi, eligible, 12, step), rnd.select(phi, eligible, 12, step))
+            assert torch.equal(learned.select(phi, eligible, 12, step)[0], rnd.select(phi, eligible, 12, step)[0])
         # Labels below the replay threshold: still no update, still uniform.
         learned.observe(phi[:20], torch.rand(20), 7)
         assert not learned.model.trained and learned.predict(phi) is None
-        assert torch.equal(learned.select(phi, eligible, 12, 8), rnd.select(phi, eligible, 12, 8))
+        assert torch.equal(learned.select(phi, eligible, 12, 8)[0], rnd.select(phi, eligible, 12, 8)[0])
 
 
 def test_learned_after_updates_exploits_top_and_explores_rest():
@@ -276,7 +276,7 @@ def test_learned_after_updates_exploits_top_and_explores_rest():
         K = query_budget(0.25, int(eligible.sum()))
         K_e = exploration_count(K, 0.1)
         assert K_e >= 1 and K - K_e >= 1
-        chosen = sel.select(phi, eligible, K, step)
+        chosen = sel.select(phi, eligible, K, step)[0]
         check_valid(chosen, eligible, K)
         pred = sel.predict(phi)  # same normalizer state as inside select
         cand = [i for i in range(80) if eligible[i]]
@@ -301,10 +301,10 @@ def test_learned_selection_independent_of_global_rng_and_rank_agreement():
         eligible = make_eligible(40, seed=200 + step)
         K = query_budget(0.5, int(eligible.sum()))
         torch.manual_seed(step)
-        sa = a.select(phi, eligible, K, step)
+        sa = a.select(phi, eligible, K, step)[0]
         torch.manual_seed(1000 + step)
         torch.rand(17)
-        sb = b.select(phi, eligible, K, step)
+        sb = b.select(phi, eligible, K, step)[0]
         assert torch.equal(sa, sb), step
         u = torch.sin(phi[sa, 0]) + 0.1 * phi[sa, 2]
         a.observe(phi[sa], u, step)
@@ -320,7 +320,7 @@ def test_learned_selector_updates_normalizer_on_candidates_only():
     sel = Selector("learned")
     phi = make_phi(30, seed=11)
     eligible = make_eligible(30, seed=11)
-    sel.select(phi, eligible, 5, 0)
+    sel.select(phi, eligible, 5, 0)[0]
     cand = phi[eligible].double()
     torch.testing.assert_close(sel.model.normalizer.mean.double(), cand.mean(0), rtol=1e-5, atol=1e-5)
     torch.testing.assert_close(sel.model.normalizer.var.double(), cand.var(0, unbiased=False), rtol=1e-5, atol=1e-5)
@@ -335,7 +335,7 @@ def test_selector_state_dict_round_trip():
     b.load_state_dict(copy.deepcopy(state))
     phi = make_phi(50, seed=12)
     eligible = make_eligible(50, seed=12)
-    assert torch.equal(a.select(phi, eligible, 10, 20), b.select(phi, eligible, 10, 20))
+    assert torch.equal(a.select(phi, eligible, 10, 20)[0], b.select(phi, eligible, 10, 20)[0])
     with pytest.raises(ValueError):
         Selector("random").load_state_dict(state)
 

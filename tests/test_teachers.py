@@ -68,7 +68,7 @@ def test_routing_runs_only_the_routed_teacher_on_its_rows(tmp_path, tiny, teache
         row = run.step(step, ro)
         run.log(row)
         records = run.prompts.of_step(step)
-        routed = {n: [i for i in chosen[-1].tolist() if records[int(ro.prompt_index[i])].field("task") == n] for n in seen}
+        routed = {n: [i for i in chosen[-1][0].tolist() if records[int(ro.prompt_index[i])].field("task") == n] for n in seen}
         assert sum(len(v) for v in routed.values()) == row["selected"] > 0
         pad = run.ids["pad"]
         for n, rows in routed.items():

@@ -166,7 +166,7 @@ def test_teacher_sees_exactly_the_selected_rows(tmp_path, tiny, monkeypatch):
         ro = fixed_rollouts(run, step)
         before = run.teacher.rows_scored
         row = run.step(step, ro)
-        chosen = select.results[-1]
+        chosen = select.results[-1][0]
         assert run.teacher.rows_scored - before == chosen.numel() == row["selected"] == row["teacher_rows"] > 0
         assert all(batch.shape[0] <= 2 for batch in seen)
         assert len(seen) == math.ceil(chosen.numel() / 2)
@@ -204,7 +204,7 @@ def test_two_steps_of_each_policy(tmp_path, tiny, monkeypatch, policy, rho):
         assert any(not torch.equal(student_before[k], student_after[k]) for k in student_after)
         for k in teacher_after:  # theta-bar <- (1 - tau) theta-bar + tau theta
             torch.testing.assert_close(teacher_after[k], 0.95 * teacher_before[k] + 0.05 * student_after[k])
-        ro, chosen = gen.results[-1], select.results[-1]
+        ro, chosen = gen.results[-1], select.results[-1][0]
         eligible = torch.tensor([run.prompts.of_step(step)[j].eligible for j in ro.prompt_index.tolist()]) & ro.valid
         assert row["candidates"] == int(eligible.sum())
         assert row["budget"] == math.floor(rho * row["candidates"])

@@ -102,15 +102,15 @@ def test_non_finite_scores_of_unbiased_selection_are_a_clear_error(monkeypatch):
     bad = phi.clone()
     bad[3, 2] = float("nan")
     with pytest.raises(RuntimeError, match=r"step 5: .*1 of 12 candidates' scores are NaN or infinite .*entropy"):
-        Selector("entropy", 0.1, unbiased=True).select(bad, eligible, 3, 5)
+        Selector("entropy", 0.1, unbiased=True).select(bad, eligible, 3, 5)[0]
     bad[3, 0] = float("inf")
     with pytest.raises(RuntimeError, match=r"mean token NLL"):
-        Selector("entropy", 0.1, unbiased=True).select(bad, eligible, 3, 5, has_entropy=False)
+        Selector("entropy", 0.1, unbiased=True).select(bad, eligible, 3, 5, has_entropy=False)[0]
     learned = Selector("learned", 0.1, unbiased=True)
     learned.model.updates = 1  # as after f_psi's first update
     monkeypatch.setattr(learned.model, "predict", lambda p: torch.full((p.shape[0],), float("nan")))
     with pytest.raises(RuntimeError, match=r"utility predictor f_psi's outputs .*--selector-lr"):
-        learned.select(phi, eligible, 3, 0)
+        learned.select(phi, eligible, 3, 0)[0]
     with pytest.raises(ValueError, match="2 of 3 are NaN or infinite"):
         inclusion_probabilities(torch.tensor([1.0, float("nan"), -float("inf")]), 1, 0.1)
 
@@ -127,10 +127,10 @@ def test_the_budget_is_checked_without_assert(monkeypatch):
         selector = Selector(policy, 0.1, max_per_prompt=2)
         if policy == "learned":
             selector.model.updates = 1
-        assert selector.select(phi, eligible, budget, 0, prompt_of=prompts).numel() <= budget
+        assert selector.select(phi, eligible, budget, 0, prompt_of=prompts)[0].numel() <= budget
     monkeypatch.setattr(opd.selectors, "capped", lambda order, n, prompt_of, cap: order)  # a broken policy
     with pytest.raises(RuntimeError, match=r"the query budget was exceeded: \|S\| = 6 > K = 2"):
-        Selector("random").select(phi, eligible, 2, 0)
+        Selector("random").select(phi, eligible, 2, 0)[0]
 
 
 def test_weighted_eq_11_is_the_hajek_sum_written_out():
@@ -197,7 +197,7 @@ def test_the_per_prompt_cap_keeps_preference_order_within_the_cap():
     prompt_of = torch.arange(24) // 8  # 3 prompts x 8 rows
     eligible = torch.ones(24, dtype=torch.bool)
     for policy in ("random", "entropy", "full"):
-        sel = Selector(policy, max_per_prompt=2).select(phi, eligible, 24 if policy == "full" else 6, 0, prompt_of=prompt_of)
+        sel = Selector(policy, max_per_prompt=2).select(phi, eligible, 24 if policy == "full" else 6, 0, prompt_of=prompt_of)[0]
         assert sel.numel() == 6 and torch.bincount(prompt_of[sel]).tolist() == [2, 2, 2]
 
 
@@ -207,14 +207,14 @@ def test_unbiased_selection_is_seeded_by_the_step_and_keeps_the_budget():
     eligible = torch.rand(32, generator=g) > 0.25
     k = query_budget(0.25, int(eligible.sum()))
     a, b = Selector("entropy", 0.1, unbiased=True), Selector("entropy", 0.1, unbiased=True)
-    s1, s2 = a.select(phi, eligible, k, 3), b.select(phi, eligible, k, 3)
-    assert s1.tolist() == s2.tolist() and a.last_pi.tolist() == b.last_pi.tolist()
+    (s1, pi1), (s2, pi2) = a.select(phi, eligible, k, 3), b.select(phi, eligible, k, 3)
+    assert s1.tolist() == s2.tolist() and pi1.tolist() == pi2.tolist()
     assert s1.numel() == k and eligible[s1].all()
     pi = inclusion_probabilities(phi[eligible.nonzero().squeeze(-1), 2], k, 0.1)
     want = eligible.nonzero().squeeze(-1)[sample_with_probabilities(pi, seeded_generator(0, 3))].sort()
-    assert s1.tolist() == want.values.tolist() and a.last_pi.tolist() == pi[sample_with_probabilities(
+    assert s1.tolist() == want.values.tolist() and pi1.tolist() == pi[sample_with_probabilities(
         pi, seeded_generator(0, 3))][want.indices].tolist()  # fmt: skip
-    assert Selector("entropy", unbiased=True).select(phi, eligible, k, 4).tolist() != s1.tolist()
+    assert Selector("entropy", unbiased=True).select(phi, eligible, k, 4)[0].tolist() != s1.tolist()
     with pytest.raises(ValueError, match="entropy or learned"):
         Selector("random", unbiased=True)
 
@@ -243,16 +243,17 @@ def test_unbiased_training_weighs_each_selected_row_by_one_over_pi(tmp_path, tin
         d = topk_divergence(response_logits(run.model, s_in, width), response_logits(run.teacher.model, t_in, width),
                             run.cfg.loss.topk, run.cfg.loss.alpha)  # (N, T) Eq. 3 on full logits, before the update  # fmt: skip
     seen = {}
-    step_batch = run.prompts.batch
+    step_batch, select = run.prompts.batch, run.selector.select
 
     def spy(*args, **kw):
         seen["batch"] = step_batch(*args, **kw)
         return seen["batch"]
 
     run.prompts.batch = spy
+    run.selector.select = lambda *a, **kw: seen.setdefault("selection", select(*a, **kw))
     row = run.step(0, rollouts)
     batch = seen["batch"]
-    pi = run.selector.last_pi
+    pi = seen["selection"][1]
     z = torch.zeros(len(rollouts), dtype=F64)
     z[batch.selected] = 1.0
     want = budgeted_loss(d, z, rollouts.response_mask, sample_weights=batch.weights)  # Eq. 11's Hajek form

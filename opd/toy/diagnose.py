@@ -65,12 +65,12 @@ class Diagnosed:
         def traced_select(phi, eligible, budget, step, *args, **kwargs):
             if self.oracle:
                 candidates = eligible.nonzero().squeeze(-1)
-                chosen = top_subset(self.u_all.nan_to_num(-1.0), candidates, budget).sort().values
+                chosen, pi = top_subset(self.u_all.nan_to_num(-1.0), candidates, budget).sort().values, None
             else:
-                chosen = select(phi, eligible, budget, step, *args, **kwargs)
+                chosen, pi = select(phi, eligible, budget, step, *args, **kwargs)
             self.captured["selected"] = chosen.clone()
             self.captured["predicted"] = selector.predict(phi)  # the u^ this selection ranked by (normalizer updated)
-            return chosen
+            return chosen, pi
 
         def traced_observe(phi, u, step):
             self.captured["labels"] = u.clone()

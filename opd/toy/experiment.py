@@ -75,8 +75,8 @@ def evaluate(model: Path, bench: Path, out: Path, batch: int, max_new_tokens: in
 
 
 class Trace:
-    """Per step, from the run's selector calls: the candidates, S, every row's response length T_i and
-    mean token entropy, and the utility labels u_i of S (written to trace.jsonl, one line per step)."""
+    """Per step, from the run's selector calls: the candidates, S, every row's response length T_i, mean token
+    entropy and crop area a_i, and the utility labels u_i of S (written to trace.jsonl, one line per step)."""
 
     def __init__(self, run, path: Path):
         self.path, self.row = path, None
@@ -84,11 +84,12 @@ class Trace:
         select, observe = selector.select, selector.observe
 
         def traced_select(phi, eligible, budget, step, *args, **kwargs):
-            chosen = select(phi, eligible, budget, step, *args, **kwargs)
+            chosen, pi = select(phi, eligible, budget, step, *args, **kwargs)
             self.row = {"step": step, "budget": budget, "candidates": eligible.nonzero().squeeze(-1).tolist(),
                         "selected": chosen.tolist(), "length": phi[:, 3].round().int().tolist(),
-                        "entropy": [round(float(x), 5) for x in phi[:, 2]]}
-            return chosen
+                        "entropy": [round(float(x), 5) for x in phi[:, 2]],
+                        "area": [round(float(x), 5) for x in phi[:, 5]]}
+            return chosen, pi
 
         def traced_observe(phi, u, step):
             self.row["utility"] = [float(f"{float(x):.5g}") for x in u]
