@@ -3,7 +3,7 @@
     accelerate launch train.py --policy learned --rho 0.25            # built-in tiny model, CPU, ~1 min
     accelerate launch train.py --preset paper-4b --data train.jsonl   # Qwen3.5-4B, the paper's settings
     python train.py --config run.yaml --rho 0.5                       # a YAML config file; flags beside it win
-    python train.py --config runs/tiny/checkpoint-000008/train_config.json --out runs/again   # a run, again
+    python train.py --config runs/tiny/train_config.json --out runs/again   # a run, again (its latest checkpoint's)
     python train.py --method opsd --print-config > opsd.yaml          # the merged settings, as a config file
 
 Parse (the flags, a --config file under them), build the settings (the preset, the method's paper settings and
@@ -12,15 +12,16 @@ cost summary, printed and written to summary.md). Every flag is a field of a com
 (`opd.config.SECTIONS`), documented where the component lives.
 """
 
+import os
 import sys
 
 from opd.cli import build_parser, flag_given, run_cli
-from opd.config import PRESETS, TrainConfig, launch_config, read_config_file
+from opd.config import PRESETS, ConfigFile, TrainConfig, launch_config, load_config_file, refuse_file_problems
 
 
-def parse(argv: list[str] | None) -> tuple[dict, bool]:
+def parse(argv: list[str] | None) -> tuple[dict, bool, ConfigFile | None, set[str]]:
     """(the settings given, by flag name: a --config file's, then the flags given beside it; whether to print the
-    merged settings instead of training)."""
+    merged settings instead of training; the --config file; the flags given beside it)."""
     parser = build_parser(TrainConfig, PRESETS, __doc__.split("\n")[0])
     parser.add_argument("--config", metavar="FILE", help="Settings from a file: YAML whose keys are flag names "
                         "(dashes or underscores), or a run's own train_config.json (its --resume and --overwrite "
@@ -30,13 +31,16 @@ def parse(argv: list[str] | None) -> tuple[dict, bool]:
     args = vars(parser.parse_args(argv))
     config, show = args.pop("config"), args.pop("print_config")
     given = {k: v for k, v in args.items() if v is not None and (k != "preset" or flag_given("--preset", argv))}
-    return ({**read_config_file(config), **given} if config else given), show
+    file = load_config_file(config) if config else None
+    return ({**file.flags, **given} if file else given), show, file, set(given)
 
 
 def main(argv: list[str] | None = None) -> dict:
     """Trains (or, with --print-config, prints the settings) and returns the summary (the settings' flags)."""
-    given, show = parse(argv)
+    given, show, file, beside = parse(argv)
     cfg = launch_config(given)  # --resume, --auto-resume, or a new run
+    if file is not None:  # every problem of the file at once, by its lines (and of the settings, unless printed)
+        refuse_file_problems(file, None if show else cfg, beside, int(os.environ.get("WORLD_SIZE", "1")))
     if show:
         print(cfg.to_yaml(), end="", flush=True)
         return cfg.flags()

@@ -3,7 +3,7 @@
 
 | name | as a model (--model, --teacher-model, a route's teacher, eval.py --model) | as data (--data) | as a benchmark folder (--eval-data, eval.py --data-dir) |
 | --- | --- | --- | --- |
-| `tiny` | the random-weight tiny Qwen3.5 (`opd.tiny`) | its generated image/crop dataset | - |
+| `tiny` | the random-weight tiny Qwen3.5 (`opd.tiny`) | its generated image/crop dataset | 16 held-out items of its task (zoombench/, with crops) |
 | `toy` | the toy world's base, trained on crops (`opd.toy.default`) | the toy world's training split | its held-out items (zoombench/, with crops) |
 
 A name wins over a folder of that name in the current folder (give `./toy` for the folder). Callers:
@@ -15,7 +15,7 @@ from __future__ import annotations
 
 from pathlib import Path
 
-KINDS = {"model": ("tiny", "toy"), "data": ("tiny", "toy"), "bench": ("toy",)}
+KINDS = {"model": ("tiny", "toy"), "data": ("tiny", "toy"), "bench": ("tiny", "toy")}
 """The names each kind of flag takes."""
 
 
@@ -31,8 +31,10 @@ def builtin_path(name: object, kind: str, vllm: bool = False) -> Path | None:
     if not is_builtin(name, kind):
         return None
     if name == "tiny":
-        from opd.tiny import tiny_defaults
+        from opd.tiny import tiny_bench, tiny_defaults
 
+        if kind == "bench":
+            return tiny_bench()
         model, data = tiny_defaults(vllm=vllm and kind == "model")
         return model if kind == "model" else data
     from opd.toy.default import toy_defaults

@@ -6,7 +6,8 @@ resumed run reloads it from its `--teacher-model` / `--teachers` path), state.pt
 selector - network, normalizer, replay, optimizer - the objective's state (OPOD's controller) and the config;
 no global RNG state, since each step seeds its draws from the run's seed and the step) and train_config.json
 (the run's settings, readable without loading the optimizer state, for `train.py --resume`). It is written into
-a temporary folder, flushed to disk and renamed into place; DIR/latest then names it (also replaced atomically).
+a temporary folder, flushed to disk and renamed into place; DIR/train_config.json (the same settings, for
+`train.py --config`) and DIR/latest then name it (each also replaced atomically).
 Older checkpoints beyond `keep` are removed only after the new one is complete.
 
 Sharded runs (`--fsdp`, `save_sharded`): checkpoint-NNNNNN/sharded/ is one torch.distributed.checkpoint
@@ -143,6 +144,8 @@ def _publish(out_dir: Path, tmp: Path, final: Path, state: dict, keep: int) -> P
     if final.exists():
         final.rename(replaced)
     tmp.rename(final)
+    if "config" in state:  # the run's settings beside its checkpoints too: `train.py --config DIR/train_config.json`
+        write_atomic(out_dir / "train_config.json", json.dumps(state["config"], indent=2) + "\n")
     write_atomic(out_dir / "latest", final.name + "\n")
     shutil.rmtree(replaced, ignore_errors=True)
     prune(out_dir, keep)

@@ -16,6 +16,7 @@ from __future__ import annotations
 import difflib
 import json
 import math
+import re
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -240,10 +241,34 @@ LAUNCH_ONLY = ("resume", "overwrite", "auto_resume")
 """Fields of a run's train_config.json that describe how it was launched, not the run: --config drops them."""
 
 
+@dataclass
+class ConfigFile:
+    """A --config file: its settings by flag name, the line each one stands on, and what is wrong with the others
+    (an unknown key, a value of the wrong type: one line each, naming the file, its line and the key)."""
+
+    path: str
+    flags: dict
+    lines: dict[str, int]
+    problems: list[str]
+
+    def where(self, name: str) -> str:
+        """FILE:LINE of flag `name`'s key."""
+        return f"{self.path}:{self.lines.get(name, '?')}"
+
+
 def read_config_file(path: str) -> dict:
-    """The flags a config file sets (by flag name): YAML whose keys are flag names (dashes or underscores), or a
-    run's own train_config.json (less `LAUNCH_ONLY`). A bad file, key or value is one UserError naming the file, its
-    line and the key."""
+    """The flags a config file sets, by flag name (`load_config_file`); a UserError listing every bad key or value,
+    one line each."""
+    file = load_config_file(path)
+    if file.problems:
+        raise UserError("\n".join(file.problems))
+    return file.flags
+
+
+def load_config_file(path: str) -> ConfigFile:
+    """A config file: YAML whose keys are flag names (dashes or underscores), or a run's own train_config.json (less
+    `LAUNCH_ONLY`). A file that cannot be read or parsed is one UserError naming the file (and its line); a bad key
+    or value goes to `problems`, the rest is read."""
     import yaml
 
     file = Path(path)
@@ -260,21 +285,25 @@ def read_config_file(path: str) -> dict:
         raise UserError(f"{path}{where}: not a YAML or JSON config ({getattr(exc, 'problem', None) or exc})") from None
     if not isinstance(data, dict):
         raise UserError(f"{path}: a config file maps flag names to values (got {type(data).__name__})")
-    lines = {k.value: k.start_mark.line + 1 for k, _ in node.value} if node is not None else {}
+    key_lines = {k.value: k.start_mark.line + 1 for k, _ in node.value} if node is not None else {}
     stored_run = file.suffix == ".json"
     flags = {f.name: f for f in TrainConfig.flag_list()}
-    out = {}
+    out, lines, problems = {}, {}, []
     for key, value in data.items():
         name = str(key).lstrip("-").replace("-", "_")
-        where = f"{path}:{lines.get(key, '?')}"
+        where = f"{path}:{key_lines.get(key, '?')}"
         if stored_run and name in LAUNCH_ONLY:
             continue
         if name not in flags:
             near = difflib.get_close_matches(name, list(flags), n=1, cutoff=0.6)
             hint = f"; did you mean {near[0]}?" if near else ""
-            raise UserError(f"{where}: unknown key {key!r}{hint} (keys are train.py's flag names)")
-        out[name] = _typed(value, flags[name], where)
-    return out
+            problems.append(f"{where}: unknown key {key!r}{hint} (keys are train.py's flag names)")
+            continue
+        try:
+            out[name], lines[name] = _typed(value, flags[name], where), key_lines.get(key, "?")
+        except UserError as exc:
+            problems.append(str(exc))
+    return ConfigFile(path, out, lines, problems)
 
 
 def _typed(value, flag: Flag, where: str):
@@ -294,6 +323,21 @@ def _typed(value, flag: Flag, where: str):
     names = {float: "a number", int: "an integer", bool: "true or false", str: "a string"}
     raise UserError(f"{where}: {flag.name}: expected {names.get(kind, kind.__name__)}"
                     f"{' or null' if optional else ''}, got {value!r}")  # fmt: skip
+
+
+def refuse_file_problems(file: ConfigFile, cfg: TrainConfig | None = None, beside: set[str] = frozenset(),
+                         world: int = 1) -> None:  # fmt: skip
+    """A UserError with every problem at once, one line each, before anything is built: the file's own (unknown keys,
+    wrong types), then, given the merged settings `cfg`, theirs (`TrainConfig.problems` on `world` processes), a
+    problem of a flag the file set (and no flag given beside it replaced) naming the file, its line and the key."""
+    owned = {flag_text(name): name for name in file.flags if name not in beside}
+    lines = list(file.problems)
+    for problem in cfg.problems(world) if cfg is not None else []:
+        named = [owned[f] for f in re.findall(r"--[a-z0-9]+(?:-[a-z0-9]+)*", problem) if f in owned]
+        lines.append(f"{file.where(named[0])}: {problem}" if named else problem)
+    if lines:  # in the file's order; problems of flags given beside it last
+        at = re.compile(re.escape(file.path) + r":(\d+):")
+        raise UserError("\n".join(sorted(lines, key=lambda t: int(m.group(1)) if (m := at.match(t)) else math.inf)))
 
 
 RESUMABLE = (

@@ -235,6 +235,7 @@ class VLLMServer:
         enforce_eager: bool | None = None,
         extra_args: tuple[str, ...] = (),
         env: dict[str, str] | None = None,
+        say=None,
     ) -> VLLMServer:
         """Starts a server for `model_dir` from the vLLM venv on 127.0.0.1 (a free port unless `port`) and
         waits for /health up to `timeout` s; logs go to `log_path` (default: a temporary file). On a CPU the
@@ -243,7 +244,8 @@ class VLLMServer:
         `kv_cache_gib` sets VLLM_CPU_KVCACHE_SPACE (the CPU backend's KV cache, GiB; GPUs ignore it). On a GPU
         shared with the trainer, pass `extra_args=("--gpu-memory-utilization", "0.3")` (vLLM takes 90% of the
         GPU by default) or give the engine its own GPU (`env={"CUDA_VISIBLE_DEVICES": "1"}`). `extra_args`
-        are further server flags (`--max-num-seqs`, `--tensor-parallel-size`, ...)."""
+        are further server flags (`--max-num-seqs`, `--tensor-parallel-size`, ...). `say` (a callable taking a line,
+        e.g. print): told when the server starts, with its log, and when it answers."""
         python = check_venv(venv)
         model_dir = Path(model_dir).resolve()
         if not (model_dir / "config.json").exists():
@@ -273,12 +275,16 @@ class VLLMServer:
                                        env=child_env, cwd=str(model_dir), start_new_session=True)  # fmt: skip
         server = cls(f"http://127.0.0.1:{port}", process, log_path, dtype)
         atexit.register(server.stop)
+        if say is not None:
+            say(f"starting a vLLM server for {model_dir} (pid {process.pid}; its log: {log_path})")
         try:
             server._wait_healthy(timeout)
         except BaseException:
             server.stop()
             raise
         server.start_seconds = time.perf_counter() - t0
+        if say is not None:
+            say(f"vLLM server started at {server.url} in {server.start_seconds:.1f} s (log: {log_path})")
         return server
 
     @classmethod

@@ -58,11 +58,11 @@ VLLM_PUSH = ".vllm-push"
 """DIR/.vllm-push/: a sharded run's gathered weights for the vLLM engine (`opd.engine`), removed at the end."""
 OVERWRITTEN = ".overwritten"
 """DIR/.overwritten/: an --overwrite's old run, set aside until the new one has started its trackers."""
-RUN_FILES = ("ledger.jsonl", "summary.json", "summary.md", "latest", "tb", "mlruns", "wandb", "trackers.json",
-             OVERWRITTEN, VLLM_PUSH)  # fmt: skip
+RUN_FILES = ("ledger.jsonl", "summary.json", "summary.md", "latest", "train_config.json", "tb", "mlruns", "wandb",
+             "trackers.json", OVERWRITTEN, VLLM_PUSH)  # fmt: skip
 """What a training run writes into its --out folder, besides checkpoint-NNNNNN/ (and a kill's leftovers: temporary
 siblings of the checkpoints and of the summaries, RUN_PREFIXES)."""
-RUN_PREFIXES = ("checkpoint-", ".checkpoint-", ".summary.", ".ledger.", ".latest.")
+RUN_PREFIXES = ("checkpoint-", ".checkpoint-", ".summary.", ".ledger.", ".latest.", ".train_config.")
 DIGESTS = ".digests.json"
 """DIR/.digests.json: the digest cache of the frozen models a run loads (`opd.identity.DigestCache`)."""
 
@@ -83,6 +83,27 @@ def checkpoint_of(path: str) -> Path:
         if run_files(Path(path)):  # a run stopped before its first checkpoint
             hint = f"; the run stopped before its first checkpoint: start over with --out {path} --overwrite"
         raise UserError(f"--resume {path}: {exc}{hint}") from None
+
+
+def eval_command(out: Path, eval_data: str | None, data: str | None) -> str:
+    """The eval.py command that scores the run in `out` (printed as the run ends): with the run's --eval-data, else
+    the built-in benchmark of its built-in --data ('toy'; none or 'tiny': the tiny one), else a placeholder DIR (a
+    folder with one sub-folder per benchmark, docs/EVAL.md). The interpreter is this one (the venv's), relative to
+    the current folder when it lies below it."""
+    from opd.builtin import is_builtin
+
+    bench = eval_data or ((data or "tiny") if data is None or is_builtin(data, "bench") else "DIR")
+    python, script = Path(sys.executable), Path(__file__).resolve().parents[1] / "eval.py"
+    here = [_below_cwd(p) for p in (python, script if script.is_file() else Path("eval.py"))]
+    return shlex.join([*here, "--model", str(out), "--data-dir", bench]) + (
+        " (DIR: a folder with one sub-folder per benchmark, docs/EVAL.md)" if bench == "DIR" else "")
+
+
+def _below_cwd(path: Path) -> str:
+    """`path` relative to the current folder when it lies below it."""
+    with contextlib.suppress(ValueError):
+        return str(path.relative_to(Path.cwd()))
+    return str(path)
 
 
 def launch_info(world: int) -> dict:
@@ -217,8 +238,11 @@ class RunFolder:
             )
         self.identities["--data"] = ident
 
-    def note_world_size(self, ckpt: Path, state: dict) -> None:
-        """One line when a run resumes on another number of processes (rollouts are seeded per rank)."""
+    def note_resume(self, ckpt: Path, state: dict) -> None:
+        """The line a resumed run starts with (rank 0): its checkpoint and the step it continues at; and one more
+        when it resumes on another number of processes (rollouts are seeded per rank)."""
+        if self.main:
+            print(f"train.py: resuming from {ckpt.name} (step {int(state['step'])}) in {self.out}", flush=True)
         before = state.get("world_size")
         if before is not None and before != self.acc.num_processes and self.main:
             print(f"train.py: note: {ckpt} was trained on {before} process(es) and resumes on {self.acc.num_processes}: "

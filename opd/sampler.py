@@ -54,7 +54,8 @@ class Sampler:
             check_servable(initial_model)  # before the venv: the model's own shapes decide
             check_venv()
             self.own = VLLMServer.start(initial_model, seed=self.seed, max_model_len=max_model_len,
-                                        log_path=Path(tempfile.gettempdir()) / f"vllm-{os.getpid()}.log")  # fmt: skip
+                                        log_path=Path(tempfile.gettempdir()) / f"vllm-{os.getpid()}.log",
+                                        say=lambda line: print(f"train.py: {line}", flush=True))  # fmt: skip
             url = [self.own.url]
         if self.acc.num_processes > 1:
             broadcast_object_list(url)

@@ -156,6 +156,24 @@ def _build_model(out_dir: Path, seed: int, max_pixels: int, config_kwargs: dict,
 COLOURS = {"red": (220, 40, 40), "green": (40, 180, 60), "blue": (50, 80, 220), "yellow": (230, 210, 40)}
 
 
+QUESTION = ("What colour is the small square?\n" + "\n".join(f"({chr(65 + j)}) {c}" for j, c in enumerate(COLOURS))
+            + "\nAnswer with the letter.")  # fmt: skip
+"""The tiny task's question (its answer: the square's colour as a letter)."""
+
+
+def _square_item(rng, size: int) -> tuple[Image.Image, str, list[int]]:
+    """(grey-noise image with one small coloured square, its answer letter, a bbox around it of the square's side)."""
+    names = list(COLOURS)
+    pixels = rng.integers(90, 160, size=(size, size, 3), dtype=np.uint8)
+    image = Image.fromarray(pixels)
+    side = int(rng.integers(8, 14))
+    x, y = (int(v) for v in rng.integers(4, size - side - 4, size=2))
+    colour = names[int(rng.integers(len(names)))]
+    ImageDraw.Draw(image).rectangle([x, y, x + side - 1, y + side - 1], fill=COLOURS[colour])
+    bbox = [max(0, x - side), max(0, y - side), min(size, x + 2 * side), min(size, y + 2 * side)]
+    return image, chr(65 + names.index(colour)), bbox
+
+
 def build_tiny_dataset(out_dir: str | Path, n: int = 32, size: int = 96, seed: int = 0) -> Path:
     """Writes n grey-noise images each with one small coloured square, a question about its colour,
     and `train.jsonl`: even rows in Vision-OPD form (crop file), odd rows in bbox form, and every
@@ -163,22 +181,12 @@ def build_tiny_dataset(out_dir: str | Path, n: int = 32, size: int = 96, seed: i
 
     def write(tmp: Path):
         rng = np.random.default_rng(seed)
-        names = list(COLOURS)
         (tmp / "images").mkdir()
         rows = []
         for i in range(n):
-            pixels = rng.integers(90, 160, size=(size, size, 3), dtype=np.uint8)
-            image = Image.fromarray(pixels)
-            side = int(rng.integers(8, 14))
-            x, y = (int(v) for v in rng.integers(4, size - side - 4, size=2))
-            colour = names[int(rng.integers(len(names)))]
-            ImageDraw.Draw(image).rectangle([x, y, x + side - 1, y + side - 1], fill=COLOURS[colour])
+            image, answer, bbox = _square_item(rng, size)
             image.save(tmp / "images" / f"{i:04d}.png")
-            pad = side
-            bbox = [max(0, x - pad), max(0, y - pad), min(size, x + side + pad), min(size, y + side + pad)]
-            options = "\n".join(f"({chr(65 + j)}) {c}" for j, c in enumerate(names))
-            problem = f"<image>What colour is the small square?\n{options}\nAnswer with the letter."
-            row = {"problem": problem, "answer": chr(65 + names.index(colour))}
+            row = {"problem": f"<image>{QUESTION}", "answer": answer}
             if i % 8 == 7:
                 row["images"] = [f"images/{i:04d}.png"]
             elif i % 2 == 0:
@@ -191,6 +199,29 @@ def build_tiny_dataset(out_dir: str | Path, n: int = 32, size: int = 96, seed: i
             f.writelines(json.dumps(r) + "\n" for r in rows)
 
     return _atomic_dir(Path(out_dir), write) / "train.jsonl"
+
+
+def build_tiny_bench(out_dir: str | Path, n: int = 16, size: int = 96, seed: int = 1) -> Path:
+    """Writes n held-out items of the tiny task (another seed than the training data's) as a benchmark folder for
+    eval.py's --data-dir and train.py's --eval-data (the name 'tiny'): zoombench/tiny.json, a Vision-OPD evaluation
+    JSON with each item's crop, in ZoomBench's slot. The random tiny model has nothing to score well on; it is the
+    tests' and a --preset tiny run's quick check that evaluation runs. Returns the folder."""
+
+    def write(tmp: Path):
+        rng = np.random.default_rng(seed)
+        bench = tmp / "zoombench"
+        (bench / "images").mkdir(parents=True)
+        rows = []
+        for i in range(n):
+            image, answer, bbox = _square_item(rng, size)
+            image.save(bench / "images" / f"{i:04d}.png")
+            image.crop(bbox).save(bench / "images" / f"{i:04d}_crop.png")
+            rows.append({"id": f"tiny-{i:04d}", "images": [f"images/{i:04d}.png"],
+                         "teacher_images": [f"images/{i:04d}_crop.png"], "query": QUESTION, "response": answer,
+                         "question_type": "mcq"})  # fmt: skip
+        (bench / "tiny.json").write_text(json.dumps(rows, indent=0) + "\n")
+
+    return _atomic_dir(Path(out_dir), write)
 
 
 def cache_dir() -> Path:
@@ -206,6 +237,11 @@ def tiny_defaults(vllm: bool = False) -> tuple[Path, Path]:
     model = (build_tiny_vllm_model(root / f"tiny-vllm-model-v{TINY_VERSION}") if vllm
              else build_tiny_model(root / f"tiny-model-v{TINY_VERSION}"))  # fmt: skip
     return model, build_tiny_dataset(root / f"tiny-data-v{TINY_VERSION}")
+
+
+def tiny_bench() -> Path:
+    """The built-in 'tiny' benchmark folder (`build_tiny_bench`), built on first use."""
+    return build_tiny_bench(cache_dir() / f"tiny-bench-v{TINY_VERSION}")
 
 
 def build_tiny_vllm_model(out_dir: str | Path, seed: int = 0, max_pixels: int = 64 * 64, **config_kwargs) -> Path:

@@ -87,6 +87,39 @@ def test_a_bad_config_file_is_one_line_naming_the_file_line_and_key(tmp_path, te
     assert "\n" not in str(err.value)
 
 
+def test_a_bad_config_file_reports_every_problem_at_once_one_line_each(tmp_path, capsys):
+    """Unknown keys, wrong types and values the settings refuse, all in one error (it stopped at the first), one line
+    per problem naming the file, line and key, in the file's order; a flag given beside the file replaces its value
+    (and its problem); exit code 2 through train.py's command line."""
+    path = tmp_path / "run.yaml"
+    path.write_text("preset: tiny\nrhoo: 0.5\nlr: fast\nrho: 5\nsteps: -1\nlora_rank: 8\n")
+    with pytest.raises(UserError) as err:
+        train.main(["--config", str(path)])
+    assert str(err.value).splitlines() == [
+        f"{path}:2: unknown key 'rhoo'; did you mean rho? (keys are train.py's flag names)",
+        f"{path}:3: lr: expected a number, got 'fast'",
+        f"{path}:4: --rho 5.0: the query ratio must lie in (0, 1]",
+        f"{path}:5: --steps -1: must be >= 0",
+        f"{path}:6: unknown key 'lora_rank'; did you mean lora_r? (keys are train.py's flag names)",
+    ]  # fmt: skip
+    with pytest.raises(UserError) as err:
+        train.main(["--config", str(path), "--rho", "0.5", "--steps", "2"])
+    assert len(str(err.value).splitlines()) == 3 and "--rho" not in str(err.value)
+    with pytest.raises(UserError) as err:  # --print-config trains nothing but reads the file alike
+        train.main(["--config", str(path), "--print-config"])
+    assert len(str(err.value).splitlines()) == 3
+    with pytest.raises(UserError) as err:
+        read_config_file(str(path))
+    assert len(str(err.value).splitlines()) == 3
+    with pytest.raises(SystemExit) as code:
+        from opd.cli import run_cli
+
+        run_cli(train.main, ["--config", str(path)], "train.py")
+    assert code.value.code == 2
+    err_lines = capsys.readouterr().err.splitlines()
+    assert len(err_lines) == 5 and err_lines[0].startswith(f"train.py: error: {path}:2: unknown key")
+
+
 def test_non_finite_floats_and_unused_flags_are_refused_by_name():
     for flags, words in (({"lr": float("inf")}, "--lr inf: must be a finite number"),
                          ({"sample_temperature": float("nan")}, "--sample-temperature nan"),

@@ -223,8 +223,36 @@ def test_a_resume_on_another_number_of_processes_says_so(tmp_path, tiny, capsys)
     torch.save({**state, "world_size": 2}, state_path)  # as if trained on 2 ranks
     capsys.readouterr()
     train.main(["--resume", str(out), "--steps", "2"])
-    err = capsys.readouterr().err
-    assert "was trained on 2 process(es) and resumes on 1: rollouts are seeded per rank" in err
+    captured = capsys.readouterr()
+    assert "was trained on 2 process(es) and resumes on 1: rollouts are seeded per rank" in captured.err
+    assert f"train.py: resuming from checkpoint-000001 (step 1) in {out}" in captured.out
+
+
+def test_what_a_tiny_run_prints_and_writes_works_as_printed(tmp_path, tiny, monkeypatch, capsys):
+    """A --preset tiny run's closing hint is an eval.py command that runs (it lacked --data-dir, and 'tiny' was no
+    benchmark folder); its folder's train_config.json is there for --config (it was only in checkpoint-N/); its
+    resume names the checkpoint and step it continues from."""
+    import shlex
+
+    from opd.eval import cli
+
+    monkeypatch.chdir(tmp_path)
+    train.main(["--preset", "tiny", "--steps", "2", "--report-to", "none", "--out", "runs/t"])
+    printed = capsys.readouterr().out
+    hint = printed.split("evaluate it with: ")[1].split(")\n")[0]
+    python, script, *args = shlex.split(hint)
+    assert Path(script).resolve() == ROOT / "eval.py" and Path(python).resolve() == Path(sys.executable).resolve()
+    assert args == ["--model", "runs/t", "--data-dir", "tiny"]
+    result = cli.main([*args, "--limit", "2", "--max-new-tokens", "2", "--no-progress"])
+    assert result["results"]["zoombench"]["n"] == 2 and result["meta"]["out"] == "runs/t/eval"
+    stored = json.loads((tmp_path / "runs/t/checkpoint-000002/train_config.json").read_text())
+    assert json.loads((tmp_path / "runs/t/train_config.json").read_text()) == stored
+    again = train.main(["--config", "runs/t/train_config.json", "--out", "runs/t2", "--print-config"])
+    assert again == {**stored, "out": "runs/t2"}
+    capsys.readouterr()
+    train.main(["--resume", "runs/t", "--steps", "3", "--report-to", "none"])
+    assert "train.py: resuming from checkpoint-000002 (step 2) in runs/t\n" in capsys.readouterr().out
+    assert json.loads((tmp_path / "runs/t/train_config.json").read_text())["steps"] == 3  # the latest checkpoint's
 
 
 def test_every_prompt_is_checked_before_step_0(tmp_path, tiny):

@@ -341,6 +341,33 @@ def test_death_mid_run_quotes_the_last_log_line(tmp_path, vllm_model_dir):
     assert server.process is None
 
 
+def test_a_started_server_says_so_with_its_log(tmp_path, vllm_model_dir, monkeypatch, capsys):
+    """`--rollout-engine vllm` (rank 0's `opd.sampler.Sampler.start`) prints that its server is starting, with the
+    log it writes, and that it answers; the stand-in server of `fake_venv` serves /health."""
+    from types import SimpleNamespace
+
+    from opd.engine import EngineConfig
+    from opd.rollout import SamplingConfig
+    from opd.sampler import Sampler
+
+    monkeypatch.setenv("BAS_OPD_VLLM_VENV", str(fake_venv(tmp_path)))
+    monkeypatch.setenv("FAKE_MODE", "serve")
+    acc = SimpleNamespace(is_main_process=True, num_processes=1)
+    sampler = Sampler(SamplingConfig(), EngineConfig(rollout_engine="vllm"), acc, None, None, "gathered", 0, None,
+                      tmp_path / "run")  # fmt: skip
+    sampler.start(str(vllm_model_dir), 256, sharded=False)
+    try:
+        out = capsys.readouterr().out.splitlines()
+        log = sampler.own.log_path
+        assert out == [f"train.py: starting a vLLM server for {vllm_model_dir.resolve()} (pid {sampler.own.pid}; its "
+                       f"log: {log})",
+                       f"train.py: vLLM server started at {sampler.own.url} in {sampler.own.start_seconds:.1f} s "
+                       f"(log: {log})"]  # fmt: skip
+        assert log.is_file() and sampler.server is sampler.own
+    finally:
+        sampler.own.stop()
+
+
 @pytest.fixture
 def vllm_model_dir(tmp_path):
     """A folder that looks like a model to `VLLMServer.start` (the stand-in server never reads it)."""

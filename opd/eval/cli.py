@@ -18,7 +18,7 @@ from opd.builtin import builtin_path, is_builtin
 from opd.cli import UserError, build_parser
 from opd.eval.backends import BACKENDS
 from opd.eval.benchmarks import LOADERS, expected_files, has_files
-from opd.eval.config import PRESETS, EvalConfig
+from opd.eval.config import PRESETS, EvalConfig, default_out
 
 DESCRIPTION = "Evaluation on the paper's seven benchmarks (Table 1) from their shipped local files."
 
@@ -33,9 +33,12 @@ def parse_args(argv: list[str] | None) -> tuple[EvalConfig, list[str] | None]:
     compare = args.pop("compare")
     preset = args.pop("preset")
     given = {k: v for k, v in args.items() if v is not None}
-    if is_builtin(given.get("data_dir"), "bench"):  # the toy world's held-out items: ZoomBench's slot, with crops
+    if is_builtin(given.get("data_dir"), "bench"):  # a built-in world's held-out items: ZoomBench's slot, with crops
         given = {"benchmarks": "zoombench", "view": "crop", **given}
-    return dataclasses.replace(EvalConfig(preset=preset, **PRESETS[preset]), **given), compare
+    cfg = dataclasses.replace(EvalConfig(preset=preset, **PRESETS[preset]), **given)
+    if cfg.out is None:  # each model its own folder: runs/eval/<its name>
+        cfg = dataclasses.replace(cfg, out=default_out(cfg.model, cfg.served_model))
+    return cfg, compare
 
 
 def check_config(cfg: EvalConfig) -> list[str]:
@@ -62,7 +65,7 @@ def check_config(cfg: EvalConfig) -> list[str]:
         problems.append("--model is required (a checkpoint folder, hub id, train.py run folder, 'toy' or 'tiny')")
     if cfg.data_dir is None:
         problems.append("--data-dir is required (a folder with one sub-folder per benchmark, see docs/EVAL.md; or "
-                        "'toy': the toy world's held-out items)")
+                        "'toy': the toy world's held-out items; 'tiny': the tiny model's)")
     if cfg.view not in ("full", "crop"):
         problems.append(f"--view {cfg.view!r}: choose full or crop")
     if cfg.dtype not in ("auto", "float32", "bfloat16", "float16", "float64"):
@@ -95,7 +98,7 @@ def check_config(cfg: EvalConfig) -> list[str]:
 
 
 def builtin_data(cfg: EvalConfig, names: list[str]) -> EvalConfig:
-    """`cfg` with a built-in --data-dir ('toy': `opd.builtin`) as its folder, built on first use, and its files
+    """`cfg` with a built-in --data-dir ('toy', 'tiny': `opd.builtin`) as its folder, built on first use, and its files
     checked; any other --data-dir unchanged."""
     import dataclasses
 

@@ -2,8 +2,11 @@
 
 from __future__ import annotations
 
+import re
 from dataclasses import dataclass
+from pathlib import Path
 
+from opd.builtin import is_builtin
 from opd.eval.benchmarks import LOADERS
 
 ALL_BENCHMARKS = ",".join(LOADERS)  # Table 1 order
@@ -41,11 +44,13 @@ class EvalConfig:
     benchmarks: str = ALL_BENCHMARKS
     """Comma-separated benchmarks: vstar, zoombench, hrbench4k, mmvp, cvbench, mmstar, pope."""
     data_dir: str | None = None
-    """Folder holding one sub-folder per benchmark, as shipped (docs/EVAL.md lists the files), or 'toy': the toy
-    world's held-out items (built on first use; --benchmarks then defaults to zoombench, whose slot they fill, and
-    --view to crop: both views)."""
-    out: str = "runs/eval"
-    """Output folder: <benchmark>/predictions.jsonl, results.json, results.md, judge_cache.jsonl."""
+    """Folder holding one sub-folder per benchmark, as shipped (docs/EVAL.md lists the files), or a built-in name:
+    'toy' (the toy world's held-out items) or 'tiny' (16 items of the tiny model's task), built on first use;
+    --benchmarks then defaults to zoombench, whose slot they fill, and --view to crop: both views."""
+    out: str | None = None
+    """Output folder: <benchmark>/predictions.jsonl, results.json, results.md, judge_cache.jsonl (default: one per
+    model, `default_out`: a train.py run's RUN/eval (runs/default/eval), any other model's runs/eval/<its name>
+    (runs/eval/toy))."""
     view: str = "full"
     """'full' (the paper's protocol) or 'crop': also answer from the crop images (ZoomBench) as <name>@crop
     and report the crop-minus-full gap."""
@@ -77,8 +82,10 @@ class EvalConfig:
     judge_timeout: float = 60.0
     """Seconds to wait for one judge reply."""
     label: str | None = None
-    """Row label of this run in the tables (default: the --out folder's name, or its parent's when that name is
-    generic, e.g. runs/paper-4b/eval -> paper-4b: opd.eval.report.default_label)."""
+    """Row label of this run in the tables (default: in the model's own --out folder, the model's name,
+    `model_name`: runs/paper-4b -> paper-4b, Qwen/Qwen3.5-4B -> Qwen3.5-4B, toy -> toy; in any other --out, that
+    folder's name, or its parent's when that name is generic: runs/paper-4b/eval -> paper-4b,
+    opd.eval.report.default_label)."""
     overwrite: bool = False
     """Answer the named benchmarks again from scratch: their stored predictions in --out are deleted
     (once the model has loaded). Without it, a folder holding another model's predictions is refused."""
@@ -87,3 +94,63 @@ class EvalConfig:
 
 
 PRESETS: dict[str, dict] = {"default": {}}
+
+OUT_ROOT = Path("runs/eval")
+"""Where an evaluation of a model outside any train.py run writes without --out: OUT_ROOT/<its name> (`default_out`)."""
+
+
+def _checkpoint(folder: Path) -> bool:
+    """A train.py checkpoint folder (checkpoint-N/ with its state.pt)."""
+    return (folder / "state.pt").is_file()
+
+
+def _run(folder: Path) -> bool:
+    """A train.py run folder (its `latest` or its ledger is there)."""
+    return (folder / "latest").is_file() or (folder / "ledger.jsonl").is_file()
+
+
+def _in_run(model: str) -> tuple[Path | None, str]:
+    """(the train.py run folder `model` lies in, or None; the part below it: '' for the run itself,
+    'checkpoint-000008' for a checkpoint or its policy/ export, 'checkpoint-000008-merged' for its merged/ export)."""
+    path = Path(model).expanduser().resolve()
+    suffix = ""
+    if path.name in ("policy", "merged") and _checkpoint(path.parent):
+        path, suffix = path.parent, ("-merged" if path.name == "merged" else "")
+    if _checkpoint(path) and _run(path.parent):
+        return path.parent, path.name + suffix
+    return (path, "") if _run(path) and not suffix else (None, "")
+
+
+def _folder_name(name: str) -> str:
+    return re.sub(r"[^\w.+-]+", "-", name).strip("-.") or "model"
+
+
+def model_name(model: str | None, served_model: str | None = None) -> str:
+    """The model's own name, its row label: a built-in name itself ('toy', 'tiny'); a train.py run folder its name
+    (runs/default -> default, runs/lora -> lora); one of its checkpoints the run's and the checkpoint's names
+    (runs/lora/checkpoint-000008 -> lora-checkpoint-000008), its policy/ export the same and its merged/ export (a
+    LoRA run's) with '-merged'; any other folder its name; a hub id the name after its organisation
+    (Qwen/Qwen3.5-4B -> Qwen3.5-4B); none (--backend openai) the served name. Characters that do not belong in a
+    folder name become '-'."""
+    if model is None:
+        return _folder_name(served_model or "served")
+    if is_builtin(model, "model"):
+        return model
+    if not Path(model).expanduser().exists():  # a hub id
+        return _folder_name(model.rstrip("/").split("/")[-1])
+    run, below = _in_run(model)
+    if run is not None:
+        return _folder_name(f"{run.name}-{below}" if below else run.name)
+    return _folder_name(Path(model).expanduser().resolve().name)
+
+
+def default_out(model: str | None, served_model: str | None = None) -> str:
+    """--out when none is given, one folder per model: a train.py run's evaluation beside its checkpoints (RUN/eval,
+    RUN/eval-checkpoint-000008, RUN/eval-checkpoint-000008-merged), any other model's OUT_ROOT/<model_name>
+    (runs/eval/toy, runs/eval/Qwen3.5-4B)."""
+    if model is not None and not is_builtin(model, "model") and Path(model).expanduser().exists():
+        run, below = _in_run(model)
+        if run is not None:
+            out = run / (f"eval-{below}" if below else "eval")
+            return str(out.relative_to(Path.cwd().resolve())) if out.is_relative_to(Path.cwd().resolve()) else str(out)
+    return str(OUT_ROOT / model_name(model, served_model))

@@ -124,11 +124,19 @@ def _stored_label(data: dict, folder: Path) -> str | None:
     return None if str(label) == folder.name else str(label)
 
 
-def row_labels(folders: list[Path], stored: list[str | None]) -> list[str]:
-    """One label per run: its stored --label, else `default_label`; runs whose default labels collide are named by
-    the shortest tail of their paths that tells them apart (a/eval and b/eval: a and b; x/a/eval and y/a/eval:
-    x/a/eval and y/a/eval)."""
-    labels = [s if s is not None else default_label(f) for f, s in zip(folders, stored)]
+def _model_label(data: dict) -> str | None:
+    """The model's own name a results.json was labelled with (eval.py without --label, `opd.eval.config.model_name`);
+    None for files labelled by their folder (as eval.py did before) or by --label."""
+    meta = data.get("meta") or {}
+    return str(meta["label"]) if meta.get("label_from") == "model" and meta.get("label") else None
+
+
+def row_labels(folders: list[Path], stored: list[str | None], named: list[str | None] | None = None) -> list[str]:
+    """One label per run: its stored --label, else its model's name (`named`), else `default_label`; runs whose
+    labels other than --label collide are named by the shortest tail of their paths that tells them apart (a/eval
+    and b/eval: a and b; x/a/eval and y/a/eval: x/a/eval and y/a/eval)."""
+    named = named or [None] * len(folders)
+    labels = [s if s is not None else m or default_label(f) for f, s, m in zip(folders, stored, named)]
     for n in range(len(labels)):
         clash = [m for m, label in enumerate(labels) if label == labels[n]]
         if stored[n] is not None or len(clash) < 2:
@@ -152,7 +160,7 @@ def compare_runs(paths) -> str:
     datas = [read_results(p) for p in paths]
     folders = [Path(p).resolve() for p in paths]
     folders = [f.parent if f.suffix == ".json" else f for f in folders]
-    labels = row_labels(folders, [_stored_label(d, f) for d, f in zip(datas, folders)])
+    labels = row_labels(folders, [_stored_label(d, f) for d, f in zip(datas, folders)], [_model_label(d) for d in datas])
     runs = [(label, row_scores(d["benchmarks"])) for label, d in zip(labels, datas)]
     lines = ["Scores (%)", ""] + _table(runs)
     base = runs[0][1]

@@ -279,13 +279,16 @@ def gap_note(name: str, results: dict, by_view: dict) -> str:
 
 def write_outputs(cfg: EvalConfig, engine: Engine, results: dict, notes: list[str], judge, requests: int) -> dict:
     """Rank 0: results.json (scores and meta) and results.md (the Table 1 row, also printed)."""
+    from opd.eval.config import default_out, model_name
     from opd.eval.report import default_label, markdown_table, write_results
     from opd.storage import write_atomic
 
     out = Path(cfg.out)
-    label = cfg.label or default_label(out)
     identity, server = engine.identity, engine.server
-    meta = {**asdict(cfg), "label": label, "label_from": "--label" if cfg.label else "folder",
+    served = server.served_model if server is not None else None
+    named = Path(default_out(cfg.model, cfg.served_model)).resolve() == out.resolve()  # the model's own folder
+    label = cfg.label or (model_name(cfg.model, served) if named else default_label(out))
+    meta = {**asdict(cfg), "label": label, "label_from": "--label" if cfg.label else "model" if named else "folder",
             "model_path": engine.model_path, "model_identity": identity["model"],
             "model_revision": identity["model_revision"], "device": engine.device, "dtype": engine.dtype,
             "max_new_tokens": engine.max_new, "scoring": f"judge {cfg.judge_model} at {cfg.judge_url}" if judge else
@@ -300,4 +303,6 @@ def write_outputs(cfg: EvalConfig, engine: Engine, results: dict, notes: list[st
     table = markdown_table(results, label) + "".join(f"\n{n}\n" for n in notes)
     write_atomic(out / "results.md", table)
     print("\n" + table, end="", flush=True)
+    folders = ", ".join(f"{key}/" for key in results)  # each view's predictions.jsonl and scored.jsonl
+    print(f"\neval.py: wrote {out}/results.md, results.json{' and ' + folders if folders else ''}", flush=True)
     return {"results": results, "meta": meta, "table": table}
