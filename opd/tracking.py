@@ -7,11 +7,19 @@ namespaces (`metrics`): `loss/` (Eq. 11, the gradient norm, the selector's loss)
 utility, prompt coverage, inclusion probabilities), `cost/` (teacher rows, tokens, seconds, the step's phases)
 and the objective's own under its name (`dapd/kl_*`, `opod/beta_*`, ...).
 
-Where things go: TensorBoard writes DIR/tb; MLflow a local file store DIR/mlruns unless MLFLOW_TRACKING_URI says
-otherwise (MLflow 3 keeps its file store behind MLFLOW_ALLOW_FILE_STORE, which is then set); W&B its files under DIR/wandb (WANDB_MODE=offline keeps them there). A resumed run continues the same
-tracker run where the tracker allows: DIR/trackers.json keeps W&B's run id (resume "allow") and MLflow's run id;
-TensorBoard appends to DIR/tb. Trackers are optional installs (requirements-trackers.txt) but TensorBoard
-(requirements.txt): a tracker that is not installed is a one-line error naming its pip package.
+Where things go: TensorBoard writes DIR/tb; MLflow the SQLite store DIR/mlflow.db (MLflow's recommended store,
+which its defaults read: the run prints `mlflow ui --backend-store-uri sqlite:///DIR/mlflow.db`; the UI is the full
+`mlflow` package's) unless MLFLOW_TRACKING_URI says otherwise; W&B its files under DIR/wandb (WANDB_MODE=offline
+keeps them there). A resumed run continues the same tracker run where the tracker allows: DIR/trackers.json keeps
+W&B's run id (resume "allow") and MLflow's run id and store (a run begun before the SQLite default keeps its file
+store DIR/mlruns, read with MLFLOW_ALLOW_FILE_STORE=true); TensorBoard appends to DIR/tb. Trackers are optional
+installs (requirements-trackers.txt) but TensorBoard (requirements.txt): a tracker that is not installed is a
+one-line error naming its pip package.
+
+--eval-before's scores (the ledger's first row, `eval_before`) reach every tracker at step 0 as
+`eval/before/<name>` (`eval/before/zoombench`, `eval/before/zoombench_crop`, ...; its seconds `cost/eval_before_s`):
+a name of their own, since the evaluation after step 0 is `eval/<name>` at step 0 too (a row's metrics are logged at
+its step; the evaluation in row k scored the weights after k + 1 updates).
 """
 
 from __future__ import annotations
@@ -20,6 +28,7 @@ import json
 import math
 import os
 import re
+import shlex
 import uuid
 from dataclasses import dataclass
 from pathlib import Path
@@ -33,6 +42,10 @@ PACKAGES = {"tensorboard": "tensorboard", "wandb": "wandb", "mlflow": "mlflow", 
 STATE = "trackers.json"
 PROJECT = "bas-opd"
 """The trackers' project when neither --tracker-project nor $WANDB_PROJECT names one."""
+MLFLOW_DB = "mlflow.db"
+"""MLflow's store in the run folder (SQLite: MLflow's default backend, read without MLFLOW_ALLOW_FILE_STORE)."""
+BEFORE = "eval/before/"
+"""The trackers' namespace of --eval-before's scores (`eval/zoombench` before training -> `eval/before/zoombench`)."""
 VALID = re.compile(r"[^A-Za-z0-9_\-. :/]")
 """What a metric name may not hold in some tracker (MLflow allows alphanumerics, _ - . space : and /; the others
 are laxer)."""
@@ -49,7 +62,7 @@ class TrackerConfig(Section):
     """Where the step's metrics go besides the ledger: accelerate's trackers."""
 
     report_to: str = "tensorboard"
-    """Experiment trackers through accelerate, comma-separated: tensorboard (DIR/tb), wandb, mlflow (DIR/mlruns),
+    """Experiment trackers through accelerate, comma-separated: tensorboard (DIR/tb), wandb, mlflow (DIR/mlflow.db),
     trackio, comet_ml, aim, clearml, dvclive, swanlab; none for none (opd/tracking.py)."""
     run_label: str | None = None
     """The run's name in the trackers (default: the --out folder's name and the policy, e.g. 'tiny learned-25')."""
@@ -97,6 +110,14 @@ def parse_report_to(text: str | None) -> list[str]:
     if missing:
         raise UserError(f"--report-to {text}: {', '.join(missing)} not installed (pip install "
                         f"{' '.join(PACKAGES.get(n, n) for n in missing)}, or see requirements-trackers.txt)")
+    if "mlflow" in names and not os.environ.get("MLFLOW_TRACKING_URI"):
+        import importlib.util
+
+        lacking = [m for m in ("sqlalchemy", "alembic") if importlib.util.find_spec(m) is None]
+        if lacking:
+            raise UserError(f"--report-to {text}: MLflow's store DIR/{MLFLOW_DB} (SQLite, MLflow's default) needs "
+                            f"{' and '.join(lacking)} (pip install -r requirements-trackers.txt, or the full mlflow "
+                            "package); or set MLFLOW_TRACKING_URI to a store of your own")  # fmt: skip
     return list(dict.fromkeys(names))
 
 
@@ -124,6 +145,9 @@ def metrics(row: dict, objective: str = "", objective_keys=()) -> dict[str, floa
             out[f"cost/{key}"] = value
     out |= {key: row[key] for key in row if key.startswith("eval/")}  # opd.eval.live's scores
     out["cost/eval_s"] = row.get("eval_s")
+    before = row.get("eval_before") if isinstance(row.get("eval_before"), dict) else {}  # --eval-before's, step 0
+    out |= {BEFORE + k.removeprefix("eval/"): v for k, v in before.items() if k.startswith("eval/")}
+    out["cost/eval_before_s"] = before.get("eval_s")
     prefix = objective or "objective"
     out |= {f"{prefix}/{k}": row.get(k) for k in objective_keys}
     return {metric_name(k): float(v) for k, v in out.items() if _scalar(v) is not None and math.isfinite(float(v))}
@@ -137,6 +161,7 @@ class Trackers:
         self.acc, self.names, self.out = accelerator, names, Path(out)
         self.state: dict = {}
         self.settings = settings or TrackerConfig()
+        self._set_env: list[str] = []  # what this run set in the process's environment (MLflow's), for finish()
         if not names:
             return
         from accelerate.tracking import LOGGER_TYPE_TO_CLASS
@@ -150,15 +175,7 @@ class Trackers:
             if name == "tensorboard":
                 trackers.append(cls("tb", str(self.out)))  # DIR/tb
             elif name == "mlflow":
-                if "MLFLOW_TRACKING_URI" not in os.environ and accelerator.is_main_process:
-                    import mlflow
-
-                    os.environ.setdefault("MLFLOW_ALLOW_FILE_STORE", "true")  # MLflow 3 keeps the file store opt-in
-                    mlflow.set_tracking_uri((self.out / "mlruns").resolve().as_uri())
-                tags = {t: "true" for t in self.settings.tags} | ({"group": self.settings.tracker_group}
-                                                              if self.settings.tracker_group else {})  # fmt: skip
-                trackers.append(cls(experiment_name=project, run_id=self.state.get("mlflow"), run_name=run_name,
-                                    tags=tags or None))  # fmt: skip
+                trackers.append(self._mlflow(cls, project, run_name))
             elif name == "wandb":
                 trackers.append(self._wandb(cls, project, run_name))
             elif cls.requires_logging_directory:
@@ -183,11 +200,33 @@ class Trackers:
         self.state["wandb"] = run_id
         return cls(project, id=run_id, resume="allow", name=run_name, dir=str(self.out), **extra)
 
+    def _mlflow(self, cls, project: str, run_name: str):
+        """MLflow's tracker on its store (`mlflow_store`), kept in DIR/trackers.json; the run's tags and group as
+        MLflow's tags; artifacts (none logged here) under DIR/mlartifacts, not the working directory's ./mlruns."""
+        uri = mlflow_store(self.out, self.state)
+        self.state["mlflow_uri"] = uri
+        logging_dir = None
+        if not os.environ.get("MLFLOW_TRACKING_URI") and self.acc.is_main_process:
+            import mlflow
+
+            if uri.startswith("file:") and "MLFLOW_ALLOW_FILE_STORE" not in os.environ:  # a run begun before the
+                os.environ["MLFLOW_ALLOW_FILE_STORE"] = "true"  # SQLite default: MLflow 3 keeps its file store opt-in
+                self._set_env.append("MLFLOW_ALLOW_FILE_STORE")
+            elif not uri.startswith("file:"):
+                logging_dir = (self.out / "mlartifacts").resolve().as_uri()
+            mlflow.set_tracking_uri(uri)  # which also sets $MLFLOW_TRACKING_URI: unset again by finish()
+            self._set_env.append("MLFLOW_TRACKING_URI")
+        s = self.settings
+        tags = {t: "true" for t in s.tags} | ({"group": s.tracker_group} if s.tracker_group else {})
+        return cls(experiment_name=project, logging_dir=logging_dir, run_id=self.state.get("mlflow"), run_name=run_name,
+                   tags=tags or None)  # fmt: skip
+
     def where(self) -> list[str]:
-        """Where each tracker writes, in words, for the run's first lines."""
-        places = {"tensorboard": f"TensorBoard logs in {self.out / 'tb'} (tensorboard --logdir {self.out / 'tb'})",
+        """Where each tracker writes, in words, for the run's first lines: with the command that reads it back."""
+        tb = self.out / "tb"
+        places = {"tensorboard": f"TensorBoard logs in {tb} (tensorboard --logdir {shlex.quote(str(tb))})",
                   "wandb": f"W&B run files in {self.out / 'wandb'} (project {self.settings.project})",
-                  "mlflow": "MLflow runs in " + os.environ.get("MLFLOW_TRACKING_URI", str(self.out / "mlruns"))}  # fmt: skip
+                  "mlflow": mlflow_where(self.state.get("mlflow_uri") or mlflow_store(self.out, self.state))}  # fmt: skip
         return [places.get(n, f"{n} (project {self.settings.project})") for n in self.names]
 
     def log(self, row: dict, objective: str = "", objective_keys=()) -> None:
@@ -200,8 +239,39 @@ class Trackers:
             for tracker in self.acc.trackers:
                 tracker.finish()
             self.acc.trackers = []
+        if "MLFLOW_TRACKING_URI" in self._set_env:  # the process's MLflow as before the run: a later run in the same
+            import mlflow  # process (a test, an experiment script) must not take this store for the user's
+
+            mlflow.set_tracking_uri(None)
+        for name in self._set_env:
+            os.environ.pop(name, None)
+        self._set_env = []
 
 
 def _config(config: dict) -> dict:
     """The run's settings as tracker hyperparameters (bool, str, float, int; None as '')."""
     return {k: ("" if v is None else v) for k, v in config.items() if isinstance(v, (bool, str, float, int)) or v is None}
+
+
+def mlflow_store(out: Path, state: dict) -> str:
+    """MLflow's tracking URI for the run in `out`: $MLFLOW_TRACKING_URI if set; else the one DIR/trackers.json keeps
+    (a resume); else a run that already has an MLflow run id from before the SQLite default (its file store
+    DIR/mlruns); else SQLite DIR/mlflow.db, the store MLflow recommends and reads by default."""
+    if os.environ.get("MLFLOW_TRACKING_URI"):
+        return os.environ["MLFLOW_TRACKING_URI"]
+    if state.get("mlflow_uri"):
+        return state["mlflow_uri"]
+    if state.get("mlflow"):
+        return (Path(out) / "mlruns").resolve().as_uri()
+    return "sqlite:///" + str((Path(out) / MLFLOW_DB).resolve())
+
+
+def mlflow_where(uri: str) -> str:
+    """Where MLflow writes and the command that reads it back (`mlflow ui`, the full `mlflow` package's; a file
+    store needs MLFLOW_ALLOW_FILE_STORE=true in MLflow 3, whose defaults refuse it)."""
+    if uri.startswith(("http://", "https://", "databricks")):
+        return f"MLflow runs at {uri}"
+    read = f"mlflow ui --backend-store-uri {shlex.quote(uri)}"
+    if not uri.startswith(("sqlite:", "postgresql", "mysql", "mssql")):
+        read = "MLFLOW_ALLOW_FILE_STORE=true " + read
+    return f"MLflow runs in {uri} (read them back: {read})"

@@ -1,9 +1,39 @@
-"""Each tracker's own files read back with its own reader (TensorBoard's event files; W&B's offline transaction log
-parsed with its own protobuf records), for the tracker tests."""
+"""Each tracker's own files read back with its own reader (TensorBoard's event files; MLflow's client on the store
+the run printed, under MLflow's defaults; W&B's offline transaction log parsed with its own protobuf records), for
+the tracker tests."""
 
 import glob
 import json
+import os
+import re
+import shlex
 from pathlib import Path
+
+
+def mlflow_client(printed: str):
+    """MLflow's client on the store whose read-back command the run printed (`mlflow ui --backend-store-uri URI`),
+    under MLflow's defaults: the command must need no environment of its own (no MLFLOW_ALLOW_FILE_STORE=true: MLflow
+    3 refuses its file store by default), and the client runs without MLFLOW_ALLOW_FILE_STORE or
+    MLFLOW_TRACKING_URI set (the caller's monkeypatch has removed them)."""
+    from mlflow.tracking import MlflowClient
+
+    line = next(line for line in printed.splitlines() if "MLflow runs in" in line)
+    found = re.search(r"read them back: (.*)\)$", line)
+    assert found, f"the run prints no command that reads MLflow's store back: {line}"
+    words = shlex.split(found.group(1))
+    assert words[:3] == ["mlflow", "ui", "--backend-store-uri"], line  # MLflow's own command, no environment
+    assert "MLFLOW_ALLOW_FILE_STORE" not in os.environ and "MLFLOW_TRACKING_URI" not in os.environ
+    return MlflowClient(tracking_uri=words[3]), words[3]
+
+
+def mlflow_history(out: Path, key: str) -> list[tuple[int, float]]:
+    """(step, value) of metric `key` in the MLflow run of the run folder `out`: its run id and store from
+    DIR/trackers.json (SQLite DIR/mlflow.db unless MLFLOW_TRACKING_URI named another), read by MLflow's client."""
+    from mlflow.tracking import MlflowClient
+
+    state = json.loads((Path(out) / "trackers.json").read_text())
+    client = MlflowClient(tracking_uri=state["mlflow_uri"])
+    return [(m.step, m.value) for m in client.get_metric_history(state["mlflow"], key)]
 
 
 def tensorboard_scalars(folder: Path) -> dict[str, list[tuple[int, float]]]:
@@ -19,8 +49,10 @@ def wandb_records(folder: Path) -> list:
     of 32 KiB holding W&B's own protobuf `Record`s), parsed with wandb's protobuf module."""
     import struct
 
+    import wandb
     from wandb.proto import wandb_internal_pb2 as pb
 
+    wandb.teardown()  # W&B's service may still be writing the log after run.finish() returns: wait for it to close
     data = Path(glob.glob(str(folder / "wandb" / "offline-run-*" / "run-*.wandb"))[0]).read_bytes()
     pos, raw, part = 7, [], b""
     while pos + 7 <= len(data):
@@ -40,6 +72,7 @@ def wandb_records(folder: Path) -> list:
         rec = pb.Record()
         rec.ParseFromString(r)
         records.append(rec)
+    assert records and records[-1].WhichOneof("record_type") == "exit", "the W&B log ends before its exit record"
     return records
 
 
