@@ -19,8 +19,7 @@ from __future__ import annotations
 from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
-
-import torch
+from typing import TYPE_CHECKING
 
 from opd import lora as lora_mod
 from opd.builtin import builtin_path, is_builtin
@@ -28,8 +27,9 @@ from opd.checkpoint import load_sharded, load_state, model_source
 from opd.cli import Section, UserError
 from opd.ema_teacher import AdapterTeacher, EMATeacher, Teacher, lm_head_weight
 from opd.external_teachers import TeacherSet, build_routed, load_routes, load_teacher, teacher_source
-from opd.model import DTYPES, load_model, load_processor, resolve_model_source
-from opd.sharding import GENERATION, load_sharded_model, shard_model
+
+if TYPE_CHECKING:
+    import torch
 
 
 @dataclass
@@ -54,6 +54,9 @@ class ModelConfig(Section):
     at every generated token (less memory, far more communication)."""
 
     def check(self) -> list[str]:
+        from opd.model import DTYPES
+        from opd.sharding import GENERATION
+
         problems = []
         if self.mixed_precision not in ("no", "bf16", "fp16"):
             problems.append(f"--mixed-precision {self.mixed_precision!r}: choose no, bf16 or fp16")
@@ -69,6 +72,8 @@ def default_sources(model: str | None, data: str | None, accelerator, vllm: bool
     built once by rank 0, then read by every rank; what is not given (`--preset tiny`, a TrainConfig without a
     preset) is the built-in tiny one, with `vllm` (--rollout-engine vllm) the tiny model's vLLM-servable variant; a
     train.py run folder as --model is its policy/."""
+    from opd.model import resolve_model_source
+
     wanted = [(model or "tiny", "model", vllm and model is None), (data or "tiny", "data", False)]
     if any(is_builtin(name, kind) for name, kind, _ in wanted):
         if accelerator.is_main_process:
@@ -112,6 +117,33 @@ class Models:
     """The objective's teachers (`opd.objective.Objective.build_teachers`)."""
     initial_teacher: Callable[[], Teacher]
     """A frozen teacher of the run's initial weights (DAPD's base anchor, OPOD's reference)."""
+    lora: object = None
+    """The run's LoRA settings (`opd.lora.LoRAConfig`) when the policy is a frozen base with an adapter; None: full
+    fine-tuning."""
+
+    @property
+    def teacher(self) -> Teacher:
+        """The run's first teacher (the EMA self-teacher, the fixed --teacher-model, DAPD's snapshot)."""
+        return next(iter(self.teachers.teachers.values()))
+
+    @property
+    def saved_teacher(self) -> torch.nn.Module | None:
+        """The teacher whose weights a checkpoint holds: a full-weight EMA teacher (it moves with training); None for
+        a frozen teacher (reloaded from its path) and under LoRA (the EMA teacher is an adapter, `adapters`)."""
+        return self.teacher.model if self.teacher.trainable and self.lora is None else None
+
+    @property
+    def adapters(self) -> dict | None:
+        """Under LoRA, the adapters a checkpoint holds: {'policy': the trained one, 'teacher': the EMA teacher's, or
+        None when the teacher is the base or external}; None under full fine-tuning."""
+        if self.lora is None:
+            return None
+        return {"policy": lora_mod.STUDENT, "teacher": getattr(self.teacher, "adapter", None)}
+
+    @property
+    def lora_scaling(self) -> float | None:
+        """alpha / r, the scale of the adapter merged into weights pushed to the vLLM engine; None without LoRA."""
+        return None if self.lora is None else self.lora.scale_alpha / self.lora.r
 
 
 def _trainable(model) -> list:
@@ -127,12 +159,17 @@ class ModelBuilder:
 
     def load_frozen(self, path: str, role: str) -> torch.nn.Module:
         """A frozen model (an external teacher, DAPD's base), identified first, sharded like the policy under --fsdp."""
+        from opd.model import load_model
+        from opd.sharding import load_sharded_model
+
         path = self.folder.identify(path, role)
         if self.cfg.model.fsdp:
             return load_sharded_model(path, **self.shard).eval()
         return load_model(path, self.cfg.model.dtype, self.acc.device)
 
     def build(self, objective_cls) -> Models:
+        from opd.model import load_processor
+
         cfg, resume = self.cfg, self.resume
         model_path, teacher_path = self.initial_model, None
         if resume is not None and not cfg.model.fsdp:  # sharded: the weights are in ckpt/sharded, loaded after sharding
@@ -151,14 +188,15 @@ class ModelBuilder:
         unwrapped = self.acc.unwrap_model(student)
         default = self._external(processor, unwrapped) if cfg.teacher.external else TeacherSet({"teacher": teacher})
         teachers = objective_cls.build_teachers(default, initial_teacher)  # DAPD: its two anchors
+        models = Models(student, optimizer, processor, teachers, initial_teacher, cfg.lora if cfg.lora.r else None)
         if cfg.model.fsdp and resume is not None:  # a LoRA run's EMA teacher is an adapter of the policy: in its shards
-            first = next(iter(teachers.teachers.values()))
-            sharded_teacher = first.model if first.trainable and not cfg.lora.r else None
-            load_sharded(resume.ckpt, student, sharded_teacher, optimizer)
-        return Models(student, optimizer, processor, teachers, initial_teacher)
+            load_sharded(resume.ckpt, student, models.saved_teacher, optimizer)
+        return models
 
     def _replicated(self, model_path: str, teacher_path: str | None):
         """Full fine-tuning, DDP: the policy prepared by accelerate; the EMA teacher a copy (or the resumed one)."""
+        from opd.model import load_model
+
         cfg = self.cfg
         student = load_model(model_path, cfg.model.dtype, self.acc.device).train()  # from_pretrained: eval mode
         if cfg.model.grad_checkpointing:
@@ -174,6 +212,8 @@ class ModelBuilder:
 
     def _sharded(self, model_path: str):
         """Full fine-tuning, FSDP2: every rank holds 1/world of the policy, its optimizer state and the teacher."""
+        from opd.sharding import load_sharded_model
+
         cfg = self.cfg
         student = load_sharded_model(model_path, grad_checkpointing=cfg.model.grad_checkpointing, **self.shard)
         teacher = None
@@ -187,6 +227,11 @@ class ModelBuilder:
         teacher is the adapter `teacher` on the same base (a fixed one, --ema-tau 0: the base alone); a resume loads
         both adapters from the checkpoint (sharded: from its shards). Also returns the initial-weights teacher (the
         base with the adapter disabled) for DAPD's base and OPOD's reference."""
+        import torch
+
+        from opd.model import load_model
+        from opd.sharding import shard_model
+
         cfg, device = self.cfg, self.acc.device
         ema = not cfg.teacher.external and cfg.ema.tau > 0
         adapters = ("teacher",) if ema else ()
@@ -216,6 +261,8 @@ class ModelBuilder:
     def _external(self, processor, model) -> TeacherSet:
         """--teacher-model (one frozen teacher) or --teachers (one per route, each checkpoint loaded once); `model`:
         the policy unwrapped (its vocabulary is the teachers' to match)."""
+        from opd.model import load_processor
+
         cfg, vocab = self.cfg.teacher, lm_head_weight(model).shape[0]
         if cfg.teacher_model:
             what = f"--teacher-model {cfg.teacher_model}"

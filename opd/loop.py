@@ -26,7 +26,6 @@ from opd.config import TrainConfig, refuse_changed_settings
 from opd.data import load_records, parse_columns
 from opd.eval.live import LiveEval, evaluations, format_scores
 from opd.ledger import Ledger, format_summary, summarize, write_atomic
-from opd.lora import STUDENT
 from opd.model import autocast, special_ids
 from opd.objective import ObjectiveContext
 from opd.optim import lr_scheduler, restore_group_lr
@@ -88,8 +87,7 @@ class Run:
         self.folder.identify_data(data_path)
         models = ModelBuilder(cfg, acc, self.folder, self.initial_model, resume).build(self.method.objective)
         self.student, self.optimizer, self.processor = models.student, models.optimizer, models.processor
-        self.teachers = models.teachers
-        self.teacher = next(iter(self.teachers.teachers.values()))  # the first (the only one, but with routes)
+        self.models, self.teachers, self.teacher = models, models.teachers, models.teacher  # the first: with routes
         self.ids = special_ids(self.model)
         self.selector = Selector.from_config(cfg.selection, cfg.selector)
         self.prompts = Prompts(self.records, self.processor, self.method, self.teacher_views, self.teachers, cfg.data,
@@ -109,7 +107,7 @@ class Run:
         self.live = LiveEval(cfg.eval, self.steps) if cfg.eval.every else None  # the held items, loaded once
         self.sampler = Sampler(cfg.sampling, cfg.engine, acc, lambda: self.model, self.autocast,
                                cfg.model.fsdp_generation, cfg.run.seed, get_view(self.method.student_view),
-                               self.out, cfg.lora.scale_alpha / cfg.lora.r if cfg.lora.r else None)  # fmt: skip
+                               self.out, models.lora_scaling)  # fmt: skip
         if cfg.engine.vllm:
             length = cfg.data.max_prompt_len + cfg.sampling.max_response_len + 16
             self.sampler.start(self.initial_model, length, cfg.model.fsdp)
@@ -190,11 +188,7 @@ class Run:
             "world_size": self.acc.num_processes, "scheduler": self.scheduler.state_dict(),
             "schedule_span": self.schedule_span,
         }  # fmt: skip
-        teacher = self.teacher.model if self.teacher.trainable else None  # a frozen teacher is reloaded from its path
-        adapters = None
-        if cfg.lora.r:  # the adapters, not the base (opd/lora.py); an EMA teacher is an adapter of the policy
-            adapters = {"policy": STUDENT, "teacher": getattr(self.teacher, "adapter", None)}
-            teacher = None
+        teacher, adapters = self.models.saved_teacher, self.models.adapters  # LoRA: the adapters, not the base
         keep = cfg.checkpoint.keep_checkpoints
         if cfg.model.fsdp:  # every rank writes its shards; the last checkpoint is also exported for eval.py
             save_sharded(self.out, next_step, self.student, teacher, self.optimizer, state, keep,
