@@ -13,6 +13,7 @@ run's own train_config.json; `read_config_file`) and the flags given. `problems(
 
 from __future__ import annotations
 
+import dataclasses
 import difflib
 import json
 import math
@@ -48,13 +49,18 @@ class RunConfig(Section):
     and scored before and after on its held-out items; CPU, about a minute plus a minute to build it once), 'tiny'
     (a random-weight tiny model on noise images: the tests' fast runs), 'paper-4b' / 'paper-9b' (the paper's tables)."""
     method: str = "bas-opd"
-    """Method of the family (opd/methods.py): bas-opd, vision-opd, rp-opsd, opd-v, opsd, dapd, opod or gkd; sets
-    its views, support, divergence, token weight (DAPD, OPOD: their own objective) and its paper's settings (under
-    the flags given)."""
+    """Method of the family (the table in opd/methods.py): sets its views, support, divergence, token weight (DAPD,
+    OPOD, TM-OPD: their own objective), its paper's settings and its published recipe (under the flags given)."""
     steps: int = 0
     """Training steps; 0 = one epoch (floor(records / prompts_per_step), the paper's 111)."""
     seed: int = 42
     """Training seed: data order and rollout sampling."""
+
+    @classmethod
+    def flags(cls, section: str = "") -> list[Flag]:
+        """The section's flags, --method's help naming every method of the table (so that it cannot go stale)."""
+        return [dataclasses.replace(f, doc=f"{f.doc} One of: {', '.join(METHODS)}.") if f.attr == "method" else f
+                for f in super().flags(section)]  # fmt: skip
 
     def check(self) -> list[str]:
         problems = []
