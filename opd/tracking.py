@@ -274,4 +274,4 @@ def mlflow_where(uri: str) -> str:
     read = f"mlflow ui --backend-store-uri {shlex.quote(uri)}"
     if not uri.startswith(("sqlite:", "postgresql", "mysql", "mssql")):
         read = "MLFLOW_ALLOW_FILE_STORE=true " + read
-    return f"MLflow runs in {uri} (read them back: {read})"
+    return f"MLflow runs in {uri} (the full mlflow package reads them back: {read})"

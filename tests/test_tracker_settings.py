@@ -103,7 +103,8 @@ def test_mlflow_writes_its_sqlite_store_and_says_how_to_read_it(tmp_path, monkey
     assert mlflow_store(tmp_path, {"mlflow": "abc"}) == (tmp_path / "mlruns").resolve().as_uri()
     monkeypatch.setenv("MLFLOW_TRACKING_URI", "http://127.0.0.1:5000")
     assert mlflow_store(tmp_path, {"mlflow_uri": db}) == "http://127.0.0.1:5000"
-    assert mlflow_where(db) == f"MLflow runs in {db} (read them back: mlflow ui --backend-store-uri {db})"
+    read = f"mlflow ui --backend-store-uri {db}"
+    assert mlflow_where(db) == f"MLflow runs in {db} (the full mlflow package reads them back: {read})"
     file_uri = (tmp_path / "mlruns").resolve().as_uri()
     assert mlflow_where(file_uri).endswith(f"MLFLOW_ALLOW_FILE_STORE=true mlflow ui --backend-store-uri {file_uri})")
     assert mlflow_where("http://127.0.0.1:5000") == "MLflow runs at http://127.0.0.1:5000"

@@ -18,7 +18,7 @@ def mlflow_client(printed: str):
     from mlflow.tracking import MlflowClient
 
     line = next(line for line in printed.splitlines() if "MLflow runs in" in line)
-    found = re.search(r"read them back: (.*)\)$", line)
+    found = re.search(r"reads them back: (.*)\)$", line)
     assert found, f"the run prints no command that reads MLflow's store back: {line}"
     words = shlex.split(found.group(1))
     assert words[:3] == ["mlflow", "ui", "--backend-store-uri"], line  # MLflow's own command, no environment
