@@ -35,8 +35,9 @@ LoRA rows (`--lora-r`, 1 GPU, no sharding; opd/lora.py): the base frozen in bf16
 no gradients, no AdamW state for it, and no separate teacher: the EMA teacher is a second adapter on the same base),
 the adapters in float32: the student's A parameters (r (in + out) per adapted linear layer of DEFAULT_TARGETS),
 its gradients and AdamW moments and the teacher's copy (4A + 4A + 8A + 4A). The forward computes in the weights'
-own bf16 (nothing gathered or cast: no weights for compute), the activations and loss are the others' (the
-adapters' r-wide activations are small beside them), generation reads the same bf16 base (the cache only).
+own bf16 (nothing gathered or cast: no weights for compute), the activations are the others' (the adapters' r-wide
+activations are small beside them) and so is the loss, less dL/dW (4VH: the tied LM head is frozen, and
+`opd.chunked` forms no gradient for a frozen weight), generation reads the same bf16 base (the cache only).
 
 peak = persistent + max(training transient, generation transient). Not counted: the CUDA context and
 NCCL buffers (1-3 GB), allocator fragmentation, the processor's pixel tensors, the selector (KBs).
@@ -148,8 +149,9 @@ def per_token_layer(m: Shape, kind: str) -> int:
     return 5 * m.hidden + 3 * lin + 3 * m.lin_v_heads * m.lin_v_dim + 4 * m.intermediate
 
 
-def activations(m: Shape, s: Settings) -> dict[str, float]:
-    """One micro-batch of the student's forward and backward with activation checkpointing, and the loss."""
+def activations(m: Shape, s: Settings, head_grad: bool = True) -> dict[str, float]:
+    """One micro-batch of the student's forward and backward with activation checkpointing, and the loss;
+    `head_grad` False (LoRA: the LM head is frozen, `opd.chunked` forms no dL/dW) drops the loss's 4 V H."""
     b, length = s.micro_batch, s.prompt_len + s.response_len
     patches = 4 * s.image_tokens  # 2 x 2 patches merge into one token
     saved = len(m.layer_types) * b * length * m.hidden * 2 + m.vision_depth * b * patches * m.vision_hidden * 2
@@ -157,7 +159,7 @@ def activations(m: Shape, s: Settings) -> dict[str, float]:
     vision_block = (8 * m.vision_hidden + 2 * m.vision_intermediate) * b * patches * 2
     recompute = 2 * max(text_layer, vision_block)  # a layer's activations and their gradients
     positions = b * s.response_len
-    loss = 4 * m.vocab * m.hidden + 3 * s.loss_chunk * m.vocab * 4 + positions * m.hidden * (4 + 2 + 2)
+    loss = 4 * m.vocab * m.hidden * head_grad + 3 * s.loss_chunk * m.vocab * 4 + positions * m.hidden * (4 + 2 + 2)
     return {"saved": saved, "recompute": recompute, "loss": loss}
 
 
@@ -178,7 +180,7 @@ def estimate_lora(m: Shape, s: Settings, r: int) -> dict:
     A = r * m.lora_per_rank
     persistent = {"policy": 2 * m.params + 4 * A, "gradients": 4 * A, "adamw": 8 * A, "teacher": 4 * A,
                   "ddp_buckets": 0.0}  # fmt: skip
-    act = activations(m, s)
+    act = activations(m, s, head_grad=False)  # the tied LM head is frozen: no dL/dW
     training = act["saved"] + act["recompute"] + act["loss"]
     rows = min(s.prompts_per_step * s.rollouts_per_prompt, s.rollout_batch)
     gen = rows * cache_per_row(m, s)

@@ -79,8 +79,8 @@ def _support_(z, z_t, lse, lse_t, top, support: str):
     """The support of one block (C, V) from its top-k: ids (C, k), the student's and teacher's log-probs
     s, t (C, k + 1) with the tail or (C, k) without, and the shift of `_logit_grad` (C, 1) or None.
     'student_tail' masks the top-k in z and z_t (their own buffers, no copy)."""
-    if support == "full":  # the whole vocabulary: no ids, no tail
-        return None, z - lse, z_t - lse_t, None  # (C, V) each
+    if support == "full":  # the whole vocabulary: no ids, no tail; the log-probs in z's and z_t's own buffers
+        return None, z.sub_(lse), z_t.sub_(lse_t), None  # (C, V) each
     if support == "student_tail":
         ids = top.indices  # (C, k) the student's top-k
         t_k = z_t.gather(-1, ids) - lse_t  # (C, k) the teacher at the student's ids
@@ -104,14 +104,39 @@ def _loss_parts(z: torch.Tensor, z_t: torch.Tensor, lse_t, k: int, alpha: float,
     top = z.topk(k, dim=-1)  # the student's top-k
     terms = torch.stack(utility_terms(z, z_t, k, student_topk=(top.values, top.indices)), dim=-1)  # (C, 3) Eq. 7-8
     ids, s_sup, t_sup, shift = _support_(z, z_t, lse, lse_t, top, support)
+    if support == "full":  # (C, V) supports: D and g a block of rows at a time, g into t's buffer (t is then spent)
+        rows = _block_rows(z)
+        d = torch.cat([_divergence_grad(s_sup[j : j + rows], t_sup[j : j + rows], alpha, divergence, out=True)
+                       for j in range(0, z.shape[0], rows)])  # fmt: skip
+        return d, t_sup, ids, s_sup, shift, terms
+    d, g = _divergence_grad(s_sup, t_sup, alpha, divergence)
+    return d, g, ids, s_sup, shift, terms
+
+
+FULL_BLOCKS = 16
+"""The full-vocabulary support computes D and its gradient on 1/FULL_BLOCKS of a chunk's rows at a time: autograd
+through the divergence holds about ten (rows, V) temporaries, which over a whole chunk were ten (C, V) tensors
+(5 GB at C = 512 and Qwen3.5's V); a block's are 1/16 of that."""
+
+
+def _block_rows(z: torch.Tensor) -> int:
+    return max(1, -(-z.shape[0] // FULL_BLOCKS))
+
+
+def _divergence_grad(s_sup, t_sup, alpha: float, divergence: str, out: bool = False):
+    """D (c,) and g = dD/ds (c, k [+ 1] or V) by autograd on the support; `out`: g written into t_sup's buffer
+    (which the caller no longer needs) and only D returned."""
     with torch.enable_grad():
         s_leaf = s_sup.detach().requires_grad_(True)
         if divergence == "jsd":
-            d = generalized_jsd(s_leaf, t_sup, alpha)  # (C,) Eq. 3
+            d = generalized_jsd(s_leaf, t_sup, alpha)  # (c,) Eq. 3
         else:
-            d = bias_corrected_reverse_kl(s_leaf, t_sup)  # (C,) RP-OPSD
-        (g,) = torch.autograd.grad(d.sum(), s_leaf)  # (C, k [+ 1])
-    return d.detach(), g, ids, s_sup, shift, terms
+            d = bias_corrected_reverse_kl(s_leaf, t_sup)  # (c,) RP-OPSD
+        (g,) = torch.autograd.grad(d.sum(), s_leaf)  # (c, k [+ 1] or V)
+    if out:
+        t_sup.copy_(g)
+        return d.detach()
+    return d.detach(), g
 
 
 def _masked_lse_(z: torch.Tensor, ids: torch.Tensor) -> torch.Tensor:
@@ -129,9 +154,13 @@ def _logit_grad(z: torch.Tensor, ids, s_sup, g, shift, support: str, inplace: bo
     for 'student_tail', lse(z) for 'teacher', unused for 'teacher_renorm'.
     """
     G = g.sum(-1, keepdim=True)  # (C, 1)
-    if support == "full":  # dD/dz_v = g_v - p_v G over every v
+    if support == "full":  # dD/dz_v = g_v - p_v G over every v, a block of rows at a time (s_sup may be z's buffer)
         out = z if inplace else torch.empty_like(z)
-        return torch.sub(g, s_sup.exp().mul_(G), out=out)
+        rows = _block_rows(z)
+        for j in range(0, z.shape[0], rows):
+            b = slice(j, j + rows)
+            torch.sub(g[b], s_sup[b].exp().mul_(G[b]), out=out[b])
+        return out
     k = ids.shape[-1]
     if support == "teacher_renorm":
         dz = z.zero_() if inplace else torch.zeros_like(z)  # (C, V) nothing outside I
@@ -254,7 +283,8 @@ class _FromHidden(torch.autograd.Function):
                 extras.setdefault("teacher_logp", []).append(t_y)
             d, g, ids, s_sup, shift, terms = _loss_parts(z, z_t, lse_t, k, alpha, support, divergence)  # overwrites z
             del z_t
-            dz = _logit_grad(z, ids, s_sup, g * w_c.unsqueeze(-1), shift, support, inplace=True)  # (C, V) dL/d(z / T)
+            g_w = g.mul_(w_c.unsqueeze(-1)) if support == "full" else g * w_c.unsqueeze(-1)  # full: g is z_t's buffer
+            dz = _logit_grad(z, ids, s_sup, g_w, shift, support, inplace=True)  # (C, V) dL/d(z / T)
             if temperature != 1.0:
                 dz = dz.div_(temperature)  # dL/dz = dL/d(z / T) / T
             dz = dz.to(h_s.dtype)
