@@ -7,10 +7,15 @@ the right (`collate`), so all rows' responses start at the same column and the l
 them are the last T + 1 positions minus one.
 """
 
-from dataclasses import dataclass
+from __future__ import annotations
 
-import torch
+from dataclasses import dataclass
+from typing import TYPE_CHECKING
+
 from PIL import Image
+
+if TYPE_CHECKING:
+    import torch
 
 IMAGE_MARK = "<image>"
 
@@ -56,6 +61,8 @@ def encode_prompt(
     processor, images: list[Image.Image], problem: str, enable_thinking: bool = False, max_len: int | None = None
 ) -> EncodedPrompt:
     """Encodes one prompt with the model's own processor; refuses prompts over `max_len` tokens."""
+    import torch
+
     text = prompt_text(processor, problem, len(images), enable_thinking)
     enc = processor(text=[text], images=images or None, return_tensors="pt")
     ids = enc["input_ids"][0]
@@ -100,6 +107,8 @@ def collate(
     response), and pixel_values / image_grid_thw concatenated in row order. Response positions after
     EOS get attention 0; they come after every valid position, so no valid position attends to them.
     """
+    import torch
+
     width = max(len(p) for p in prompts)
     n = len(prompts)
     ids = torch.full((n, width), pad_id, dtype=torch.long)  # (n, P)
@@ -139,6 +148,8 @@ def completion_inputs(
 ) -> tuple[dict[str, torch.Tensor], torch.Tensor, torch.Tensor, int]:
     """Model inputs for prompts each followed by its own completion ids (1-D), right-padded to the longest:
     (inputs, mask (n, T), completion ids (n, T), T). The completions of DAPD's reference and OPOD's answer."""
+    import torch
+
     width = max(1, max(len(c) for c in completions))
     ids = torch.full((len(completions), width), pad_id, dtype=torch.long)  # (n, T)
     mask = torch.zeros((len(completions), width), dtype=torch.bool)  # (n, T)

@@ -33,10 +33,9 @@ from opd.lora import LoRAConfig
 from opd.loss import LossConfig
 from opd.methods import METHODS
 from opd.optim import OptimConfig
-from opd.predictor import PredictorConfig
 from opd.rollout import SamplingConfig
 from opd.run_folder import FolderConfig, checkpoint_of, run_files
-from opd.selectors import SelectionConfig
+from opd.selection_config import PredictorConfig, SelectionConfig
 from opd.tracking import TrackerConfig
 
 

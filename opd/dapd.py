@@ -61,18 +61,18 @@ LM heads) are freed after each micro-batch.
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
-import torch
-
-from opd.chat import completion_inputs
-from opd.chunked import clamped_kl_from_hidden
 from opd.cli import Section
-from opd.ema_teacher import lm_head_weight, response_hidden
 from opd.external_teachers import TeacherSet
 from opd.loss import global_denominator
 from opd.objective import DistillResult, Objective, ObjectiveContext, StepBatch
-from opd.schedule import MicroBatch, Stopwatch, lockstep, plan_micro_batches, record_forward
 from opd.views import View, get_view, reference_prompt
+
+if TYPE_CHECKING:
+    import torch
+
+    from opd.schedule import MicroBatch
 
 
 @dataclass(frozen=True)
@@ -127,6 +127,8 @@ def context_text(problem: str, context: str, reference: str, rollout_text: str) 
 
 def reference_completion(tokenizer, reference: str, eos_id: int, max_len: int) -> torch.Tensor:
     """The 'reference' completion: the reference's token ids followed by EOS, at most max_len ids."""
+    import torch
+
     ids = tokenizer(reference, add_special_tokens=False)["input_ids"] + [eos_id]
     return torch.tensor(ids[:max_len], dtype=torch.long)
 
@@ -185,6 +187,10 @@ class DAPD(Objective):
         return [f"{p.anchor}:{p.name}" for p in PAIRS]
 
     def __call__(self, batch: StepBatch) -> DistillResult:
+        import torch
+
+        from opd.schedule import lockstep, plan_micro_batches
+
         ctx = self.ctx
         acc, dc, device = ctx.accelerator, ctx.loss, ctx.device
         ro, sel = batch.rollouts, batch.selected
@@ -223,6 +229,8 @@ class DAPD(Objective):
 
     def _inputs(self, batch: StepBatch, rows: torch.Tensor, refs: dict, completion: str, context: str):
         """(inputs, mask, width) of `rows` in one (completion, context) and their prompt lengths."""
+        from opd.chat import completion_inputs
+
         ro = batch.rollouts
         prompts = [self._context_prompt(batch, i, context) for i in rows.tolist()]
         if completion == "rollout":
@@ -263,6 +271,12 @@ class DAPD(Objective):
         """One micro-batch of `mb.rows`: the six anchor forwards, then one student forward and backward per student
         context (DDP: only the step's last backward synchronises). Padding (sharded lockstep): the same forwards and
         backwards with zero weights, nothing counted or labelled."""
+        import torch
+
+        from opd.chunked import clamped_kl_from_hidden
+        from opd.ema_teacher import lm_head_weight, response_hidden
+        from opd.schedule import Stopwatch, record_forward
+
         ctx, rows = self.ctx, mb.rows
         dc, device = ctx.loss, ctx.device
         cache: dict[tuple[str, str], tuple] = {}

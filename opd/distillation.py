@@ -8,9 +8,6 @@ teachers (Algorithm 1, line 13: the EMA, every --ema-every steps; a frozen teach
 
 from __future__ import annotations
 
-import torch
-
-from opd.distill import distill, distill_labels
 from opd.objective import DistillResult, Objective, StepBatch
 
 
@@ -22,9 +19,13 @@ class Distillation(Objective):
     @property
     def labels(self) -> list[str]:
         """The ledger labels of every teacher forward this objective can run, in a fixed order."""
+        from opd.distill import distill_labels
+
         return distill_labels(self.ctx)
 
     def __call__(self, batch: StepBatch) -> DistillResult:
+        from opd.distill import distill
+
         return distill(self.ctx, batch)
 
     def after_update(self, step: int) -> None:
@@ -35,6 +36,8 @@ class Distillation(Objective):
 def update_teachers(ctx, step: int) -> None:
     """theta-bar <- (1 - tau) theta-bar + tau theta for each of the run's teachers once (a shared one once), when the
     EMA is due after step `step`; frozen teachers do not move."""
+    import torch
+
     if ctx.ema.due(step):
         with torch.no_grad():
             for t in dict.fromkeys(ctx.teachers.teachers.values()):

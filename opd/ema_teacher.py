@@ -15,14 +15,18 @@ line 1 and line 13 run on each rank's own float32 shards, with no communication;
 keep the ranks in step (`opd.distill`'s zero-weighted micro-batches) are not counted (`uncounted`).
 """
 
+from __future__ import annotations
+
 import contextlib
 import copy
 from dataclasses import dataclass
-
-import torch
+from typing import TYPE_CHECKING
 
 from opd.cli import Section
-from opd.sharding import local_pairs
+from opd.lazy import no_grad
+
+if TYPE_CHECKING:
+    import torch
 
 
 @dataclass
@@ -114,20 +118,20 @@ class Teacher:
     def update(self, student: torch.nn.Module, tau: float) -> None:
         """A frozen teacher does not follow the student."""
 
-    @torch.no_grad()
+    @no_grad
     def logits(self, inputs: dict[str, torch.Tensor], n_response: int) -> torch.Tensor:
         """Eq. 2 of the paper: p^T_{i,t} = p_theta-bar(. | x~_i, q_i, y_{i,<t}) as detached logits (n, T, V)."""
         self._record(inputs)
         return response_logits(self.model, inputs, n_response).detach()
 
-    @torch.no_grad()
+    @no_grad
     def hidden(self, inputs: dict[str, torch.Tensor], n_response: int) -> torch.Tensor:
         """Eq. 2 as final hidden states (n, T, H): logits = hidden @ lm_head_weight(model)^T."""
         self._record(inputs)
         return response_hidden(self.model, inputs, n_response).detach()
 
 
-@torch.no_grad()
+@no_grad
 def ema_(pairs, tau: float) -> None:
     """Algorithm 1, line 13 on (teacher tensor, student tensor) pairs, in place: theta-bar <- (1 - tau) theta-bar +
     tau theta (`lerp_`, the student cast to the teacher's dtype); tau = 1 copies (DAPD's snapshot refresh)."""
@@ -146,19 +150,23 @@ class EMATeacher(Teacher):
         sharded model cannot be deep-copied: give a separately built one and call `copy_from`)."""
         super().__init__(copy.deepcopy(student) if copy_weights else student)
 
-    @torch.no_grad()
+    @no_grad
     def copy_from(self, student: torch.nn.Module) -> None:
         """Algorithm 1, line 1 for a teacher built separately: theta-bar <- theta, shard by shard."""
+        from opd.sharding import local_pairs
+
         for t, s in local_pairs(self.model, student):
             t.copy_(s)
         for t, s in zip(self.model.buffers(), student.buffers(), strict=True):
             t.copy_(s)
 
-    @torch.no_grad()
+    @no_grad
     def update(self, student: torch.nn.Module, tau: float) -> None:
         """Algorithm 1, line 13: theta-bar <- (1 - tau) theta-bar + tau theta (parameters; buffers copied).
         Sharded models: on each rank's local shards (the two are sharded alike). tau = 1 copies the
         student (DAPD's snapshot refresh)."""
+        from opd.sharding import local_pairs
+
         ema_(local_pairs(self.model, student), tau)
         for t, s in zip(self.model.buffers(), student.buffers(), strict=True):
             t.copy_(s)
@@ -180,6 +188,8 @@ class AdapterTeacher(Teacher):
 
     @contextlib.contextmanager
     def _active(self):
+        import torch
+
         from opd.lora import active_adapter
 
         was_training = self.model.training
@@ -190,13 +200,13 @@ class AdapterTeacher(Teacher):
         finally:
             self.model.train(was_training)
 
-    @torch.no_grad()
+    @no_grad
     def logits(self, inputs: dict[str, torch.Tensor], n_response: int) -> torch.Tensor:
         self._record(inputs)
         with self._active():
             return response_logits(self.model, inputs, n_response).detach()
 
-    @torch.no_grad()
+    @no_grad
     def hidden(self, inputs: dict[str, torch.Tensor], n_response: int) -> torch.Tensor:
         self._record(inputs)
         with self._active():
@@ -205,6 +215,8 @@ class AdapterTeacher(Teacher):
     def update(self, student: torch.nn.Module, tau: float) -> None:
         """Algorithm 1, line 13 on the adapter: theta-bar <- (1 - tau) theta-bar + tau theta (the base is shared)."""
         if self.adapter is not None:
+            import torch
+
             from opd.lora import adapter_pairs
 
             with torch.no_grad():

@@ -47,13 +47,14 @@ import urllib.request
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from pathlib import Path
+from typing import TYPE_CHECKING
 
-import torch
-
-from opd.chat import EncodedPrompt
 from opd.cli import Section, UserError
 from opd.rollout import Rollouts, response_mask
 from opd.seeding import mix_seed
+
+if TYPE_CHECKING:
+    from opd.chat import EncodedPrompt
 
 ROOT = Path(__file__).resolve().parents[1]
 DEFAULT_VENV = ROOT / ".venv-vllm"  # or $BAS_OPD_VLLM_VENV (e.g. a venv kept outside CI's fresh clone)
@@ -141,6 +142,8 @@ def unservable(model_dir: str | Path) -> str | None:
     """Why vLLM cannot serve the Qwen3.5 checkpoint in `model_dir` (read from its config.json), or None: its M-RoPE
     sections must add up to half the rotary dimension (vLLM asserts sum(mrope_section) == rotary_dim // 2, with
     rotary_dim = head_dim x partial_rotary_factor), and on a CPU its head sizes must be ones the backend has."""
+    import torch
+
     path = Path(model_dir) / "config.json"
     if not path.is_file():
         return None  # a hub id: vLLM reads it itself
@@ -418,6 +421,8 @@ class VLLMServer:
         GPU on both sides (NCCL has no CPU transport), so this CPU-tested client keeps the disk path; the
         cache resets are needed either way.
         """
+        import torch
+
         t0 = time.perf_counter()
         if isinstance(model_or_dir, (str, Path)):
             path = Path(model_or_dir).resolve()
@@ -561,6 +566,8 @@ def generate_rollouts_vllm(
     same responses, up to bf16 batch-shape nondeterminism of the engine's kernels; on a CPU only when no prompt's
     prefill was split across scheduler steps: docs/DEPARTURES.md item 54).
     """
+    import torch
+
     image_token_id = _image_token_id(vision, image_token_id)
     bias = {str(t): SUPPRESS_BIAS for t in vision or []}
 

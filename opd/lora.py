@@ -30,11 +30,14 @@ import re
 import warnings
 from dataclasses import dataclass
 from pathlib import Path
-
-import torch
-from torch import nn
+from typing import TYPE_CHECKING
 
 from opd.cli import Section
+from opd.lazy import no_grad
+
+if TYPE_CHECKING:
+    import torch
+    from torch import nn
 
 DEFAULT_TARGETS = (
     r".*language_model.*\.(self_attn\.(q_proj|k_proj|v_proj|o_proj)|mlp\.(gate_proj|up_proj|down_proj)"
@@ -90,6 +93,8 @@ def target_modules(targets: str):
 
 def matched_modules(model: nn.Module, targets: str) -> list[str]:
     """The names of the linear modules `targets` would adapt (the check behind a one-line error)."""
+    from torch import nn
+
     spec = target_modules(targets)
     names = [n for n, m in model.named_modules() if isinstance(m, nn.Linear)]
     if isinstance(spec, str):
@@ -166,7 +171,7 @@ def adapter_pairs(model: nn.Module, target: str, source: str = STUDENT):
             yield t, s
 
 
-@torch.no_grad()
+@no_grad
 def copy_adapter(model: nn.Module, source: str, target: str) -> None:
     for t, s in adapter_pairs(model, target, source):
         t.copy_(s)
@@ -235,6 +240,8 @@ def merged_state_dict(state: dict[str, torch.Tensor], scaling: float, adapter: s
 
     and every other tensor as it is; the adapters' own tensors (every adapter's) are left out. The model being
     trained is not touched (peft's `merge_adapter` would change it in place)."""
+    import torch
+
     out: dict[str, torch.Tensor] = {}
     for key, value in state.items():
         if "lora_" in key:

@@ -20,11 +20,12 @@ from __future__ import annotations
 
 import dataclasses
 from dataclasses import dataclass
-
-import torch
+from typing import TYPE_CHECKING
 
 from opd.cli import Section
-from opd.divergence import budgeted_weights, check_loss
+
+if TYPE_CHECKING:
+    import torch
 
 AGGREGATIONS = ("token-mean", "sequence-mean", "micro-batch", "token-sum")
 """How Eq. 11 averages over S (`LossConfig.aggregation`, `--loss-agg`): see the module docstring."""
@@ -94,6 +95,8 @@ class LossConfig(Section):
         """--support against the method's divergence (an unnormalised support only with 'bc_rkl')."""
         if self.support is None:
             return []
+        from opd.divergence import check_loss
+
         try:
             check_loss(self.support, divergence)
         except ValueError as exc:
@@ -108,6 +111,8 @@ def aggregation_weights(aggregation: str, row_weights: torch.Tensor, mask: torch
     1 / T_i over the global |S| (sequence-mean), or the micro-batch's own token mean times its rows / |S|
     (micro-batch), or 1 per token (token-sum; with `sample_weights`, the Horvitz-Thompson sum). `row_weights` (n,)
     multiplies each row's (OPOD's beta)."""
+    from opd.divergence import budgeted_weights
+
     if aggregation == "token-mean":
         return budgeted_weights(row_weights, mask, denominator, dtype, sample_weights)
     if aggregation == "token-sum":
@@ -123,6 +128,8 @@ def aggregation_weights(aggregation: str, row_weights: torch.Tensor, mask: torch
 def global_denominator(accelerator, lengths: torch.Tensor, selected: torch.Tensor, sample_weights=None) -> float | int:
     """Eq. 11's denominator over all ranks (one all-reduce, run by every rank): the selected valid tokens, or with
     unbiased selection's weights the Hajek form's sum_i w_i T_i (a float)."""
+    import torch
+
     device = accelerator.device
     if sample_weights is None:
         tokens = int(lengths[selected].sum()) if selected.numel() else 0
@@ -133,6 +140,8 @@ def global_denominator(accelerator, lengths: torch.Tensor, selected: torch.Tenso
 
 def selected_rows(accelerator, lengths: torch.Tensor, selected: torch.Tensor) -> int:
     """|S| over all ranks: the selected rows with at least one valid token (one all-reduce, run by every rank)."""
+    import torch
+
     rows = int((lengths[selected] > 0).sum()) if selected.numel() else 0
     return int(accelerator.reduce(torch.tensor(rows, device=accelerator.device), "sum").item())
 

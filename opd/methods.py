@@ -31,7 +31,6 @@ from dataclasses import dataclass, field
 
 from opd.dapd import DAPD
 from opd.distillation import Distillation
-from opd.divergence import check_loss
 from opd.objective import Objective
 from opd.opod import OPOD
 from opd.tm_opd import TMOPD
@@ -81,6 +80,8 @@ class Method:
 
     def check(self) -> None:
         """Refuses an inconsistent table entry (a programming error, not a user error)."""
+        from opd.divergence import check_loss
+
         for view in (self.student_view, *self.teacher_views):
             assert view in VIEWS, f"{self.name}: unknown view {view!r}"
         assert issubclass(self.objective, Objective) and self.external_teachers in ("allowed", "required", "refused")

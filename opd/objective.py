@@ -26,14 +26,20 @@ from __future__ import annotations
 
 from collections.abc import Callable
 from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
 
-import torch
+if TYPE_CHECKING:
+    import torch
 
-from opd.chat import micro_batch_inputs
-from opd.loss import loss_denominator
-from opd.rollout import Rollouts
-from opd.schedule import MicroBatch, TeacherCost, plan_rows, record_forward
-from opd.utility import labels_from_terms
+    from opd.rollout import Rollouts
+    from opd.schedule import MicroBatch, TeacherCost
+
+
+def _no_labels() -> torch.Tensor:
+    """DistillResult.utility's default: no row (torch imported when a result is made: `opd.lazy`)."""
+    import torch
+
+    return torch.zeros(0)
 
 
 @dataclass
@@ -91,7 +97,7 @@ class DistillResult:
     (an int), or sum_i w_i T_i with unbiased selection's weights (a float); sequence-mean and micro-batch, the
     number |S| of selected rows with a valid token; DAPD, the rollout completions' tokens (weighted alike). 0: S is
     empty everywhere."""
-    utility: torch.Tensor = field(default_factory=lambda: torch.zeros(0))
+    utility: torch.Tensor = field(default_factory=_no_labels)
     """(N_local,) u_i for selected rows, NaN for unselected rows (they get no label)."""
     teachers: dict[str, TeacherCost] = field(default_factory=dict)
     """Per ledger label (teacher view, or teacher:view): rows, prompt + valid response tokens, input tokens
@@ -106,6 +112,11 @@ class DistillResult:
         """The step's result before any teacher forward: no row labelled (NaN), every label's cost zero, and the
         loss's global denominator (`opd.loss.loss_denominator`: one all-reduce, run by every rank). `empty`: S holds
         no token on any rank, so no teacher runs and the distillation term is zero (Appendix A.3)."""
+        import torch
+
+        from opd.loss import loss_denominator
+        from opd.schedule import TeacherCost
+
         ro = batch.rollouts
         res = cls(utility=torch.full((len(ro),), float("nan")), teachers={lab: TeacherCost() for lab in labels})
         res.global_tokens = loss_denominator(ctx.accelerator, ctx.loss.aggregation, ro.lengths, batch.selected,
@@ -120,6 +131,8 @@ class DistillResult:
     def label(self, rows: torch.Tensor, terms: torch.Tensor, mask: torch.Tensor, loss) -> None:
         """Eq. 9's labels u_i of `rows` from their per-position terms (d, o, c) ((P, 3) or (n, T, 3);
         `opd.utility.labels_from_terms`), with the run's ablations (`loss`: the `opd.loss.LossConfig`)."""
+        from opd.utility import labels_from_terms
+
         u = labels_from_terms(terms, mask, not loss.no_overlap, not loss.no_confidence)
         self.utility[rows] = u.float().cpu()
 
@@ -177,6 +190,8 @@ class ObjectiveContext:
 def teacher_plans(ctx: ObjectiveContext, batch: StepBatch, view: str) -> dict[str, list[torch.Tensor]]:
     """S's rows routed to each teacher ({name: micro-batches of local row ids}, in the teachers' fixed order), each
     teacher's rows grouped by their length in `view` (prompt + response; `opd.schedule.plan_rows`)."""
+    from opd.schedule import plan_rows
+
     cfg = ctx.loss
     return {n: plan_rows(batch.rollouts, lambda v, j, n=n: batch.teacher_prompt(n, v, j), batch.routed(n),
                          cfg.micro_batch, cfg.micro_batch_tokens, view) for n in ctx.teachers.names}  # fmt: skip
@@ -186,6 +201,9 @@ def teacher_inputs(ctx: ObjectiveContext, batch: StepBatch, mb: MicroBatch, view
     """The micro-batch's inputs for its teacher (`mb.group`) in `view`: (inputs, mask (n, T), width, cost). A real
     slot's forward is booked (rows, tokens) under its ledger label and `cost` is that label's `TeacherCost` (for its
     seconds); a padding slot runs on the student's prompts, booked nowhere (cost None)."""
+    from opd.chat import micro_batch_inputs
+    from opd.schedule import record_forward
+
     ro, pids = batch.rollouts, batch.rollouts.prompt_index[mb.rows].tolist()
     prompts = [batch.teacher_prompt(mb.group, view, p) if mb.real else batch.student_prompts[p] for p in pids]
     inputs, mask, width = micro_batch_inputs(prompts, ro, mb.rows, ctx.ids["pad"], ctx.device)

@@ -60,19 +60,18 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass
-
-import torch
+from typing import TYPE_CHECKING
 
 from opd.answers import exact_match, parse_choice, parse_yes_no, split_options
-from opd.chat import completion_inputs
-from opd.chunked import sampled_logp_from_hidden
 from opd.cli import Section
-from opd.distill import distill, distill_labels
-from opd.ema_teacher import lm_head_weight
+from opd.lazy import no_grad
 from opd.objective import DistillResult, Objective, ObjectiveContext, StepBatch
-from opd.policy_gradient import PolicyGradient, row_advantages
-from opd.schedule import MicroBatch, Stopwatch, lockstep, record_forward
 from opd.views import View, get_view, reference_prompt
+
+if TYPE_CHECKING:
+    import torch
+
+    from opd.schedule import MicroBatch
 
 
 def task_reward(reply: str, problem: str, answer: str) -> float:
@@ -109,6 +108,8 @@ def group_advantages(rewards: torch.Tensor, groups: torch.Tensor, eps: float = 1
         Ahat_i = (r_i - mean_g r) / (std_g r + eps),   std_g with Bessel's correction (n - 1),
 
     and 0 for a group of one row (no baseline). rewards, groups (n,) -> (n,) float64."""
+    import torch
+
     r = rewards.double()
     out = torch.zeros_like(r)
     for g in torch.unique(groups).tolist():
@@ -205,6 +206,8 @@ class OPOD(Objective):
     refuses = {"loss_agg": "its gated term and policy gradient share one token mean"}
 
     def __init__(self, ctx: ObjectiveContext, config: OPODConfig | None = None, initial_teacher=None):
+        from opd.policy_gradient import PolicyGradient
+
         super().__init__(ctx, config or OPODConfig(), initial_teacher)
         c = self.config
         self.controller = GateController(ctx.teachers.names, c.beta_init, c.beta_min, c.beta_max, c.eta, c.warmup,
@@ -215,11 +218,18 @@ class OPOD(Objective):
 
     @property
     def labels(self) -> list[str]:
+        from opd.distill import distill_labels
+
         t = self.ctx.teachers
         extra = ("verify", "answer") if self.config.reward_b else ()
         return distill_labels(self.ctx) + [t.label(n, v) for n in t.names for v in extra]  # the pass's, then B's
 
     def __call__(self, batch: StepBatch) -> DistillResult:
+        import torch
+
+        from opd.distill import distill
+        from opd.policy_gradient import row_advantages
+
         ctx, c = self.ctx, self.config
         acc = ctx.accelerator
         ro, sel, names = batch.rollouts, batch.selected, ctx.teachers.names
@@ -267,6 +277,10 @@ class OPOD(Objective):
         """B of every row of S: the routed teacher's log-prob of the answer after the response (in the reference slot)
         minus without it; two forward kinds, counted under the views 'verify' and 'answer'. Sharded: every rank runs
         as many forwards per teacher as the busiest one (the rest on row 0, uncounted)."""
+        import torch
+
+        from opd.schedule import lockstep
+
         ctx = self.ctx
         ro, tok = batch.rollouts, ctx.tokenizer
         rows = batch.selected.tolist()
@@ -304,10 +318,17 @@ class OPOD(Objective):
                                            self.config.reward_clip)  # fmt: skip
         return out
 
-    @torch.no_grad()
+    @no_grad
     def _answer_logp(self, mb: MicroBatch, teacher, view: str, prompts, completions, res: DistillResult) -> list[float]:
         """sum over the completion's tokens of log pi_T, for each prompt + completion (one teacher forward of
         teacher `mb.group`; padding: uncounted, nothing returned)."""
+        import torch
+
+        from opd.chat import completion_inputs
+        from opd.chunked import sampled_logp_from_hidden
+        from opd.ema_teacher import lm_head_weight
+        from opd.schedule import Stopwatch, record_forward
+
         ctx = self.ctx
         device = ctx.device
         watch = Stopwatch(device)

@@ -14,11 +14,12 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass
-
-import torch
+from typing import TYPE_CHECKING
 
 from opd.cli import Section
-from opd.sharding import full_tensor
+
+if TYPE_CHECKING:
+    import torch
 
 LR_SCHEDULES = ("constant", "linear", "cosine")
 """--lr-schedule's names (transformers.get_scheduler's, 'constant' becoming 'constant_with_warmup' with a warm-up)."""
@@ -66,6 +67,8 @@ class OptimConfig(Section):
         return problems
 
     def adamw(self, params) -> torch.optim.AdamW:
+        import torch
+
         return torch.optim.AdamW(params, lr=self.lr, betas=(self.adam_beta1, self.adam_beta2), eps=self.adam_eps,
                                  weight_decay=self.weight_decay)  # fmt: skip
 
@@ -73,6 +76,10 @@ class OptimConfig(Section):
 def clip_gradients(accelerator, student, max_norm: float) -> float:
     """The global gradient norm of the trained parameters, clipped to `max_norm` (0: not clipped). A parameter
     without a gradient (an empty S) gets a zero one, so that AdamW still steps (weight decay, momentum)."""
+    import torch
+
+    from opd.sharding import full_tensor
+
     trained = [p for p in student.parameters() if p.requires_grad]  # LoRA: the adapter only
     for p in trained:
         if p.grad is None:

@@ -6,16 +6,14 @@ normalizer, replay and optimizer - is identical on every rank: the inputs are al
 random draw comes from a generator seeded by (selector seed, step, update).
 """
 
-from dataclasses import dataclass
-
 import numpy as np
 import torch
 from torch import nn
 
-from opd.cli import Section, flag_text
 from opd.features import RunningNormalizer
 from opd.replay import ReplayBuffer
 from opd.seeding import seeded_generator
+from opd.selection_config import PredictorConfig  # noqa: F401 (its old home; opd.selection_config says why it moved)
 from opd.utility import recency_weights, selector_loss
 
 
@@ -28,62 +26,6 @@ class UtilityPredictor(nn.Module):
 
     def forward(self, phi_normalized: torch.Tensor) -> torch.Tensor:
         return self.net(phi_normalized).squeeze(-1)  # (N,)
-
-
-@dataclass
-class PredictorConfig(Section):
-    """Table 5 of the paper: the learned selector f_psi, its normalizer, replay and training (Eq. 6, 10, 12)."""
-
-    seed: int = 0
-    """Seed of the selector's initialisation and of every selection/replay draw."""
-    lr: float = 1e-3
-    """Adam learning rate of the selector."""
-    hidden: int = 32
-    """Hidden width of the selector MLP."""
-    norm_momentum: float = 0.99
-    """Momentum of the running feature normalizer."""
-    norm_eps: float = 1e-6
-    """Epsilon of the running normalizer's standard deviation."""
-    replay_capacity: int = 512
-    """FIFO replay capacity."""
-    replay_start: int = 96
-    """Labels in replay before the first selector update."""
-    replay_batch: int = 256
-    """Replay minibatch size."""
-    updates_per_step: int = 2
-    """Selector updates per step that brought new labels."""
-    half_life: float = 10.0
-    """Replay age half-life h in steps (recency weight 2^(-age/h))."""
-    rank_weight: float = 0.2
-    """Weight lambda_rank of the pairwise ranking loss (Eq. 10)."""
-    min_gap: float = 1e-6
-    """Minimum utility gap for a ranking pair."""
-    no_rank_loss: bool = False
-    """Ablation: selector trained without the ranking loss."""
-
-    FLAGS = {"seed": "selector_seed", "lr": "selector_lr", "hidden": "selector_hidden",
-             "updates_per_step": "selector_updates"}  # fmt: skip
-
-    @property
-    def rank_loss_weight(self) -> float:
-        """lambda_rank of Eq. 10 as trained: 0 under --no-rank-loss."""
-        return 0.0 if self.no_rank_loss else self.rank_weight
-
-    def check(self) -> list[str]:
-        problems = []
-        for attr in ("lr", "rank_weight", "min_gap", "replay_start"):
-            if not getattr(self, attr) >= 0:  # NaN too
-                problems.append(f"{flag_text(self.flag_of(attr))} {getattr(self, attr)}: must be >= 0")
-        for attr in ("hidden", "replay_capacity", "replay_batch", "updates_per_step"):
-            if getattr(self, attr) < 1:
-                problems.append(f"{flag_text(self.flag_of(attr))} {getattr(self, attr)}: must be at least 1")
-        if not self.half_life > 0:
-            problems.append(f"--half-life {self.half_life}: the replay's age half-life must be > 0 steps")
-        if not 0.0 <= self.norm_momentum < 1.0:
-            problems.append(f"--norm-momentum {self.norm_momentum}: must lie in [0, 1)")
-        if not self.norm_eps > 0:
-            problems.append(f"--norm-eps {self.norm_eps}: must be > 0")
-        return problems
 
 
 class OnlineUtilityModel:

@@ -9,14 +9,18 @@ processor that keeps one step of (rows, V) log-probs at a time: storing every st
 scores (1,024 steps x 224 rows x 248,320 ids) does not fit. Everything returned is detached.
 """
 
+from __future__ import annotations
+
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
-import torch
-from transformers import LogitsProcessor, LogitsProcessorList
-
-from opd.chat import EncodedPrompt, collate
 from opd.cli import Section
-from opd.model import neutral_generation_defaults, special_ids
+from opd.lazy import no_grad
+
+if TYPE_CHECKING:
+    import torch
+
+    from opd.chat import EncodedPrompt
 
 
 @dataclass
@@ -67,8 +71,10 @@ class SamplingConfig(Section):
         return problems
 
 
-class RolloutStats(LogitsProcessor):
-    """Records log p(y_t) of each sampled token and the entropy H_t of the distribution it came from.
+class RolloutStats:
+    """Records log p(y_t) of each sampled token and the entropy H_t of the distribution it came from: a logits
+    processor (generate's `LogitsProcessorList` calls it with the tokens so far and the step's scores, as it calls a
+    `transformers.LogitsProcessor`; not a subclass, so that the settings path loads without transformers).
 
     At step t the processor sees the scores of step t and the tokens sampled up to t - 1, so it
     gathers the previous step's log-prob at the token just sampled and keeps only one step of
@@ -92,6 +98,8 @@ class RolloutStats(LogitsProcessor):
         self.logp.append(self._prev.gather(-1, tokens.unsqueeze(-1)).squeeze(-1))  # (N,)
 
     def __call__(self, input_ids: torch.Tensor, scores: torch.Tensor) -> torch.Tensor:
+        import torch
+
         if self._prev is not None:
             self._gather_prev(input_ids[:, -1])
         for warp in self.warpers:  # temperature, top-k, top-p: the distribution sampled from
@@ -105,6 +113,8 @@ class RolloutStats(LogitsProcessor):
 
     def finish(self, last_tokens: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """Gathers the last step and returns (logp, entropy), each (N, T)."""
+        import torch
+
         if self._prev is not None:
             self._gather_prev(last_tokens)
             self._prev = None
@@ -134,6 +144,8 @@ class Rollouts:
 
 def response_mask(response_ids: torch.Tensor, eos_ids: list[int]) -> torch.Tensor:
     """m_{i,t}: true up to and including the first EOS, false after it (all true when no EOS)."""
+    import torch
+
     is_eos = torch.isin(response_ids, torch.tensor(eos_ids, device=response_ids.device))  # (N, T)
     eos_before = torch.cumsum(is_eos.long(), dim=1) - is_eos.long()  # EOS strictly before t
     return eos_before == 0
@@ -148,6 +160,8 @@ def prefill_shared_cache(model, batch: dict[str, torch.Tensor], n: int):
     so is Qwen's M-RoPE offset (`rope_deltas`), which generate() reads without expanding it. Only the
     cache is used: the forward keeps one position's logits (logits_to_keep=1), not (prompts, L - 1, V).
     """
+    import torch
+
     prefix = {k: (v[:, :-1] if k in ("input_ids", "attention_mask", "mm_token_type_ids") else v) for k, v in batch.items()}
     out = model(**prefix, use_cache=True, logits_to_keep=1)
     cache = getattr(out, "cache", None) or getattr(out, "past_key_values", None)
@@ -161,7 +175,7 @@ def prefill_shared_cache(model, batch: dict[str, torch.Tensor], n: int):
     return cache
 
 
-@torch.no_grad()
+@no_grad
 def generate_rollouts(
     model,
     prompts: list[EncodedPrompt],
@@ -181,6 +195,12 @@ def generate_rollouts(
     makes a resumed run sample the same responses as an uninterrupted one. `temperature`, `top_k`, `top_p`: the
     sampling distribution (`RolloutStats`); the defaults are the paper's (plain sampling).
     """
+    import torch
+    from transformers import LogitsProcessorList
+
+    from opd.chat import collate
+    from opd.model import neutral_generation_defaults, special_ids
+
     ids = special_ids(model)
     device = next(model.parameters()).device
     n = n_per_prompt

@@ -19,8 +19,6 @@ import sys
 from dataclasses import dataclass
 from pathlib import Path
 
-import torch
-
 from opd import runlock
 from opd.checkpoint import find_checkpoint
 from opd.cli import Section, UserError
@@ -128,6 +126,8 @@ class RunFolder:
 
     def lock(self) -> None:
         """Rank 0 takes --out's lock (`opd.runlock`); every rank refuses alike when another run holds it."""
+        import torch
+
         error = ""
         if self.main:
             try:

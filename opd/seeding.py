@@ -1,8 +1,14 @@
 """Seeds derived from several integers, so that draws that must agree across ranks (or across a
 resume) are pure functions of (seed, step, ...) instead of a shared mutable generator."""
 
+from __future__ import annotations
+
+from typing import TYPE_CHECKING
+
 import numpy as np
-import torch
+
+if TYPE_CHECKING:
+    import torch
 
 
 def mix_seed(*keys: int) -> int:
@@ -12,4 +18,6 @@ def mix_seed(*keys: int) -> int:
 
 def seeded_generator(*keys: int) -> torch.Generator:
     """A CPU generator seeded by mix_seed(*keys), e.g. (selector seed, step, stream)."""
+    import torch
+
     return torch.Generator().manual_seed(mix_seed(*keys))

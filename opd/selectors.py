@@ -40,98 +40,19 @@ Unbiased selection's three further choices (docs/SELECTION.md, departures 61-63)
 
 import math
 import numbers
-from dataclasses import dataclass
 
 import torch
 
-from opd.cli import Section
-from opd.predictor import OnlineUtilityModel, PredictorConfig
+from opd.predictor import OnlineUtilityModel
 from opd.seeding import seeded_generator
-
-POLICIES = ("full", "random", "entropy", "learned")
-ESTIMATORS = ("hajek", "ht")
-"""Unbiased selection's normalisation of Eq. 11 (`SelectionConfig.estimator`): Hajek's ratio or Horvitz-Thompson."""
-STRATA = ("none", "prompt")
-"""Unbiased selection's design (`SelectionConfig.strata`): one sample from C, or one per prompt."""
-INCLUSION_SIZES = ("score", "gradient")
-"""What unbiased selection's pi is proportional to (`SelectionConfig.inclusion_size`, `inclusion_sizes`)."""
-
-
-@dataclass
-class SelectionConfig(Section):
-    """Which rows of C the teacher scores: Eq. 4's budget and the policy of Algorithm 1, lines 4-9."""
-
-    policy: str = "learned"
-    """Selection policy: full, random, entropy or learned."""
-    rho: float = 0.25
-    """Query ratio rho in (0, 1]; the budget is K = floor(rho |C|) per step (Eq. 4)."""
-    explore: float = 0.10
-    """Exploration ratio eps of the learned selector: K_e = ceil(eps K); with --unbiased the uniform share of the
-    inclusion probabilities."""
-    unbiased: bool = False
-    """Sample S with inclusion probabilities that grow with the score (learned: predicted utility; entropy: mean
-    entropy) instead of taking the top K, and weigh each row's loss by 1 / pi (Eq. 11's Hajek form; opd/selectors.py)."""
-    estimator: str = "hajek"
-    """With --unbiased, how the 1 / pi-weighted token sum of Eq. 11 is normalised: hajek (by sum_S w_i T_i:
-    consistent, biased O(1/K); today's runs) or ht (Horvitz-Thompson: by the tokens of every candidate in C, known
-    before the teacher runs: exactly unbiased). Under --loss-agg token-sum both are the same weighted sum."""
-    strata: str = "none"
-    """With --unbiased: none (S one sample of K rows from C) or prompt (stratified: each prompt's candidates a
-    stratum, K spread evenly over them, exactly K rows in all, per-stratum inclusion probabilities)."""
-    inclusion_size: str = "score"
-    """With --unbiased, what pi is proportional to before the uniform mix: score, or gradient (T_i sqrt(score), the
-    predicted size of the row's gradient contribution: the variance-minimising rule, docs/SELECTION.md)."""
-    max_per_prompt: int = 0
-    """At most N rows of S per prompt (top-K and uniform policies); 0 = no cap."""
-    no_exploration: bool = False
-    """Ablation: learned selection without random exploration (K_e = 0)."""
-
-    @property
-    def epsilon(self) -> float:
-        """eps of Algorithm 1, line 8 (0 under --no-exploration)."""
-        return 0.0 if self.no_exploration else self.explore
-
-    @property
-    def label(self) -> str:
-        """The table label: policy-percent, e.g. learned-25."""
-        return f"{self.policy}-{round(100 * self.rho)}"
-
-    def check(self) -> list[str]:
-        problems = []
-        if self.policy not in POLICIES:
-            problems.append(f"--policy {self.policy!r}: choose one of {', '.join(POLICIES)}")
-        if not 0.0 < self.rho <= 1.0:
-            problems.append(f"--rho {self.rho}: the query ratio must lie in (0, 1]")
-        if self.policy == "full" and self.rho != 1.0:
-            problems.append(f"--policy full queries every candidate: it needs --rho 1, got {self.rho}")
-        if not 0.0 <= self.explore < 1.0:
-            problems.append(f"--explore {self.explore}: must lie in [0, 1)")
-        if self.unbiased and self.policy == "random":
-            problems.append("--unbiased with --policy random: uniform selection is already unbiased (every row has "
-                            "pi = K / |C|)")
-        elif self.unbiased and self.policy not in ("entropy", "learned"):
-            problems.append(f"--unbiased samples by a score: it needs --policy entropy or learned, not {self.policy}")
-        if self.unbiased and self.epsilon == 0:
-            problems.append("--unbiased needs exploration (--explore > 0, no --no-exploration): rows scored 0 would "
-                            "get pi = 0 and never be drawn, and the 1 / pi weighting would not be unbiased")
-        if self.max_per_prompt < 0:
-            problems.append(f"--max-per-prompt {self.max_per_prompt}: must be at least 1 (0 = no cap)")
-        if self.unbiased and self.max_per_prompt:
-            problems.append("--unbiased and --max-per-prompt: a cap would change the inclusion probabilities; choose one "
-                            "(--strata prompt spreads an unbiased S over the prompts)")
-        return problems + self.check_unbiased_design()
-
-    def check_unbiased_design(self) -> list[str]:
-        """--estimator, --strata, --inclusion-size: a known value, and other than the default only with --unbiased."""
-        problems = []
-        for flag, value, known, default in (("--estimator", self.estimator, ESTIMATORS, "hajek"),
-                                            ("--strata", self.strata, STRATA, "none"),
-                                            ("--inclusion-size", self.inclusion_size, INCLUSION_SIZES, "score")):  # fmt: skip
-            if value not in known:
-                problems.append(f"{flag} {value!r}: choose one of {', '.join(known)}")
-            elif value != default and not self.unbiased:
-                problems.append(f"{flag} {value} applies to sampled selection: it needs --unbiased")
-        return problems
+from opd.selection_config import (  # noqa: F401 (the sections' old home; opd.selection_config says why they moved)
+    ESTIMATORS,
+    INCLUSION_SIZES,
+    POLICIES,
+    STRATA,
+    PredictorConfig,
+    SelectionConfig,
+)
 
 
 def query_budget(rho: float, n_eligible: int) -> int:

@@ -32,16 +32,16 @@ distillation datasets) are absent; --max-response-len is the preset's, not their
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
-import torch
-
-from opd.chunked import budgeted_loss_from_hidden
 from opd.cli import Section
-from opd.ema_teacher import lm_head_weight
+from opd.lazy import no_grad
 from opd.objective import DistillResult, Objective, ObjectiveContext, StepBatch, teacher_inputs, teacher_plans
-from opd.policy_gradient import PolicyGradient
-from opd.schedule import MicroBatch, timed
-from opd.weights import TokenWeight
+
+if TYPE_CHECKING:
+    import torch
+
+    from opd.schedule import MicroBatch
 
 
 def token_advantages(old_logp: torch.Tensor, teacher_logp: torch.Tensor, coef: float = 1.0) -> torch.Tensor:
@@ -53,6 +53,8 @@ def token_advantages(old_logp: torch.Tensor, teacher_logp: torch.Tensor, coef: f
 def discounted_future_sum(a: torch.Tensor, mask: torch.Tensor, gamma: float) -> torch.Tensor:
     """A_t <- sum_{s >= t} gamma^(s - t) A_s along each row's valid tokens (their `discounted_future_sum_vectorized`;
     gamma = 0: unchanged). a, mask (n, T) -> (n, T), 0 outside the mask."""
+    import torch
+
     a = a * mask
     if gamma == 0:
         return a
@@ -95,6 +97,8 @@ class TMOPD(Objective):
     aggregations = ("token-sum", "token-mean")
 
     def __init__(self, ctx: ObjectiveContext, config: TMOPDConfig | None = None, initial_teacher=None):
+        from opd.policy_gradient import PolicyGradient
+
         super().__init__(ctx, config or TMOPDConfig(), initial_teacher)
         self.pg = PolicyGradient(ctx, importance=True)
 
@@ -104,6 +108,8 @@ class TMOPD(Objective):
         return [t.label(n, v) for n in t.names for v in self.ctx.teacher_views[:1]]
 
     def __call__(self, batch: StepBatch) -> DistillResult:
+        import torch
+
         ctx = self.ctx
         res = DistillResult.begin(ctx, batch, self.labels)
         if res.empty:  # S is empty everywhere: no teacher call, zero loss (every rank alike)
@@ -119,10 +125,17 @@ class TMOPD(Objective):
         res.metrics = {"teacher_kl": float(total[0] / total[1].clamp(min=1))}  # their metric: the mean over tokens
         return res
 
-    @torch.no_grad()
+    @no_grad
     def _advantages(self, batch: StepBatch, mb: MicroBatch, mask, h_s, w_s, res: DistillResult, kl) -> torch.Tensor:
         """The teacher `mb.group` on the micro-batch's rows (booked unless padding): A_t (P,), and the rows' labels
         u_i (Eq. 9) into `res.utility`."""
+        import torch
+
+        from opd.chunked import budgeted_loss_from_hidden
+        from opd.ema_teacher import lm_head_weight
+        from opd.schedule import timed
+        from opd.weights import TokenWeight
+
         ctx, ro, rows, cfg = self.ctx, batch.rollouts, mb.rows, self.ctx.loss
         teacher = ctx.teachers.teachers[mb.group]
         inputs, _, width, cost = teacher_inputs(ctx, batch, mb, ctx.teacher_views[0], res)

@@ -34,7 +34,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from opd.cli import Section, UserError
-from opd.ledger import write_atomic
+from opd.storage import write_atomic
 
 PACKAGES = {"tensorboard": "tensorboard", "wandb": "wandb", "mlflow": "mlflow", "trackio": "trackio",
             "comet_ml": "comet_ml", "aim": "aim", "clearml": "clearml", "dvclive": "dvclive", "swanlab": "swanlab"}  # fmt: skip

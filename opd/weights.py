@@ -8,10 +8,14 @@ selected token (tokens with weight 0 count in the denominator, as in the peers' 
 Notation: y_t the student's sampled token at response position t, log pi(y_t) its log-probability.
 """
 
+from __future__ import annotations
+
 from collections.abc import Callable
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
-import torch
+if TYPE_CHECKING:
+    import torch
 
 
 def trust_region(pos_teacher_logp: torch.Tensor, neg_teacher_logp: torch.Tensor) -> torch.Tensor:
@@ -24,6 +28,8 @@ def trust_region(pos_teacher_logp: torch.Tensor, neg_teacher_logp: torch.Tensor)
     Source: aniri15/OPD-V verl/workers/actor/dp_actor.py (visual_advantage_weights =
     relu((teacher_log_prob - negative_teacher_log_prob).detach())).
     """
+    import torch
+
     return torch.relu(pos_teacher_logp - neg_teacher_logp).detach()
 
 
@@ -39,6 +45,8 @@ def importance_ratio(logp: torch.Tensor, old_logp: torch.Tensor, clip: float = 2
     there. (...) -> (...). Source: VisionOPD/Vision-OPD verl/trainer/ppo/core_algos.py
     (compute_self_distillation_loss, is_clip).
     """
+    import torch
+
     log_ratio = torch.clamp((logp - old_logp).detach(), min=-20.0, max=20.0)
     return torch.exp(log_ratio).clamp(max=clip)
 
@@ -52,6 +60,8 @@ def teacher_gate(teacher_logp: torch.Tensor, student_logp: torch.Tensor) -> torc
     gives the sampled token more probability than the student. (...) -> (...). Source: OPOD (arXiv
     2607.20918), as transcribed in ../shared/notes/seed-family.md (no public code; medium confidence).
     """
+    import torch
+
     return torch.relu(teacher_logp - student_logp).detach()
 
 

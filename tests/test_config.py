@@ -5,6 +5,10 @@
 """
 
 import json
+import os
+import subprocess
+import sys
+from pathlib import Path
 
 import pytest
 
@@ -133,3 +137,28 @@ def test_non_finite_floats_and_unused_flags_are_refused_by_name():
         assert any(words in p for p in problems), (words, problems)
     dropout = TrainConfig(lora_r=4, lora_dropout=1.5).problems()
     assert dropout == ["--lora-dropout 1.5: must lie in [0, 1)"]  # alpha is not blamed
+
+
+LOADED = """
+import contextlib, io, runpy, sys
+sys.argv = ["train.py", *sys.argv[1:]]
+with contextlib.redirect_stdout(io.StringIO()), contextlib.suppress(SystemExit):
+    runpy.run_path(TRAIN, run_name="__main__")
+print(",".join(m for m in ("torch", "transformers", "accelerate", "peft") if m in sys.modules))
+"""
+
+
+@pytest.mark.parametrize("argv", [["--help"], ["--print-config"], ["--method", "dapd", "--lora-r", "8", "--print-config"],
+                                  ["--config", "{file}", "--print-config"]])  # fmt: skip
+def test_help_and_print_config_load_neither_torch_nor_transformers(tmp_path, argv):
+    """train.py --help and --print-config read the settings only (opd.config and the modules of its sections, the
+    method table and its objectives): torch and transformers are imported where a run computes (`opd.lazy`), so
+    neither is loaded here (they took 5-11 s of a 2-core machine's --help)."""
+    root = Path(__file__).resolve().parents[1]
+    (tmp_path / "run.yaml").write_text("preset: tiny\nrho: 0.5\n")
+    argv = [a.format(file=tmp_path / "run.yaml") for a in argv]
+    code = f"TRAIN = {str(root / 'train.py')!r}\n" + LOADED
+    done = subprocess.run([sys.executable, "-c", code, *argv], cwd=tmp_path, capture_output=True, text=True,
+                          env={**os.environ, "PYTHONPATH": str(root)}, timeout=300)  # fmt: skip
+    assert done.returncode == 0, done.stderr
+    assert done.stdout.strip() == "", f"{argv} loaded {done.stdout.strip()}"

@@ -8,7 +8,6 @@ import shutil
 import pytest
 import torch
 
-import opd.checkpoint
 import train
 from opd.cli import UserError
 from opd.ledger import read_ledger
@@ -27,7 +26,7 @@ def full_disk_at(monkeypatch, step: int):
             raise RuntimeError("[enforce fail at inline_container.cc:672] . unexpected pos 64 vs 0")
         return real(obj, path, *a, **k)
 
-    monkeypatch.setattr(opd.checkpoint.torch, "save", save)
+    monkeypatch.setattr(torch, "save", save)  # opd.checkpoint imports torch where it saves (`opd.lazy`)
 
 
 def leftovers(out) -> list[str]:
