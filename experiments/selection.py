@@ -24,7 +24,6 @@ share of the true utility its S captures.
 from __future__ import annotations
 
 import json
-import math
 import sys
 import time
 from dataclasses import dataclass
@@ -34,49 +33,25 @@ ROOT = Path(__file__).resolve().parents[1]
 if str(ROOT) not in sys.path:
     sys.path.insert(0, str(ROOT))
 
-import numpy as np  # noqa: E402
-
 from opd.toy.entry import Entry  # noqa: E402
-from opd.toy.experiment import evaluate, machine, read_run, run_folder, say  # noqa: E402
-from opd.toy.report import mean_std, save_figure, write_report  # noqa: E402
+from opd.toy.experiment import evaluate, machine, run_folder, say  # noqa: E402
+from opd.toy.report import save_figure, write_report  # noqa: E402
+from opd.toy.selection import (  # noqa: E402
+    CROP_DROP,
+    VARIANTS,
+    accuracy_panel,
+    cosine_panel,
+    policy_table,
+    read_selection_run,
+    selection_job,
+    variant_names,
+)
 
 __all__ = ["SelectionConfig", "main"]
 
-VARIANTS = {
-    "full-100": ("full", 100, {}),
-    "random-25": ("random", 25, {}),
-    "entropy-25": ("entropy", 25, {}),
-    "learned-25": ("learned", 25, {}),
-    "learned-25-unbiased": ("learned", 25, {"unbiased": True}),
-    "entropy-25-unbiased": ("entropy", 25, {"unbiased": True}),
-    "learned-25-cap": ("learned", 25, {"max_per_prompt": "even"}),
-    # part 2 (docs/SELECTION.md): Horvitz-Thompson, stratified by prompt, the uniform share, the gradient-size map
-    "learned-25-ht": ("learned", 25, {"unbiased": True, "estimator": "ht"}),
-    "learned-25-ht-eps30": ("learned", 25, {"unbiased": True, "estimator": "ht", "explore": 0.3}),
-    "learned-25-ht-eps50": ("learned", 25, {"unbiased": True, "estimator": "ht", "explore": 0.5}),
-    "learned-25-ht-grad": ("learned", 25, {"unbiased": True, "estimator": "ht", "inclusion_size": "gradient"}),
-    "learned-25-ht-grad-eps50": ("learned", 25, {"unbiased": True, "estimator": "ht", "inclusion_size": "gradient",
-                                                 "explore": 0.5}),
-    "learned-25-strat": ("learned", 25, {"unbiased": True, "estimator": "ht", "strata": "prompt"}),
-    "learned-25-strat-eps50": ("learned", 25, {"unbiased": True, "estimator": "ht", "strata": "prompt", "explore": 0.5}),
-}
-"""Run name -> (policy, percent, train.py settings); 'even' is ceil(K / prompts per step)."""
-LABELS = {"full-100": "Full querying", "random-25": "Random-25", "entropy-25": "Entropy-25",
-          "learned-25": "Learned-25 (top-K)", "learned-25-unbiased": "Learned-25 unbiased",
-          "entropy-25-unbiased": "Entropy-25 unbiased", "learned-25-cap": "Learned-25 capped per prompt",
-          "learned-25-ht": "Learned-25 unbiased HT", "learned-25-ht-eps30": "Learned-25 unbiased HT, eps 0.3",
-          "learned-25-ht-eps50": "Learned-25 unbiased HT, eps 0.5",
-          "learned-25-ht-grad": "Learned-25 unbiased HT, pi ~ T sqrt(u^)",
-          "learned-25-ht-grad-eps50": "Learned-25 unbiased HT, pi ~ T sqrt(u^), eps 0.5",
-          "learned-25-strat": "Learned-25 stratified by prompt (HT)",
-          "learned-25-strat-eps50": "Learned-25 stratified by prompt (HT), eps 0.5"}  # fmt: skip
 PART_1 = ("full-100", "random-25", "entropy-25", "learned-25", "learned-25-unbiased", "entropy-25-unbiased",
           "learned-25-cap")  # fmt: skip
-"""The variants of the first measurement (docs/SELECTION.md); the default --variants."""
-BASELINES = ("full-100", "random-25", "entropy-25", "learned-25")
-"""The paper's policies (grey in the plot); the others are the remedies (blue)."""
-CROP_DROP = 10.0
-"""Points of crop-view accuracy below the base's after which a run counts as collapsed (its teacher pathway)."""
+"""The variants of the first measurement (docs/SELECTION.md); the default --variants (the names: opd.toy.selection)."""
 
 
 @dataclass
@@ -141,12 +116,7 @@ def world_config(cfg):
 
 
 def specs(cfg: SelectionConfig) -> list[dict]:
-    names = list(VARIANTS) if cfg.variants.strip() == "all" else [v.strip() for v in cfg.variants.split(",") if v.strip()]
-    unknown = [n for n in names if n not in VARIANTS]
-    if unknown:
-        from opd.cli import UserError
-
-        raise UserError(f"--variants: unknown {', '.join(unknown)}; known: {', '.join(VARIANTS)}")
+    names = variant_names(cfg.variants)
     out = []
     for task in [t.strip() for t in cfg.tasks.split(",") if t.strip()]:
         if task not in TASKS:
@@ -163,82 +133,23 @@ def specs(cfg: SelectionConfig) -> list[dict]:
 def job(cfg: SelectionConfig, spec: dict, root: Path) -> dict:
     t = TASKS[spec["task"]]
     steps = cfg.letter_steps if spec["task"] == "letter" else cfg.explain_steps
-    settings = dict(VARIANTS[spec["variant"]][2])
-    if settings.get("max_per_prompt") == "even":
-        budget = math.floor(spec["pct"] / 100 * t["prompts"] * t["rollouts"] + 1e-9)
-        settings["max_per_prompt"] = max(1, math.ceil(budget / t["prompts"]))
-    train = dict(
-        model=str(root / f"base-{spec['task']}"), data=str(root / "world" / "train.jsonl"), policy=spec["policy"],
-        rho=spec["pct"] / 100, steps=steps, prompts_per_step=t["prompts"], rollouts_per_prompt=t["rollouts"],
-        max_prompt_len=512, max_response_len=t["response"], lr=cfg.lr, micro_batch=64, seed=spec["seed"],
-        selector_seed=spec["seed"], replay_start=cfg.replay_start, replay_batch=cfg.replay_batch, save_every=0,
-        keep_checkpoints=1, **settings,
-    )  # fmt: skip
-    return {
-        "spec": spec, "folder": str(run_folder(root, spec)), "train": train, "trace": True,
-        "audit_data": str(root / "world" / "audit.jsonl"), "audit_batches": 0,
-        "selection_batches": cfg.selection_batches if spec["policy"] != "full" else 0,
-        "selection_draws": cfg.selection_draws,
-        "eval": {"bench": str(root / "world" / "bench"), "batch": cfg.eval_batch, "max_new_tokens": t["eval_tokens"]},
-    }  # fmt: skip
+    return selection_job(cfg, spec, run_folder(root, spec), model=root / f"base-{spec['task']}", world=root / "world",
+                         steps=steps, prompts=t["prompts"], rollouts=t["rollouts"], response=t["response"],
+                         eval_tokens=t["eval_tokens"])  # fmt: skip
 
 
 def collect(root: Path, all_specs: list[dict]) -> dict:
-    """{task: {variant: [record per seed]}} from the finished run folders (opd.toy.experiment.read_run), each with
-    its mean distinct prompts in S per step (the ledger's selected_prompts)."""
-    from opd.ledger import read_ledger
-
+    """{task: {variant: [record per seed]}} from the finished run folders (`opd.toy.selection.read_selection_run`)."""
     runs: dict = {}
     for spec in all_specs:
-        if (rec := read_run(root, spec)) is not None:
-            rec["selection"] = rec["selection"]["summary"] if rec["selection"] else None
-            rows = read_ledger(run_folder(root, spec) / "ledger.jsonl")
-            rec["selected_prompts"] = float(np.mean([r["selected_prompts"] for r in rows])) if rows else float("nan")
+        if (rec := read_selection_run(root, spec)) is not None:
             runs.setdefault(spec["task"], {}).setdefault(spec["variant"], []).append(rec)
     return runs
-
-
-def paired(rs: list[dict], reference: list[dict] | None) -> str:
-    """'+d, w of n above': the mean difference in full-image accuracy to the reference policy on the same seeds and
-    how many of those seeds are above it ('' without a reference run of any of these seeds)."""
-    ref = {r["seed"]: r["full"] for r in reference or []}
-    diffs = [r["full"] - ref[r["seed"]] for r in rs if r["seed"] in ref]
-    if not diffs:
-        return ""
-    return f"{np.mean(diffs):+.2f}, {sum(d > 0 for d in diffs)} of {len(diffs)} above"
-
-
-def task_table(task: str, runs: dict, base: dict) -> list[str]:
-    """The task's table: one row per variant run (accuracy, paired with Random-25, collapse, cost, the audit)."""
-    full_tokens = np.mean([r["ledger"]["scored_tokens"] for r in runs.get("full-100", [])]) if runs.get("full-100") else None
-    lines = ["| Policy | Full-image accuracy | Per seed | vs Random-25, same seed | Crop view (end) | Collapsed seeds | "
-             "Tokens vs Full | Tokens of C | Prompts in S | Utility captured | cos(g_S, g_C) | cos(mean g_S, g_C) | "
-             "Largest 1/pi |", "| --- | ---: | --- | --- | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: |"]  # fmt: skip
-    for name in [n for n in VARIANTS if runs.get(n)]:
-        rs = sorted(runs[name], key=lambda r: r["seed"])
-        full = [r["full"] for r in rs]
-        crop = [r["crop"] for r in rs]
-        collapsed = sum(c < base["crop"] - CROP_DROP for c in crop)
-        tokens = np.mean([r["ledger"]["scored_tokens"] for r in rs])
-        ratio = f"{100 * tokens / full_tokens:.1f}%" if full_tokens else "-"
-        of_c = f"{100 * np.mean([r['ledger']['token_ratio'] for r in rs]):.1f}%"
-        vs = paired(rs, runs.get("random-25")) if name != "random-25" else ""
-        sel = [r["selection"] for r in rs if r.get("selection")]
-        pick = lambda k: f"{np.mean([s[k] for s in sel]):.3f}" if sel else "-"  # noqa: E731
-        captured = f"{100 * np.mean([s['captured'] for s in sel]):.1f}%" if sel else "100%"
-        weight = max(r["max_weight"] for r in rs)
-        prompts = np.mean([r["selected_prompts"] for r in rs])
-        lines.append(f"| {LABELS[name]} | {mean_std(full)} | {', '.join(f'{x:.1f}' for x in full)} | {vs} | "
-                     f"{mean_std(crop)} | {collapsed} of {len(rs)} | {ratio} | {of_c} | {prompts:.1f} | {captured} | "
-                     f"{pick('cosine') if sel else '1'} | {pick('cosine_of_mean') if sel else '1'} | {weight:.1f} |")  # fmt: skip
-    return lines
 
 
 def plot(root: Path, runs: dict) -> str:
     """selection_accuracy.png: per task, the full-image accuracy (bars: mean, dots: seeds) above the gradient's
     cosine to the full-query gradient (one draw of S, and the mean of the draws) of each budgeted policy."""
-    import textwrap
-
     import matplotlib
 
     matplotlib.use("Agg")
@@ -247,27 +158,8 @@ def plot(root: Path, runs: dict) -> str:
     tasks = [t for t in TASKS if t in runs]
     fig, axes = plt.subplots(2, max(1, len(tasks)), figsize=(6.5 * max(1, len(tasks)), 7.6), squeeze=False)
     for col, task in enumerate(tasks):
-        ax, cx = axes[0][col], axes[1][col]
-        names = [n for n in VARIANTS if runs[task].get(n)]
-        labels = [textwrap.fill(LABELS[n], 11) for n in names]
-        means = [np.mean([r["full"] for r in runs[task][n]]) for n in names]
-        for j, n in enumerate(names):
-            ax.scatter([j] * len(runs[task][n]), [r["full"] for r in runs[task][n]], color="0.3", s=12, zorder=3)
-        ax.bar(range(len(names)), means, color=["0.6" if n in BASELINES else "tab:blue" for n in names])
-        ax.set_xticks(range(len(names)), labels, fontsize=7)
-        ax.set_ylabel("full-image accuracy (%)")
-        ax.set_title(f"{task}: accuracy per seed (dots) and mean (bars)")
-        lo = min(min(r["full"] for r in runs[task][n]) for n in names)
-        ax.set_ylim(max(0, lo - 10), 100)
-        scored = [n for n in names if all(r.get("selection") for r in runs[task][n])]
-        for shift, key, label in ((-0.2, "cosine", "one draw of S"), (0.2, "cosine_of_mean", "mean of the draws")):
-            vals = [np.mean([r["selection"][key] for r in runs[task][n]]) for n in scored]
-            cx.bar(np.arange(len(scored)) + shift, vals, width=0.4, label=label)
-        cx.set_xticks(range(len(scored)), [textwrap.fill(LABELS[n], 11) for n in scored], fontsize=7)
-        cx.set_ylim(0, 1)
-        cx.set_ylabel("cos(g_S, g_C), mean of seeds")
-        cx.set_title(f"{task}: cosine to the full-query gradient (held batches)")
-        cx.legend(fontsize=7, loc="lower left")
+        accuracy_panel(axes[0][col], runs[task], f"{task}: accuracy per seed (dots) and mean (bars)")
+        cosine_panel(axes[1][col], runs[task], f"{task}: cosine to the full-query gradient (held batches)")
     fig.tight_layout()
     path = root / "selection_accuracy.png"
     save_figure(fig, path, 120)
@@ -293,7 +185,7 @@ def report(root: Path, cfg: SelectionConfig, timing: dict, command: str) -> str:
         base = bases.get(task, {"full": float("nan"), "crop": float("nan")})
         lines += [f"## {task}", "", f"Base: full image {base['full']:.1f}%, crop {base['crop']:.1f}%. A seed counts as "
                   f"collapsed when its crop view ends more than {CROP_DROP:g} points below the base's.", ""]
-        lines += task_table(task, runs[task], base) + [""]
+        lines += policy_table(runs[task], base) + [""]
     png = plot(root, runs) if runs else None
     if png:
         lines += [f"![{png}]({png})", ""]

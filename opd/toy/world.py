@@ -86,6 +86,11 @@ class WorldConfig:
     n_eval: int = 400
     """Items of the held-out benchmark."""
 
+    def target_range(self, split: str, index: int) -> tuple[int, int]:
+        """(smallest, largest) target side of sample `index` of `split`: target_min..target_max for every sample here;
+        a world that mixes kinds of items overrides it (opd.toy.regime). It draws nothing from the sample's rng."""
+        return self.target_min, self.target_max
+
 
 @dataclass
 class Sample:
@@ -137,7 +142,8 @@ def sample(cfg: WorldConfig, split: str, index: int) -> Sample:
     draw = ImageDraw.Draw(image)
     colour = list(TARGET_RGB)[int(rng.integers(4))]
     shape = SHAPES[int(rng.integers(len(SHAPES)))]
-    t = int(rng.integers(cfg.target_min, cfg.target_max + 1))
+    lo, hi = cfg.target_range(split, index)
+    t = int(rng.integers(lo, hi + 1))
     tx, ty = (int(v) for v in rng.integers(2, n - t - 2, size=2))
     for _ in range(cfg.distractors):  # off-palette blobs, kept off the target
         s = int(rng.integers(2, 7))
