@@ -19,6 +19,9 @@ What the rest of the loop relies on, all torch's own FSDP2 behaviour:
   number of them: `opd.distill` pads a rank's micro-batches with zero-weighted ones (`lockstep`), and
   generation either gathers the whole model first (`generation`, the default) or lets HF
   `generate` keep finished ranks stepping (its `synced_gpus`, on by itself for an FSDP model).
+- FSDP2 picks its root at the first forward of any sharded module; HF `generate` runs the vision tower before
+  the model's forward, so `generation` initialises the root itself first (`init_root`) and gathers the root
+  group for the whole of `generate` in either mode.
 - The EMA teacher is sharded exactly like the student, so theta-bar <- (1 - tau) theta-bar + tau theta
   runs on each rank's local shards (`local_pairs`), with no communication.
 
@@ -117,30 +120,44 @@ def reshard(model: nn.Module) -> None:
         m.reshard()
 
 
+def init_root(model: nn.Module) -> None:
+    """FSDP2's lazy initialisation, with `model` as its root, now (a no-op once done, as at every later forward).
+
+    FSDP2 takes the first sharded module whose forward runs as the root of everything below it, and then requires
+    the model itself to be that root. Hugging Face `generate` (transformers 5) encodes a batch's images with
+    `get_image_features` before its first forward of the model, so a policy that generates before its first training
+    forward (`--eval-before`, a run's first rollouts without shared prefill) would make each vision block a root of
+    its own ("FSDP state has already been lazily initialized for model.visual.blocks.0"). This is the root's own
+    initialisation (torch 2.14's FSDPState._lazy_init, which the root's first forward calls): the same state,
+    earlier."""
+    model._get_fsdp_state()._lazy_init()
+
+
 @contextlib.contextmanager
 def generation(model: nn.Module, mode: str = "gathered"):
-    """Generation with a sharded policy. 'gathered': every group is all-gathered once (in the same order
-    on every rank) and kept through all of `generate`'s forwards, which then need no communication;
-    'layerwise': nothing is done here (each forward gathers and frees layer by layer). The model is
-    resharded afterwards either way (the root keeps its gathered parameters after a forward otherwise)."""
+    """Generation with a sharded policy: `init_root` first; then 'gathered': every group is all-gathered once (in the
+    same order on every rank) and kept through all of `generate`'s forwards, which then need no communication;
+    'layerwise': only the root group (embeddings, LM head, the vision tower's patch embedding and merger) is
+    gathered here, and each block's forward gathers and frees its own. The root group is gathered up front in both
+    modes because `generate` runs the vision tower outside the model's forward (see `init_root`), where FSDP would
+    not gather the root's parameters (a LoRA policy's `generate` never runs its root's forward at all). The model is
+    resharded afterwards either way."""
     if mode not in GENERATION:
         raise ValueError(f"unknown generation mode {mode!r}; known: {', '.join(GENERATION)}")
-    modules = fsdp_modules(model)
-    if not modules or mode == "layerwise":
-        try:
-            yield
-        finally:
-            reshard(model)
+    if not is_sharded(model):
+        yield
         return
-    for m in modules:
+    init_root(model)
+    gathered = fsdp_modules(model) if mode == "gathered" else [model]
+    for m in gathered:
         m.set_reshard_after_forward(False, recurse=False)
         m.unshard()
     try:
         yield
     finally:
-        for m in modules:
+        for m in gathered:
             m.set_reshard_after_forward(m is not model, recurse=False)  # the root: as torch's default
-            m.reshard()
+        reshard(model)
 
 
 def local_pairs(target: nn.Module, source: nn.Module):

@@ -16,6 +16,11 @@ Writes OUT/resume.pt.
 --scenario generate (with --fsdp): each rank samples its prompts' rollouts with the sharded policy in
 both `opd.sharding.GENERATION` modes and with an unsharded copy of the same weights, from the same seed.
 Writes OUT/generate.pt: per rank, whether the samples are identical and the largest log-prob difference.
+
+--scenario live: train.py --preset tiny for 2 steps with --eval-before and --eval-every 2 on --eval-data (pope and
+zoombench in both views; pope's 5 items give the ranks shares of 3 and 2, so one rank pads), with --fsdp and
+--generation or without (DDP under torchrun). Writes OUT/live.pt: every evaluation's replies (index -> reply by
+(benchmark, view), gathered from every rank) and the ledger rows.
 """
 
 import argparse
@@ -65,7 +70,7 @@ def steps(a) -> None:
         per_teacher = {n: t.rows_scored for n, t in run.teachers.teachers.items()}
         per_teacher = run.acc.gather(torch.tensor([list(per_teacher.values())])).view(run.acc.num_processes, -1)
         if run.acc.is_main_process:
-            result = {"params": policy, "teacher": teacher, "rows": rows, "teacher_rows": counts, "selected": selected,
+            result = {"params": policy, "teacher": teacher, "rows": rows, "teacher_rows": counts, "selected": [s for s, _ in selected],
                       "per_teacher": per_teacher, "teacher_names": run.teachers.names}
             torch.save(result, Path(a.out) / f"{method}.pt")
         run.acc.wait_for_everyone()
@@ -138,10 +143,34 @@ def generate(a) -> None:
     run.acc.wait_for_everyone()
 
 
+def live(a) -> None:
+    import os
+
+    import train
+    from opd.eval.live import LiveEval
+    from opd.ledger import read_ledger
+
+    found, call = [], LiveEval.__call__
+
+    def recording(self, *args, **kwargs):
+        scores = call(self, *args, **kwargs)
+        found.append(dict(self.replies))  # every rank's replies (gathered), on every rank
+        return scores
+
+    LiveEval.__call__ = recording
+    flags = ["--preset", "tiny", "--steps", "2", "--dtype", a.dtype, "--eval-before", "--eval-every", "2",
+             "--eval-data", a.eval_data, "--eval-benchmarks", "pope,zoombench", "--eval-views", "full,crop",
+             "--eval-limit", "5", "--eval-max-new-tokens", "6", "--out", f"{a.out}/run"]  # fmt: skip
+    train.main(flags + (["--fsdp", "--fsdp-generation", a.generation] if a.fsdp else []))  # ends the process group
+    if os.environ.get("RANK", "0") == "0":
+        rows = read_ledger(Path(a.out) / "run" / "ledger.jsonl")
+        torch.save({"replies": found, "rows": rows}, Path(a.out) / "live.pt")
+
+
 def main() -> None:
     p = argparse.ArgumentParser()
     p.add_argument("--out", required=True)
-    p.add_argument("--scenario", default="steps", choices=("steps", "resume", "generate"))
+    p.add_argument("--scenario", default="steps", choices=("steps", "resume", "generate", "live"))
     p.add_argument("--methods", default="bas-opd")
     p.add_argument("--policy", default="random")
     p.add_argument("--rho", type=float, default=0.25)
@@ -154,13 +183,15 @@ def main() -> None:
     p.add_argument("--data", default=None)
     p.add_argument("--opod-kl", type=float, default=0.0)
     p.add_argument("--dtype", default="float32")
+    p.add_argument("--eval-data", default=None)
+    p.add_argument("--generation", default="gathered")
     a = p.parse_args()
     torch.set_num_threads(1)
     if a.dtype == "float64":  # the model's float32 casts in float64 too
         from float64 import float64_model
 
         float64_model()
-    {"steps": steps, "resume": resume, "generate": generate}[a.scenario](a)
+    {"steps": steps, "resume": resume, "generate": generate, "live": live}[a.scenario](a)
 
 
 if __name__ == "__main__":

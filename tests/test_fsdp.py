@@ -212,6 +212,48 @@ def test_fsdp_cli_run_keeps_the_ddp_ledger(tmp_path, tiny):
     assert (ckpt / "policy" / "config.json").is_file() and (ckpt / "sharded" / ".metadata").is_file()
 
 
+@pytest.mark.slow
+def test_fsdp_live_evaluation_gives_the_ddp_replies_before_and_during_training(tmp_path, tiny):
+    """torchrun 2 ranks, train.py --eval-before --eval-every 2 (fsdp_worker.py --scenario live): with --fsdp, in both
+    generation modes, every reply of the evaluation before step 0 and of the one after step 2 is the 2-rank DDP run's
+    (each rank answering the same share of the items; one pads its share), and so is every score. In float64: the
+    sharded run reduces its gradients otherwise, weights ~1e-12 apart after 2 steps, far below any gap between two
+    greedy choices (issue 33: the evaluation before training crashed, and 'layerwise' crashed in any evaluation)."""
+    from bench_fixtures import write_all_fixtures
+
+    from opd.sharding import GENERATION
+
+    write_all_fixtures(tmp_path / "bench")
+    args = ["--scenario", "live", "--eval-data", str(tmp_path / "bench"), "--dtype", "float64"]
+
+    def scores(rows: list[dict]) -> str:  # before training, after step 2 (NaN, no item scored, equal as text)
+        evaluations = (rows[0]["eval_before"], rows[1])
+        return json.dumps([{k: v for k, v in r.items() if k.startswith("eval/")} for r in evaluations])
+
+    ddp = torch.load(_worker(tmp_path / "ddp", 2, *args) / "live.pt", weights_only=False)
+    assert len(ddp["replies"]) == 2 and [len(ddp["replies"][0][k]) for k in sorted(ddp["replies"][0])] == [5, 4, 4]
+    assert all(len(s) == 4 for s in json.loads(scores(ddp["rows"])))
+    for mode in GENERATION:
+        out = _worker(tmp_path / mode, 2, *args, "--fsdp", "--generation", mode)
+        fsdp = torch.load(out / "live.pt", weights_only=False)
+        assert fsdp["replies"] == ddp["replies"], mode
+        assert scores(fsdp["rows"]) == scores(ddp["rows"]), mode
+
+
+def test_a_sharded_policy_samples_its_first_rollouts_without_shared_prefill(tmp_path, tiny):
+    """--fsdp --no-share-prefill (one process): the first rollouts are the policy's first forward, and generate encodes
+    the images before it (opd.sharding.init_root; it crashed as issue 33's --eval-before did). The run trains."""
+    import torch.distributed as dist
+
+    try:
+        train.main(["--preset", "tiny", "--fsdp", "--no-share-prefill", "--steps", "1", "--out", str(tmp_path / "run")])
+    finally:
+        if dist.is_initialized():  # a failed run leaves its one-process group
+            dist.destroy_process_group()
+    rows = read_ledger(tmp_path / "run" / "ledger.jsonl")
+    assert [r["step"] for r in rows] == [0] and rows[0]["rollouts"] > 0
+
+
 def test_an_unknown_generation_mode_is_refused_by_name(tmp_path):
     with pytest.raises(UserError, match="--fsdp-generation 'eager': choose one of gathered, layerwise"):
         train.main(["--preset", "tiny", "--fsdp", "--fsdp-generation", "eager", "--out", str(tmp_path)])
