@@ -11,7 +11,7 @@ of --methods' teacher methods (gkd, tm-opd). A tiny dataset: --prompts x --steps
 Then, per method, `train.py --preset paper-4b --lora-r 64 --dtype bfloat16` (bf16 autocast, activation
 checkpointing, micro-batch 4, learned policy at rho 0.25 for bas-opd; gkd queries every row) with the batch reduced
 to --prompts x --rollouts and --response-len new tokens, for --steps steps, in a fresh process: train.py's `main`,
-so `opd.loop.Run` end to end (load, generation, selection, teacher, chunked loss, backward, AdamW, EMA, the selector,
+so `opd.loop.run.Run` end to end (load, generation, selection, teacher, chunked loss, backward, AdamW, EMA, the selector,
 the adapter checkpoint and the summary). It prints each ledger phase's seconds per step, the load and wall time,
 and the peak resident set: the process's VmHWM, reset at every phase boundary so each phase (and, inside the
 objective, the teacher forward, the student forward, the chunked loss and the backward) has its own peak, the run's
@@ -226,39 +226,39 @@ def instrument(windows: Windows, runs: list) -> None:
     """The windows: the run's construction, every ledger phase, and inside the objective (not a ledger phase: its
     seconds are split into teacher_forward and student) the teacher's and student's forwards, the loss and the
     backward. Every Run built is appended to `runs`."""
-    import opd.distill
-    import opd.ema_teacher
-    import opd.ledger
-    import opd.loop
-    import opd.schedule
+    import opd.methods.distill
+    import opd.models.ema_teacher
+    import opd.loop.ledger
+    import opd.loop.run
+    import opd.methods.schedule
 
-    init = opd.loop.Run.__init__
-    opd.loop.Run.__init__ = lambda self, *args, **kw: runs.append(self) or init(self, *args, **kw)
-    windows.wrap(opd.loop.Run, "__init__", "load")
-    timer_call = opd.ledger.PhaseTimer.__call__
+    init = opd.loop.run.Run.__init__
+    opd.loop.run.Run.__init__ = lambda self, *args, **kw: runs.append(self) or init(self, *args, **kw)
+    windows.wrap(opd.loop.run.Run, "__init__", "load")
+    timer_call = opd.loop.ledger.PhaseTimer.__call__
 
     @contextmanager
     def phase(self, name):
         with timer_call(self, name), windows.window(name):
             yield
 
-    opd.ledger.PhaseTimer.__call__ = phase
-    for cls in (opd.ema_teacher.Teacher, opd.ema_teacher.AdapterTeacher):
+    opd.loop.ledger.PhaseTimer.__call__ = phase
+    for cls in (opd.models.ema_teacher.Teacher, opd.models.ema_teacher.AdapterTeacher):
         windows.wrap(cls, "hidden", "objective: teacher forward")
         windows.wrap(cls, "logits", "objective: teacher forward")
-    windows.wrap(opd.distill, "response_hidden", "objective: student forward")
-    windows.wrap(opd.distill, "response_logits", "objective: student forward")
-    windows.wrap(opd.distill, "budgeted_loss_from_hidden", "objective: chunked loss")
-    windows.wrap(opd.schedule.MicroBatch, "backward", "objective: backward")
-    windows.wrap(opd.loop.Run, "step", "step (outside phases)")
+    windows.wrap(opd.methods.distill, "response_hidden", "objective: student forward")
+    windows.wrap(opd.methods.distill, "response_logits", "objective: student forward")
+    windows.wrap(opd.methods.distill, "budgeted_loss_from_hidden", "objective: chunked loss")
+    windows.wrap(opd.methods.schedule.MicroBatch, "backward", "objective: backward")
+    windows.wrap(opd.loop.run.Run, "step", "step (outside phases)")
 
 
 def train_case(argv: list[str], out: str) -> dict:
     """train.py's main(argv) in this (fresh) process, instrumented; returns the ledger, the windows' peaks and
     seconds, and the wall time."""
     import train
-    from opd.ledger import read_ledger
-    from opd.lora import _tuner_layers
+    from opd.loop.ledger import read_ledger
+    from opd.models.lora import _tuner_layers
 
     windows, runs = Windows(), []
     instrument(windows, runs)
@@ -308,11 +308,11 @@ def estimate(model: Path, teacher: Path | None, rows: dict, prompt_len: int, a, 
 
 def prompt_tokens(model: Path, data: Path) -> tuple[int, int]:
     """(the longest student prompt in tokens, the most image tokens of one) over the dataset, by the model's
-    processor (opd.chat.encode_prompt of the full view, as training encodes it)."""
-    from opd.chat import encode_prompt
-    from opd.data import load_records
-    from opd.model import load_processor
-    from opd.views import get_view
+    processor (opd.models.chat.encode_prompt of the full view, as training encodes it)."""
+    from opd.models.chat import encode_prompt
+    from opd.data.records import load_records
+    from opd.models.loading import load_processor
+    from opd.data.views import get_view
 
     processor, view = load_processor(str(model)), get_view("full")
     longest, image = 0, 0

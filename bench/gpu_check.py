@@ -4,11 +4,11 @@ Builds a random-weight Qwen3.5 with Qwen3.5-4B's exact configuration (bench/conf
 its special-token ids remapped to the built-in character tokenizer, the vocabulary kept at 248,320, so
 the LM head, the loss and the sampling cost what they cost on the real model) and writes it once in
 bfloat16; the run loads it in float32 as training does. Then, for each strategy (DDP, then FSDP2 over
-a one-GPU process group), a `opd.loop.Run` with `--preset paper-4b`'s settings (bf16 autocast, float32
+a one-GPU process group), a `opd.loop.run.Run` with `--preset paper-4b`'s settings (bf16 autocast, float32
 weights, --grad-checkpointing, --micro-batch 4, learned policy, rho 0.25) except the batch, reduced to
 fit a few minutes: --prompts (4 instead of 28) x 8 rollouts, --response-len (256 instead of 1,024)
 new tokens, --image-size (448 x 448 images). Each strategy runs one step on fixed rollouts
-(`opd.synthetic.fixed_rollouts`, the same for both: the match check) and then --steps steps with real
+(`opd.engine.synthetic.fixed_rollouts`, the same for both: the match check) and then --steps steps with real
 generation (the timing). Optional GPU kernels are used when importable (flash-attn,
 flash-linear-attention, causal-conv1d); the script says which.
 
@@ -187,10 +187,10 @@ def run_strategy(strategy: str, model_dir: Path, data: Path, a, out: Path) -> di
     import torch
 
     import opd.config
-    import opd.loop
-    import opd.sampler
-    from opd.sharding import full_state_dict
-    from opd.synthetic import fixed_rollouts
+    import opd.loop.run
+    import opd.engine.sampler
+    from opd.models.sharding import full_state_dict
+    from opd.engine.synthetic import fixed_rollouts
 
     cuda = a.device.startswith("cuda")
     if cuda:
@@ -201,13 +201,13 @@ def run_strategy(strategy: str, model_dir: Path, data: Path, a, out: Path) -> di
                 "steps": a.steps + 1, "replay_start": 8, "replay_batch": 32, "save_every": 0, "policy": "learned",
                 "rho": 0.25, "mixed_precision": a.mixed_precision, "fsdp": strategy == "fsdp"}  # fmt: skip
     t0 = time.perf_counter()
-    run = opd.loop.Run(opd.config.TrainConfig(**settings))
+    run = opd.loop.run.Run(opd.config.TrainConfig(**settings))
     load_s = time.perf_counter() - t0
     flops = TeacherFlops(run)
     selected, select = [], run.selector.select
     run.selector.select = lambda *args, **kw: selected.append(select(*args, **kw)) or selected[-1]
     generated = []
-    real_generate = opd.sampler.generate_rollouts
+    real_generate = opd.engine.sampler.generate_rollouts
 
     def spy(*args, **kw):
         generated.append(real_generate(*args, **kw))
@@ -217,7 +217,7 @@ def run_strategy(strategy: str, model_dir: Path, data: Path, a, out: Path) -> di
     match_row = run.step(0, fixed_rollouts(run, 0, max_len=min(a.response_len, 32)))
     params = {k: v.float().clone() for k, v in full_state_dict(run.model).items()}  # kept while training goes on
     rows = []
-    opd.sampler.generate_rollouts = spy
+    opd.engine.sampler.generate_rollouts = spy
     try:
         for step in range(1, a.steps + 1):
             before = flops.flops
@@ -227,7 +227,7 @@ def run_strategy(strategy: str, model_dir: Path, data: Path, a, out: Path) -> di
             row["generated_tokens"] = int(generated[-1].response_mask.sum())
             rows.append(row)
     finally:
-        opd.sampler.generate_rollouts = real_generate
+        opd.engine.sampler.generate_rollouts = real_generate
     peak = torch.cuda.max_memory_allocated() if cuda else None
     result = {"strategy": strategy, "load_s": load_s, "match_row": match_row, "match_selected": selected[0][0].tolist(),
               "rows": rows, "peak_bytes": peak, "params_after_match": params}  # fmt: skip
@@ -300,7 +300,7 @@ def main(argv=None) -> dict:
         model_dir = build_model(a.model, tmp / "model", a.image_size, a.device)
         data = build_tiny_dataset(tmp / "data", n=max(32, a.prompts * (a.steps + 1)), size=a.image_size)
         info["build_s"] = time.perf_counter() - t0
-        from opd.model import load_model
+        from opd.models.loading import load_model
 
         model = load_model(str(model_dir), "float32")
         info["params"] = sum(p.numel() for p in model.parameters())  # tied weights once

@@ -1,11 +1,11 @@
 """Loss memory and time, forward + backward, at Qwen3.5's vocabulary (issue 5, benchmark 1).
 
 (a) From logits (N, V): this project's top-k JSD + utility terms on whole logits
-    (`opd.chunked.topk_jsd_from_logits`, as `opd.distill` runs it with loss_chunk 0; the same values as
+    (`opd.maths.chunked.topk_jsd_from_logits`, as `opd.methods.distill` runs it with loss_chunk 0; the same values as
     `topk_support` + `generalized_jsd` + `utility_terms`) against a peer's full-vocabulary loss on the same inputs: TRL's
     `generalized_jsd_loss` (beta 0.5), the loss of TRL's GKD trainer (requirements-bench.txt).
 (b) From final hidden states (N, H) through the LM head (V, H): the chunked path
-    (`opd.chunked.budgeted_loss_from_hidden`) against the same loss on whole logits (h @ W^T, then (a)'s
+    (`opd.maths.chunked.budgeted_loss_from_hidden`) against the same loss on whole logits (h @ W^T, then (a)'s
     plain path), and the LM-head matrix products alone (student h W^T, teacher h W^T, and the two
     backward products dZ W and dZ^T h), the floor any implementation pays.
 
@@ -168,14 +168,14 @@ def case(
     """Builds one case's inputs, warms up, and measures peak memory and time of forward + backward."""
     import torch
 
-    from opd.chunked import budgeted_loss_from_hidden, topk_jsd_from_logits
+    from opd.maths.chunked import budgeted_loss_from_hidden, topk_jsd_from_logits
 
     dt = getattr(torch, dtype)
     gen = torch.Generator(device=device).manual_seed(seed)
     peer = load_peer() if method == "peer" else None
 
     def plain_loss(z_s, z_t):
-        """This project's loss on whole logits (opd.distill.micro_batch_loss with loss_chunk 0): Eq. 3 + Eq. 7-8."""
+        """This project's loss on whole logits (opd.methods.distill.micro_batch_loss with loss_chunk 0): Eq. 3 + Eq. 7-8."""
         d_alpha, terms = topk_jsd_from_logits(z_s, z_t, topk, alpha)  # (P,), (P, 3)
         return d_alpha.mean(), terms
 

@@ -3,7 +3,7 @@
 The model is built from its real configuration (bench/configs/qwen3.5-4b.json, qwen3.5-9b.json: the
 public config.json of Qwen/Qwen3.5-4B and -9B) on the meta device, so the parameter counts are exact
 (no download, no memory): the whole model P, the root FSDP group R (embeddings, LM head, final norm,
-vision patch embedding and merger: what `opd.sharding.shard_model` leaves outside the repeated blocks)
+vision patch embedding and merger: what `opd.models.sharding.shard_model` leaves outside the repeated blocks)
 and the largest block U. Everything else is an estimate from the settings of `--preset paper-4b/9b`
 (float32 weights, bf16 autocast, --grad-checkpointing, --micro-batch 4, 28 prompts x 8 rollouts,
 prompts up to 8,192 tokens and responses up to 1,024, top-100, --loss-chunk 512), with the formulas
@@ -22,7 +22,7 @@ below (bytes, per GPU; s = the number of shards: the GPUs under FSDP2, 1 under D
   (flash attention, flash-linear-attention: O(L), nothing quadratic) counted as b L c x 2 bytes, c = 5H
   + 7 nh hd + 5 nkv hd + 4I per token for a full-attention layer, 5H + 3 (2 nk dk + nv dv) + 3 nv dv
   + 4I for a linear-attention one, twice (the activations and their gradients), and the loss of
-  `opd.chunked` over b x 1,024 positions: dL/dW in float32 (4VH), the LM head's bf16 copies under DDP
+  `opd.maths.chunked` over b x 1,024 positions: dL/dW in float32 (4VH), the LM head's bf16 copies under DDP
   (2VH per side), one chunk's logits of both sides and the gradient buffer (3 x 512 V x 4).
 - generation (before training, in its own phase): the bf16 policy (DDP: autocast's copies; FSDP2
   gathered: the whole model; layerwise: R + 2U) and the cache of every row of a generate() call: 8
@@ -31,13 +31,13 @@ below (bytes, per GPU; s = the number of shards: the GPUs under FSDP2, 1 under D
   prompts x 8 rollouts, capped by --rollout-batch (the table uses 64, which the 1-GPU runs need).
   The prefill's own working set is not counted.
 
-LoRA rows (`--lora-r`, 1 GPU, no sharding; opd/lora.py): the base frozen in bf16 (2P: no float32 master weights,
+LoRA rows (`--lora-r`, 1 GPU, no sharding; opd/models/lora.py): the base frozen in bf16 (2P: no float32 master weights,
 no gradients, no AdamW state for it, and no separate teacher: the EMA teacher is a second adapter on the same base),
 the adapters in float32: the student's A parameters (r (in + out) per adapted linear layer of DEFAULT_TARGETS),
 its gradients and AdamW moments and the teacher's copy (4A + 4A + 8A + 4A). The forward computes in the weights'
 own bf16 (nothing gathered or cast: no weights for compute), the activations are the others' (the adapters' r-wide
 activations are small beside them) and so is the loss, less dL/dW (4VH: the tied LM head is frozen, and
-`opd.chunked` forms no gradient for a frozen weight), generation reads the same bf16 base (the cache only).
+`opd.maths.chunked` forms no gradient for a frozen weight), generation reads the same bf16 base (the cache only).
 
 peak = persistent + max(training transient, generation transient). Not counted: the CUDA context and
 NCCL buffers (1-3 GB), allocator fragmentation, the processor's pixel tensors, the selector (KBs).
@@ -112,15 +112,15 @@ def load_config(name: str):
 
 def model_shape(config) -> Shape:
     """Builds the model of a Qwen3_5Config on the meta device (no weights) and counts its parameters the way
-    `opd.sharding.shard_model` groups them."""
+    `opd.models.sharding.shard_model` groups them."""
     import torch
     from transformers import AutoModelForImageTextToText
 
-    from opd.sharding import shard_units
+    from opd.models.sharding import shard_units
 
     with torch.device("meta"):
         model = AutoModelForImageTextToText.from_config(config)
-    from opd.lora import DEFAULT_TARGETS, matched_modules
+    from opd.models.lora import DEFAULT_TARGETS, matched_modules
 
     adapted = [model.get_submodule(n) for n in matched_modules(model, DEFAULT_TARGETS)]
     lora_per_rank = sum(m.in_features + m.out_features for m in adapted)
@@ -151,7 +151,7 @@ def per_token_layer(m: Shape, kind: str) -> int:
 
 def activations(m: Shape, s: Settings, head_grad: bool = True) -> dict[str, float]:
     """One micro-batch of the student's forward and backward with activation checkpointing, and the loss;
-    `head_grad` False (LoRA: the LM head is frozen, `opd.chunked` forms no dL/dW) drops the loss's 4 V H."""
+    `head_grad` False (LoRA: the LM head is frozen, `opd.maths.chunked` forms no dL/dW) drops the loss's 4 V H."""
     b, length = s.micro_batch, s.prompt_len + s.response_len
     patches = 4 * s.image_tokens  # 2 x 2 patches merge into one token
     saved = len(m.layer_types) * b * length * m.hidden * 2 + m.vision_depth * b * patches * m.vision_hidden * 2

@@ -114,11 +114,11 @@ def measure(
     """Median seconds of generate_rollouts and its prefill / decode / vision forwards, sharing on and off."""
     import torch
 
-    from opd.chat import encode_prompt
-    from opd.data import load_records
-    from opd.model import load_model, load_processor
-    from opd.rollout import generate_rollouts
-    from opd.views import student_view
+    from opd.models.chat import encode_prompt
+    from opd.data.records import load_records
+    from opd.models.loading import load_model, load_processor
+    from opd.engine.rollout import generate_rollouts
+    from opd.data.views import student_view
 
     device = "cuda" if torch.cuda.is_available() else "cpu"
     model_dir, data = model_and_data(model)

@@ -1,10 +1,10 @@
 """Where a training step's time goes (issue 5, benchmark 3): the ledger's per-phase seconds.
 
-Runs `opd.loop.Run.step` with real rollout generation for a few steps on the tiny default (`--preset
+Runs `opd.loop.run.Run.step` with real rollout generation for a few steps on the tiny default (`--preset
 tiny`: 4 prompts x 8 rollouts, 16-token responses, learned policy, rho 0.25) and on a mid-size
 random-weight Qwen3.5 (hidden 512, 8 layers, vision depth 4, 384-pixel images; same preset
 otherwise), each in a fresh process, and reports the mean seconds and share of step time of each
-phase of `opd.ledger.PHASES` over the steps after the first (a warm-up); "other" is step time outside
+phase of `opd.loop.ledger.PHASES` over the steps after the first (a warm-up); "other" is step time outside
 the phases (features, all-gathers' bookkeeping, the ledger row). The learned selector starts
 updating once its replay holds --replay-start labels; the selector share is also given over the
 steps that updated it.
@@ -68,7 +68,7 @@ def measure(
     import torch
 
     from opd.config import PRESETS, TrainConfig
-    from opd.loop import Run
+    from opd.loop.run import Run
 
     if mixed_precision == "auto":
         mixed_precision = "bf16" if torch.cuda.is_available() else "no"
@@ -88,7 +88,7 @@ def measure(
 
 
 def phase_means(rows: list[dict]) -> dict:
-    from opd.ledger import PHASES
+    from opd.loop.ledger import PHASES
 
     n = max(1, len(rows))
     means = {p: sum(r[f"{p}_s"] for r in rows) / n for p in PHASES}
@@ -124,7 +124,7 @@ def main(argv=None) -> dict:
 
 
 def summarize(results: list[dict], info: dict) -> dict:
-    from opd.ledger import PHASES
+    from opd.loop.ledger import PHASES
 
     timed = {r["model"]: r["rows"][1:] or r["rows"] for r in results}
     means = {m: phase_means(rows) for m, rows in timed.items()}

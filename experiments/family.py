@@ -13,7 +13,7 @@
 2. Each base's privileged-minus-plain gap: greedy accuracy on the held-out items in every view its
    methods use, built as training builds them (`opd.toy.family.view_accuracy`).
 3. For each method, Full querying (the method as published), Random-25 and Learned-25 (BAS-OPD's
-   budget on top), over `--seeds` seeds, through `opd.loop.Run` with the method's paper settings; each run is
+   budget on top), over `--seeds` seeds, through `opd.loop.run.Run` with the method's paper settings; each run is
    scored by eval.py on the held-out benchmark in the student's view at the original resolution (the
    full canvas) and, for the crop methods, on the crops (the teacher's pathway); OPSD's and DAPD's trained
    students also with the hint (the privilege illusion), RP-OPSD's at half resolution, OPOD's per route. Extra
@@ -40,7 +40,7 @@ if str(ROOT) not in sys.path:
 
 import numpy as np  # noqa: E402
 
-from opd.ledger import write_atomic  # noqa: E402
+from opd.loop.ledger import write_atomic  # noqa: E402
 from opd.toy.entry import Entry, sft_config, world_config  # noqa: E402
 from opd.toy.experiment import run_folder, say  # noqa: E402
 from opd.toy.report import _pyplot, save_figure, write_report  # noqa: E402
@@ -62,7 +62,7 @@ VARIANTS = {"rp-opsd": (("full", 100, "frozen"),), "opod": (("full", 100, "no-pg
             "opsd": (("full", 100, "recipe"),), "dapd": (("full", 100, "recipe"),)}  # fmt: skip
 """Extra runs of a method: RP-OPSD with a fixed teacher, which tells the EMA teacher's drift from the rest; OPOD
 without its policy-gradient term, which tells its teachers' share from the reward's (r_task reads the answer); OPSD
-and DAPD with their published recipes (`opd.methods.Method.recipe`: LoRA r 64, their sampling, learning rate and
+and DAPD with their published recipes (`opd.methods.table.Method.recipe`: LoRA r 64, their sampling, learning rate and
 schedule), where every other run here keeps the family's full fine-tuning at one learning rate for comparability."""
 VARIANT_SETTINGS = {"frozen": {"ema_tau": 0.0}, "no-pg": {"opod_pg_weight": 0.0}}
 VARIANT_LABELS = {"frozen": ("Full, fixed teacher (--ema-tau 0)", "Full,\nfixed teacher"),
@@ -161,8 +161,8 @@ def base_gaps(root: Path, cfg: FamilyConfig) -> dict:
     path = root / "base_gaps.json"
     if path.exists():
         return json.loads(path.read_text())
-    from opd.data import load_records
-    from opd.model import load_model, load_processor
+    from opd.data.records import load_records
+    from opd.models.loading import load_model, load_processor
     from opd.toy.family import view_accuracy, write_eval_records
 
     records = load_records(write_eval_records(root / "world", world_config(cfg), root / "eval_records.jsonl"))
@@ -176,7 +176,7 @@ def base_gaps(root: Path, cfg: FamilyConfig) -> dict:
 
 
 def opod_routes(root: Path) -> Path:
-    """OUT/opod_route.json, OPOD's `--teachers` table (`opd.external_teachers`): the record field `shape` routed to the
+    """OUT/opod_route.json, OPOD's `--teachers` table (`opd.models.external_teachers`): the record field `shape` routed to the
     base checkpoints of OPOD_ROUTES (paths relative to OUT)."""
     path = root / "opod_route.json"
     spec = {"field": "shape", "teachers": {shape: f"base-{base}" for shape, base in OPOD_ROUTES.items()}}
@@ -196,8 +196,8 @@ def route_gaps(root: Path, cfg: FamilyConfig) -> dict:
     path = root / "route_gaps.json"
     if path.exists():
         return json.loads(path.read_text())
-    from opd.data import load_records
-    from opd.model import load_model, load_processor
+    from opd.data.records import load_records
+    from opd.models.loading import load_model, load_processor
     from opd.toy.family import view_accuracy
 
     records = load_records(root / "eval_records.jsonl")
@@ -220,14 +220,14 @@ def trust_region_profile(root: Path, cfg: FamilyConfig, prompts: int = 16) -> di
         return json.loads(path.read_text())
     import torch
 
-    from opd.chunked import sampled_logp_from_hidden
+    from opd.maths.chunked import sampled_logp_from_hidden
     from opd.config import TrainConfig
-    from opd.distill import micro_batch_inputs
-    from opd.ema_teacher import lm_head_weight
-    from opd.loop import Run
-    from opd.rollout import generate_rollouts
+    from opd.methods.distill import micro_batch_inputs
+    from opd.models.ema_teacher import lm_head_weight
+    from opd.loop.run import Run
+    from opd.engine.rollout import generate_rollouts
     from opd.seeding import mix_seed
-    from opd.weights import trust_region
+    from opd.maths.weights import trust_region
 
     run = Run(TrainConfig(model=str(root / "base-crop"), data=str(root / "world" / "train.jsonl"),
                           out=str(root / "trust_region_run"), overwrite=True, method="opd-v", policy="full", rho=1.0,
@@ -274,7 +274,7 @@ def run_specs(cfg: FamilyConfig) -> list[dict]:
 def job(cfg: FamilyConfig, spec: dict, root: Path) -> dict:
     """One run as an `opd.toy.experiment` job: the method's paper settings, its base, no audit; eval.py on
     the benchmark in the student's view (the full canvas) and on the crops."""
-    from opd.methods import METHODS as TABLE
+    from opd.methods.table import METHODS as TABLE
 
     world = root / "world"
     train = {
@@ -298,9 +298,9 @@ TRAINED_VIEWS = {"rp-opsd": ("half_resolution",), "opsd": ("reference_answer",),
 
 def trained_views(root: Path, cfg: FamilyConfig) -> None:
     """OUT/runs/.../views.json: a finished run's final policy in TRAINED_VIEWS (greedy, as base_gaps)."""
-    from opd.checkpoint import find_checkpoint
-    from opd.data import load_records
-    from opd.model import load_model, load_processor
+    from opd.loop.checkpoint import find_checkpoint
+    from opd.data.records import load_records
+    from opd.models.loading import load_model, load_processor
     from opd.toy.family import view_accuracy
 
     records = None
@@ -357,8 +357,8 @@ def check_ledger(rows: list[dict], rho: float, policy: str, views: int, method: 
 
 def collect(root: Path, cfg: FamilyConfig) -> dict:
     """{method: {kind: [done records with their ledger summary and checks]}} from the run folders."""
-    from opd.ledger import read_ledger, summarize
-    from opd.methods import get_method
+    from opd.loop.ledger import read_ledger, summarize
+    from opd.methods.table import get_method
 
     runs: dict = {}
     for spec in run_specs(cfg):
@@ -539,7 +539,7 @@ def report(root: Path, cfg: FamilyConfig, timing: dict, command: str) -> str:
               "canvas), mean ± std over seeds. Teacher calls = |S| summed over steps (rows, the budget's unit); "
               "forwards = teacher forward rows over all teacher views; scored tokens = sum of T_i over S. Every run keeps "
               "the family's full fine-tuning, learning rate and plain sampling for comparability (each method's paper "
-              "settings, `opd.methods.Method.settings`), but the 'published recipe' runs, which add the method's own "
+              "settings, `opd.methods.table.Method.settings`), but the 'published recipe' runs, which add the method's own "
               "recipe (`Method.recipe`: LoRA, sampling, lr, schedule).", "",
               "| Method | Run | Accuracy (%) | Crop view (%) | Other views (%) | Teacher calls | Teacher forwards | "
               "Scored tokens | Tokens vs Full | Teacher forward (s) | Step (s) |",

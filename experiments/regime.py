@@ -11,7 +11,7 @@ are the explained ones of `opd.toy.explain` (7-54 tokens). One base, trained on 
 1. At s = `share` (50%): Full, Random-25, Entropy-25, Learned-25 (top-K, as published) and the best variants of
    SELECTION.md's parts 1-2 (capped per prompt; Horvitz-Thompson at eps 0.5; stratified by prompt at eps 0.5) x
    `seeds` seeds, 28 prompts x 8 rollouts (K = 56 of 224), one epoch; each scored by eval.py in both views, on all
-   items and per kind, and audited at its end (`opd.audit.selection_audit`: the gradient's cosine to the full-query
+   items and per kind, and audited at its end (`opd.toy.audit.selection_audit`: the gradient's cosine to the full-query
    one, the utility its S captures).
 2. The sweep: s in `sweep` for `sweep_variants` (Full, Random-25, Learned-25) x `sweep_seeds` seeds (the runs at
    s = `share` are part 1's), not audited: where does selection start to pay?
@@ -36,7 +36,7 @@ if str(ROOT) not in sys.path:
 
 import numpy as np  # noqa: E402
 
-from opd.ledger import write_atomic  # noqa: E402
+from opd.loop.ledger import write_atomic  # noqa: E402
 from opd.toy.entry import Entry  # noqa: E402
 from opd.toy.experiment import evaluate, machine, run_folder, say  # noqa: E402
 from opd.toy.regime import PROMPTS, ROLLOUTS, RegimeConfig, accuracy_by_kind, base_world, small_share  # noqa: E402

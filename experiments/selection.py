@@ -16,7 +16,7 @@ unbiased (`--unbiased`: S sampled with inclusion probabilities that grow with th
 prompt). Part 2 (`--variants all`, or by name): Learned-25 unbiased with the Horvitz-Thompson estimator
 (`--estimator ht`) at eps 0.1, 0.3 and 0.5 and with pi proportional to T_i sqrt(u^_i) (`--inclusion-size gradient`),
 and stratified by prompt (`--strata prompt`) at eps 0.1 and 0.5. Each run is scored by eval.py in both views (the full image; the crop view is the teacher's pathway:
-a collapse shows there), and at its end `opd.audit.selection_audit` measures, on held batches, the cosine of the
+a collapse shows there), and at its end `opd.toy.audit.selection_audit` measures, on held batches, the cosine of the
 run's own budgeted gradient (its selector's draws, weighted as in training) to the full-query gradient, and the
 share of the true utility its S captures.
 """
@@ -213,7 +213,7 @@ def main(argv: list[str] | None = None) -> str:
             with entry.phase("base_eval_s"):
                 base = evaluate(root / f"base-{task}", root / "world" / "bench", root / f"base_eval-{task}", cfg.eval_batch,
                                 TASKS[task]["eval_tokens"], f"base-{task}")  # fmt: skip
-            from opd.ledger import write_atomic
+            from opd.loop.ledger import write_atomic
 
             write_atomic(path, json.dumps(base, indent=1) + "\n")
         base = json.loads(path.read_text())

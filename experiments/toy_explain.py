@@ -11,11 +11,11 @@ here. Answer: C").
 1. The world (`export_world`) and the base (`opd.toy.sft.train_base(task=EXPLAIN)`): a tiny Qwen3.5 taught
    the explained answers on crops only; eval.py (its answer parser reads the final answer) measures the
    full-image and crop views, and OUT/base_samples.json holds 8 sampled rollouts of a few prompts.
-2. OPD runs through `opd.loop.Run`: Full, Random-25, Entropy-25, Learned-10/25/50 (Table 3), and Learned-25
+2. OPD runs through `opd.loop.run.Run`: Full, Random-25, Entropy-25, Learned-10/25/50 (Table 3), and Learned-25
    without overlap, confidence, ranking loss or exploration (Table 4, train.py's --no-* switches), each
    over `--seeds` seeds, each scored by eval.py in both views. Every run writes trace.jsonl: per step the
    candidates, S, every rollout's length and entropy, and the utility labels of S (`opd.toy.experiment.Trace`).
-   Learned-25 runs get the Figure 3 audit (`opd.audit`) and seed 0 the Figure 4 geometry.
+   Learned-25 runs get the Figure 3 audit (`opd.toy.audit`) and seed 0 the Figure 4 geometry.
 3. OUT/report.md and the plots, from the files on disk: beside the paper's tables, which lengths each
    policy picks and what they carry (utility by length), prompt coverage of S, and the crop view after
    training (the teacher's pathway) per run.
@@ -38,7 +38,7 @@ if str(ROOT) not in sys.path:
 
 import numpy as np  # noqa: E402
 
-from opd.ledger import write_atomic  # noqa: E402
+from opd.loop.ledger import write_atomic  # noqa: E402
 from opd.toy.entry import Entry, sft_config, world_config  # noqa: E402
 from opd.toy.experiment import (  # noqa: E402
     ABLATIONS,
@@ -184,12 +184,12 @@ def base_samples(root: Path, cfg: ExplainConfig) -> list[dict]:
     prompts, full image, as training samples them (seeded); written to OUT/base_samples.json."""
     import torch
 
-    from opd.chat import encode_prompt
-    from opd.data import load_records
-    from opd.model import load_model, load_processor, special_ids
-    from opd.rollout import generate_rollouts
+    from opd.models.chat import encode_prompt
+    from opd.data.records import load_records
+    from opd.models.loading import load_model, load_processor, special_ids
+    from opd.engine.rollout import generate_rollouts
     from opd.toy.explain import style_of
-    from opd.views import get_view
+    from opd.data.views import get_view
 
     path = root / "base_samples.json"
     if path.exists():

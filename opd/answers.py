@@ -1,7 +1,7 @@
 """Answer parsing for the evaluation benchmarks, and the options of a question's text (`split_options`).
 
 A shared module, not evaluation code: eval.py grades with it (`opd.eval.evaluate`), OPOD's task reward reads its
-responses with it (`opd.opod.task_reward`), the toy world's probes too.
+responses with it (`opd.methods.opod.task_reward`), the toy world's probes too.
 
 The paper (Appendix B.2) scores with "benchmark-native option or exact-answer parsing". Public
 toolkits get a few cases wrong, and those cases decide points on small benchmarks:

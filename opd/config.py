@@ -6,7 +6,7 @@ its name as it has always been (`--rho`, `--lora-r`, `--dapd-clip`); `TrainConfi
 flag names, and `cfg.flags()` is the flat view that train_config.json stores, so every stored one still resumes.
 
 Where values come from, lowest first (`resolve`): the sections' defaults, the preset (`PRESETS`), the method's
-paper settings and published recipe (`opd.methods`), a config file (`--config`: YAML with flag names as keys, or a
+paper settings and published recipe (`opd.methods.table`), a config file (`--config`: YAML with flag names as keys, or a
 run's own train_config.json; `read_config_file`) and the flags given. `problems()` gathers every section's
 `check()` and the few rules that tie two sections together (`cross_problems`).
 """
@@ -21,22 +21,22 @@ import re
 from dataclasses import dataclass
 from pathlib import Path
 
-from opd.build import ModelConfig
-from opd.checkpoint import CheckpointConfig, find_latest, load_config
+from opd.loop.build import ModelConfig
+from opd.loop.checkpoint import CheckpointConfig, find_latest, load_config
 from opd.cli import Flag, Section, UserError, flag_text
-from opd.data import DataConfig
-from opd.ema_teacher import EMAConfig
-from opd.engine import EngineConfig
+from opd.data.records import DataConfig
+from opd.models.ema_teacher import EMAConfig
+from opd.engine.vllm import EngineConfig
 from opd.eval.live import LiveEvalConfig
-from opd.external_teachers import TeacherConfig
-from opd.lora import LoRAConfig
-from opd.loss import LossConfig
-from opd.methods import METHODS
-from opd.optim import OptimConfig
-from opd.rollout import SamplingConfig
-from opd.run_folder import FolderConfig, checkpoint_of, run_files
-from opd.selection_config import PredictorConfig, SelectionConfig
-from opd.tracking import TrackerConfig
+from opd.models.external_teachers import TeacherConfig
+from opd.models.lora import LoRAConfig
+from opd.maths.loss import LossConfig
+from opd.methods.table import METHODS
+from opd.loop.optim import OptimConfig
+from opd.engine.rollout import SamplingConfig
+from opd.loop.folder import FolderConfig, checkpoint_of, run_files
+from opd.selection.config import PredictorConfig, SelectionConfig
+from opd.loop.tracking import TrackerConfig
 
 
 @dataclass
@@ -48,7 +48,7 @@ class RunConfig(Section):
     and scored before and after on its held-out items; CPU, about a minute plus a minute to build it once), 'tiny'
     (a random-weight tiny model on noise images: the tests' fast runs), 'paper-4b' / 'paper-9b' (the paper's tables)."""
     method: str = "bas-opd"
-    """Method of the family (the table in opd/methods.py): sets its views, support, divergence, token weight (DAPD,
+    """Method of the family (the table in opd/methods/table.py): sets its views, support, divergence, token weight (DAPD,
     OPOD, TM-OPD: their own objective), its paper's settings and its published recipe (under the flags given)."""
     steps: int = 0
     """Training steps; 0 = one epoch (floor(records / prompts_per_step), the paper's 111)."""
@@ -116,7 +116,7 @@ class TrainConfig:
 
     @property
     def method(self):
-        """The method's row of the table (`opd.methods.Method`)."""
+        """The method's row of the table (`opd.methods.table.Method`)."""
         return METHODS[self.run.method]
 
     def objective(self) -> Section | None:
@@ -165,7 +165,7 @@ def cross_problems(cfg: TrainConfig, world: int) -> list[str]:
 
 
 def method_problems(cfg: TrainConfig) -> list[str]:
-    """What the method's objective refuses (`opd.objective.Objective.refuses`) and its teachers' rules."""
+    """What the method's objective refuses (`opd.methods.objective.Objective.refuses`) and its teachers' rules."""
     method, name = cfg.method, cfg.run.method
     problems = []
     if method.external_teachers == "refused" and cfg.teacher.external:

@@ -6,22 +6,22 @@
 
 Sharded: a `--fsdp` run writes every checkpoint as checkpoint-N/sharded/, one torch.distributed.checkpoint (DCP)
 of {"policy", "teacher", "optimizer"}, and only its last checkpoint also as policy/ in `save_pretrained` form
-(`opd.checkpoint.save_sharded`). `export_checkpoint` turns any of them into that form without a launcher or a
+(`opd.loop.checkpoint.save_sharded`). `export_checkpoint` turns any of them into that form without a launcher or a
 process group: DCP reads its own shards in one process (`dcp.load(..., no_dist=True)`), and only the "policy"
 entries are read, into CPU tensors of the shapes and dtypes the checkpoint records. The model class, config,
 generation config and processor come from the run's own `--model` (checkpoint-N/train_config.json: `model`,
 none = the built-in tiny model), built on the meta device (no weights are initialised or read from it); its
 parameter names must be the checkpoint's, one for one. The folder is written by the same call the trainer's
-export makes (`model.save_pretrained(folder, state_dict=full)`, `opd.checkpoint.export_pretrained`) into a
+export makes (`model.save_pretrained(folder, state_dict=full)`, `opd.loop.checkpoint.export_pretrained`) into a
 temporary sibling and renamed into place, so the weights are the ones the trainer would have exported at that
 step, bit for bit. Before anything is read, every shard file holding the policy must be there and long enough
 for the entries DCP's index puts in it (`check_shards`): a missing or truncated one is one line naming it.
 
-LoRA (`--lora-r`): a checkpoint's policy/ is an adapter (`opd.lora.save_adapter`), which transformers, vLLM and
+LoRA (`--lora-r`): a checkpoint's policy/ is an adapter (`opd.models.lora.save_adapter`), which transformers, vLLM and
 other tools do not load as a model. The export is ONE merged model: the adapter's base with the adapter merged
 in (peft's merge_and_unload), in the run's --dtype, written to checkpoint-N/merged/ by default (policy/ keeps the
 adapter; `--out` puts it elsewhere). From policy/ it is the model `eval.py --model RUN` merges in memory
-(`opd.model.load_model`), weight for weight, so both score the same; an intermediate --fsdp + LoRA checkpoint
+(`opd.models.loading.load_model`), weight for weight, so both score the same; an intermediate --fsdp + LoRA checkpoint
 (sharded/ only, under peft's names) is merged from its shards: the run's --model on the meta device, wrapped by
 peft with the adapter the shards hold (its rank from lora_A, scaled by --lora-alpha), loaded, merged.
 
@@ -44,13 +44,13 @@ from pathlib import Path
 
 from opd.cli import Parser, UserError, run_cli
 
-POLICY = "policy."  # the DCP key prefix of the policy's entries (opd.checkpoint._sharded_state)
+POLICY = "policy."  # the DCP key prefix of the policy's entries (opd.loop.checkpoint._sharded_state)
 MERGED = "merged"  # a LoRA checkpoint's export: checkpoint-N/merged/ (its policy/ is the adapter)
 
 
 def run_config(ckpt: Path) -> dict:
     """The run's settings stored with a checkpoint (train_config.json), or a one-line UserError."""
-    from opd.checkpoint import load_config
+    from opd.loop.checkpoint import load_config
 
     try:
         return load_config(ckpt)
@@ -64,13 +64,13 @@ def run_model_source(ckpt: Path, config: dict | None = None) -> tuple[str, dict]
     relative to the current folder (train.py's, when run from where the run was started); when it is not there,
     the error names train_config.json's field `model` and the folder it was looked for in."""
     from opd.builtin import is_builtin
-    from opd.checkpoint import model_source
-    from opd.model import resolve_model_source
+    from opd.loop.checkpoint import model_source
+    from opd.models.loading import resolve_model_source
 
     config = run_config(ckpt) if config is None else config
     name = config.get("model")
     if name is None:  # --preset tiny without --model: the built-in tiny model (rebuilt if its cache is gone; its
-        from opd.tiny import tiny_defaults  # vLLM-servable variant for a --rollout-engine vllm run, opd.build)
+        from opd.tiny import tiny_defaults  # vLLM-servable variant for a --rollout-engine vllm run, opd.loop.build)
 
         return str(tiny_defaults(vllm=config.get("rollout_engine") == "vllm")[0]), config
     try:
@@ -142,7 +142,7 @@ def _skeleton(source: str, dtype: str):
     import torch
     from transformers import AutoConfig, AutoModelForImageTextToText, GenerationConfig
 
-    from opd.model import DTYPES
+    from opd.models.loading import DTYPES
 
     config = AutoConfig.from_pretrained(source)
     with torch.device("meta"):
@@ -160,7 +160,7 @@ def _lora_skeleton(ckpt: Path, model, entries: dict, config: dict):
     import torch
     from peft import LoraConfig, get_peft_model
 
-    from opd.lora import STUDENT
+    from opd.models.lora import STUDENT
 
     marker = f".lora_A.{STUDENT}.weight"
     targets = sorted(k[: -len(marker)].removeprefix("base_model.model.") for k in entries if k.endswith(marker))
@@ -178,7 +178,7 @@ def _lora_skeleton(ckpt: Path, model, entries: dict, config: dict):
 def _fit(ckpt: Path, model, entries: dict, source: str, lora: bool) -> list[str]:
     """The names of `model`'s state that the checkpoint's policy entries give, one for one, or a UserError naming
     what is missing or unexpected (a LoRA run's other adapters, its EMA teacher's, are left out)."""
-    from opd.lora import STUDENT
+    from opd.models.lora import STUDENT
 
     names = set(model.state_dict())
     extra = entries.keys() - names
@@ -234,10 +234,10 @@ def from_shards(ckpt: Path, config: dict, lora: bool):
 def from_adapter(ckpt: Path, config: dict):
     """(model, None, processor source) of a LoRA checkpoint's policy/ adapter: its base (adapter_config.json's
     base_model_name_or_path) with the adapter merged, in the run's --dtype: the model `eval.py --model` merges in
-    memory (`opd.model.load_model`, `opd.lora.merged`), weight for weight."""
+    memory (`opd.models.loading.load_model`, `opd.models.lora.merged`), weight for weight."""
     import json
 
-    from opd.model import load_model
+    from opd.models.loading import load_model
 
     policy = ckpt / "policy"
     try:
@@ -260,10 +260,10 @@ def _needed(model, state: dict | None) -> int:
 
 
 def write_export(model, state: dict | None, processor_source: str, out: Path) -> Path:
-    """`model.save_pretrained(out, state_dict=state)` (as `opd.checkpoint.export_pretrained`) with the processor, into
+    """`model.save_pretrained(out, state_dict=state)` (as `opd.loop.checkpoint.export_pretrained`) with the processor, into
     a temporary sibling renamed into place; a full disk is one line naming the folder and the model's size, and
     leaves no temporary folder."""
-    from opd.model import load_processor
+    from opd.models.loading import load_processor
     from opd.storage import room
 
     with room(out.parent, f"the export {out.name}/", _needed(model, state)):
@@ -296,8 +296,8 @@ def export_checkpoint(ckpt: str | Path, out: str | Path | None = None) -> Path:
     default to checkpoint-N/merged/). One process, no torch.distributed process group; a one-line UserError for a
     folder that holds nothing to export, a missing or truncated shard, a run model that is gone or does not match
     the checkpoint's parameters, or an `out` that exists."""
-    from opd.checkpoint import find_checkpoint
-    from opd.lora import is_adapter_folder
+    from opd.loop.checkpoint import find_checkpoint
+    from opd.models.lora import is_adapter_folder
 
     try:
         ckpt = find_checkpoint(Path(ckpt).expanduser())
@@ -326,9 +326,9 @@ def _umask() -> int:
 
 def sharded_without_export(path: str | Path) -> Path | None:
     """The checkpoint a train.py run or checkpoint folder names (its latest), when it is sharded and has no
-    policy/ export yet; None for anything else (left to `opd.checkpoint.model_source`). A sharded folder
+    policy/ export yet; None for anything else (left to `opd.loop.checkpoint.model_source`). A sharded folder
     without DCP metadata (an incomplete write) is a UserError."""
-    from opd.checkpoint import find_checkpoint
+    from opd.loop.checkpoint import find_checkpoint
 
     folder = Path(path).expanduser()
     run_like = (folder / "latest").is_file() or (folder / "state.pt").is_file()
@@ -348,7 +348,7 @@ def sharded_without_export(path: str | Path) -> Path | None:
 def ensure_export(path: str | Path, what: str = "--model", log=print) -> Path | None:
     """For eval.py: the folder to load for a sharded checkpoint without policy/ (`sharded_without_export`), exported
     first (`export_checkpoint`, saying so in one line): its policy/, or a LoRA run's merged/ (kept from an earlier
-    export); None when there is nothing to export (`opd.checkpoint.model_source` decides)."""
+    export); None when there is nothing to export (`opd.loop.checkpoint.model_source` decides)."""
     ckpt = sharded_without_export(path)
     if ckpt is None:
         return None

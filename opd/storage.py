@@ -1,7 +1,7 @@
 """Writes that survive a stop: atomic files, appended JSON lines, and a full disk as one line.
 
-Every file eval.py writes goes through here, and train.py's summaries and checkpoints (`opd.checkpoint`) (`write_atomic`, `Appender`, `write_jsonl_atomic`), and so does
-`opd.identity.DigestCache.save` and the export's folder (`opd.export`): a write that meets a full disk or a
+Every file eval.py writes goes through here, and train.py's summaries and checkpoints (`opd.loop.checkpoint`) (`write_atomic`, `Appender`, `write_jsonl_atomic`), and so does
+`opd.models.identity.DigestCache.save` and the export's folder (`opd.export`): a write that meets a full disk or a
 quota (ENOSPC, EDQUOT) becomes one `DiskFullError` line naming the folder, the file and roughly the space it
 needed, and leaves nothing half-written behind:
 

@@ -5,7 +5,7 @@ generated image/crop dataset, offline. (train.py's default is the toy world, opd
 with a character-level `Qwen3_5Tokenizer` and a `Qwen3VLProcessor` through `save_pretrained`, so training,
 evaluation and the tests load it through the same `from_pretrained` path as a real checkpoint.
 `build_tiny_dataset(dir)` writes images, crops and a training JSONL in both record forms of
-`opd.data`. Both are deterministic by seed and cached: an existing, complete folder is reused.
+`opd.data.records`. Both are deterministic by seed and cached: an existing, complete folder is reused.
 """
 
 import json
@@ -245,7 +245,7 @@ def tiny_bench() -> Path:
 
 
 def build_tiny_vllm_model(out_dir: str | Path, seed: int = 0, max_pixels: int = 64 * 64, **config_kwargs) -> Path:
-    """The tiny Qwen3.5 reshaped for vLLM's CPU backend (opd.engine and tests/test_vllm.py only; the default
+    """The tiny Qwen3.5 reshaped for vLLM's CPU backend (opd.engine.vllm and tests/test_vllm.py only; the default
     above is unchanged): attention head_dim 32 instead of 16 and linear-attention key/value head dims 64
     instead of 16, the smallest sizes whose attention kernels that backend has (head_dim 16 does not load).
     The rest is `tiny_config` (`config_kwargs`: hidden, layers, vision_depth; default hidden 64, 4 layers (one

@@ -18,9 +18,9 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from opd.config import TrainConfig
-from opd.loop import Run
-from opd.methods import METHODS  # noqa: E402
-from opd.synthetic import fixed_rollouts  # noqa: E402
+from opd.loop.run import Run
+from opd.methods.table import METHODS  # noqa: E402
+from opd.engine.synthetic import fixed_rollouts  # noqa: E402
 
 
 def main() -> None:

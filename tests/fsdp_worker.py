@@ -1,7 +1,7 @@
 """Worker for the FSDP2 tests (tests/test_fsdp.py): one process without --fsdp (the unsharded reference)
 or `torchrun --nproc_per_node 2 ... --fsdp` (gloo on the CPU).
 
---scenario steps: for each of --methods, two training steps on fixed rollouts (`opd.synthetic`, the same
+--scenario steps: for each of --methods, two training steps on fixed rollouts (`opd.engine.synthetic`, the same
 global batch whatever the number of ranks, as tests/ddp_worker.py); with --skew only rank 0's rows have
 high entropy, so the entropy policy selects nothing on rank 1. Writes OUT/<method>.pt: the full policy
 and teacher weights, the ledger rows, the selections and the teacher rows per rank and step (and per teacher
@@ -14,7 +14,7 @@ is loaded with from_pretrained on rank 0 and its logits compared with the in-mem
 Writes OUT/resume.pt.
 
 --scenario generate (with --fsdp): each rank samples its prompts' rollouts with the sharded policy in
-both `opd.sharding.GENERATION` modes and with an unsharded copy of the same weights, from the same seed.
+both `opd.models.sharding.GENERATION` modes and with an unsharded copy of the same weights, from the same seed.
 Writes OUT/generate.pt: per rank, whether the samples are identical and the largest log-prob difference.
 
 --scenario live: train.py --preset tiny for 2 steps with --eval-before and --eval-every 2 on --eval-data (pope and
@@ -31,14 +31,14 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from opd.chat import collate  # noqa: E402
+from opd.models.chat import collate  # noqa: E402
 from opd.config import TrainConfig
-from opd.loop import Run
-from opd.methods import METHODS  # noqa: E402
-from opd.model import load_model  # noqa: E402
-from opd.rollout import generate_rollouts  # noqa: E402
-from opd.sharding import GENERATION, full_state_dict, generation  # noqa: E402
-from opd.synthetic import fixed_rollouts  # noqa: E402
+from opd.loop.run import Run
+from opd.methods.table import METHODS  # noqa: E402
+from opd.models.loading import load_model  # noqa: E402
+from opd.engine.rollout import generate_rollouts  # noqa: E402
+from opd.models.sharding import GENERATION, full_state_dict, generation  # noqa: E402
+from opd.engine.synthetic import fixed_rollouts  # noqa: E402
 
 BASE = dict(
     prompts_per_step=4, rollouts_per_prompt=4, steps=2, lr=1e-3, micro_batch=3, replay_start=4, replay_batch=16,
@@ -148,7 +148,7 @@ def live(a) -> None:
 
     import train
     from opd.eval.live import LiveEval
-    from opd.ledger import read_ledger
+    from opd.loop.ledger import read_ledger
 
     found, call = [], LiveEval.__call__
 

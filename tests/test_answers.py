@@ -717,7 +717,7 @@ def test_grade_passes_the_question_to_yes_no():
 )
 def test_free_form_match_reads_the_answer_in_a_short_sentence(reply, gold, question):
     assert free_form_match(reply, gold, question) is True
-    assert exact_match(reply, gold) is False  # the strict match (opd.opod's task reward) stays strict
+    assert exact_match(reply, gold) is False  # the strict match (opd.methods.opod's task reward) stays strict
 
 
 @pytest.mark.parametrize(

@@ -1,12 +1,12 @@
-"""opd/chunked.py's loss functions against `topk_support` + `generalized_jsd` and, for every support and
+"""opd/maths/chunked.py's loss functions against `topk_support` + `generalized_jsd` and, for every support and
 divergence of the seed family, `topk_divergence` on full logits (values, gradients, gradcheck, float32,
-the importance ratio, memory, a training step), and the length-grouped micro-batch plan (opd/distill.py)."""
+the importance ratio, memory, a training step), and the length-grouped micro-batch plan (opd/methods/distill.py)."""
 
 import pytest
 import torch
 from test_training import perturb, small_config
 
-from opd.chunked import (
+from opd.maths.chunked import (
     budgeted_loss_from_hidden,
     clamped_kl_from_hidden,
     sampled_logp_from_hidden,
@@ -14,12 +14,12 @@ from opd.chunked import (
     topk_jsd_from_logits,
     weighted_logp_from_hidden,
 )
-from opd.divergence import clamped_forward_kl, generalized_jsd, topk_divergence, topk_support
-from opd.loop import Run
-from opd.schedule import plan_micro_batches
-from opd.synthetic import fixed_rollouts
-from opd.utility import utility_terms
-from opd.weights import TokenWeight, importance_ratio, teacher_gate, token_weight
+from opd.maths.divergence import clamped_forward_kl, generalized_jsd, topk_divergence, topk_support
+from opd.loop.run import Run
+from opd.methods.schedule import plan_micro_batches
+from opd.engine.synthetic import fixed_rollouts
+from opd.maths.utility import utility_terms
+from opd.maths.weights import TokenWeight, importance_ratio, teacher_gate, token_weight
 
 F64 = torch.float64
 
@@ -544,7 +544,7 @@ def test_a_frozen_lm_head_gets_no_weight_gradient_and_the_same_hidden_gradient(m
     """A weight that needs no gradient (LoRA's frozen LM head): the three fused functions compute no dL/dW (no
     (V, H) product or buffer: `_accumulate` is never called) and leave W.grad None, while dL/dh and the values are
     the same ops as with a trainable weight (exactly equal)."""
-    import opd.chunked
+    import opd.maths.chunked
 
     P, V = 13, 40
     y = torch.randint(0, V, (P,), generator=torch.Generator().manual_seed(31))
@@ -559,8 +559,8 @@ def test_a_frozen_lm_head_gets_no_weight_gradient_and_the_same_hidden_gradient(m
         "pg": lambda h, w, h_t, w_t: weighted_logp_from_hidden(h, w, y, coef, 4),
     }  # fmt: skip
     accumulated = []
-    accumulate = opd.chunked._accumulate
-    monkeypatch.setattr(opd.chunked, "_accumulate", lambda *a: accumulated.append(1) or accumulate(*a))
+    accumulate = opd.maths.chunked._accumulate
+    monkeypatch.setattr(opd.maths.chunked, "_accumulate", lambda *a: accumulated.append(1) or accumulate(*a))
     for name, fn in calls.items():
         results = {}
         for frozen in (False, True):

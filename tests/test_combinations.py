@@ -28,7 +28,7 @@ from tracker_readers import mlflow_history, tensorboard_scalars, wandb_history
 
 import train
 from opd.cli import UserError
-from opd.ledger import read_ledger
+from opd.loop.ledger import read_ledger
 
 ROOT = Path(__file__).resolve().parents[1]
 FACTORS = {
@@ -214,7 +214,7 @@ def live_replies(monkeypatch):
 
 @pytest.fixture
 def no_process_group_left():
-    """An --fsdp run in this process makes a one-process group (opd.sharding.ensure_process_group); a run that fails
+    """An --fsdp run in this process makes a one-process group (opd.models.sharding.ensure_process_group); a run that fails
     leaves it: it must not outlive the test."""
     yield
     import torch.distributed as dist

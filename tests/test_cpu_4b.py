@@ -3,7 +3,7 @@ its reduced variant (Qwen3.5-4B's vocabulary, head dimensions, vision width and 
 slow-marked.
 
 - The full-vocabulary support (GKD; OPSD's recipe) held about 13 chunks' worth of (chunk, V) float32 tensors at
-  once in `opd.chunked.budgeted_loss_from_hidden` (autograd through the JSD over whole (C, V) blocks): 6.5 GB at
+  once in `opd.maths.chunked.budgeted_loss_from_hidden` (autograd through the JSD over whole (C, V) blocks): 6.5 GB at
   the default chunk of 512 and Qwen3.5's 248,320 tokens, where bench/memory_table.py counts 3 (1.5 GB).
 """
 
@@ -13,8 +13,8 @@ import pytest
 import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 
-from opd.chunked import budgeted_loss_from_hidden
-from opd.divergence import topk_divergence
+from opd.maths.chunked import budgeted_loss_from_hidden
+from opd.maths.divergence import topk_divergence
 
 F64 = torch.float64
 
@@ -128,7 +128,7 @@ def test_the_rehearsal_runs_on_the_reduced_4b(tmp_path, capsys):
 
 
 def test_the_lora_estimate_counts_no_lm_head_gradient():
-    """bench/memory_table.py's LoRA rows: the LM head is frozen (opd.chunked forms no dL/dW for it), so the loss
+    """bench/memory_table.py's LoRA rows: the LM head is frozen (opd.maths.chunked forms no dL/dW for it), so the loss
     term is one chunk's three (C, V) float32 buffers and the positions' hidden-state buffers, without the 4 V H
     bytes of dL/dW that full fine-tuning's rows hold (the rehearsal measured 2.5 GB below the estimate before)."""
     from bench import memory_table as mt

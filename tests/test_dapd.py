@@ -1,4 +1,4 @@
-"""DAPD (`--method dapd`, opd/dapd.py) on the tiny model: the six pairs' contexts and completions as token ids on
+"""DAPD (`--method dapd`, opd/methods/dapd.py) on the tiny model: the six pairs' contexts and completions as token ids on
 a hand-made example, the snapshot refresh every N steps, two steps with the ledger's counts, resume."""
 
 import math
@@ -7,14 +7,14 @@ import pytest
 import torch
 from test_training import TIMING, params_of, small_config
 
-from opd.chat import encode_prompt
-from opd.dapd import PAIRS, student_groups
-from opd.data import full_image
-from opd.ledger import read_ledger
-from opd.loop import Run
-from opd.rollout import Rollouts
-from opd.synthetic import fixed_rollouts
-from opd.views import reference_prompt
+from opd.models.chat import encode_prompt
+from opd.methods.dapd import PAIRS, student_groups
+from opd.data.records import full_image
+from opd.loop.ledger import read_ledger
+from opd.loop.run import Run
+from opd.engine.rollout import Rollouts
+from opd.engine.synthetic import fixed_rollouts
+from opd.data.views import reference_prompt
 
 
 def dapd_config(tmp_path, **kw):

@@ -6,9 +6,9 @@ import numpy as np
 import pytest
 from PIL import Image
 
-from opd.chat import encode_prompt, prompt_text, user_message
-from opd.data import DataError, crop_image, full_image, load_records, shard, step_prompt_indices
-from opd.model import load_model, load_processor
+from opd.models.chat import encode_prompt, prompt_text, user_message
+from opd.data.records import DataError, crop_image, full_image, load_records, shard, step_prompt_indices
+from opd.models.loading import load_model, load_processor
 
 
 @pytest.fixture

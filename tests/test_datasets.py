@@ -18,7 +18,7 @@ import pyarrow.parquet as pq
 import pytest
 from PIL import Image
 
-from opd.data import DataError, crop_image, full_image, load_records, parse_columns
+from opd.data.records import DataError, crop_image, full_image, load_records, parse_columns
 
 datasets.disable_progress_bars()
 ROOT = Path(__file__).resolve().parent.parent
@@ -315,7 +315,7 @@ def test_a_hub_id_not_in_the_cache_fails_fast_offline(hub_cache):
     start = time.monotonic()
     with pytest.raises(DataError) as err:
         load_records("some-org/not-cached", split="train")
-    assert time.monotonic() - start < 30  # no network wait (most of it is importing opd.model)
+    assert time.monotonic() - start < 30  # no network wait (most of it is importing opd.models.loading)
     assert str(err.value) == (f"some-org/not-cached: not a local file or folder, not in the datasets cache ({hub_cache}), "
                               "and the hub cannot be reached (offline)")  # fmt: skip
     with pytest.raises(DataError, match="training data file not found"):
@@ -349,7 +349,7 @@ def test_jsonl_and_parquet_do_not_import_datasets(folder):
     """datasets is imported only for a save_to_disk folder or a hub id."""
     jsonl = write_jsonl(folder / "t.jsonl", ROWS)
     pq.write_table(pa.table(columns_of(ROWS, None)), folder / "paths.parquet")
-    code = ("import sys; from opd.data import load_records; "
+    code = ("import sys; from opd.data.records import load_records; "
             f"load_records({str(jsonl)!r}); load_records({str(folder / 'paths.parquet')!r}); "
             "assert 'datasets' not in sys.modules, 'datasets imported'")  # fmt: skip
     proc = subprocess.run([sys.executable, "-c", code], check=False, cwd=ROOT, capture_output=True, text=True, timeout=300,
@@ -361,7 +361,7 @@ def test_training_from_parquet_and_save_to_disk_gives_the_jsonl_ledger(tmp_path,
     """train.py --data X.parquet (the Image feature's embedded bytes) and --data DIR (save_to_disk), built from the
     tiny default's JSONL: the same records, so the same ledger as the JSONL run (timings aside), same seed."""
     import train
-    from opd.ledger import read_ledger
+    from opd.loop.ledger import read_ledger
 
     jsonl = tiny[1]
     rows = [json.loads(line) for line in jsonl.read_text().splitlines() if line.strip()]

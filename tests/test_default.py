@@ -45,11 +45,11 @@ def small_toy(tmp_path_factory):
 def test_the_builtin_names_resolve_in_one_place(small_toy):
     from accelerate import PartialState
 
-    from opd.build import default_sources
+    from opd.loop.build import default_sources
     from opd.builtin import builtin_path
-    from opd.checkpoint import model_source
-    from opd.data import load_records
-    from opd.external_teachers import teacher_source
+    from opd.loop.checkpoint import model_source
+    from opd.data.records import load_records
+    from opd.models.external_teachers import teacher_source
     from opd.tiny import tiny_defaults
 
     tiny_model, tiny_data = tiny_defaults()
@@ -74,9 +74,9 @@ def test_the_builtin_names_resolve_in_one_place(small_toy):
 
 
 def test_the_default_base_is_one_vllm_can_serve(small_toy, tmp_path):
-    """The default base has the vLLM CPU backend's head sizes and an M-RoPE that fits (opd.engine.unservable); the
+    """The default base has the vLLM CPU backend's head sizes and an M-RoPE that fits (opd.engine.vllm.unservable); the
     experiments' bases (SFTConfig() as before) and the tiny model do not, the tiny model's vLLM variant does."""
-    from opd.engine import unservable
+    from opd.engine.vllm import unservable
     from opd.tiny import tiny_defaults
     from opd.toy.sft import SFTConfig, build_model, toy_processor
 
@@ -139,7 +139,7 @@ def test_live_evaluations_are_printed_and_in_summary_md(small_toy, tmp_path, cap
     """--eval-before and --eval-every 1 on 2 steps (the small toy world's base, --eval-data toy): the first ledger row
     holds the evaluation before step 0, rows 0 and 1 their own; the console prints each, summary.json and summary.md
     list them with the ledger's values and the before -> after line beside the teacher's query ratio."""
-    from opd.ledger import read_ledger
+    from opd.loop.ledger import read_ledger
 
     out = tmp_path / "run"
     train.main(["--preset", "tiny", "--model", "toy", "--data", "toy", "--steps", "2", "--max-response-len", "4",
@@ -174,7 +174,7 @@ def test_eval_before_alone_is_refused_by_name(tmp_path):
 
 
 def test_a_summary_without_evaluations_is_the_cost_tables_alone():
-    from opd.ledger import format_summary, summarize
+    from opd.loop.ledger import format_summary, summarize
 
     rows = [{"step": 0, "candidates": 8, "budget": 2, "selected": 2, "scored_tokens": 4, "candidate_tokens": 16,
              "teacher_forward_s": 0.1, "step_s": 1.0}]  # fmt: skip
@@ -229,8 +229,8 @@ def test_the_default_trains_with_vllm_rollouts(small_toy, tmp_path):
     """--rollout-engine vllm on the default (the small toy world's base: vLLM's CPU backend serves it), and
     --preset tiny --rollout-engine vllm without --model (the tiny model's vLLM variant): each trains its steps with
     the engine's rollouts. Skipped without the vLLM venv (scripts/install_vllm.sh)."""
-    from opd.engine import check_venv
-    from opd.ledger import read_ledger
+    from opd.engine.vllm import check_venv
+    from opd.loop.ledger import read_ledger
 
     try:
         check_venv()

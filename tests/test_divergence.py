@@ -1,4 +1,4 @@
-"""Tests of opd/divergence.py: Eq. 3 (generalized JSD on a top-k support) and Eq. 11 (budgeted loss).
+"""Tests of opd/maths/divergence.py: Eq. 3 (generalized JSD on a top-k support) and Eq. 11 (budgeted loss).
 
 Every equation is compared with an independent computation: explicit Python loops in float64
 (math.log / math.exp), the full-vocabulary value at k = V, or torch.autograd.gradcheck.
@@ -11,7 +11,7 @@ import pytest
 import torch
 from torch.testing import assert_close
 
-from opd.divergence import (
+from opd.maths.divergence import (
     bias_corrected_reverse_kl,
     budgeted_loss,
     check_loss,

@@ -1,5 +1,5 @@
 """Claims of the README and docs/ that the code or another doc can contradict, checked against their source: the
---method help and the methods' tables against the method table (opd.methods.METHODS), the departures' numbering and
+--method help and the methods' tables against the method table (opd.methods.table.METHODS), the departures' numbering and
 groups (docs/DEPARTURES.md) against the items, and the departures the README and FAMILY.md cite against the list."""
 
 import re
@@ -9,7 +9,7 @@ import pytest
 
 from opd.cli import build_parser
 from opd.config import PRESETS, TrainConfig
-from opd.methods import METHODS
+from opd.methods.table import METHODS
 
 ROOT = Path(__file__).resolve().parent.parent
 README = (ROOT / "README.md").read_text()

@@ -227,7 +227,7 @@ def test_read_jsonl_drops_a_torn_tail_and_names_a_bad_line(tmp_path):
 
 def test_greedy_is_batch_invariant_and_ignores_checkpoint_sampling_defaults(tiny, data, float64_model):
     from opd.eval.benchmarks import load_benchmark
-    from opd.model import load_model, load_processor
+    from opd.models.loading import load_model, load_processor
 
     # float64 (tests/float64.py): a padded batch's logits then agree with one prompt's to ~1e-16 relative, so equal
     # greedy replies test the masking, not whether float32 rounding happened to keep a near-tie's order
@@ -456,10 +456,10 @@ def test_model_digests_are_cached_and_follow_the_content(tiny, tmp_path, monkeyp
     assert not (tmp_path / "out").exists()  # nothing written before save()
     digests.save()
     hashed: list[str] = []
-    import opd.identity
+    import opd.models.identity
 
-    real = opd.identity.file_sha256
-    monkeypatch.setattr(opd.identity, "file_sha256", lambda p: hashed.append(Path(p).name) or real(p))
+    real = opd.models.identity.file_sha256
+    monkeypatch.setattr(opd.models.identity, "file_sha256", lambda p: hashed.append(Path(p).name) or real(p))
     cached = evaluate.DigestCache(tmp_path / "out" / "model_digests.json")
     assert evaluate.model_identity(str(folder), cached)["model"] == key and hashed == []  # no file re-read
     weights = folder / "model.safetensors"

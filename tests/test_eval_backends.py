@@ -151,7 +151,7 @@ def test_the_server_renders_the_trainers_prompt(transformers_serve, tiny, data):
     without the suppression of vision tokens nothing else in the request matters for this checkpoint."""
     from opd.eval.benchmarks import load_benchmark
     from opd.eval.inference import encode_item
-    from opd.model import load_processor
+    from opd.models.loading import load_processor
 
     processor = load_processor(str(tiny[0]))
     backend = OpenAIBackend.connect(transformers_serve.url)
@@ -174,7 +174,7 @@ def test_vllm_backend_gives_hf_greedys_answers_where_the_tokens_agree(vllm_engin
     store the same reply and answer. Other items part at a bf16 near-tie (tests/test_vllm.py bounds those)."""
     from vllm_fixtures import hf, hf_greedy_ids
 
-    from opd import engine
+    from opd.engine import vllm as engine
     from opd.eval.benchmarks import load_benchmark
     from opd.eval.inference import encode_item
 
@@ -272,7 +272,7 @@ def test_bad_backend_flags_are_one_line(tiny, tmp_path):
 
 
 def test_requests_are_greedy_and_neutral_for_each_server_kind(tiny, data):
-    from opd.chat import user_message
+    from opd.models.chat import user_message
     from opd.eval.backends import config_special_ids
     from opd.eval.benchmarks import load_benchmark, prompt_text
 
@@ -392,8 +392,8 @@ def lora_adapter(folder: Path, base: Path) -> Path:
 def test_vllm_backend_refuses_what_no_server_can_load_before_anything_is_written(tiny, vstar, tmp_path, monkeypatch):
     """--backend vllm: a LoRA adapter, a hub id the cache lacks and a --vllm-url that does not answer are one line
     each, before anything is written; --backend openai reads a LoRA adapter's token ids from its base's config."""
-    import opd.engine
-    import opd.model
+    import opd.engine.vllm
+    import opd.models.loading
     from opd.eval.backends import config_special_ids
 
     refused = socket.socket()
@@ -406,8 +406,8 @@ def test_vllm_backend_refuses_what_no_server_can_load_before_anything_is_written
             run_quiet([*common, "--model", adapter, "--vllm-url", url])
         with pytest.raises(UserError, match=rf"^--vllm-url {url}: no vLLM server answers GET {url}/health within 5 s$"):
             run_quiet([*common, "--model", tiny[0], "--vllm-url", url])
-        monkeypatch.setattr(opd.model, "hub_reachable", lambda: True)  # an uncached hub id the hub would serve
-        monkeypatch.setattr(opd.engine, "check_venv", lambda venv=None: Path(sys.executable))
+        monkeypatch.setattr(opd.models.loading, "hub_reachable", lambda: True)  # an uncached hub id the hub would serve
+        monkeypatch.setattr(opd.engine.vllm, "check_venv", lambda venv=None: Path(sys.executable))
         with pytest.raises(UserError, match=r"--model some-org/not-cached: not in the local Hugging Face cache"):
             run_quiet([*common, "--model", "some-org/not-cached"])
     finally:

@@ -16,7 +16,7 @@ from opd.cli import UserError
 from opd.eval import cli
 
 ROOT = Path(__file__).resolve().parents[1]
-OWN = [ROOT / "eval.py", ROOT / "opd" / "export.py", ROOT / "opd" / "identity.py"] + sorted(
+OWN = [ROOT / "eval.py", ROOT / "opd" / "export.py", ROOT / "opd" / "models" / "identity.py"] + sorted(
     p for p in (ROOT / "opd" / "eval").glob("*.py") if p.name not in ("answers.py", "live.py"))  # fmt: skip
 
 

@@ -137,12 +137,12 @@ def test_two_ranks_resume_a_stopped_run(tiny, data, one_process, tmp_path, eval_
 FAIL_ON_RANK_1 = """# eval.py whose rank 1 cannot load the model (its own error, as a process whose GPU is full meets)
 import os, runpy, sys
 sys.path[:0] = [{root!r}]
-import opd.model
+import opd.models.loading
 from opd.cli import UserError
 if os.environ.get("RANK") == "1":
     def load_model(*args, **kwargs):
         raise UserError("no room for the model on this GPU (the test's failure)", local=True)
-    opd.model.load_model = load_model
+    opd.models.loading.load_model = load_model
 sys.argv[0] = {script!r}
 runpy.run_path(sys.argv[0], run_name="__main__")
 """

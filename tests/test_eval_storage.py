@@ -173,7 +173,7 @@ def test_a_full_disk_while_exporting_leaves_no_temporary_folder(tiny, tmp_path, 
     from safetensors import SafetensorError
 
     from opd.export import write_export
-    from opd.model import load_model
+    from opd.models.loading import load_model
 
     model = load_model(str(tiny[0]))
     real = transformers.modeling_utils.safe_save_file

@@ -35,7 +35,7 @@ def say(msg: str) -> None:
 
 
 def moved_model(model_dir, dtype="float32", seed=1):
-    from opd.model import load_model
+    from opd.models.loading import load_model
 
     model = load_model(str(model_dir), dtype)
     gen = torch.Generator().manual_seed(seed)
@@ -46,7 +46,7 @@ def moved_model(model_dir, dtype="float32", seed=1):
 
 
 def sharded_checkpoint(root: Path, model, run_model, dtype="float32", step=3, **config) -> Path:
-    """A checkpoint folder as opd.checkpoint.save_sharded lays it out: sharded/ (DCP of policy and teacher),
+    """A checkpoint folder as opd.loop.checkpoint.save_sharded lays it out: sharded/ (DCP of policy and teacher),
     state.pt and train_config.json naming the run's --model and --dtype."""
     ckpt = root / f"checkpoint-{step:06d}"
     policy = {k: v.detach().clone() for k, v in model.state_dict().items()}
@@ -70,12 +70,12 @@ def assert_same_export(a: Path, b: Path) -> None:
 
 @pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
 def test_export_is_the_checkpoints_policy_in_save_pretrained_form(tiny, tmp_path, dtype):
-    from opd.model import load_processor
+    from opd.models.loading import load_processor
 
     model = moved_model(tiny[0], dtype)
     ckpt = sharded_checkpoint(tmp_path / "run", model, str(tiny[0]), dtype)
     reference = tmp_path / "reference"
-    model.save_pretrained(reference)  # what the trainer's export writes (opd.checkpoint.export_pretrained)
+    model.save_pretrained(reference)  # what the trainer's export writes (opd.loop.checkpoint.export_pretrained)
     load_processor(str(tiny[0])).save_pretrained(reference)
     t0 = time.perf_counter()
     out = export_checkpoint(ckpt)

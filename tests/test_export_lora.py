@@ -1,7 +1,7 @@
 """`python -m opd.export` on a LoRA run: ONE merged model (peft's merge_and_unload) in plain save_pretrained form,
 which `from_pretrained` loads and eval.py scores exactly as it scores the LoRA run itself (merged in memory).
 
-The fast tests lay a LoRA run's checkpoint out as train.py writes it (opd.checkpoint.save_checkpoint /
+The fast tests lay a LoRA run's checkpoint out as train.py writes it (opd.loop.checkpoint.save_checkpoint /
 save_sharded with adapters: policy/ = the adapter `default` + the processor, teacher/ = the EMA adapter, or only
 sharded/ under peft's names for an intermediate --fsdp checkpoint) from a peft model of the tiny Qwen3.5 whose
 adapters are random (a fresh lora_B is zero: a merge would change nothing). The logits of the export are checked
@@ -34,8 +34,8 @@ def peft_policy(model_dir, seed: int = 0):
     """The tiny model with the student adapter `default` and the EMA teacher's `teacher`, both random."""
     from peft import LoraConfig, get_peft_model
 
-    from opd.lora import DEFAULT_TARGETS, target_modules
-    from opd.model import load_model
+    from opd.models.lora import DEFAULT_TARGETS, target_modules
+    from opd.models.loading import load_model
 
     config = LoraConfig(r=R, lora_alpha=ALPHA, target_modules=target_modules(DEFAULT_TARGETS), bias="none")
     model = get_peft_model(load_model(str(model_dir)), config)
@@ -61,9 +61,9 @@ def run_layout(root: Path, model_dir, step: int, sharded: bool, **config) -> Pat
 
 
 def adapter_checkpoint(root: Path, model_dir, model) -> Path:
-    """A single-process LoRA run's checkpoint: policy/ and teacher/ hold the adapters (opd.lora.save_adapter)."""
-    from opd.lora import save_adapter
-    from opd.model import load_processor
+    """A single-process LoRA run's checkpoint: policy/ and teacher/ hold the adapters (opd.models.lora.save_adapter)."""
+    from opd.models.lora import save_adapter
+    from opd.models.loading import load_processor
 
     ckpt = run_layout(root, model_dir, 2, False)
     save_adapter(model, "default", ckpt / "policy")
@@ -131,7 +131,7 @@ def vstar(tmp_path_factory) -> Path:
 def test_a_lora_checkpoint_exports_one_merged_model(tiny, tmp_path, vstar):
     from transformers import AutoModelForImageTextToText, AutoProcessor
 
-    from opd.model import load_model
+    from opd.models.loading import load_model
 
     model = peft_policy(tiny[0])
     ckpt = adapter_checkpoint(tmp_path / "run", tiny[0], model)
@@ -193,7 +193,7 @@ def test_a_trained_lora_run_exports_what_eval_scores(tiny, tmp_path, vstar):
     from transformers import AutoModelForImageTextToText
 
     import train
-    from opd.model import load_model
+    from opd.models.loading import load_model
 
     run = tmp_path / "run"
     train.main(["--preset", "tiny", "--lora-r", "8", "--lora-alpha", "24", "--policy", "random", "--rho", "0.5", "--steps", "2",

@@ -24,8 +24,8 @@ pytestmark = pytest.mark.filterwarnings("ignore:torch.distributed is disabled")
 
 
 def two_shard_checkpoint(root: Path, model_dir) -> Path:
-    """checkpoint-000003 laid out as opd.checkpoint.save_sharded writes it, its DCP in two shard files."""
-    from opd.model import load_model
+    """checkpoint-000003 laid out as opd.loop.checkpoint.save_sharded writes it, its DCP in two shard files."""
+    from opd.models.loading import load_model
 
     ckpt = root / "checkpoint-000003"
     policy = {k: v.detach().clone() for k, v in load_model(str(model_dir)).state_dict().items()}

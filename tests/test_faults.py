@@ -10,7 +10,7 @@ import torch
 
 import train
 from opd.cli import UserError
-from opd.ledger import read_ledger
+from opd.loop.ledger import read_ledger
 
 TINY = ["--preset", "tiny", "--report-to", "none", "--max-response-len", "6"]
 
@@ -26,7 +26,7 @@ def full_disk_at(monkeypatch, step: int):
             raise RuntimeError("[enforce fail at inline_container.cc:672] . unexpected pos 64 vs 0")
         return real(obj, path, *a, **k)
 
-    monkeypatch.setattr(torch, "save", save)  # opd.checkpoint imports torch where it saves (`opd.lazy`)
+    monkeypatch.setattr(torch, "save", save)  # opd.loop.checkpoint imports torch where it saves (`opd.lazy`)
 
 
 def leftovers(out) -> list[str]:

@@ -15,7 +15,7 @@ import torch
 
 import train
 from opd.cli import UserError
-from opd.ledger import read_ledger
+from opd.loop.ledger import read_ledger
 
 ROOT = Path(__file__).resolve().parents[1]
 METHODS = ("bas-opd", "vision-opd", "rp-opsd", "opd-v", "opsd")
@@ -221,7 +221,7 @@ def test_fsdp_live_evaluation_gives_the_ddp_replies_before_and_during_training(t
     greedy choices (issue 33: the evaluation before training crashed, and 'layerwise' crashed in any evaluation)."""
     from bench_fixtures import write_all_fixtures
 
-    from opd.sharding import GENERATION
+    from opd.models.sharding import GENERATION
 
     write_all_fixtures(tmp_path / "bench")
     args = ["--scenario", "live", "--eval-data", str(tmp_path / "bench"), "--dtype", "float64"]
@@ -242,7 +242,7 @@ def test_fsdp_live_evaluation_gives_the_ddp_replies_before_and_during_training(t
 
 def test_a_sharded_policy_samples_its_first_rollouts_without_shared_prefill(tmp_path, tiny):
     """--fsdp --no-share-prefill (one process): the first rollouts are the policy's first forward, and generate encodes
-    the images before it (opd.sharding.init_root; it crashed as issue 33's --eval-before did). The run trains."""
+    the images before it (opd.models.sharding.init_root; it crashed as issue 33's --eval-before did). The run trains."""
     import torch.distributed as dist
 
     try:

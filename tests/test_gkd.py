@@ -11,12 +11,12 @@ from test_training import small_config
 
 import opd.cli
 import train
-from opd.chunked import budgeted_loss_from_hidden, topk_divergence_from_logits
-from opd.divergence import topk_divergence
-from opd.ledger import read_ledger
-from opd.loop import Run
-from opd.methods import get_method
-from opd.synthetic import fixed_rollouts
+from opd.maths.chunked import budgeted_loss_from_hidden, topk_divergence_from_logits
+from opd.maths.divergence import topk_divergence
+from opd.loop.ledger import read_ledger
+from opd.loop.run import Run
+from opd.methods.table import get_method
+from opd.engine.synthetic import fixed_rollouts
 from opd.tiny import build_tiny_model
 
 F64 = torch.float64
@@ -110,7 +110,7 @@ def test_a_gkd_step_is_trls_batch_mean_over_the_queried_rows(tmp_path, tiny, gkd
     run = Run(cfg)
     assert run.teachers.names == ["teacher"] and not run.teacher.trainable and run.teacher_views == ("full",)
     rollouts = fixed_rollouts(run, 0)
-    from opd.chat import collate
+    from opd.models.chat import collate
 
     prompts = run.prompts.student(run.prompts.of_step(0))
     inputs = collate([prompts[j] for j in rollouts.prompt_index.tolist()], run.ids["pad"], rollouts.response_ids,

@@ -12,10 +12,10 @@ from bench_fixtures import write_all_fixtures
 import eval as eval_py
 import opd.cli
 import opd.config
-import opd.loop
+import opd.loop.run
 import train
 from opd.cli import UserError
-from opd.ledger import read_ledger
+from opd.loop.ledger import read_ledger
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -33,7 +33,7 @@ def test_eval_rows_are_logged_and_equal_eval_py_on_the_checkpoint(tmp_path, tiny
     out = tmp_path / "run"
     flags = ["--steps", "2", "--save-every", "2", "--keep-checkpoints", "2", "--eval-every", "2", "--eval-data", str(bench), "--eval-benchmarks",
              "pope,zoombench", "--eval-limit", "20", "--eval-views", "full,crop", "--eval-max-new-tokens", "6"]  # fmt: skip
-    run = opd.loop.Run(opd.config.TrainConfig(**{**opd.config.PRESETS["tiny"], **opd.cli.given_flags(opd.config.TrainConfig, opd.config.PRESETS,
+    run = opd.loop.run.Run(opd.config.TrainConfig(**{**opd.config.PRESETS["tiny"], **opd.cli.given_flags(opd.config.TrainConfig, opd.config.PRESETS,
                                                                                       flags + ["--out", str(out)])}))  # fmt: skip
     run.train()
     at_step_2 = dict(run.live.replies)
@@ -42,7 +42,7 @@ def test_eval_rows_are_logged_and_equal_eval_py_on_the_checkpoint(tmp_path, tiny
     evaluated = [r["step"] for r in rows if "eval/pope" in r]
     assert evaluated == [1, 3] and all(r["eval_s"] > 0 for r in rows if "eval/pope" in r)
     assert {"eval/zoombench", "eval/zoombench_crop", "eval/zoombench_crop_gap"} <= set(rows[1])
-    from opd.tracking import metric_name
+    from opd.loop.tracking import metric_name
 
     assert [k for k in rows[1] if metric_name(k) != k] == []  # the ledger's names are the trackers' (issue 27)
     res = eval_py.main(["--model", str(out / "checkpoint-000002"), "--benchmarks", "pope,zoombench", "--view", "crop",

@@ -1,4 +1,4 @@
-"""LoRA (opd/lora.py) and the recipe knobs of the siblings' published recipes: the adapter's gradient against
+"""LoRA (opd/models/lora.py) and the recipe knobs of the siblings' published recipes: the adapter's gradient against
 autograd on the merged weights, one base in memory for the student and its teachers, checkpoints holding adapters
 that eval.py scores and --resume continues exactly, the lr schedule per step, the sampled distribution under
 temperature / top-k / top-p, the loss temperature, each aggregation against an explicit loop, and the bad flags."""
@@ -14,20 +14,20 @@ import torch
 from bench_fixtures import write_vstar_fixture
 from test_training import small_config
 
-import opd.loop
+import opd.loop.run
 import train
-from opd.chat import collate, encode_prompt
-from opd.chunked import budgeted_loss_from_hidden
+from opd.models.chat import collate, encode_prompt
+from opd.maths.chunked import budgeted_loss_from_hidden
 from opd.cli import UserError
-from opd.distill import aggregation_weights
-from opd.divergence import budgeted_loss, topk_divergence
-from opd.ema_teacher import AdapterTeacher, response_logits
-from opd.ledger import read_ledger
-from opd.lora import LoRAConfig, adapter_state, base_parameters, wrap
-from opd.model import load_model, load_processor, special_ids
-from opd.rollout import generate_rollouts
-from opd.synthetic import fixed_rollouts
-from opd.views import student_view
+from opd.methods.distill import aggregation_weights
+from opd.maths.divergence import budgeted_loss, topk_divergence
+from opd.models.ema_teacher import AdapterTeacher, response_logits
+from opd.loop.ledger import read_ledger
+from opd.models.lora import LoRAConfig, adapter_state, base_parameters, wrap
+from opd.models.loading import load_model, load_processor, special_ids
+from opd.engine.rollout import generate_rollouts
+from opd.engine.synthetic import fixed_rollouts
+from opd.data.views import student_view
 
 ROOT = Path(__file__).resolve().parents[1]
 F64 = torch.float64
@@ -45,7 +45,7 @@ def storages(*models) -> dict[int, int]:
 def test_a_lora_runs_teachers_share_the_students_base(tmp_path, tiny):
     """One copy of the base in memory: the EMA teacher is an adapter of the policy itself; AdamW holds the student's
     adapter alone; the teacher's adapter starts as the student's copy and moves only by the EMA."""
-    run = opd.loop.Run(small_config(tmp_path, lora_r=4, policy="full", rho=1.0))
+    run = opd.loop.run.Run(small_config(tmp_path, lora_r=4, policy="full", rho=1.0))
     assert isinstance(run.teacher, AdapterTeacher) and run.teacher.model is run.model and run.teacher.adapter == "teacher"
     plain = load_model(str(tiny[0]))
     base = sum(p.numel() for p in plain.parameters())
@@ -83,7 +83,7 @@ def test_the_adapters_gradient_is_autograd_on_the_merged_weights(tiny):
         for n, p in peft_model.named_parameters():
             if "lora_B" in n:
                 p.normal_(0, 0.3)
-    from opd.data import load_records
+    from opd.data.records import load_records
 
     records = load_records(data)[:2]
     prompts = [encode_prompt(processor, *student_view(r)) for r in records]
@@ -154,7 +154,7 @@ def test_a_lora_run_checkpoints_adapters_eval_scores_it_and_resume_is_exact(tmp_
 
 def lr_formula(name: str, step: int, peak: float, warmup: int, total: int) -> float:
     """transformers' schedules written out: linear warm-up from 0, then constant, linear to 0 or half a cosine to 0,
-    held at 0 after `total` steps (opd/optim.py: transformers' cosine would climb back)."""
+    held at 0 after `total` steps (opd/loop/optim.py: transformers' cosine would climb back)."""
     if step < warmup:
         return peak * step / max(1, warmup)
     if name == "constant":
@@ -204,7 +204,7 @@ def test_rollout_stats_are_those_of_the_warped_distribution(tiny, temperature, t
     float64_model()
     model_dir, data = tiny
     model, processor = load_model(str(model_dir), "float64"), load_processor(str(model_dir))
-    from opd.data import load_records
+    from opd.data.records import load_records
 
     records = load_records(data)[:2]
     prompts = [encode_prompt(processor, *student_view(r)) for r in records]
@@ -249,7 +249,7 @@ def test_the_loss_temperature_divides_both_sides_logits(support):
 
 def test_each_aggregation_against_an_explicit_loop():
     """aggregation_weights per micro-batch, summed over micro-batches (each with its own token count), against the
-    formulas of opd.distill.AGGREGATIONS written as loops."""
+    formulas of opd.methods.distill.AGGREGATIONS written as loops."""
     g = torch.Generator().manual_seed(3)
     D = torch.rand(7, 5, generator=g, dtype=F64)
     mask = torch.rand(7, 5, generator=g) > 0.35
@@ -271,13 +271,13 @@ def test_each_aggregation_against_an_explicit_loop():
 
 
 def test_a_sequence_mean_training_step_is_the_mean_of_each_rows_token_mean(tmp_path, tiny):
-    """--loss-agg sequence-mean through opd.loop.Run (float64): the step's loss is (1 / |S|) sum_i mean_t D_it from full
+    """--loss-agg sequence-mean through opd.loop.run.Run (float64): the step's loss is (1 / |S|) sum_i mean_t D_it from full
     logits (a different number from the token mean, since the rows differ in length)."""
     from float64 import float64_model
     from test_training import divergence_before_update, perturb
 
     float64_model()
-    run = opd.loop.Run(small_config(tmp_path, policy="full", rho=1.0, loss_agg="sequence-mean", dtype="float64", lr=0.0))
+    run = opd.loop.run.Run(small_config(tmp_path, policy="full", rho=1.0, loss_agg="sequence-mean", dtype="float64", lr=0.0))
     perturb(run.teacher.model)
     rollouts = fixed_rollouts(run, 0)
     records = run.prompts.of_step(0)
@@ -310,9 +310,9 @@ def test_bad_lora_and_recipe_flags_are_one_line(tmp_path, tiny, flags, message):
 
 @pytest.mark.slow
 def test_every_method_alone_records_its_published_recipe(tmp_path, tiny):
-    """train.py --method M --steps 2 writes the recipe of opd.methods (the values the README's table shows) into
+    """train.py --method M --steps 2 writes the recipe of opd.methods.table (the values the README's table shows) into
     train_config.json; a flag given wins over the recipe."""
-    from opd.methods import METHODS
+    from opd.methods.table import METHODS
 
     for name, method in METHODS.items():
         if not method.recipe:
@@ -368,7 +368,7 @@ def test_two_rank_fsdp_lora_equals_two_rank_ddp_lora(tmp_path, tiny):
 def test_loading_an_adapter_checks_every_tensor(tmp_path, tiny):
     """load_adapter restores the saved adapter exactly, and refuses a file that lacks some of the adapter's LoRA
     tensors (saved with fewer --lora-targets): a silently kept initial value would train from the wrong start."""
-    from opd.lora import load_adapter, save_adapter
+    from opd.models.lora import load_adapter, save_adapter
 
     torch.manual_seed(0)
     saved = wrap(load_model(str(tiny[0])), LoRAConfig(r=4, targets="q_proj,v_proj"))

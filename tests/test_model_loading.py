@@ -1,4 +1,4 @@
-"""opd.model: what a --model value resolves to (local folder, hub cache, hub id, or a one-line error),
+"""opd.models.loading: what a --model value resolves to (local folder, hub cache, hub id, or a one-line error),
 and loading on a CPU without transformers' warnings about GPU kernels that cannot be used there."""
 
 import socket
@@ -11,9 +11,9 @@ from pathlib import Path
 
 import pytest
 
-from opd import model as model_mod
+from opd.models import loading as model_mod
 from opd.cli import UserError
-from opd.model import load_model, load_processor, quiet_kernel_warnings, resolve_model_source
+from opd.models.loading import load_model, load_processor, quiet_kernel_warnings, resolve_model_source
 
 ROOT = Path(__file__).resolve().parent.parent
 
@@ -161,7 +161,7 @@ PROBE = textwrap.dedent("""
     import logging, sys, warnings
     import torch
     warnings.simplefilter("always")
-    from opd.model import load_model, load_processor
+    from opd.models.loading import load_model, load_processor
     model, processor = load_model(sys.argv[1]), load_processor(sys.argv[1])
     batch = processor.tokenizer(["hello there"], return_tensors="pt")
     model.generate(**batch, max_new_tokens=2, do_sample=False)  # prefill and decode: all four kernels

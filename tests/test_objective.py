@@ -1,5 +1,5 @@
-"""The objective seam (opd/objective.py): an objective runs with an ObjectiveContext alone, built here by hand from a
-model, a teacher and an encoder, with no opd.loop.Run; its result is Eq. 11 written out on full logits."""
+"""The objective seam (opd/methods/objective.py): an objective runs with an ObjectiveContext alone, built here by hand from a
+model, a teacher and an encoder, with no opd.loop.run.Run; its result is Eq. 11 written out on full logits."""
 
 from contextlib import nullcontext
 
@@ -8,19 +8,19 @@ import torch
 from accelerate import Accelerator
 from float64 import float64_model
 
-from opd.chat import collate, encode_prompt
-from opd.dapd import DAPD, DAPDConfig
-from opd.data import load_records
-from opd.distillation import Distillation
-from opd.divergence import budgeted_loss, topk_divergence
-from opd.ema_teacher import EMAConfig, EMATeacher, Teacher, response_logits
-from opd.external_teachers import TeacherSet
-from opd.loss import LossConfig
-from opd.methods import METHODS
-from opd.model import load_model, load_processor, special_ids
-from opd.objective import Objective, ObjectiveContext, StepBatch
-from opd.rollout import Rollouts, response_mask
-from opd.views import get_view
+from opd.models.chat import collate, encode_prompt
+from opd.methods.dapd import DAPD, DAPDConfig
+from opd.data.records import load_records
+from opd.methods.distillation import Distillation
+from opd.maths.divergence import budgeted_loss, topk_divergence
+from opd.models.ema_teacher import EMAConfig, EMATeacher, Teacher, response_logits
+from opd.models.external_teachers import TeacherSet
+from opd.maths.loss import LossConfig
+from opd.methods.table import METHODS
+from opd.models.loading import load_model, load_processor, special_ids
+from opd.methods.objective import Objective, ObjectiveContext, StepBatch
+from opd.engine.rollout import Rollouts, response_mask
+from opd.data.views import get_view
 
 F64 = torch.float64
 

@@ -1,4 +1,4 @@
-"""OPOD (`--method opod`, opd/opod.py) on the tiny model: two steps with one teacher and with routed teachers (the
+"""OPOD (`--method opod`, opd/methods/opod.py) on the tiny model: two steps with one teacher and with routed teachers (the
 ledger's counts per teacher and view, the controller), the KL term, and resume."""
 
 import math
@@ -8,10 +8,10 @@ import torch
 from test_teachers import route_file, routed_data, teacher_models  # noqa: F401  (the fixture)
 from test_training import TIMING, params_of, small_config
 
-from opd.ledger import read_ledger
-from opd.loop import Run
-from opd.methods import METHODS
-from opd.synthetic import fixed_rollouts
+from opd.loop.ledger import read_ledger
+from opd.loop.run import Run
+from opd.methods.table import METHODS
+from opd.engine.synthetic import fixed_rollouts
 
 
 def opod_config(tmp_path, **kw):
@@ -102,8 +102,8 @@ def test_opods_kl_is_a_hajek_token_mean_under_unbiased_selection(tmp_path, tiny,
     sum over the same denominator (the old numerator) is far off."""
     from float64 import float64_model
 
-    from opd.chat import collate
-    from opd.ema_teacher import response_logits
+    from opd.models.chat import collate
+    from opd.models.ema_teacher import response_logits
 
     float64_model()
     run = Run(opod_config(tmp_path, teacher_model=str(teacher_models[0]), policy="entropy", unbiased=True, rho=0.5,

@@ -1,4 +1,4 @@
-"""Tests of opd/replay.py and opd/predictor.py: the replay buffer, f_psi (Eq. 6) and its online training
+"""Tests of opd/selection/replay.py and opd/selection/predictor.py: the replay buffer, f_psi (Eq. 6) and its online training
 (Algorithm 1, line 14; Appendix A.3, Table 5)."""
 
 import copy
@@ -9,8 +9,9 @@ import torch
 from torch import nn
 from torch.testing import assert_close
 
-from opd.predictor import OnlineUtilityModel, PredictorConfig, UtilityPredictor
-from opd.replay import ReplayBuffer
+from opd.selection.config import PredictorConfig
+from opd.selection.predictor import OnlineUtilityModel, UtilityPredictor
+from opd.selection.replay import ReplayBuffer
 from opd.seeding import seeded_generator
 
 # ----------------------------------------------------------------------------- replay buffer
@@ -303,7 +304,7 @@ def test_update_reproduced_by_hand_from_appendix_a3():
     """Each update j of step s draws from replay with seeded_generator(seed, s, j), normalizes with the
     current statistics, weights items by 2^(-(s - s_i)/h) and takes one Adam step on Eq. 10.
     Reproduce two updates by hand (items from two steps, so the recency weights differ)."""
-    from opd.utility import recency_weights, selector_loss
+    from opd.maths.utility import recency_weights, selector_loss
 
     cfg = PredictorConfig(seed=0, replay_start=20, updates_per_step=2, replay_batch=16)
     m = OnlineUtilityModel(cfg)

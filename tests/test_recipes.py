@@ -1,4 +1,4 @@
-"""Each sibling's published recipe as its own code sets it (opd/methods.py; docs/FAMILY.md cites every value), read
+"""Each sibling's published recipe as its own code sets it (opd/methods/table.py; docs/FAMILY.md cites every value), read
 back from the settings `--method M` resolves to, flag by flag, as train_config.json records them."""
 
 import pytest

@@ -10,7 +10,7 @@ from pathlib import Path
 
 import pytest
 
-from opd.ledger import read_ledger
+from opd.loop.ledger import read_ledger
 from opd.toy.regime import RegimeConfig, accuracy_by_kind, base_world, is_large, kind, small_area_bound, small_share
 from opd.toy.selection import goal_rows, goal_table
 from opd.toy.world import WorldConfig, sample

@@ -13,17 +13,17 @@ import pytest
 import torch
 from test_training import small_config
 
-import opd.loop
-import opd.run_folder
+import opd.loop.run
+import opd.loop.folder
 import train
-from opd import runlock
-from opd.chat import encode_prompt, prompt_length
+from opd.loop import lock as runlock
+from opd.models.chat import encode_prompt, prompt_length
 from opd.cli import UserError
-from opd.data import load_records
-from opd.ledger import read_ledger
-from opd.model import load_processor
+from opd.data.records import load_records
+from opd.loop.ledger import read_ledger
+from opd.models.loading import load_processor
 from opd.tiny import build_tiny_model
-from opd.views import VIEWS
+from opd.data.views import VIEWS
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -104,12 +104,12 @@ def test_overwrite_deletes_nothing_until_every_input_is_built(tmp_path, tiny, ot
         raise RuntimeError("wandb: not logged in")
 
     with monkeypatch.context() as m:
-        m.setattr(opd.loop, "Trackers", failing)
+        m.setattr(opd.loop.run, "Trackers", failing)
         with pytest.raises(RuntimeError, match="not logged in"):
             train.main(["--preset", "tiny", "--steps", "3", "--out", str(out), "--overwrite"])
-    assert snapshot(out) == before and not (out / opd.run_folder.OVERWRITTEN).exists()
+    assert snapshot(out) == before and not (out / opd.loop.folder.OVERWRITTEN).exists()
     train.main(["--preset", "tiny", "--steps", "1", "--out", str(out), "--overwrite"])  # a good one still replaces the run
-    assert not (out / opd.run_folder.OVERWRITTEN).exists()
+    assert not (out / opd.loop.folder.OVERWRITTEN).exists()
     assert [r["step"] for r in read_ledger(out / "ledger.jsonl")] == [0]
 
 
@@ -118,7 +118,7 @@ def test_a_second_run_is_refused_while_another_process_holds_the_folder(tmp_path
     operating system when that process is killed: a killed run never leaves its folder locked."""
     out = tmp_path / "held"
     holder = subprocess.Popen(
-        [sys.executable, "-c", f"from opd import runlock; runlock.acquire({str(out)!r}); print('held', flush=True); "
+        [sys.executable, "-c", f"from opd.loop import lock as runlock; runlock.acquire({str(out)!r}); print('held', flush=True); "
          "import time; time.sleep(600)"],
         cwd=ROOT, stdout=subprocess.PIPE, text=True,
     )  # fmt: skip
@@ -164,7 +164,7 @@ def test_in_one_process_the_lock_is_reentrant_and_released_by_the_last_holder(tm
     path = runlock.acquire(tmp_path / "r")
     assert runlock.acquire(tmp_path / "r") == path
     runlock.release(tmp_path / "r")
-    code = "from opd import runlock; import sys\ntry:\n runlock.acquire(sys.argv[1])\nexcept runlock.LockedError:\n sys.exit(3)"
+    code = "from opd.loop import lock as runlock; import sys\ntry:\n runlock.acquire(sys.argv[1])\nexcept runlock.LockedError:\n sys.exit(3)"
     other = lambda: subprocess.run([sys.executable, "-c", code, str(tmp_path / "r")], cwd=ROOT).returncode  # noqa: E731
     assert other() == 3  # still held once
     runlock.release(tmp_path / "r")
@@ -261,12 +261,12 @@ def test_every_prompt_is_checked_before_step_0(tmp_path, tiny):
     rows = tiny_rows(tiny)
     long = write_rows(tmp_path / "long.jsonl", rows[:20] + [rows[20] | {"problem": "word " * 600}] + rows[21:])
     with pytest.raises(UserError, match=r"long.jsonl:21: its 'full' prompt has \d+ tokens, over --max-prompt-len 512"):
-        opd.loop.Run(small_config(tmp_path, data=str(long)))
+        opd.loop.run.Run(small_config(tmp_path, data=str(long)))
     assert not (tmp_path / "run" / "ledger.jsonl").exists()
     ref = write_rows(tmp_path / "ref.jsonl", rows[:7] + [rows[7] | {"solution": "step " * 600}] + rows[8:])
-    opd.loop.Run(small_config(tmp_path, data=str(ref), out=str(tmp_path / "bas")))  # bas-opd's views do not show it
+    opd.loop.run.Run(small_config(tmp_path, data=str(ref), out=str(tmp_path / "bas")))  # bas-opd's views do not show it
     with pytest.raises(UserError, match=r"ref.jsonl:8: its 'reference_answer' prompt has \d+ tokens"):
-        opd.loop.Run(small_config(tmp_path, data=str(ref), method="opsd", out=str(tmp_path / "opsd")))
+        opd.loop.run.Run(small_config(tmp_path, data=str(ref), method="opsd", out=str(tmp_path / "opsd")))
 
 
 @pytest.mark.parametrize("view", sorted(VIEWS))
@@ -334,7 +334,7 @@ def test_model_accepts_a_train_py_run_folder_as_eval_py_does(tmp_path, tiny):
     --teacher-model take it."""
     first = tmp_path / "first"
     train.main(["--preset", "tiny", "--steps", "1", "--out", str(first)])
-    run = opd.loop.Run(small_config(tmp_path, model=str(first)))
+    run = opd.loop.run.Run(small_config(tmp_path, model=str(first)))
     ckpt = first / (first / "latest").read_text().strip()
     assert run.initial_model == str(ckpt / "policy")
     exported = load_processor(str(ckpt / "policy"))

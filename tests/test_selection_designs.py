@@ -1,4 +1,4 @@
-"""Unbiased selection, part 2 (opd/selectors.py, opd/loss.py; docs/SELECTION.md): the Horvitz-Thompson estimator
+"""Unbiased selection, part 2 (opd/selection/selectors.py, opd/maths/loss.py; docs/SELECTION.md): the Horvitz-Thompson estimator
 (--estimator ht), the design stratified by prompt (--strata prompt) and the gradient-size inclusion map
 (--inclusion-size gradient), each against an independent computation in float64 over many seeded draws."""
 
@@ -9,11 +9,11 @@ import torch
 from test_training import small_config
 
 import opd.cli
-import opd.loop
+import opd.loop.run
 import train
 from opd.config import TrainConfig
-from opd.loss import aggregation_weights, loss_denominator
-from opd.selectors import (
+from opd.maths.loss import aggregation_weights, loss_denominator
+from opd.selection.selectors import (
     Selector,
     inclusion_probabilities,
     inclusion_sizes,
@@ -22,7 +22,7 @@ from opd.selectors import (
     stratified_probabilities,
     stratum_allocation,
 )
-from opd.synthetic import fixed_rollouts
+from opd.engine.synthetic import fixed_rollouts
 
 F64 = torch.float64
 
@@ -296,7 +296,7 @@ def test_one_training_step_takes_the_horvitz_thompson_form(tmp_path, tiny, strat
     from test_training import divergence_before_update, perturb
 
     float64_model()
-    run = opd.loop.Run(small_config(tmp_path, policy="entropy", unbiased=True, estimator="ht", strata=strata, rho=0.5,
+    run = opd.loop.run.Run(small_config(tmp_path, policy="entropy", unbiased=True, estimator="ht", strata=strata, rho=0.5,
                                     dtype="float64"))  # fmt: skip
     perturb(run.teacher.model)
     rollouts = fixed_rollouts(run, 0)
@@ -327,14 +327,14 @@ def test_one_training_step_takes_the_horvitz_thompson_form(tmp_path, tiny, strat
 
 
 def test_the_audit_takes_the_horvitz_thompson_form(tmp_path, tiny):
-    """opd.audit.opd_gradient with T_C is the Hajek-form gradient times sum_S w_i T_i / T_C (float64): the two
+    """opd.toy.audit.opd_gradient with T_C is the Hajek-form gradient times sum_S w_i T_i / T_C (float64): the two
     estimators point the same way on one draw and differ in length."""
     from float64 import float64_model
 
-    from opd import audit
+    from opd.toy import audit
 
     float64_model()
-    run = opd.loop.Run(small_config(tmp_path, policy="entropy", rho=0.5, dtype="float64"))
+    run = opd.loop.run.Run(small_config(tmp_path, policy="entropy", rho=0.5, dtype="float64"))
     ctx = audit.AuditContext.of(run)
     records = run.prompts.of_step(0)
     ro = fixed_rollouts(run, 0)

@@ -1,13 +1,13 @@
-"""Tests of opd/selectors.py: the query budget (Eq. 4) and the selection policies (Algorithm 1, lines 4-9)."""
+"""Tests of opd/selection/selectors.py: the query budget (Eq. 4) and the selection policies (Algorithm 1, lines 4-9)."""
 
 import math
 
 import pytest
 import torch
 
-from opd.predictor import PredictorConfig
+from opd.selection.config import PredictorConfig
 from opd.seeding import seeded_generator
-from opd.selectors import (
+from opd.selection.selectors import (
     Selector,
     entropy_scores,
     exploration_count,

@@ -1,4 +1,4 @@
-"""External teachers (opd/external_teachers.py): `--teacher-model` in place of the EMA self-teacher, `--teachers` routing a
+"""External teachers (opd/models/external_teachers.py): `--teacher-model` in place of the EMA self-teacher, `--teachers` routing a
 record field to teacher checkpoints (each run only on the selected rows routed to it), the tokenizer check, the
 routing file's errors, checkpoints and resume."""
 
@@ -11,11 +11,11 @@ from test_training import TIMING, params_of, small_config
 
 import train
 from opd.cli import UserError
-from opd.data import load_records
-from opd.external_teachers import load_routes
-from opd.ledger import read_ledger
-from opd.loop import Run
-from opd.synthetic import fixed_rollouts
+from opd.data.records import load_records
+from opd.models.external_teachers import load_routes
+from opd.loop.ledger import read_ledger
+from opd.loop.run import Run
+from opd.engine.synthetic import fixed_rollouts
 from opd.tiny import build_tiny_model
 
 
@@ -166,7 +166,7 @@ def test_impossible_teacher_combinations_are_refused_by_name(tmp_path, flags, me
 def test_teacher_names_tiny_and_run_folders(tmp_path, tiny):
     """'tiny' is the built-in model; a train.py run folder (or a checkpoint folder) is its exported policy/; a
     checkpoint folder or hub id is kept; a run folder whose checkpoint has no policy/ is refused in one line."""
-    from opd.external_teachers import teacher_source
+    from opd.models.external_teachers import teacher_source
 
     assert teacher_source("tiny") == str(tiny[0])
     ckpt = tmp_path / "run" / "checkpoint-000002"
@@ -184,7 +184,7 @@ def test_teacher_names_tiny_and_run_folders(tmp_path, tiny):
 
 
 def test_the_tiny_defaults_route_file_routes_every_record_to_its_default(tmp_path, tiny):
-    """The route file of opd/external_teachers.py's docstring (and the README) on the tiny default's own data: no record has
+    """The route file of opd/models/external_teachers.py's docstring (and the README) on the tiny default's own data: no record has
     the field, so every record goes to the default route, the built-in model, loaded once."""
     routes = tmp_path / "route.json"
     routes.write_text('{"field": "task", "teachers": {"colour": "tiny"}, "default": "colour"}')

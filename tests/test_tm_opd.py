@@ -1,4 +1,4 @@
-"""Thinking Machines' on-policy distillation (opd/tm_opd.py, --method tm-opd) against its formula written out.
+"""Thinking Machines' on-policy distillation (opd/methods/tm_opd.py, --method tm-opd) against its formula written out.
 
 The run's gradient equals autograd's of the published loss over S written on whole logits in float64,
 
@@ -14,13 +14,13 @@ import pytest
 import torch
 from float64 import float64_model
 
-from opd.chat import micro_batch_inputs
+from opd.models.chat import micro_batch_inputs
 from opd.config import resolve
-from opd.ema_teacher import response_logits
-from opd.loop import Run
-from opd.synthetic import fixed_rollouts
+from opd.models.ema_teacher import response_logits
+from opd.loop.run import Run
+from opd.engine.synthetic import fixed_rollouts
 from opd.tiny import build_tiny_model
-from opd.tm_opd import discounted_future_sum, token_advantages
+from opd.methods.tm_opd import discounted_future_sum, token_advantages
 
 
 def test_token_advantages_and_their_discounted_sum_are_the_formulas():

@@ -1,4 +1,4 @@
-"""The toy-world experiment (experiments/toy.py, opd/toy/world.py, opd/toy/sft.py) and the audit diagnostics (opd/audit.py).
+"""The toy-world experiment (experiments/toy.py, opd/toy/world.py, opd/toy/sft.py) and the audit diagnostics (opd/toy/audit.py).
 
 The smoke run (one seed, two OPD steps per policy, a 16-item benchmark) checks the report's structure,
 the ledgers' arithmetic against the report's tables, and resuming; the audit functions are checked
@@ -18,10 +18,10 @@ import numpy as np
 import pytest
 import torch
 
-from opd import audit
-from opd.data import load_records
+from opd.toy import audit
+from opd.data.records import load_records
 from opd.eval.benchmarks import load_benchmark, prompt_text
-from opd.ledger import read_ledger, summarize
+from opd.loop.ledger import read_ledger, summarize
 from opd.toy.world import WorldConfig, export_world, sample
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -139,7 +139,7 @@ def test_audit_on_a_run_leaves_it_unchanged_and_gradients_add_up(tiny, tmp_path,
     from float64 import F32_EPS
 
     from opd.config import TrainConfig
-    from opd.loop import Run
+    from opd.loop.run import Run
 
     model, data = tiny
     cfg = TrainConfig(model=str(model), data=str(data), out=str(tmp_path / "run"), prompts_per_step=4,

@@ -19,7 +19,7 @@ import numpy as np
 import pytest
 
 from opd.answers import parse_choice
-from opd.ledger import read_ledger, summarize
+from opd.loop.ledger import read_ledger, summarize
 from opd.toy import report as toy_report
 from opd.toy.experiment import label, order, split_name
 from opd.toy.explain import EXPLAIN, STYLES, draw_styles, response_lengths, response_text, style_of
@@ -244,12 +244,12 @@ def _config(root: Path, out: Path, **kw):
 @pytest.mark.slow
 def test_a_diagnosed_run_is_the_same_run_and_its_labels_match(letter_world, tmp_path, float64_model):
     """In float64 (tests/float64.py): the labels Run.step hands the selector come from the training forward over S's
-    micro-batches, the precomputed u_i from opd.audit.score_utility over the candidates' micro-batches; the same
+    micro-batches, the precomputed u_i from opd.toy.audit.score_utility over the candidates' micro-batches; the same
     computation grouped otherwise. The utilities are ~1e-9 (JSDs of nearly equal distributions), so float32 rounding
     of the two groupings left them 3e-3 apart relative (the bound was 1e-3)."""
     from float64 import F32_EPS, assert_same_weights
 
-    from opd.loop import Run
+    from opd.loop.run import Run
     from opd.toy.diagnose import Diagnosed
 
     plain = Run(_config(letter_world, tmp_path / "plain", dtype="float64"))

@@ -1,4 +1,4 @@
-"""The trackers as researchers set them (opd/tracking.py): the learning rate in every tracker, W&B's project from
+"""The trackers as researchers set them (opd/loop/tracking.py): the learning rate in every tracker, W&B's project from
 $WANDB_PROJECT (or --tracker-project), its entity, tags and group; metric names valid in every tracker (MLflow's
 rules, the strictest), one mapping; the run says where its logs go. Read back with each tracker's own reader."""
 
@@ -9,8 +9,8 @@ from bench_fixtures import write_all_fixtures
 from tracker_readers import mlflow_client, tensorboard_scalars, wandb_history, wandb_run_record
 
 import train
-from opd.ledger import read_ledger
-from opd.tracking import metric_name, mlflow_store, mlflow_where
+from opd.loop.ledger import read_ledger
+from opd.loop.tracking import metric_name, mlflow_store, mlflow_where
 
 TINY = ["--preset", "tiny", "--steps", "2", "--save-every", "0"]
 

@@ -1,4 +1,4 @@
-"""Experiment trackers through accelerate (opd/tracking.py): what train.py --report-to writes, read back with each
+"""Experiment trackers through accelerate (opd/loop/tracking.py): what train.py --report-to writes, read back with each
 tracker's own reader (TensorBoard's event files, MLflow's client on the SQLite store the run printed, under MLflow's
 defaults, W&B's offline transaction log parsed with its own protobuf records), not a mock; a resume continues the
 same tracker run."""
@@ -10,8 +10,8 @@ from tracker_readers import mlflow_client, tensorboard_scalars, wandb_history  #
 
 import train
 from opd.cli import UserError
-from opd.ledger import read_ledger
-from opd.tracking import metrics, parse_report_to
+from opd.loop.ledger import read_ledger
+from opd.loop.tracking import metrics, parse_report_to
 
 
 def test_tensorboard_and_mlflow_hold_the_ledgers_metrics_in_their_namespaces(tmp_path, tiny, monkeypatch, capsys):

@@ -10,25 +10,25 @@ from pathlib import Path
 import pytest
 import torch
 
-import opd.chunked
+import opd.maths.chunked
 import opd.config
-import opd.loop
-import opd.methods
-import opd.sampler
-import opd.schedule
-import opd.views
+import opd.loop.run
+import opd.methods.table
+import opd.engine.sampler
+import opd.methods.schedule
+import opd.data.views
 import train
-from opd.chat import collate, encode_prompt
+from opd.models.chat import collate, encode_prompt
 from opd.cli import UserError
 from opd.config import TrainConfig
-from opd.data import load_records, step_prompt_indices
-from opd.ema_teacher import response_logits
-from opd.ledger import read_ledger
-from opd.loop import Run
-from opd.model import load_model, load_processor, special_ids
-from opd.rollout import generate_rollouts, response_mask
-from opd.synthetic import fixed_rollouts
-from opd.views import student_view
+from opd.data.records import load_records, step_prompt_indices
+from opd.models.ema_teacher import response_logits
+from opd.loop.ledger import read_ledger
+from opd.loop.run import Run
+from opd.models.loading import load_model, load_processor, special_ids
+from opd.engine.rollout import generate_rollouts, response_mask
+from opd.engine.synthetic import fixed_rollouts
+from opd.data.views import student_view
 
 ROOT = Path(__file__).resolve().parents[1]
 TIMING = {"prompt_s", "generation_s", "select_s", "teacher_forward_s", "student_s", "optimizer_s", "ema_s", "selector_s", "wait_s", "step_s"}
@@ -59,9 +59,9 @@ def divergence_before_update(run, rollouts, records) -> torch.Tensor:
     """d (N, T): Eq. 3 per token of `rollouts` from whole logits, the student on the full image and the teacher on
     each record's crop (the full image where it has none), with the run's top-k and alpha, before any update: the
     independent side of the tests that write a step's loss out."""
-    from opd.chat import collate
-    from opd.divergence import topk_divergence
-    from opd.ema_teacher import response_logits
+    from opd.models.chat import collate
+    from opd.maths.divergence import topk_divergence
+    from opd.models.ema_teacher import response_logits
 
     index = rollouts.prompt_index.tolist()
     s_in = collate([run.prompts.student(records)[j] for j in index], run.ids["pad"], rollouts.response_ids,
@@ -88,7 +88,7 @@ class Spy:
 
 def stats_tolerance(logits: torch.Tensor) -> float:
     """How far generate()'s recorded log-probs and entropies may be from the float64 values of the same logits: RolloutStats
-    (opd/rollout.py) computes them in float32 from the logits cast to float32, also for a float64 model, so each is a
+    (opd/engine/rollout.py) computes them in float32 from the logits cast to float32, also for a float64 model, so each is a
     few float32 roundings of numbers up to max|z| + log V off (measured: 0.5 and 0.7 F32_EPS max|z| here)."""
     from float64 import F32_EPS
 
@@ -154,8 +154,8 @@ def test_response_mask_keeps_tokens_up_to_the_first_eos():
 
 
 def test_teacher_sees_exactly_the_selected_rows(tmp_path, tiny, monkeypatch):
-    plan = Spy(opd.schedule.plan_micro_batches)
-    monkeypatch.setattr(opd.schedule, "plan_micro_batches", plan)
+    plan = Spy(opd.methods.schedule.plan_micro_batches)
+    monkeypatch.setattr(opd.methods.schedule, "plan_micro_batches", plan)
     run = Run(small_config(tmp_path, policy="random", rho=0.5, micro_batch=2))
     select = Spy(run.selector.select)
     run.selector.select = select
@@ -188,8 +188,8 @@ def test_teacher_sees_exactly_the_selected_rows(tmp_path, tiny, monkeypatch):
 
 @pytest.mark.parametrize("policy,rho", [("full", 1.0), ("random", 0.25), ("entropy", 0.25), ("learned", 0.25)])
 def test_two_steps_of_each_policy(tmp_path, tiny, monkeypatch, policy, rho):
-    gen = Spy(opd.sampler.generate_rollouts)
-    monkeypatch.setattr(opd.sampler, "generate_rollouts", gen)
+    gen = Spy(opd.engine.sampler.generate_rollouts)
+    monkeypatch.setattr(opd.engine.sampler, "generate_rollouts", gen)
     run = Run(small_config(tmp_path, policy=policy, rho=rho, replay_start=4, replay_batch=8))
     select = Spy(run.selector.select)
     run.selector.select = select
@@ -227,9 +227,9 @@ def test_two_steps_of_each_policy(tmp_path, tiny, monkeypatch, policy, rho):
 def test_two_steps_of_each_method(tmp_path, tiny, method):
     """Each method of the family trains on the tiny model; its teacher(s) see exactly the selected rows,
     one forward per row and teacher view, and the ledger counts them per view."""
-    settings = opd.methods.METHODS[method].settings
+    settings = opd.methods.table.METHODS[method].settings
     run = Run(small_config(tmp_path, **{**settings, "method": method, "policy": "random", "rho": 0.5, "ema_tau": 0.05}))
-    assert run.teacher_views == opd.methods.METHODS[method].teacher_views
+    assert run.teacher_views == opd.methods.table.METHODS[method].teacher_views
     seen = []
     run.teacher.model.register_forward_pre_hook(lambda m, a, kw: seen.append(kw["input_ids"].shape[0]), with_kwargs=True)
     before = params_of(run.model)
@@ -253,8 +253,8 @@ def test_two_steps_of_each_method(tmp_path, tiny, method):
 def test_rp_opsd_student_sees_half_the_resolution(tmp_path, tiny):
     run = Run(small_config(tmp_path, method="rp-opsd", policy="full", rho=1.0))
     record = run.records[0]
-    (image,), _ = opd.views.get_view(run.method.student_view)(record)
-    (full,), _ = opd.views.get_view("full")(record)
+    (image,), _ = opd.data.views.get_view(run.method.student_view)(record)
+    (full,), _ = opd.data.views.get_view("full")(record)
     assert image.size == (full.width // 2, full.height // 2)
 
 
@@ -310,7 +310,7 @@ def test_empty_selection_is_a_valid_step_without_teacher(tmp_path, tiny):
 def test_non_finite_loss_skips_update_and_ema(tmp_path, tiny, monkeypatch):
     run = Run(small_config(tmp_path, policy="full", rho=1.0))
     nan_jsd = lambda s, t, a: (s * float("nan")).sum(-1)  # noqa: E731
-    monkeypatch.setattr(opd.chunked, "generalized_jsd", nan_jsd)  # both loss paths compute Eq. 3 there
+    monkeypatch.setattr(opd.maths.chunked, "generalized_jsd", nan_jsd)  # both loss paths compute Eq. 3 there
     student_before, teacher_before = params_of(run.model), params_of(run.teacher.model)
     with pytest.warns(UserWarning, match="non-finite"):
         row = run.step(0, fixed_rollouts(run, 0))
@@ -448,14 +448,14 @@ def test_a_new_run_refuses_a_folder_holding_a_run_and_overwrite_replaces_it(tmp_
 
 def test_ctrl_c_keeps_the_checkpoints_and_says_how_to_go_on(tmp_path, tiny, monkeypatch, capsys):
     out = tmp_path / "c"
-    step = opd.loop.Run.step
+    step = opd.loop.run.Run.step
 
     def stopped_at_2(self, k):
         if k == 2:
             raise KeyboardInterrupt
         return step(self, k)
 
-    monkeypatch.setattr(opd.loop.Run, "step", stopped_at_2)
+    monkeypatch.setattr(opd.loop.run.Run, "step", stopped_at_2)
     with pytest.raises(SystemExit) as stop:
         train.run_cli(train.main, ["--preset", "tiny", "--steps", "4", "--save-every", "1", "--out", str(out)], "train.py")
     assert stop.value.code == 130
@@ -466,7 +466,7 @@ def test_ctrl_c_keeps_the_checkpoints_and_says_how_to_go_on(tmp_path, tiny, monk
         train.main(["--preset", "tiny", "--steps", "4", "--save-every", "3", "--out", str(tmp_path / "d")])
     with pytest.raises(UserError, match=f"no checkpoint in .*start over with --out {tmp_path / 'd'} --overwrite"):
         train.main(["--resume", str(tmp_path / "d")])
-    monkeypatch.setattr(opd.loop.Run, "step", step)
+    monkeypatch.setattr(opd.loop.run.Run, "step", step)
     train.main(["--resume", str(out)])
     assert [r["step"] for r in read_ledger(out / "ledger.jsonl")] == [0, 1, 2, 3]
 
@@ -586,7 +586,7 @@ def test_help_lists_ablation_switches_once(capsys):
 
 def test_the_teachers_lm_head_inside_the_fused_loss_is_teacher_time(tmp_path, tiny, monkeypatch):
     """Table 8's teacher-forward time includes the teacher's LM-head work done inside the chunked loss."""
-    fused = opd.distill.budgeted_loss_from_hidden
+    fused = opd.methods.distill.budgeted_loss_from_hidden
 
     def slow_teacher_head(*args, timing=None, **kwargs):
         out = fused(*args, timing=timing, **kwargs)
@@ -594,7 +594,7 @@ def test_the_teachers_lm_head_inside_the_fused_loss_is_teacher_time(tmp_path, ti
             timing["teacher_s"] = timing.get("teacher_s", 0.0) + 7.0  # as if the teacher's logits took 7 s
         return out
 
-    monkeypatch.setattr(opd.distill, "budgeted_loss_from_hidden", slow_teacher_head)
+    monkeypatch.setattr(opd.methods.distill, "budgeted_loss_from_hidden", slow_teacher_head)
     run = Run(small_config(tmp_path, policy="full", rho=1.0, micro_batch=64))
     row = run.step(0, fixed_rollouts(run, 0))
     assert row["teacher_forward_s"] >= 7.0 and row["teacher_forward_s_crop"] >= 7.0

@@ -1,4 +1,4 @@
-"""Budgeted selection that does not bias the gradient (opd/selectors.py): inclusion probabilities, the exactly-K
+"""Budgeted selection that does not bias the gradient (opd/selection/selectors.py): inclusion probabilities, the exactly-K
 sampler, Eq. 11's Hajek form, the per-prompt cap, and --unbiased through the training loop."""
 
 import json
@@ -9,13 +9,13 @@ import torch
 from test_training import _run_worker, small_config
 
 import opd.cli
-import opd.loop
+import opd.loop.run
 import train
-from opd.divergence import budgeted_loss
-from opd.ledger import read_ledger
+from opd.maths.divergence import budgeted_loss
+from opd.loop.ledger import read_ledger
 from opd.seeding import seeded_generator
-from opd.selectors import Selector, capped, inclusion_probabilities, query_budget, sample_with_probabilities
-from opd.synthetic import fixed_rollouts
+from opd.selection.selectors import Selector, capped, inclusion_probabilities, query_budget, sample_with_probabilities
+from opd.engine.synthetic import fixed_rollouts
 
 F64 = torch.float64
 
@@ -118,7 +118,7 @@ def test_non_finite_scores_of_unbiased_selection_are_a_clear_error(monkeypatch):
 def test_the_budget_is_checked_without_assert(monkeypatch):
     """|S| <= K is an explicit check (a RuntimeError, kept under python -O), and the per-prompt cap never exceeds a
     budget of 0 (K = 0, or the exploit part of K - K_e = 0 rows, used to return a cap's worth of rows)."""
-    import opd.selectors
+    import opd.selection.selectors
 
     order, prompts = torch.tensor([5, 4, 3, 2, 1, 0]), torch.tensor([0, 0, 0, 1, 1, 1])
     assert capped(order, 0, prompts, 2).tolist() == [] and capped(order, 0, None, 0).tolist() == []
@@ -128,7 +128,7 @@ def test_the_budget_is_checked_without_assert(monkeypatch):
         if policy == "learned":
             selector.model.updates = 1
         assert selector.select(phi, eligible, budget, 0, prompt_of=prompts)[0].numel() <= budget
-    monkeypatch.setattr(opd.selectors, "capped", lambda order, n, prompt_of, cap: order)  # a broken policy
+    monkeypatch.setattr(opd.selection.selectors, "capped", lambda order, n, prompt_of, cap: order)  # a broken policy
     with pytest.raises(RuntimeError, match=r"the query budget was exceeded: \|S\| = 6 > K = 2"):
         Selector("random").select(phi, eligible, 2, 0)[0]
 
@@ -225,12 +225,12 @@ def test_unbiased_training_weighs_each_selected_row_by_one_over_pi(tmp_path, tin
     from float64 import float64_model
     from test_training import perturb
 
-    from opd.chat import collate
-    from opd.divergence import topk_divergence
-    from opd.ema_teacher import response_logits
+    from opd.models.chat import collate
+    from opd.maths.divergence import topk_divergence
+    from opd.models.ema_teacher import response_logits
 
     float64_model()
-    run = opd.loop.Run(small_config(tmp_path, policy="entropy", unbiased=True, rho=0.5, dtype="float64"))
+    run = opd.loop.run.Run(small_config(tmp_path, policy="entropy", unbiased=True, rho=0.5, dtype="float64"))
     perturb(run.teacher.model)  # D far above rounding
     rollouts = fixed_rollouts(run, 0)
     records = run.prompts.of_step(0)
@@ -340,18 +340,18 @@ def test_the_selection_experiment_smoke(tmp_path, tiny):
 
 
 def test_the_audits_sample_and_aggregate_as_the_run_trains(tmp_path, tiny, monkeypatch):
-    """opd.audit on a --loss-agg sequence-mean run with its own sampling settings: held batches are sampled with the
+    """opd.toy.audit on a --loss-agg sequence-mean run with its own sampling settings: held batches are sampled with the
     run's temperature / top-k / top-p and prefill sharing; the audited gradient is the run's objective, a mean over
     rows (g_C = (|S| g_S + |U| g_U) / |C|, float64 sums in other orders: far inside 1e-9 of the largest entry), not
     Eq. 11's token mean; a vLLM run's held batch has no entropy feature and its selection audit ranks as training
     does (has_entropy False)."""
     from float64 import float64_model
 
-    import opd.selectors
-    from opd import audit
+    import opd.selection.selectors
+    from opd.toy import audit
 
     float64_model()
-    run = opd.loop.Run(small_config(tmp_path, policy="entropy", rho=0.5, loss_agg="sequence-mean", dtype="float64",
+    run = opd.loop.run.Run(small_config(tmp_path, policy="entropy", rho=0.5, loss_agg="sequence-mean", dtype="float64",
                                  sample_temperature=1.3, sample_top_k=5, sample_top_p=0.9, share_prefill=False))  # fmt: skip
     calls = []
     generate = audit.generate_rollouts
@@ -379,8 +379,8 @@ def test_the_audits_sample_and_aggregate_as_the_run_trains(tmp_path, tiny, monke
     batch = audit.sample_batch(ctx, run.selector, run.records[:4], seed=3)
     assert not batch.has_entropy and bool((batch.phi[:, 2] == 0).all())
     seen = []
-    select = opd.selectors.Selector.select
-    monkeypatch.setattr(opd.selectors.Selector, "select", lambda self, *a, **k: seen.append(a[4]) or select(self, *a, **k))
+    select = opd.selection.selectors.Selector.select
+    monkeypatch.setattr(opd.selection.selectors.Selector, "select", lambda self, *a, **k: seen.append(a[4]) or select(self, *a, **k))
     monkeypatch.setattr(audit, "sample_batch", lambda *a, **k: batch)
     audit.selection_audit(ctx, run.selector, run.records, n_batches=1, draws=1)
     assert seen == [False]

@@ -1,4 +1,4 @@
-"""Tests of opd/utility.py: utility labels (Eq. 7-9), recency weights (A.3) and the selector loss (Eq. 10, 12).
+"""Tests of opd/maths/utility.py: utility labels (Eq. 7-9), recency weights (A.3) and the selector loss (Eq. 10, 12).
 
 References are hand-worked numbers (plain Python math) and explicit float64 loops.
 """
@@ -10,7 +10,7 @@ import pytest
 import torch
 from torch.testing import assert_close
 
-from opd.utility import (
+from opd.maths.utility import (
     pairwise_rank_loss,
     recency_weights,
     sample_utility,
@@ -269,7 +269,7 @@ def ref_rank(pred, target, w, min_gap=1e-6) -> float:
 
 
 def test_weighted_huber_piecewise():
-    from opd.utility import weighted_huber
+    from opd.maths.utility import weighted_huber
 
     pred = torch.tensor([0.0, 0.5, -2.0, 3.0, 1.0, -0.2], dtype=F64)
     target = torch.tensor([0.3, -0.5, 0.0, 0.5, 1.0, 0.9], dtype=F64)  # errors -0.3, 1.0, -2, 2.5, 0, -1.1

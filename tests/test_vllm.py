@@ -1,4 +1,4 @@
-"""The optional vLLM engine (opd/engine.py) against one real server on this CPU (tests/vllm_fixtures.py).
+"""The optional vLLM engine (opd/engine/vllm.py) against one real server on this CPU (tests/vllm_fixtures.py).
 
 The engine computes in bf16, the trainer's reference in float32. The log-prob bound is derived from bf16
 itself: the same HF model cast to bf16 scores the same tokens, and its gap to float32 measures what bf16
@@ -34,7 +34,7 @@ from vllm_fixtures import (
 )
 
 from opd.cli import UserError
-from opd.engine import (
+from opd.engine.vllm import (
     MARKER,
     EngineRollouts,
     VLLMServer,
@@ -43,7 +43,7 @@ from opd.engine import (
     generate_rollouts_vllm,
     generate_text,
 )
-from opd.rollout import Rollouts, response_mask
+from opd.engine.rollout import Rollouts, response_mask
 
 MAX_NEW = 24
 
@@ -92,8 +92,8 @@ def test_rollouts_shapes_masks_and_prompt_ids(vllm_engine, ref):
 
 def test_prompt_token_ids_equal_hf(vllm_engine, ref):
     """The server's final prompt (after its own image-token expansion) is the trainer's, image tokens included."""
-    from opd.chat import encode_prompt
-    from opd.engine import _generate_one
+    from opd.models.chat import encode_prompt
+    from opd.engine.vllm import _generate_one
 
     model, processor, prompts, images = ref.model, ref.processor, ref.prompts, ref.images
     image_id = model.config.image_token_id
@@ -129,7 +129,7 @@ def test_engine_sees_the_trainers_images(vllm_engine, ref):
     """The image changes the log-probs of a response in the engine as it does in HF. In the tiny model an image
     moves log-probs by less than bf16 noise (mean 0.016 vs 0.05), so the check is on differences: for the same
     tokens, engine(own image) - engine(another prompt's image) correlates with HF's same difference."""
-    from opd.chat import EncodedPrompt
+    from opd.models.chat import EncodedPrompt
 
     model, ids, prompts, images = ref.model, ref.ids, ref.prompts, ref.images
     r = generate_rollouts_vllm(vllm_engine.server, prompts, images, 1, MAX_NEW, **ids, seed=5)
@@ -184,7 +184,7 @@ def test_prompts_beyond_one_scheduler_step_are_sampled(vllm_engine, ref):
     bench/engine_step.py's 384-pixel prompts met it); scripts/install_vllm.sh's workaround 5 skips that rewind on
     a CPU. Every row is sampled, and the sampled tokens' log-probs are HF's within test_long_rollouts' bf16 bound
     (the same draws as an unsplit schedule are not promised on a CPU: docs/DEPARTURES.md item 54)."""
-    from opd.chat import encode_prompt
+    from opd.models.chat import encode_prompt
 
     long_text = "<image>" + " ".join(f"word{i}" for i in range(75)) + "\nWhat colour is the small square?"
     prompts = [encode_prompt(ref.processor, ims, long_text) for ims in ref.images]
@@ -250,7 +250,7 @@ def test_generate_text_equals_hf_greedy(vllm_engine, ref, monkeypatch):
     prefix with HF (at least 1); the ids each side decoded are recorded from that very call (the engine's by
     wrapping the `generate_greedy_ids` that `generate_text` calls, HF's by the same unpadded greedy computation), and
     the texts are compared where those ids agree. Some budget must exceed 1 token, so a wrong decode can fail it."""
-    from opd import engine
+    from opd.engine import vllm as engine
     from opd.eval.inference import generate_replies
 
     model, processor, ids, prompts, images = ref.model, ref.processor, ref.ids, ref.prompts, ref.images
@@ -330,7 +330,7 @@ def test_start_failure_quotes_the_last_log_line(tmp_path, vllm_model_dir):
 
 
 def test_death_mid_run_quotes_the_last_log_line(tmp_path, vllm_model_dir):
-    from opd.chat import EncodedPrompt
+    from opd.models.chat import EncodedPrompt
 
     venv = fake_venv(tmp_path)
     with VLLMServer.start(vllm_model_dir, venv, env={"FAKE_MODE": "die"}, timeout=30) as server:
@@ -342,13 +342,13 @@ def test_death_mid_run_quotes_the_last_log_line(tmp_path, vllm_model_dir):
 
 
 def test_a_started_server_says_so_with_its_log(tmp_path, vllm_model_dir, monkeypatch, capsys):
-    """`--rollout-engine vllm` (rank 0's `opd.sampler.Sampler.start`) prints that its server is starting, with the
+    """`--rollout-engine vllm` (rank 0's `opd.engine.sampler.Sampler.start`) prints that its server is starting, with the
     log it writes, and that it answers; the stand-in server of `fake_venv` serves /health."""
     from types import SimpleNamespace
 
-    from opd.engine import EngineConfig
-    from opd.rollout import SamplingConfig
-    from opd.sampler import Sampler
+    from opd.engine.vllm import EngineConfig
+    from opd.engine.rollout import SamplingConfig
+    from opd.engine.sampler import Sampler
 
     monkeypatch.setenv("BAS_OPD_VLLM_VENV", str(fake_venv(tmp_path)))
     monkeypatch.setenv("FAKE_MODE", "serve")
@@ -381,7 +381,7 @@ import sys, time
 sys.path.insert(0, "tests")
 from pathlib import Path
 from test_vllm import fake_venv
-from opd.engine import VLLMServer
+from opd.engine.vllm import VLLMServer
 tmp = Path(sys.argv[1])
 (tmp / "model").mkdir()
 (tmp / "model" / "config.json").write_text("{}")
@@ -423,12 +423,12 @@ def test_a_vllm_engine_run_trains_and_resumes(vllm_engine, tmp_path, monkeypatch
     import json as json_
 
     import train
-    from opd.ledger import read_ledger
+    from opd.loop.ledger import read_ledger
 
     out = tmp_path / "vllm-run"
     common = ["--preset", "tiny", "--rollout-engine", "vllm", "--vllm-url", vllm_engine.server.url, "--model", str(vllm_engine.model_a),
               "--data", str(vllm_engine.data), "--policy", "learned", "--rho", "0.25"]  # fmt: skip
-    from opd.engine import VLLMServer
+    from opd.engine.vllm import VLLMServer
 
     pushes = []
     push = VLLMServer.push_weights
@@ -464,7 +464,7 @@ def test_engine_step_measures_one_step_and_leaves_no_folder(monkeypatch):
     steps, and each run's temporary output folder is removed once its ledger is read."""
     import json as json_
 
-    import opd.loop
+    import opd.loop.run
     from bench import engine_step
 
     outs = []
@@ -478,7 +478,7 @@ def test_engine_step_measures_one_step_and_leaves_no_folder(monkeypatch):
             row = {f"{p}_s": 1.0 for p in engine_step.PHASES} | {"step_s": 8.0, "candidate_tokens": 32}
             (self.out / "ledger.jsonl").write_text(json_.dumps(row) + "\n")
 
-    monkeypatch.setattr(opd.loop, "Run", FakeRun)
+    monkeypatch.setattr(opd.loop.run, "Run", FakeRun)
     result = engine_step.run_engine("hf", Path("model"), Path("data"), 1, 8, None)
     assert result["steps_measured"] == 1 and result["warmup_included"] and result["generation_share"] == 1.0 / 8.0
     assert len(outs) == 1 and not outs[0].exists()
@@ -490,7 +490,7 @@ def test_engine_step_measures_one_step_and_leaves_no_folder(monkeypatch):
 
 def test_install_script_defaults_to_the_repositorys_venv_and_pins_the_version(tmp_path):
     """scripts/install_vllm.sh, run from another folder without an argument, builds the repository root's .venv-vllm
-    (opd.engine.DEFAULT_VENV's place), or $BAS_OPD_VLLM_VENV; its marker names the pinned vLLM version of this
+    (opd.engine.vllm.DEFAULT_VENV's place), or $BAS_OPD_VLLM_VENV; its marker names the pinned vLLM version of this
     machine's kind, and a second run finds it complete. The venvs' python is a stand-in that does nothing (no pip)."""
     import shutil
     import subprocess
@@ -528,13 +528,13 @@ def test_a_lora_run_pushes_the_merged_weights_and_trains_with_the_engine(vllm_en
 
     from safetensors.torch import load_file
 
-    import opd.sampler
+    import opd.engine.sampler
     import train
-    from opd.engine import VLLMServer
-    from opd.ledger import read_ledger
+    from opd.engine.vllm import VLLMServer
+    from opd.loop.ledger import read_ledger
 
     checked = []
-    real = opd.sampler.Sampler._push_merged
+    real = opd.engine.sampler.Sampler._push_merged
 
     def push_and_check(self):
         real(self)
@@ -545,7 +545,7 @@ def test_a_lora_run_pushes_the_merged_weights_and_trains_with_the_engine(vllm_en
         assert set(got) == set(want)
         checked.append(max(float((got[k].double() - want[k].double()).abs().max()) for k in want))
 
-    monkeypatch.setattr(opd.sampler.Sampler, "_push_merged", push_and_check)
+    monkeypatch.setattr(opd.engine.sampler.Sampler, "_push_merged", push_and_check)
     out = tmp_path / "lora-vllm"
     try:
         train.main(["--preset", "tiny", "--rollout-engine", "vllm", "--vllm-url", vllm_engine.server.url, "--model", str(vllm_engine.model_a),

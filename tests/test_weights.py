@@ -1,6 +1,6 @@
-"""Tests of opd/weights.py: OPD-V's trust region and Vision-OPD's truncated importance ratio, each
+"""Tests of opd/maths/weights.py: OPD-V's trust region and Vision-OPD's truncated importance ratio, each
 against an explicit float64 loop (math.exp / max / min), and detached; OPOD's gate, controller, group
-advantages and reward terms (opd/opod.py) against numpy and hand computations."""
+advantages and reward terms (opd/methods/opod.py) against numpy and hand computations."""
 
 import math
 
@@ -9,7 +9,7 @@ import pytest
 import torch
 from torch.testing import assert_close
 
-from opd.weights import importance_ratio, teacher_gate, trust_region
+from opd.maths.weights import importance_ratio, teacher_gate, trust_region
 
 F64 = torch.float64
 
@@ -68,10 +68,10 @@ def test_opd_vs_trust_region_reads_both_teachers_at_the_loss_temperature(loss_ch
     of log-probs of size <= max|z| / T + log V."""
     from float64 import F64_EPS
 
-    from opd.distill import micro_batch_loss
-    from opd.divergence import budgeted_weights
-    from opd.ema_teacher import Teacher
-    from opd.loss import LossConfig
+    from opd.methods.distill import micro_batch_loss
+    from opd.maths.divergence import budgeted_weights
+    from opd.models.ema_teacher import Teacher
+    from opd.maths.loss import LossConfig
 
     V, H, n, T, temp = 23, 6, 3, 5, 1.3
     g = torch.Generator().manual_seed(7)
@@ -126,7 +126,7 @@ def test_importance_ratio_log_ratio_is_clamped_at_minus_20():
     assert float(rho) == pytest.approx(math.exp(-20.0), rel=1e-12)
 
 
-# ----------------------------------------------------------------------------- OPOD (opd/weights.py, opd/opod.py)
+# ----------------------------------------------------------------------------- OPOD (opd/maths/weights.py, opd/methods/opod.py)
 
 
 def test_teacher_gate_is_the_positive_part_of_teacher_minus_student_and_detached():
@@ -139,7 +139,7 @@ def test_teacher_gate_is_the_positive_part_of_teacher_minus_student_and_detached
 
 
 def test_controller_step_and_warm_up_against_numpy():
-    from opd.opod import GateController, controller_step
+    from opd.methods.opod import GateController, controller_step
 
     rng = np.random.default_rng(0)
     for _ in range(50):
@@ -169,7 +169,7 @@ def test_controller_step_and_warm_up_against_numpy():
 
 
 def test_group_advantages_against_a_hand_computation():
-    from opd.opod import group_advantages
+    from opd.methods.opod import group_advantages
 
     rewards = torch.tensor([1.0, 0.0, 0.5, 2.0, 2.0, 7.0, 1.0, 3.0])
     groups = torch.tensor([0, 0, 0, 1, 1, 2, 3, 3])
@@ -183,7 +183,7 @@ def test_group_advantages_against_a_hand_computation():
 
 
 def test_verification_reward_terms_against_numpy():
-    from opd.opod import answer_confidence, verification_gain, verified_reward
+    from opd.methods.opod import answer_confidence, verification_gain, verified_reward
 
     correct = torch.tensor([True, False, True, True])
     mean_t = torch.tensor([-0.5, -0.1, -3.0, 0.2], dtype=F64)
@@ -197,7 +197,7 @@ def test_verification_reward_terms_against_numpy():
 
 
 def test_task_reward_reads_the_answer_with_the_projects_parser():
-    from opd.opod import task_reward
+    from opd.methods.opod import task_reward
 
     problem = "<image>What colour is the small square?\n(A) red\n(B) green\n(C) blue\n(D) yellow\nAnswer with the letter."
     assert task_reward("B", problem, "B") == 1.0 and task_reward("The answer is (B).", problem, "B") == 1.0

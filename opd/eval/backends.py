@@ -2,19 +2,19 @@
 
 eval.py --backend picks one: `hf` (`opd.eval.inference`, the default), `openai` (`OpenAIBackend`: any
 OpenAI-compatible chat completions endpoint: vLLM, SGLang, `transformers serve`, llama.cpp, ...) or `vllm`
-(`VLLMBackend`: a vLLM server started for --model by `opd.engine.VLLMServer`, or one already running). Each
+(`VLLMBackend`: a vLLM server started for --model by `opd.engine.vllm.VLLMServer`, or one already running). Each
 has `answer_items(items, ...)` yielding (item, reply) in order, as `inference.answer_items` does; the prompts,
 parsers and aggregates are eval.py's own either way.
 
 `OpenAIBackend` sends one chat completion per item (`--batch-size` of them in flight): the same user turn as
-`opd.chat.user_message` builds (the image, as a lossless PNG base64 data URL, in front of
+`opd.models.chat.user_message` builds (the image, as a lossless PNG base64 data URL, in front of
 `opd.eval.benchmarks.prompt_text(item)`), so the server's chat template renders the prompt the trainer's
 processor renders; greedy (temperature 0, top_p 1, no penalties, seed), `max_tokens` = --max-new-tokens,
 and, when --model names the checkpoint, its vision special tokens biased by -100 (`logit_bias`, the OpenAI
 bound), as `generate`'s suppression. Servers add their own generation defaults (the checkpoint's
 generation_config.json: repetition penalty, top-k, ...): a server `/v1/models` identifies gets the parameters
 that turn them off and `chat_template_kwargs.enable_thinking` as --enable-thinking: `transformers serve` a
-whole `generation_config` (the neutral config of `opd.model.neutral_generation_config`: the checkpoint's EOS
+whole `generation_config` (the neutral config of `opd.models.loading.neutral_generation_config`: the checkpoint's EOS
 and pad ids, greedy, the vision tokens suppressed), vLLM and SGLang `repetition_penalty` 1. Any other server
 (kind 'openai') gets the standard parameters only, which an OpenAI-compatible server must accept: its chat
 template's default thinking mode applies there, whatever --enable-thinking says. A reply's
@@ -22,7 +22,7 @@ template's default thinking mode applies there, whatever --enable-thinking says.
 ``<think>...</think>``, which the answer parser drops again.
 
 `VLLMBackend` encodes each prompt with the trainer's own processor and sends its token ids
-(`opd.engine.generate_text`, the trainer's exact ids, checked against the server's), greedy, vision tokens
+(`opd.engine.vllm.generate_text`, the trainer's exact ids, checked against the server's), greedy, vision tokens
 biased by -100, replies decoded by the trainer's processor: the engine computes in bf16, so a reply can part
 from HF float32 greedy at a near-tie (tests/test_eval_backends.py measures how often).
 """
@@ -59,9 +59,9 @@ def api_base(url: str, flag: str = "--base-url") -> str:
 
 
 def chat_messages(item: BenchItem, view: str = "full") -> list[dict]:
-    """The item's user turn in OpenAI form: `opd.chat.user_message`'s parts, each image as an image_url."""
-    from opd.chat import user_message
-    from opd.engine import image_url
+    """The item's user turn in OpenAI form: `opd.models.chat.user_message`'s parts, each image as an image_url."""
+    from opd.models.chat import user_message
+    from opd.engine.vllm import image_url
     from opd.eval.inference import VIEWS, item_error, item_image
 
     if view not in VIEWS:
@@ -80,11 +80,11 @@ def config_source(source: str) -> str:
     """Where a checkpoint's config is: the checkpoint, or for a LoRA adapter folder (a LoRA run's policy/:
     adapter_config.json, no config.json) its base model's (`base_model_name_or_path`), whose token ids the
     adapter keeps."""
-    from opd.lora import is_adapter_folder
+    from opd.models.lora import is_adapter_folder
 
     if not is_adapter_folder(source):
         return source
-    from opd.model import resolve_model_source
+    from opd.models.loading import resolve_model_source
 
     path = Path(source) / "adapter_config.json"
     try:
@@ -98,11 +98,11 @@ def config_source(source: str) -> str:
 
 
 def config_special_ids(source: str) -> dict:
-    """`opd.model.special_ids` of a checkpoint from its config and generation config alone (no weights); a LoRA
+    """`opd.models.loading.special_ids` of a checkpoint from its config and generation config alone (no weights); a LoRA
     adapter folder's are its base's (`config_source`)."""
     from transformers import AutoConfig, GenerationConfig
 
-    from opd.model import special_ids
+    from opd.models.loading import special_ids
 
     source = config_source(source)
     config = AutoConfig.from_pretrained(source)
@@ -170,7 +170,7 @@ class OpenAIBackend:
 
     def body(self, item: BenchItem, view: str, max_new_tokens: int, enable_thinking: bool) -> dict:
         """The chat completion request of one item (greedy, neutral: see the module docstring)."""
-        from opd.engine import SUPPRESS_BIAS  # -100.0, the OpenAI bound; a float: transformers serve refuses an int
+        from opd.engine.vllm import SUPPRESS_BIAS  # -100.0, the OpenAI bound; a float: transformers serve refuses an int
 
         body = {
             "model": self.served_model, "messages": chat_messages(item, view), "max_tokens": max_new_tokens,
@@ -270,7 +270,7 @@ def _get_json(url: str, api_key: str | None, timeout: float):
 def refuse_adapter(model_dir: str, backend: str) -> None:
     """A one-line UserError for a LoRA adapter folder (a LoRA run's policy/: adapter_config.json, no config.json)
     given to a backend that serves whole checkpoints."""
-    from opd.lora import is_adapter_folder
+    from opd.models.lora import is_adapter_folder
 
     if model_dir and is_adapter_folder(model_dir):
         raise UserError(f"--backend {backend} --model {model_dir}: a LoRA adapter (adapter_config.json, no "
@@ -280,7 +280,7 @@ def refuse_adapter(model_dir: str, backend: str) -> None:
 
 
 class VLLMBackend:
-    """Greedy replies from a vLLM server through `opd.engine.generate_text` (the trainer's token ids)."""
+    """Greedy replies from a vLLM server through `opd.engine.vllm.generate_text` (the trainer's token ids)."""
 
     def __init__(self, server, processor, ids: dict, image_token_id: int | None, timeout: float = 3600.0):
         self.server, self.processor, self.ids = server, processor, ids
@@ -291,12 +291,12 @@ class VLLMBackend:
              max_model_len: int | None = None, log_path=None, env: dict | None = None,
              timeout: float = 3600.0) -> VLLMBackend:
         """A server for `model_dir`: connected to at `vllm_url`, else started from the vLLM venv
-        (`opd.engine.check_venv`: a missing venv is a one-line UserError naming scripts/install_vllm.sh). A LoRA
+        (`opd.engine.vllm.check_venv`: a missing venv is a one-line UserError naming scripts/install_vllm.sh). A LoRA
         adapter folder is refused in one line (`refuse_adapter`)."""
         from transformers import AutoConfig
 
-        from opd.engine import VLLMServer, check_venv
-        from opd.model import load_processor
+        from opd.engine.vllm import VLLMServer, check_venv
+        from opd.models.loading import load_processor
 
         refuse_adapter(model_dir, "vllm")
         config = AutoConfig.from_pretrained(model_dir)
@@ -315,8 +315,8 @@ class VLLMBackend:
                      enable_thinking: bool = False, view: str = "full",
                      max_prompt_len: int | None = None) -> Iterator[tuple[BenchItem, str]]:
         """(item, reply) for every item, in order; `batch_size` requests in flight (the engine batches them)."""
-        from opd.chat import encode_prompt
-        from opd.engine import generate_text
+        from opd.models.chat import encode_prompt
+        from opd.engine.vllm import generate_text
         from opd.eval.inference import item_error, item_image
 
         for chunk in _chunks(items, max(1, batch_size)):

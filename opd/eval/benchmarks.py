@@ -159,7 +159,7 @@ Row = tuple[dict, str]  # (fields, "file line N" / "file row N")
 
 
 def _read_jsonl(path: Path) -> Iterator[Row]:
-    from opd.data import jsonl_lines  # the training reader's decoding (UTF-8, a byte-order mark allowed)
+    from opd.data.records import jsonl_lines  # the training reader's decoding (UTF-8, a byte-order mark allowed)
 
     for n, line in jsonl_lines(path, lambda n, message: BenchmarkDataError(f"{path} line {n}: {message}")):
         try:

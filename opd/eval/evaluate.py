@@ -36,7 +36,7 @@ from opd.cli import UserError
 from opd.eval import inference
 from opd.eval.benchmarks import BenchItem
 from opd.eval.metrics import score
-from opd.identity import DigestCache, file_sha256, hub_snapshot, model_identity  # noqa: F401 (eval.py's resume key)
+from opd.models.identity import DigestCache, file_sha256, hub_snapshot, model_identity  # noqa: F401 (eval.py's resume key)
 from opd.storage import Appender, append_jsonl, write_atomic, write_jsonl_atomic  # noqa: F401 (judge, scoring)
 
 NOTES = ("model_path", "base_url", "served_model")  # settings recorded but not compared

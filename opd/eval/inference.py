@@ -1,9 +1,9 @@
 """Batched greedy answering of benchmark items with plain Hugging Face `generate` (Appendix B.2).
 
-Each item becomes one chat prompt through the training path (`opd.chat.encode_prompt`: the model's
+Each item becomes one chat prompt through the training path (`opd.models.chat.encode_prompt`: the model's
 own processor and chat template, the image in front of the question, Qwen3.5's non-thinking
 generation prompt unless ``enable_thinking``); prompts are left-padded into batches by
-`opd.chat.collate`. Decoding is greedy (temperature 0) under a neutral generation config, so the
+`opd.models.chat.collate`. Decoding is greedy (temperature 0) under a neutral generation config, so the
 checkpoint's shipped sampling defaults (top_k, top_p, repetition penalty, ...) never apply; the
 model's vision special tokens are suppressed as in training rollouts. Only the new tokens are decoded,
 with special tokens skipped.
@@ -15,10 +15,10 @@ from collections.abc import Iterable, Iterator
 
 import torch
 
-from opd.chat import EncodedPrompt, collate, encode_prompt
+from opd.models.chat import EncodedPrompt, collate, encode_prompt
 from opd.cli import UserError
 from opd.eval.benchmarks import BenchItem, item_origin, prompt_text
-from opd.model import neutral_generation_defaults, special_ids
+from opd.models.loading import neutral_generation_defaults, special_ids
 
 VIEWS = ("full", "crop")
 

@@ -19,7 +19,7 @@ eval.py stays the tool for the reported numbers (its own resumable folder).
 `--eval-before` also scores the policy once before step 0 (the weights the run starts from: the "before" of a
 before/after comparison; the ledger's first row holds it as `eval_before`). `--eval-data toy` is the toy world's
 held-out items (`opd.builtin`, built on first use): the default preset's. The run prints every evaluation on the
-console and lists them in summary.md (`format_scores`, `opd.ledger.format_summary`).
+console and lists them in summary.md (`format_scores`, `opd.loop.ledger.format_summary`).
 """
 
 from __future__ import annotations

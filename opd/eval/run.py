@@ -5,7 +5,7 @@ the results written.
 
 1. `model_setup`: what answers, before anything is written (a server that does not answer is refused in
    seconds; a sharded or LoRA checkpoint is exported first, `resolve_model`);
-2. the model's identity (`opd.identity.model_identity`: its files' digest, the resume key), hashed by rank 0;
+2. the model's identity (`opd.models.identity.model_identity`: its files' digest, the resume key), hashed by rank 0;
 3. for each benchmark and view, `opd.eval.evaluate.predict` answers what is not stored yet (the model is loaded
    on first need, `Engine`), and rank 0 scores it (`score_view`, the judge when asked);
 4. rank 0 writes results.json and results.md (`write_outputs`) and prints the Table 1 row.
@@ -23,14 +23,14 @@ from opd.eval.config import EvalConfig
 
 
 def resolve_model(path: str, ranks=None) -> str:
-    """What to load for --model (`opd.checkpoint.model_source`: 'toy', 'tiny', a train.py run or checkpoint folder's
-    policy/), then `opd.model.resolve_model_source` (a checkpoint folder, made absolute, or a hub id). A sharded
+    """What to load for --model (`opd.loop.checkpoint.model_source`: 'toy', 'tiny', a train.py run or checkpoint folder's
+    policy/), then `opd.models.loading.resolve_model_source` (a checkpoint folder, made absolute, or a hub id). A sharded
     (--fsdp) checkpoint without policy/ is exported first (`opd.export.ensure_export`, one line saying so; by rank 0
     alone under a launcher): to its policy/, a LoRA run's to merged/ (its adapter merged into the base)."""
-    from opd.checkpoint import model_source
+    from opd.loop.checkpoint import model_source
     from opd.eval.parallel import Ranks
     from opd.export import ensure_export
-    from opd.model import resolve_model_source
+    from opd.models.loading import resolve_model_source
 
     exported = (ranks or Ranks()).on_main(ensure_export, path, "--model",
                                           lambda line: print(f"eval.py: {line}", flush=True))
@@ -69,7 +69,7 @@ def model_setup(cfg: EvalConfig, ranks) -> tuple[str | None, object | None]:
         server = ranks.on_main(OpenAIBackend.connect, cfg.base_url, cfg.served_model, None,
                                os.environ.get(cfg.api_key_env) or None, cfg.request_timeout, cfg.seed)
     if cfg.backend == "vllm" and not cfg.vllm_url:
-        from opd.engine import check_venv
+        from opd.engine.vllm import check_venv
 
         check_venv()  # a one-line error naming scripts/install_vllm.sh
     model_path = resolve_model(cfg.model, ranks) if cfg.model is not None else None
@@ -92,7 +92,7 @@ def model_setup(cfg: EvalConfig, ranks) -> tuple[str | None, object | None]:
 
 def check_vllm_url(url: str) -> None:
     """A one-line UserError unless the server at --vllm-url answers /health within CONNECT_TIMEOUT seconds."""
-    from opd.engine import VLLMServer
+    from opd.engine.vllm import VLLMServer
     from opd.eval.backends import CONNECT_TIMEOUT
 
     if not VLLMServer(url.strip()).healthy(CONNECT_TIMEOUT):
@@ -141,7 +141,7 @@ class Engine:
             t0 = time.perf_counter()
             self.engine = self._open()
             if self.identity["model"].startswith("hf:"):  # a hub model downloaded just now: its commit is known
-                from opd.identity import model_identity
+                from opd.models.identity import model_identity
 
                 self.identity.update(model_identity(self.model_path, self.digests))
             if self.ranks.main:
@@ -167,7 +167,7 @@ class Engine:
                                         cfg.request_timeout)
             except UserError as exc:  # this process's own server (rank k's may fail alone): it says so
                 raise UserError(str(exc), local=True) from None
-        from opd.model import load_model, load_processor
+        from opd.models.loading import load_model, load_processor
 
         return load_model(self.model_path, self.dtype, self.device), load_processor(self.model_path)
 
@@ -189,7 +189,7 @@ def evaluate(cfg: EvalConfig, names: list[str], ranks) -> dict:
 
     from transformers import set_seed
 
-    from opd.identity import DigestCache, model_identity
+    from opd.models.identity import DigestCache, model_identity
 
     set_seed(cfg.seed)
     digests = DigestCache(Path(cfg.out) / "model_digests.json")

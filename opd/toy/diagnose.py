@@ -1,13 +1,13 @@
 """Step-by-step diagnostics of a toy OPD run (the collapse investigation, experiments/toy_collapse.py).
 
-`Diagnosed(run)` wraps a `opd.loop.Run` of the first toy task (one-letter answers) and trains it step by
+`Diagnosed(run)` wraps a `opd.loop.run.Run` of the first toy task (one-letter answers) and trains it step by
 step exactly as `run.step(step)` would, while recording what the step's selection did:
 
 - the rollouts are sampled here with the generator seed `Run.step` uses (mix_seed(seed, step, rank)),
   then handed to `run.step(step, rollouts)`, so the run is the same run (same rollouts, selections,
   updates; a test checks the ledger against an undiagnosed run);
 - before the step, every candidate's utility u_i (Eq. 9) is computed with the step's own student and
-  teacher (`opd.audit.score_utility`, no state changes), and the teacher's (crop view) and the
+  teacher (`opd.toy.audit.score_utility`, no state changes), and the teacher's (crop view) and the
   student's (full image) probability of each option letter at the answer position, per prompt;
 - the selection S and the labels the selector receives are captured from the selector's calls, so
   the labels can be checked against the precomputed u_i of the same rows (they must be equal: a
@@ -23,12 +23,12 @@ from __future__ import annotations
 
 import torch
 
-from opd.audit import AuditContext, HeldBatch, score_utility
-from opd.chat import collate
-from opd.features import rollout_features
-from opd.rollout import generate_rollouts
+from opd.toy.audit import AuditContext, HeldBatch, score_utility
+from opd.models.chat import collate
+from opd.selection.features import rollout_features
+from opd.engine.rollout import generate_rollouts
 from opd.seeding import mix_seed
-from opd.selectors import query_budget, top_subset
+from opd.selection.selectors import query_budget, top_subset
 from opd.toy.world import OPTIONS
 
 
@@ -130,9 +130,9 @@ def diagnose_one(job: dict) -> dict:
     from pathlib import Path
 
     from opd.config import TrainConfig
-    from opd.data import load_records
-    from opd.ledger import write_atomic
-    from opd.loop import Run
+    from opd.data.records import load_records
+    from opd.loop.ledger import write_atomic
+    from opd.loop.run import Run
     from opd.toy.experiment import evaluate, finished_or_cleared, quiet, say
 
     quiet()

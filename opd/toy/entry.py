@@ -15,7 +15,7 @@ timed under its phase of timing.json (`phase=`; a step given a phase another ste
 what it does on stdout, or nothing (`announce=False`, `what=None`). Everything is reused when it is on disk
 already, so a script run again resumes.
 
-Files are written whole or not at all: text through `opd.ledger.write_atomic`, the report through
+Files are written whole or not at all: text through `opd.loop.ledger.write_atomic`, the report through
 `opd.toy.report.write_report`, plots through `opd.toy.report.save_figure`.
 """
 
@@ -25,7 +25,7 @@ import json
 import sys
 from pathlib import Path
 
-from opd.ledger import write_atomic
+from opd.loop.ledger import write_atomic
 from opd.toy.experiment import Timing, evaluate, quiet, run_jobs, say
 
 SMOKE_FLAG = "--smoke"

@@ -1,4 +1,4 @@
-"""Running a toy experiment: one OPD run (opd.loop.Run, audits, eval.py), the runs in parallel, the ledger
+"""Running a toy experiment: one OPD run (opd.loop.run.Run, audits, eval.py), the runs in parallel, the ledger
 checks and reading the results back. Shared by the experiment scripts (experiments/toy.py, toy_explain.py,
 toy_collapse.py, family.py), whose `main()` starts with `opd.toy.entry.Entry`.
 
@@ -7,7 +7,7 @@ A run is described by a job, a plain dict (it travels to a worker process):
 - `spec`: {"policy", "pct", "seed", "name"} (and "ablation" for a Table 4 variant), copied into done.json;
 - `folder`: the run's output folder; `train`: the `opd.config.TrainConfig` fields (without `out`);
 - `audit_data`: the held JSONL of the audits; `audit_batches`: Figure 3 batches at the end (0: none);
-  `selection_batches` / `selection_draws`: `opd.audit.selection_audit` at the end (0: none);
+  `selection_batches` / `selection_draws`: `opd.toy.audit.selection_audit` at the end (0: none);
   `geometry_steps`: steps after which Figure 4's gradient geometry is measured; `grad_batches`;
 - `eval`: {"bench", "batch", "max_new_tokens"} of eval.py; `trace`: whether to write trace.jsonl.
 
@@ -26,7 +26,7 @@ import sys
 import time
 from pathlib import Path
 
-from opd.ledger import write_atomic
+from opd.loop.ledger import write_atomic
 
 
 def quiet() -> None:
@@ -118,10 +118,10 @@ def train_one(job: dict) -> dict:
     done = out / "done.json"
     if (finished := finished_or_cleared(out)) is not None:
         return finished
-    from opd.audit import AuditContext, audit_utility, gradient_geometry
+    from opd.toy.audit import AuditContext, audit_utility, gradient_geometry
     from opd.config import TrainConfig
-    from opd.data import load_records
-    from opd.loop import Run
+    from opd.data.records import load_records
+    from opd.loop.run import Run
 
     tcfg = TrainConfig(**job["train"], out=str(out))
     steps = tcfg.run.steps
@@ -148,8 +148,8 @@ def train_one(job: dict) -> dict:
         if job.get("audit_batches"):
             audit = audit_utility(AuditContext.of(run), run.selector, audit_records, n_batches=job["audit_batches"])
         selection = None
-        if job.get("selection_batches"):  # the run's own selection against the full-query gradient (opd.audit)
-            from opd.audit import selection_audit
+        if job.get("selection_batches"):  # the run's own selection against the full-query gradient (opd.toy.audit)
+            from opd.toy.audit import selection_audit
 
             selection = selection_audit(AuditContext.of(run), run.selector, audit_records, job["selection_batches"],
                                         job.get("selection_draws", 4))  # fmt: skip
@@ -264,7 +264,7 @@ def run_folder(root: Path, spec: dict) -> Path:
 def read_run(root: Path, spec: dict) -> dict | None:
     """One finished run read back (done.json, the ledger's summary and problems, audit/geometry/selection
     JSON, the trace), or None while it has not finished."""
-    from opd.ledger import read_ledger, summarize
+    from opd.loop.ledger import read_ledger, summarize
 
     folder = run_folder(root, spec)
     if not (folder / "done.json").exists():

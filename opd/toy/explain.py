@@ -96,7 +96,7 @@ class ExplainTask:
     def batch(self, processor, model, samples: list[Sample], views: list[str], rng: np.random.Generator):
         """(model inputs, targets (n, T) with -100 after each response's <|im_end|>) for teacher forcing
         `response_text` in a style drawn from `rng`."""
-        from opd.chat import collate, encode_prompt
+        from opd.models.chat import collate, encode_prompt
 
         tok = processor.tokenizer
         end = tok.convert_tokens_to_ids("<|im_end|>")

@@ -4,18 +4,18 @@ The family's methods differ in what their teacher sees, so each needs a base mod
 signal is privileged (its teacher view answers better than the student's):
 
 - crop (BAS-OPD, Vision-OPD, OPD-V): the toy experiment's base, trained on crops only. OPD-V's
-  negative teacher sees the crop with a black rectangle of a third of its area (`opd.views.masked`).
+  negative teacher sees the crop with a black rectangle of a third of its area (`opd.data.views.masked`).
 - resolution (RP-OPSD): a base whose processor keeps an image's own size between `resolution` and
   `max_resolution` (`SFTConfig.max_resolution`), trained on full canvases at their native 64 x 64
   pixels (4 visual tokens). The student's half-resolution view is 32 x 32 pixels, one visual token.
 - text (OPSD): a base that has learned to read a hint. A base trained on crops never saw one, so the
   hint base is trained on two kinds of samples (`HINT`): the crop with the plain question, and the full
   image with the question followed by the reference answer in OPSD's teacher template
-  (`opd.views.reference_prompt`), the exact text the teacher sees in training. The student's prompt
+  (`opd.data.views.reference_prompt`), the exact text the teacher sees in training. The student's prompt
   (the full image and the plain question) is never in the hint base's training data, and it never
   holds the answer: the answer reaches the student only through the teacher's distributions.
 
-`view_accuracy` answers a set of records greedily in any view of `opd.views`, as training builds it
+`view_accuracy` answers a set of records greedily in any view of `opd.data.views`, as training builds it
 (the teacher's privileged accuracy); the students are scored by eval.py on the benchmark.
 """
 
@@ -28,9 +28,9 @@ from pathlib import Path
 import torch
 
 from opd.answers import parse_choice
-from opd.chat import collate, encode_prompt
-from opd.ledger import write_atomic
-from opd.views import get_view, reference_prompt
+from opd.models.chat import collate, encode_prompt
+from opd.loop.ledger import write_atomic
+from opd.data.views import get_view, reference_prompt
 
 
 @dataclass(frozen=True)
@@ -56,7 +56,7 @@ HINT = HintTask()
 
 
 def write_eval_records(world_dir: Path, world, out: Path) -> Path:
-    """The benchmark's items as training-format records (image + bbox), so any view of opd.views can be
+    """The benchmark's items as training-format records (image + bbox), so any view of opd.data.views can be
     built for them; the images are the benchmark's own files. Returns the JSONL path."""
     from opd.toy.world import sample
 
@@ -72,7 +72,7 @@ def write_eval_records(world_dir: Path, world, out: Path) -> Path:
 
 @torch.no_grad()
 def view_accuracy(model, processor, records, view: str, batch: int = 100) -> float:
-    """Greedy accuracy (%) on `records` asked in `view` (opd.views; the masked view seeded by the record's
+    """Greedy accuracy (%) on `records` asked in `view` (opd.data.views; the masked view seeded by the record's
     index), answers parsed as eval.py parses them."""
     from opd.eval.inference import generate_replies
     from opd.toy.world import OPTIONS

@@ -4,7 +4,7 @@ back from the run folders. Each section function returns its Markdown lines; sha
 experiments/toy.py and experiments/toy_explain.py.
 
 Every file is written whole or not at all, as the rest of the project writes: the report through
-`write_report` (`opd.ledger.write_atomic`), each plot through `save_figure` (a temporary sibling, then
+`write_report` (`opd.loop.ledger.write_atomic`), each plot through `save_figure` (a temporary sibling, then
 os.replace), so a reader or an interrupted run never sees half a report or a truncated PNG. All four
 experiment scripts write their reports and plots through these two.
 """
@@ -17,7 +17,7 @@ from pathlib import Path
 
 import numpy as np
 
-from opd.ledger import write_atomic
+from opd.loop.ledger import write_atomic
 from opd.toy.experiment import label, order
 
 

@@ -1,7 +1,7 @@
 """The selection experiments' policies, runs and tables, shared by experiments/selection.py (both toy tasks) and
 experiments/regime.py (the paper's regime, opd.toy.regime): docs/SELECTION.md.
 
-- `VARIANTS`: the budgeted policies by run name, each a train.py setting of `opd.selectors` (`LABELS` names them);
+- `VARIANTS`: the budgeted policies by run name, each a train.py setting of `opd.selection.selectors` (`LABELS` names them);
 - `selection_job`: one run of a variant for `opd.toy.experiment.train_one` (traced, the selection audit at its end,
   scored by eval.py in both views);
 - `read_selection_run`: a finished run read back with its audit's summary and the prompts its S covered per step;
@@ -93,7 +93,7 @@ def selection_job(cfg, spec: dict, folder: Path, *, model: Path, world: Path, st
 def read_selection_run(root: Path, spec: dict) -> dict | None:
     """`opd.toy.experiment.read_run` with the selection audit's summary in "selection" and the mean distinct prompts
     in S per step (the ledger's selected_prompts) in "selected_prompts"; None while the run has not finished."""
-    from opd.ledger import read_ledger
+    from opd.loop.ledger import read_ledger
 
     if (rec := read_run(root, spec)) is None:
         return None

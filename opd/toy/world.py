@@ -20,7 +20,7 @@ Everything is a pure function of (world seed, split, index): `sample(cfg, split,
 batches of the Figure 3/4 diagnostics, a training JSONL too) and "eval" (the held-out benchmark).
 `export_world(dir, cfg)` writes:
 
-- `train.jsonl` and `audit.jsonl` in the bbox form of `opd.data` (full image + bbox);
+- `train.jsonl` and `audit.jsonl` in the bbox form of `opd.data.records` (full image + bbox);
 - `bench/zoombench/toy.json`, a Vision-OPD evaluation JSON (`images`, `teacher_images` = the crop
   file, `query`, `response`, `id`) that `eval.py --benchmarks zoombench --data-dir DIR/bench` reads,
   `--view crop` answering from the crops too. The toy set sits in ZoomBench's slot because ZoomBench

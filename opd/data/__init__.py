@@ -1,0 +1,3 @@
+"""Training records (the sources, the record forms, crops, eligibility), the views each side sees, and the
+step's prompts.
+"""

@@ -1,0 +1,136 @@
+"""What each side sees: the run's records as the student's and the teachers' encoded prompts, and which rows can be
+candidates (the set C of Algorithm 1).
+
+A record's rows are candidates when every view of the method can be built for it (the crop views need a crop) and,
+with routed teachers, the record has a teacher. Every prompt of every view a record is used in must fit
+--max-prompt-len: `check` says so before step 0 without decoding an image (`opd.models.chat.prompt_length`). Each step's
+prompts come from a seeded permutation per epoch (`opd.data.records.step_prompt_indices`), sharded over the ranks; a view's
+randomness (OPD-V's mask) is seeded by (seed, step, record id), so every rank encodes alike.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from opd.models.chat import encode_prompt, prompt_length
+from opd.cli import UserError
+from opd.data.records import DataConfig, Record, shard, step_prompt_indices
+from opd.methods.objective import StepBatch
+from opd.engine.rollout import Rollouts
+from opd.seeding import mix_seed
+from opd.data.views import VIEWS, get_view
+
+
+def views_eligible(record: Record, views) -> bool:
+    """Whether every one of `views` can be built for the record (the crop views need a crop)."""
+    return all(VIEWS[v].eligible(record) for v in views)
+
+
+def check_records(records: list[Record], views, data_path, prompts_per_step: int, method_name: str) -> None:
+    """Refuses data on which the run would do nothing: too few records for a step, or no crop at all (checked as
+    soon as the records load, before any model)."""
+    n = len(records)
+    if n < prompts_per_step:
+        raise UserError(f"{data_path}: {n} records cannot fill one step of --prompts-per-step {prompts_per_step}")
+    if not any(views_eligible(r, views) for r in records):
+        raise UserError(
+            f"{data_path}: no record has a crop ('teacher_images' or 'bbox'), which the {method_name} teacher "
+            f"views {', '.join(views[1:])} need: every step would train with zero distillation"
+        )
+
+
+class Prompts:
+    """The run's records, views and teachers: the prompts each step encodes, and the candidates C."""
+
+    def __init__(self, records: list[Record], processor, method, teacher_views: tuple[str, ...], teachers,
+                 data: DataConfig, seed: int, rank: int = 0, world: int = 1):  # fmt: skip
+        self.records, self.processor, self.method, self.teachers = records, processor, method, teachers
+        self.student_view, self.teacher_views = method.student_view, teacher_views
+        self.data, self.seed, self.rank, self.world = data, seed, rank, world
+
+    @property
+    def views(self) -> tuple[str, ...]:
+        """Every view of the method: the student's, then the teachers'."""
+        return (self.student_view, *self.teacher_views)
+
+    def eligible(self, record: Record) -> bool:
+        """Whether the record's rows can be candidates (the set C): every view of the method can be built and, with
+        routed teachers, the record has a teacher."""
+        return views_eligible(record, self.views) and self.teachers.route(record) is not None
+
+    def check(self) -> None:
+        """Refuses a record without a route (routed teachers) and a prompt over --max-prompt-len."""
+        if self.teachers.routes is not None:
+            self.teachers.routes.check_records(self.records)
+        self.check_lengths()
+
+    def check_lengths(self) -> None:
+        """Every record's prompt in every view it is used in (the student's, and each teacher view with its
+        teacher's processor) fits --max-prompt-len: one line naming the file:line, view and length otherwise."""
+        cache: dict[tuple, int] = {}
+        limit = self.data.max_prompt_len
+        for record in self.records:
+            uses = [(self.student_view, self.processor)]
+            if self.eligible(record):
+                teacher = self.teachers.teachers.get(self.teachers.route(record))
+                processor = getattr(teacher, "processor", None) or self.processor
+                uses += [(v, processor) for v in self.teacher_views]
+            for view, processor in uses:
+                sizes, question = VIEWS[view].layout(record)
+                key = (id(processor), tuple(sizes), question)
+                if key not in cache:
+                    cache[key] = prompt_length(processor, sizes, question, self.data.enable_thinking)
+                if cache[key] > limit:
+                    raise UserError(f"{record.source}: its '{view}' prompt has {cache[key]} tokens, over "
+                                    f"--max-prompt-len {limit} (raise it, or lower the processor's max_pixels)")  # fmt: skip
+
+    def ids(self, step: int) -> list[int]:
+        """This rank's record ids of step `step`."""
+        ids = step_prompt_indices(len(self.records), self.data.prompts_per_step, step, self.seed)
+        return shard(ids, self.rank, self.world)
+
+    def of_step(self, step: int) -> list[Record]:
+        """This rank's records of step `step`."""
+        return [self.records[i] for i in self.ids(step)]
+
+    def encode(self, view, record: Record, seed: int = 0, processor=None, thinking: bool | None = None):
+        """One prompt of `view` (a View or its name); `seed` draws the view's randomness (the mask); `processor`: an
+        external teacher's (default: the policy's); `thinking`: the thinking prompt (default: --enable-thinking)."""
+        images, problem = get_view(view)(record, seed) if isinstance(view, str) else view(record, seed)
+        thinking = self.data.enable_thinking if thinking is None else thinking
+        try:
+            return encode_prompt(processor or self.processor, images, problem, thinking, self.data.max_prompt_len)
+        except ValueError as exc:  # a context built at step time (DAPD's rollout, OPOD's verification) too long
+            raise UserError(f"{record.source}: {exc}", local=True) from None
+
+    def student(self, records: list[Record]) -> list:
+        """The student's prompts (Eq. 1) of a step's records, in the method's student view."""
+        view = get_view(self.student_view)
+        return [self.encode(view, r) for r in records]
+
+    def candidates(self, records: list[Record], rollouts: Rollouts) -> torch.Tensor:
+        """(N_local,) bool: the rows that can be candidates (their record eligible, their response valid)."""
+        rows = rollouts.prompt_index.tolist()
+        return torch.tensor([self.eligible(records[j]) for j in rows], dtype=torch.bool) & rollouts.valid
+
+    def batch(self, step: int, record_ids: list[int], rollouts: Rollouts, student_prompts: list,
+              selected: torch.Tensor, weights: torch.Tensor | None = None,
+              full_tokens: float | None = None) -> StepBatch:  # fmt: skip
+        """What the objective gets for one step on this rank (`opd.methods.objective.StepBatch`): its records, rollouts and
+        prompts, the local rows of S (with unbiased selection their `weights` 1 / pi_i, and under --estimator ht C's
+        token total `full_tokens`), the teachers' prompts (encoded once per step, each with its teacher's processor;
+        a view's randomness seeded by (seed, step, record id)) and each row's teacher."""
+        records = [self.records[i] for i in record_ids]
+        cache: dict[tuple, object] = {}
+        teachers = self.teachers.teachers
+
+        def teacher_prompt(name: str, view: str, j: int):
+            processor = teachers[name].processor if name in teachers else None
+            key = (id(processor), view, j)
+            if key not in cache:
+                cache[key] = self.encode(view, records[j], mix_seed(self.seed, step, record_ids[j]), processor)
+            return cache[key]
+
+        route = [self.teachers.route(records[j]) for j in rollouts.prompt_index.tolist()]
+        return StepBatch(step, records, list(record_ids), rollouts, student_prompts, selected, teacher_prompt, route,
+                         weights, full_tokens)  # fmt: skip

@@ -1,0 +1,246 @@
+"""On-policy rollouts with plain Hugging Face `generate` (Algorithm 1, line 3).
+
+y_i ~ p_theta(. | x_i, q_i): n rollouts per prompt, left padding, responses masked after EOS. Sampling is the
+paper's (temperature 1, no truncation) unless a method's recipe asks for a temperature, top-k or top-p (OPSD,
+DAPD: 1.1, 20, 0.95): `RolloutStats` then applies them itself (HF's order: temperature, top-k, top-p), so that the
+log-probs and entropies it records are those of the distribution actually sampled from. The sampled-token log-probs log p_old(y_{i,t} | ...) and the
+token entropies H_{i,t} that Eq. 5 needs are computed step by step inside `generate` by a logits
+processor that keeps one step of (rows, V) log-probs at a time: storing every step's full-vocabulary
+scores (1,024 steps x 224 rows x 248,320 ids) does not fit. Everything returned is detached.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import TYPE_CHECKING
+
+from opd.cli import Section
+from opd.lazy import no_grad
+
+if TYPE_CHECKING:
+    import torch
+
+    from opd.models.chat import EncodedPrompt
+
+
+@dataclass
+class SamplingConfig(Section):
+    """How the rollouts of Algorithm 1, line 3 are sampled: how many, how long, from which distribution."""
+
+    rollouts_per_prompt: int = 8
+    """Sampled responses per prompt; candidates per step = prompts_per_step x rollouts_per_prompt."""
+    max_response_len: int = 1024
+    """Most new tokens per rollout."""
+    temperature: float = 1.0
+    """Rollout sampling temperature (OPSD, DAPD: 1.1); Eq. 5's features and the ledger describe the distribution
+    actually sampled."""
+    top_p: float = 1.0
+    """Rollout nucleus sampling: the smallest top set of probability >= p (OPSD, DAPD: 0.95); 1 = off."""
+    top_k: int = 0
+    """Rollout sampling among the k most likely tokens (OPSD, DAPD: 20); 0 = off."""
+    rollout_batch: int = 0
+    """Rows per generate() call, in whole prompts; 0 = all of a rank's rows at once."""
+    share_prefill: bool = True
+    """Encode and prefill each prompt once for its rollouts (when the model's cache can be expanded)."""
+
+    FLAGS = {"temperature": "sample_temperature", "top_p": "sample_top_p", "top_k": "sample_top_k"}
+
+    @property
+    def distribution(self) -> dict:
+        """The warping of `generate_rollouts` (temperature, top_k, top_p)."""
+        return dict(temperature=self.temperature, top_p=self.top_p, top_k=self.top_k)
+
+    @property
+    def untruncated(self) -> bool:
+        """No top-p or top-k truncation (the support of the sampling distribution is the whole vocabulary)."""
+        return self.top_p >= 1 and not self.top_k
+
+    def check(self) -> list[str]:
+        problems = []
+        for attr in ("rollouts_per_prompt", "max_response_len"):
+            if getattr(self, attr) < 1:
+                problems.append(f"--{attr.replace('_', '-')} {getattr(self, attr)}: must be at least 1")
+        if not self.temperature > 0:
+            problems.append(f"--sample-temperature {self.temperature}: must be > 0")
+        if not 0 < self.top_p <= 1:
+            problems.append(f"--sample-top-p {self.top_p}: must lie in (0, 1]")
+        if self.top_k < 0:
+            problems.append(f"--sample-top-k {self.top_k}: must be >= 0 (0 = off)")
+        if self.rollout_batch < 0:
+            problems.append(f"--rollout-batch {self.rollout_batch}: must be >= 0 (0 = all rows at once)")
+        return problems
+
+
+class RolloutStats:
+    """Records log p(y_t) of each sampled token and the entropy H_t of the distribution it came from: a logits
+    processor (generate's `LogitsProcessorList` calls it with the tokens so far and the step's scores, as it calls a
+    `transformers.LogitsProcessor`; not a subclass, so that the settings path loads without transformers).
+
+    At step t the processor sees the scores of step t and the tokens sampled up to t - 1, so it
+    gathers the previous step's log-prob at the token just sampled and keeps only one step of
+    log-probs. It must see the final distribution: generate() runs it after the suppression
+    processors and before generate's own temperature/top-k/top-p warpers, which are identities at temperature 1,
+    top_k 0, top_p 1 (the only settings `generate_rollouts` gives generate). The run's own warping (`temperature`,
+    `top_k`, `top_p`) is applied here, before the statistics, and the warped scores are returned: generate samples
+    from exactly the distribution recorded.
+    """
+
+    def __init__(self, temperature: float = 1.0, top_k: int = 0, top_p: float = 1.0):
+        from transformers import TemperatureLogitsWarper, TopKLogitsWarper, TopPLogitsWarper
+
+        self.logp: list[torch.Tensor] = []
+        self.entropy: list[torch.Tensor] = []
+        self._prev: torch.Tensor | None = None
+        self.warpers = ([TemperatureLogitsWarper(temperature)] if temperature != 1.0 else []) + (
+            [TopKLogitsWarper(top_k)] if top_k else []) + ([TopPLogitsWarper(top_p)] if top_p < 1.0 else [])  # fmt: skip
+
+    def _gather_prev(self, tokens: torch.Tensor) -> None:
+        self.logp.append(self._prev.gather(-1, tokens.unsqueeze(-1)).squeeze(-1))  # (N,)
+
+    def __call__(self, input_ids: torch.Tensor, scores: torch.Tensor) -> torch.Tensor:
+        import torch
+
+        if self._prev is not None:
+            self._gather_prev(input_ids[:, -1])
+        for warp in self.warpers:  # temperature, top-k, top-p: the distribution sampled from
+            scores = warp(input_ids, scores)
+        logp = torch.log_softmax(scores if scores.dtype == torch.float64 else scores.float(), dim=-1)  # (N, V)
+        p = logp.exp()
+        # H_t = -sum_v p_v log p_v, with 0 log 0 = 0 for suppressed ids (logit -inf)
+        self.entropy.append(-torch.where(p > 0, p * logp, torch.zeros_like(p)).sum(-1))  # (N,)
+        self._prev = logp
+        return scores
+
+    def finish(self, last_tokens: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """Gathers the last step and returns (logp, entropy), each (N, T)."""
+        import torch
+
+        if self._prev is not None:
+            self._gather_prev(last_tokens)
+            self._prev = None
+        return torch.stack(self.logp, dim=1), torch.stack(self.entropy, dim=1)
+
+
+@dataclass
+class Rollouts:
+    """A rank's rollout batch: rows are (prompt, sample) pairs, all tensors detached on the CPU."""
+
+    prompt_index: torch.Tensor  # (N,) local prompt id of each row
+    response_ids: torch.Tensor  # (N, T) sampled tokens, pad after EOS
+    response_mask: torch.Tensor  # (N, T) bool: m_{i,t}, valid tokens up to and including EOS
+    logp: torch.Tensor  # (N, T) log p_old(y_{i,t} | x_i, q_i, y_{i,<t})
+    entropy: torch.Tensor  # (N, T) H_{i,t} of the sampling distribution
+    prompt_len: torch.Tensor  # (N,) L_i, prompt tokens including image tokens
+    valid: torch.Tensor  # (N,) bool: False when a response holds a vision special token
+
+    def __len__(self) -> int:
+        return self.response_ids.shape[0]
+
+    @property
+    def lengths(self) -> torch.Tensor:
+        """T_i, the valid response tokens of each row."""
+        return self.response_mask.sum(-1)
+
+
+def response_mask(response_ids: torch.Tensor, eos_ids: list[int]) -> torch.Tensor:
+    """m_{i,t}: true up to and including the first EOS, false after it (all true when no EOS)."""
+    import torch
+
+    is_eos = torch.isin(response_ids, torch.tensor(eos_ids, device=response_ids.device))  # (N, T)
+    eos_before = torch.cumsum(is_eos.long(), dim=1) - is_eos.long()  # EOS strictly before t
+    return eos_before == 0
+
+
+def prefill_shared_cache(model, batch: dict[str, torch.Tensor], n: int):
+    """Encodes and prefills each prompt once and expands the cache to its n rollouts, or returns None
+    when the model's cache cannot be expanded (generate() then prefills every row itself).
+
+    The prompts minus their last token (a text token under left padding) go through one forward with
+    the images; the cache rows (KV and linear-attention states) are repeated n times in place, and
+    so is Qwen's M-RoPE offset (`rope_deltas`), which generate() reads without expanding it. Only the
+    cache is used: the forward keeps one position's logits (logits_to_keep=1), not (prompts, L - 1, V).
+    """
+    import torch
+
+    prefix = {k: (v[:, :-1] if k in ("input_ids", "attention_mask", "mm_token_type_ids") else v) for k, v in batch.items()}
+    out = model(**prefix, use_cache=True, logits_to_keep=1)
+    cache = getattr(out, "cache", None) or getattr(out, "past_key_values", None)
+    if cache is None or not hasattr(cache, "reorder_cache"):
+        return None
+    cache.reorder_cache(torch.arange(batch["input_ids"].shape[0], device=batch["input_ids"].device).repeat_interleave(n))
+    core = model.get_base_model() if hasattr(model, "get_base_model") else model  # a LoRA policy: peft's base model
+    inner = getattr(core, "model", None)
+    if getattr(inner, "rope_deltas", None) is not None:
+        inner.rope_deltas = inner.rope_deltas.repeat_interleave(n, dim=0)
+    return cache
+
+
+@no_grad
+def generate_rollouts(
+    model,
+    prompts: list[EncodedPrompt],
+    n_per_prompt: int,
+    max_new_tokens: int,
+    batch_rows: int = 0,
+    share_prefill: bool = True,
+    temperature: float = 1.0,
+    top_k: int = 0,
+    top_p: float = 1.0,
+) -> Rollouts:
+    """Samples `n_per_prompt` responses to each prompt; about `batch_rows` rows per generate() call (0: all).
+
+    With `share_prefill`, each prompt (and its image) is encoded and prefilled once for its n rollouts
+    (`prefill_shared_cache`); the sampled tokens are the same as without it (a test checks it).
+    Randomness comes from the global torch generator: the caller seeds it per step and rank, which
+    makes a resumed run sample the same responses as an uninterrupted one. `temperature`, `top_k`, `top_p`: the
+    sampling distribution (`RolloutStats`); the defaults are the paper's (plain sampling).
+    """
+    import torch
+    from transformers import LogitsProcessorList
+
+    from opd.models.chat import collate
+    from opd.models.loading import neutral_generation_defaults, special_ids
+
+    ids = special_ids(model)
+    device = next(model.parameters()).device
+    n = n_per_prompt
+    rows = [j for j in range(len(prompts)) for _ in range(n)]
+    per_call = max(1, (batch_rows or len(rows)) // n)  # prompts per generate() call
+    chunks = []
+    was_training = model.training
+    model.eval()
+    sampling = dict(do_sample=True, temperature=1.0, top_k=0, top_p=1.0, max_new_tokens=max_new_tokens, suppress_tokens=ids["vision"])
+    with neutral_generation_defaults(model):
+        for start in range(0, len(prompts), per_call):
+            group = prompts[start : start + per_call]
+            unique = {k: v.to(device) for k, v in collate(group, ids["pad"]).items()}
+            cache = prefill_shared_cache(model, unique, n) if share_prefill else None
+            if cache is not None:
+                batch = {k: unique[k].repeat_interleave(n, dim=0) for k in ("input_ids", "attention_mask", "mm_token_type_ids")}
+                batch["cache"] = cache
+            else:
+                batch = {k: v.to(device) for k, v in collate([p for p in group for _ in range(n)], ids["pad"]).items()}
+            stats = RolloutStats(temperature, top_k, top_p)
+            out = model.generate(**batch, **sampling, logits_processor=LogitsProcessorList([stats]))
+            response = out[:, unique["input_ids"].shape[1] :]  # (rows, T)
+            logp, entropy = stats.finish(response[:, -1])
+            chunks.append((response.cpu(), logp.cpu(), entropy.cpu()))
+    model.train(was_training)
+    width = max(c[0].shape[1] for c in chunks)
+
+    def cat(j: int, fill) -> torch.Tensor:
+        return torch.cat([torch.nn.functional.pad(c[j], (0, width - c[j].shape[1]), value=fill) for c in chunks])
+
+    response_ids = cat(0, ids["pad"])  # (N, T)
+    mask = response_mask(response_ids, ids["eos"])  # (N, T)
+    vision = torch.isin(response_ids, torch.tensor(ids["vision"] or [-1])) & mask
+    logp, entropy = cat(1, 0.0), cat(2, 0.0)
+    return Rollouts(
+        prompt_index=torch.tensor(rows),
+        response_ids=response_ids,
+        response_mask=mask,
+        logp=torch.where(mask, logp, torch.zeros_like(logp)),
+        entropy=torch.where(mask, entropy, torch.zeros_like(entropy)),
+        prompt_len=torch.tensor([len(prompts[j]) for j in rows]),
+        valid=~vision.any(-1),
+    )

@@ -1,0 +1,275 @@
+"""Building what a run trains and who teaches it: the policy (full weights or a LoRA adapter; replicated for DDP or
+sharded with FSDP2), its AdamW, its processor, the EMA self-teacher or the external teachers, and the objective's own
+teachers (DAPD's anchors), from the run's --model or from the checkpoint it resumes.
+
+- Full fine-tuning, DDP: the policy loaded on the device and `accelerator.prepare`d; the EMA teacher a deep copy
+  (Algorithm 1, line 1), or the checkpoint's teacher/ on resume.
+- Full fine-tuning, FSDP2 (`--fsdp`): every rank holds 1/world of the policy, its optimizer state and the EMA
+  teacher (`opd.models.sharding`); a resume rebuilds them from the run's own --model, then loads the shards.
+- LoRA (`--lora-r`, `opd.models.lora`): the run's initial --model, frozen, with the trained adapter; the EMA teacher is the
+  adapter `teacher` on the same base (a fixed one, --ema-tau 0: the base alone); a resume loads both adapters.
+- External teachers (`--teacher-model`, `--teachers`): frozen checkpoints, each loaded once (`opd.models.external_teachers`).
+
+Every model a resume loads again from its path (external teachers, DAPD's base, a sharded run's --model) is
+identified by its files' digest first (`opd.loop.folder.RunFolder.identify`).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass
+from pathlib import Path
+from typing import TYPE_CHECKING
+
+from opd.models import lora as lora_mod
+from opd.builtin import builtin_path, is_builtin
+from opd.loop.checkpoint import load_sharded, load_state, model_source
+from opd.cli import Section, UserError
+from opd.models.ema_teacher import AdapterTeacher, EMATeacher, Teacher, lm_head_weight
+from opd.models.external_teachers import TeacherSet, build_routed, load_routes, load_teacher, teacher_source
+
+if TYPE_CHECKING:
+    import torch
+
+
+@dataclass
+class ModelConfig(Section):
+    """The policy's checkpoint and how it is held: dtype, mixed precision, activation recomputation, sharding."""
+
+    model: str | None = None
+    """HF image-text-to-text checkpoint (folder or hub id), a train.py run folder, or a built-in name: 'toy' (the
+    default preset's: the toy world's base, trained on crops) or 'tiny' (a random-weight tiny Qwen3.5); none (--preset
+    tiny): the tiny one."""
+    dtype: str = "float32"
+    """Weight dtype of policy and teacher (float32 keeps lr 2e-6 updates representable)."""
+    mixed_precision: str = "no"
+    """Autocast of the forwards: no, bf16 or fp16 (weights stay in --dtype)."""
+    grad_checkpointing: bool = False
+    """Recompute activations in backward (long responses on a real model)."""
+    fsdp: bool = False
+    """Shard the policy, its gradients and AdamW state, and the EMA teacher over the processes (FSDP2, torch's
+    fully_shard) instead of replicating them (DDP); checkpoints are then sharded."""
+    fsdp_generation: str = "gathered"
+    """With --fsdp: 'gathered' all-gathers the policy once per generate() call; 'layerwise' gathers it layer by layer
+    at every generated token (less memory, far more communication)."""
+
+    def check(self) -> list[str]:
+        from opd.models.loading import DTYPES
+        from opd.models.sharding import GENERATION
+
+        problems = []
+        if self.mixed_precision not in ("no", "bf16", "fp16"):
+            problems.append(f"--mixed-precision {self.mixed_precision!r}: choose no, bf16 or fp16")
+        if self.dtype not in DTYPES:
+            problems.append(f"--dtype {self.dtype!r}: choose one of {', '.join(DTYPES)}")
+        if self.fsdp_generation not in GENERATION:
+            problems.append(f"--fsdp-generation {self.fsdp_generation!r}: choose one of {', '.join(GENERATION)}")
+        return problems
+
+
+def default_sources(model: str | None, data: str | None, accelerator, vllm: bool = False) -> tuple[str, str]:
+    """(model, data) as folder and file: a built-in name ('toy', the default preset's; 'tiny': `opd.builtin`) is
+    built once by rank 0, then read by every rank; what is not given (`--preset tiny`, a TrainConfig without a
+    preset) is the built-in tiny one, with `vllm` (--rollout-engine vllm) the tiny model's vLLM-servable variant; a
+    train.py run folder as --model is its policy/."""
+    from opd.models.loading import resolve_model_source
+
+    wanted = [(model or "tiny", "model", vllm and model is None), (data or "tiny", "data", False)]
+    if any(is_builtin(name, kind) for name, kind, _ in wanted):
+        if accelerator.is_main_process:
+            for name, kind, variant in wanted:
+                builtin_path(name, kind, variant)
+        accelerator.wait_for_everyone()
+    (model, _, variant), (data, _, _) = wanted
+    built = builtin_path(model, "model", variant)
+    model = str(built) if built is not None else model_source(model, f"--model {model}")
+    data = str(builtin_path(data, "data") or data)
+    resolve_model_source(model)
+    return model, data
+
+
+@dataclass
+class Resume:
+    """The checkpoint a resumed run continues from: its folder, its state and the next step to run."""
+
+    ckpt: Path
+    state: dict
+    start: int
+
+    @classmethod
+    def load(cls, ckpt: Path, folder) -> Resume:
+        """The checkpoint's state; the models it identified go to `folder` (`opd.loop.folder.RunFolder`), so that a
+        model changed since then is refused by name."""
+        state = load_state(ckpt)
+        folder.stored_identities = state.get("identities", {})
+        return cls(ckpt, state, int(state["step"]))
+
+
+@dataclass
+class Models:
+    """What the run trains and who teaches it."""
+
+    student: torch.nn.Module
+    """The policy as trained (DDP-prepared, or FSDP2-sharded)."""
+    optimizer: torch.optim.Optimizer
+    processor: object
+    teachers: TeacherSet
+    """The objective's teachers (`opd.methods.objective.Objective.build_teachers`)."""
+    initial_teacher: Callable[[], Teacher]
+    """A frozen teacher of the run's initial weights (DAPD's base anchor, OPOD's reference)."""
+    lora: object = None
+    """The run's LoRA settings (`opd.models.lora.LoRAConfig`) when the policy is a frozen base with an adapter; None: full
+    fine-tuning."""
+
+    @property
+    def teacher(self) -> Teacher:
+        """The run's first teacher (the EMA self-teacher, the fixed --teacher-model, DAPD's snapshot)."""
+        return next(iter(self.teachers.teachers.values()))
+
+    @property
+    def saved_teacher(self) -> torch.nn.Module | None:
+        """The teacher whose weights a checkpoint holds: a full-weight EMA teacher (it moves with training); None for
+        a frozen teacher (reloaded from its path) and under LoRA (the EMA teacher is an adapter, `adapters`)."""
+        return self.teacher.model if self.teacher.trainable and self.lora is None else None
+
+    @property
+    def adapters(self) -> dict | None:
+        """Under LoRA, the adapters a checkpoint holds: {'policy': the trained one, 'teacher': the EMA teacher's, or
+        None when the teacher is the base or external}; None under full fine-tuning."""
+        if self.lora is None:
+            return None
+        return {"policy": lora_mod.STUDENT, "teacher": getattr(self.teacher, "adapter", None)}
+
+    @property
+    def lora_scaling(self) -> float | None:
+        """alpha / r, the scale of the adapter merged into weights pushed to the vLLM engine; None without LoRA."""
+        return None if self.lora is None else self.lora.scale_alpha / self.lora.r
+
+
+def _trainable(model) -> list:
+    return [p for p in model.parameters() if p.requires_grad]
+
+
+class ModelBuilder:
+    """Builds `Models` for one run (`build`), on every rank alike."""
+
+    def __init__(self, cfg, accelerator, folder, initial_model: str, resume: Resume | None):
+        self.cfg, self.acc, self.folder, self.initial_model, self.resume = cfg, accelerator, folder, initial_model, resume
+        self.shard = dict(dtype=cfg.model.dtype, device=accelerator.device, mixed_precision=cfg.model.mixed_precision)
+
+    def load_frozen(self, path: str, role: str) -> torch.nn.Module:
+        """A frozen model (an external teacher, DAPD's base), identified first, sharded like the policy under --fsdp."""
+        from opd.models.loading import load_model
+        from opd.models.sharding import load_sharded_model
+
+        path = self.folder.identify(path, role)
+        if self.cfg.model.fsdp:
+            return load_sharded_model(path, **self.shard).eval()
+        return load_model(path, self.cfg.model.dtype, self.acc.device)
+
+    def build(self, objective_cls) -> Models:
+        from opd.models.loading import load_processor
+
+        cfg, resume = self.cfg, self.resume
+        model_path, teacher_path = self.initial_model, None
+        if resume is not None and not cfg.model.fsdp:  # sharded: the weights are in ckpt/sharded, loaded after sharding
+            model_path = str(resume.ckpt / "policy")
+            teacher_path = str(resume.ckpt / "teacher") if (resume.ckpt / "teacher").is_dir() else None
+        if cfg.model.fsdp:  # a sharded run is rebuilt from its own --model on resume, then overwritten from the shards
+            self.folder.identify(model_path, "--model")
+        processor = load_processor(model_path)
+        initial_teacher = lambda: Teacher(self.load_frozen(self.initial_model, "--model"))  # noqa: E731 (DAPD, OPOD)
+        if cfg.lora.r:
+            student, optimizer, teacher, initial_teacher = self._lora()
+        elif cfg.model.fsdp:
+            student, optimizer, teacher = self._sharded(model_path)
+        else:
+            student, optimizer, teacher = self._replicated(model_path, teacher_path)
+        unwrapped = self.acc.unwrap_model(student)
+        default = self._external(processor, unwrapped) if cfg.teacher.external else TeacherSet({"teacher": teacher})
+        teachers = objective_cls.build_teachers(default, initial_teacher)  # DAPD: its two anchors
+        models = Models(student, optimizer, processor, teachers, initial_teacher, cfg.lora if cfg.lora.r else None)
+        if cfg.model.fsdp and resume is not None:  # a LoRA run's EMA teacher is an adapter of the policy: in its shards
+            load_sharded(resume.ckpt, student, models.saved_teacher, optimizer)
+        return models
+
+    def _replicated(self, model_path: str, teacher_path: str | None):
+        """Full fine-tuning, DDP: the policy prepared by accelerate; the EMA teacher a copy (or the resumed one)."""
+        from opd.models.loading import load_model
+
+        cfg = self.cfg
+        student = load_model(model_path, cfg.model.dtype, self.acc.device).train()  # from_pretrained: eval mode
+        if cfg.model.grad_checkpointing:
+            # non-reentrant: the reentrant variant marks DDP parameters ready twice
+            student.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+        teacher = None
+        if not cfg.teacher.external and teacher_path:  # a resumed EMA teacher
+            teacher = EMATeacher(load_model(teacher_path, cfg.model.dtype, self.acc.device), copy_weights=False)
+        elif not cfg.teacher.external:
+            teacher = EMATeacher(student)  # Algorithm 1, line 1
+        student, optimizer = self.acc.prepare(student, cfg.optim.adamw(student.parameters()))
+        return student, optimizer, teacher
+
+    def _sharded(self, model_path: str):
+        """Full fine-tuning, FSDP2: every rank holds 1/world of the policy, its optimizer state and the teacher."""
+        from opd.models.sharding import load_sharded_model
+
+        cfg = self.cfg
+        student = load_sharded_model(model_path, grad_checkpointing=cfg.model.grad_checkpointing, **self.shard)
+        teacher = None
+        if not cfg.teacher.external:
+            teacher = EMATeacher(load_sharded_model(model_path, **self.shard), copy_weights=False)
+            teacher.copy_from(student)  # Algorithm 1, line 1, shard by shard
+        return student, cfg.optim.adamw(student.parameters()), teacher
+
+    def _lora(self):
+        """The LoRA policy (opd/models/lora.py): the run's initial --model, frozen, with the trained adapter `default`; the EMA
+        teacher is the adapter `teacher` on the same base (a fixed one, --ema-tau 0: the base alone); a resume loads
+        both adapters from the checkpoint (sharded: from its shards). Also returns the initial-weights teacher (the
+        base with the adapter disabled) for DAPD's base and OPOD's reference."""
+        import torch
+
+        from opd.models.loading import load_model
+        from opd.models.sharding import shard_model
+
+        cfg, device = self.cfg, self.acc.device
+        ema = not cfg.teacher.external and cfg.ema.tau > 0
+        adapters = ("teacher",) if ema else ()
+        with torch.random.fork_rng(devices=[]):  # the adapters' initialisation: one seed, the same on every rank
+            torch.manual_seed(cfg.run.seed)
+            path = self.folder.identify(self.initial_model, "--model")
+            base = load_model(path, cfg.model.dtype, "cpu" if cfg.model.fsdp else device)
+            if not lora_mod.matched_modules(base, cfg.lora.targets):
+                raise UserError(f"--lora-targets {cfg.lora.targets!r}: matches no linear module of {self.initial_model}")
+            student = lora_mod.wrap(base, cfg.lora, adapters).train()
+        if cfg.model.grad_checkpointing:
+            student.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+            student.enable_input_require_grads()  # the frozen embeddings' outputs feed checkpointed layers
+        if self.resume is not None and not cfg.model.fsdp:
+            lora_mod.load_adapter(student, lora_mod.STUDENT, self.resume.ckpt / "policy")
+            if ema:
+                lora_mod.load_adapter(student, "teacher", self.resume.ckpt / "teacher")
+        if cfg.model.fsdp:
+            student = shard_model(student, device, cfg.model.mixed_precision)
+            optimizer = cfg.optim.adamw(_trainable(student))
+        else:
+            student, optimizer = self.acc.prepare(student, cfg.optim.adamw(_trainable(student)))
+        unwrapped = self.acc.unwrap_model(student)
+        teacher = None if cfg.teacher.external else AdapterTeacher(unwrapped, "teacher" if ema else None)
+        return student, optimizer, teacher, lambda: AdapterTeacher(unwrapped, None)
+
+    def _external(self, processor, model) -> TeacherSet:
+        """--teacher-model (one frozen teacher) or --teachers (one per route, each checkpoint loaded once); `model`:
+        the policy unwrapped (its vocabulary is the teachers' to match)."""
+        from opd.models.loading import load_processor
+
+        cfg, vocab = self.cfg.teacher, lm_head_weight(model).shape[0]
+        if cfg.teacher_model:
+            what = f"--teacher-model {cfg.teacher_model}"
+            teacher = load_teacher(cfg.teacher_model, what, processor, vocab, lambda p: self.load_frozen(p, what),
+                                   load_processor)  # fmt: skip
+            return TeacherSet({"teacher": teacher})
+        routes = load_routes(cfg.teachers)
+        given = {teacher_source(name): name for name in routes.teachers.values()}  # the folder loaded -> its name
+        load = lambda path: self.load_frozen(path, f"teacher {given.get(path, path)}")  # noqa: E731
+        return build_routed(routes, processor, vocab, load, load_processor)

@@ -1,0 +1,313 @@
+"""Checkpoints: everything a run needs to continue to the same result, written atomically.
+
+DIR/checkpoint-NNNNNN/ holds policy/ (HF `save_pretrained` with its processor, loadable by eval.py),
+teacher/ (the EMA teacher or DAPD's snapshot, same format; a frozen external teacher is not saved: a
+resumed run reloads it from its `--teacher-model` / `--teachers` path), state.pt (step, policy optimizer,
+selector - network, normalizer, replay, optimizer - the objective's state (OPOD's controller) and the config;
+no global RNG state, since each step seeds its draws from the run's seed and the step) and train_config.json
+(the run's settings, readable without loading the optimizer state, for `train.py --resume`). It is written into
+a temporary folder, flushed to disk and renamed into place; DIR/train_config.json (the same settings, for
+`train.py --config`) and DIR/latest then name it (each also replaced atomically).
+Older checkpoints beyond `keep` are removed only after the new one is complete.
+
+Sharded runs (`--fsdp`, `save_sharded`): checkpoint-NNNNNN/sharded/ is one torch.distributed.checkpoint
+(DCP) of the policy, the EMA teacher and the AdamW state, each rank writing its own shards (in parallel;
+on several machines the output folder must be one shared file system); state.pt and train_config.json
+are as above, without the optimizer. The run's last checkpoint is also exported: policy/ and teacher/
+in `save_pretrained` form (the full weights gathered to rank 0's CPU memory), so `eval.py --model` reads
+it like any other. `load_sharded` restores the shards into freshly sharded models and optimizer: a
+resumed sharded run first builds them from the run's own `--model` (which must still be there), then
+overwrites every weight and moment from sharded/. DCP reshards on load, so another number of processes
+can resume it; the same number continues to the same result (rollouts are seeded per rank).
+"""
+
+import contextlib
+import json
+import os
+import shutil
+from dataclasses import dataclass
+from pathlib import Path
+
+from opd.cli import Section
+from opd.storage import disk_full, is_full, write_atomic
+
+
+@dataclass
+class CheckpointConfig(Section):
+    """When the run writes checkpoints, and how many it keeps."""
+
+    save_every: int = 0
+    """Checkpoint every N steps (0: only at the end)."""
+    keep_checkpoints: int = 1
+    """Checkpoints kept in the output folder."""
+
+    def due(self, step: int, steps: int) -> bool:
+        """Whether a checkpoint follows step index `step` of a run of `steps`."""
+        return step + 1 == steps or bool(self.save_every and (step + 1) % self.save_every == 0)
+
+    def check(self) -> list[str]:
+        problems = []
+        if self.save_every < 0:
+            problems.append(f"--save-every {self.save_every}: must be >= 0 (0 = only at the end)")
+        if self.keep_checkpoints < 1:
+            problems.append(f"--keep-checkpoints {self.keep_checkpoints}: must be at least 1")
+        return problems
+
+
+WRITE_FAILED = ("PytorchStreamWriter failed", "unexpected pos", "file write failed")
+"""How torch.save reports a write that the disk refused (its C++ writer's RuntimeError carries no errno)."""
+
+
+def folder_bytes(folder: Path) -> int:
+    """The bytes of the files below `folder` (0 when it is missing)."""
+    return sum(p.stat().st_size for p in folder.rglob("*") if p.is_file()) if folder.is_dir() else 0
+
+
+@contextlib.contextmanager
+def written_whole(out_dir: Path, tmp: Path, name: str):
+    """A checkpoint's temporary folder either completes or is removed: on any failure `tmp` is deleted, and a full
+    disk or quota (`opd.storage.is_full`, or torch.save's failed writer) is one `DiskFullError` line naming the
+    folder, the checkpoint and about the space it needs (the last checkpoint's size, else what was written)."""
+    try:
+        yield
+    except BaseException as exc:
+        written = folder_bytes(tmp)
+        shutil.rmtree(tmp, ignore_errors=True)
+        if isinstance(exc, Exception) and (is_full(exc) or any(t in str(exc) for t in WRITE_FAILED)):
+            before = find_latest(out_dir)
+            then = (f"continue with --resume {out_dir} (from {before.name})" if before is not None else
+                    "run the same command again (no checkpoint was written: the run starts over)")  # fmt: skip
+            raise disk_full(out_dir, name, max(written, folder_bytes(before) if before else 0), then) from None
+        raise
+
+
+def save_checkpoint(out_dir: str | Path, step: int, model, processor, teacher, state: dict, keep: int = 1,
+                    adapters: dict | None = None) -> Path:  # fmt: skip
+    """Writes checkpoint-{step} (step = the next step to run) and points DIR/latest at it. `adapters` (LoRA,
+    `opd.models.lora`): {"policy": adapter, "teacher": adapter or None}: policy/ and teacher/ hold those adapters of
+    `model` instead of whole models. A failed write leaves no temporary folder (`written_whole`)."""
+    out_dir = Path(out_dir)
+    final = out_dir / f"checkpoint-{step:06d}"
+    tmp = out_dir / f".checkpoint-{step:06d}.tmp"
+    shutil.rmtree(tmp, ignore_errors=True)
+    with written_whole(out_dir, tmp, final.name):
+        _write_checkpoint(tmp, model, processor, teacher, state, step, adapters)
+    return _publish(out_dir, tmp, final, state, keep)
+
+
+def _write_checkpoint(tmp: Path, model, processor, teacher, state: dict, step: int, adapters: dict | None) -> None:
+    import torch
+
+    if adapters is not None:
+        from opd.models.lora import save_adapter
+
+        save_adapter(model, adapters["policy"], tmp / "policy")
+        if adapters.get("teacher"):
+            save_adapter(model, adapters["teacher"], tmp / "teacher")
+    else:
+        model.save_pretrained(tmp / "policy")
+    processor.save_pretrained(tmp / "policy")
+    if teacher is not None:  # None: a frozen external teacher, reloaded from its own checkpoint on resume
+        teacher.save_pretrained(tmp / "teacher")
+    torch.save({**state, "step": step}, tmp / "state.pt")
+    if "config" in state:
+        (tmp / "train_config.json").write_text(json.dumps(state["config"], indent=2) + "\n")
+
+
+def _sync_tree(folder: Path) -> None:
+    """fsync of every file below `folder` and of the folders themselves: on disk before the rename publishes it."""
+    for path in sorted(folder.rglob("*"), key=lambda p: -len(p.parts)) + [folder]:
+        fd = os.open(path, os.O_RDONLY)
+        try:
+            os.fsync(fd)
+        finally:
+            os.close(fd)
+
+
+def _publish(out_dir: Path, tmp: Path, final: Path, state: dict, keep: int) -> Path:
+    """Writes train_config.json, flushes the complete temporary folder to disk and renames it into place, points
+    DIR/latest at it and removes checkpoints beyond `keep`. A folder already named `final` (a resume from an
+    earlier checkpoint writes that step again) is renamed aside first and deleted only once `latest` names the
+    new one."""
+    _sync_tree(tmp)
+    replaced = final.with_name(f".{final.name}.old")
+    shutil.rmtree(replaced, ignore_errors=True)
+    if final.exists():
+        final.rename(replaced)
+    tmp.rename(final)
+    if "config" in state:  # the run's settings beside its checkpoints too: `train.py --config DIR/train_config.json`
+        write_atomic(out_dir / "train_config.json", json.dumps(state["config"], indent=2) + "\n")
+    write_atomic(out_dir / "latest", final.name + "\n")
+    shutil.rmtree(replaced, ignore_errors=True)
+    prune(out_dir, keep)
+    return final
+
+
+def find_latest(out_dir: Path) -> Path | None:
+    """The checkpoint DIR/latest names, when it is there."""
+    latest = Path(out_dir) / "latest"
+    if not latest.is_file():
+        return None
+    ckpt = Path(out_dir) / latest.read_text().strip()
+    return ckpt if ckpt.is_dir() else None
+
+
+def prune(out_dir: Path, keep: int) -> None:
+    """Keeps the `keep` newest checkpoints, the one DIR/latest names among them; removes the rest and a kill's
+    leftovers (`.checkpoint-*.tmp`, `.checkpoint-*.old`). Run after every save and when a run resumes (a kill
+    between `latest` and the pruning left an old checkpoint beside the new one)."""
+    out_dir = Path(out_dir)
+    final = find_latest(out_dir)
+    if final is None:
+        return
+    old = sorted(p for p in out_dir.glob("checkpoint-*") if p.is_dir() and p != final)
+    for p in old[: max(0, len(old) - (keep - 1))]:
+        shutil.rmtree(p, ignore_errors=True)
+    for p in out_dir.glob(".checkpoint-*"):
+        shutil.rmtree(p, ignore_errors=True)
+
+
+def _sharded_state(model, teacher, optimizer) -> dict:
+    """The DCP state of a sharded run: {policy, teacher, optimizer}, each rank's shards (DTensors)."""
+    from torch.distributed.checkpoint.state_dict import get_model_state_dict, get_state_dict
+
+    model_sd, optim_sd = get_state_dict(model, optimizer)
+    state = {"policy": model_sd, "optimizer": optim_sd}
+    if teacher is not None:  # None: a frozen external teacher (not saved)
+        state["teacher"] = get_model_state_dict(teacher)
+    return state
+
+
+def export_pretrained(model, folder: Path, processor=None, adapter: str | None = None) -> None:
+    """`save_pretrained` of a sharded model: the full weights gathered to rank 0's CPU memory (a collective,
+    run by every rank) and written there by rank 0, with the processor when given; `adapter` (LoRA): that adapter
+    of the model only (`opd.models.lora.save_adapter`)."""
+    import torch.distributed as dist
+
+    from opd.models.sharding import full_state_dict
+
+    full = full_state_dict(model)
+    if dist.get_rank() == 0:
+        if adapter is not None:
+            from opd.models.lora import save_adapter
+
+            save_adapter(model, adapter, folder, state_dict=full)
+        else:
+            model.save_pretrained(folder, state_dict=full)
+        if processor is not None:
+            processor.save_pretrained(folder)
+
+
+def save_sharded(out_dir: str | Path, step: int, model, teacher, optimizer, state: dict, keep: int = 1,
+                 processor=None, adapters: dict | None = None) -> Path:
+    """Every rank: checkpoint-{step} with sharded/ (DCP: model, teacher, AdamW), state.pt and
+    train_config.json written by rank 0; with `processor` also the policy/ and teacher/ export. Renamed into
+    place by rank 0 once every rank has written; returns the final folder."""
+    import torch
+    import torch.distributed as dist
+    import torch.distributed.checkpoint as dcp
+
+    out_dir = Path(out_dir)
+    final = out_dir / f"checkpoint-{step:06d}"
+    tmp = out_dir / f".checkpoint-{step:06d}.tmp"
+    main = dist.get_rank() == 0
+    if main:
+        shutil.rmtree(tmp, ignore_errors=True)
+        tmp.mkdir(parents=True)
+    dist.barrier()
+    with written_whole(out_dir, tmp, final.name):
+        dcp.save(_sharded_state(model, teacher, optimizer), checkpoint_id=tmp / "sharded")
+        if processor is not None:
+            _export_sharded(tmp, model, teacher, processor, adapters)
+        if main:
+            torch.save({**state, "step": step}, tmp / "state.pt")
+            if "config" in state:
+                (tmp / "train_config.json").write_text(json.dumps(state["config"], indent=2) + "\n")
+    if main:
+        _publish(out_dir, tmp, final, state, keep)
+    dist.barrier()
+    return final
+
+
+def _export_sharded(tmp: Path, model, teacher, processor, adapters: dict | None) -> None:
+    """The last sharded checkpoint's policy/ and teacher/ exports (LoRA: the adapters; the teacher's is an adapter
+    of the model)."""
+    if adapters is not None:
+        export_pretrained(model, tmp / "policy", processor, adapters["policy"])
+        if adapters.get("teacher"):
+            export_pretrained(model, tmp / "teacher", None, adapters["teacher"])
+    else:
+        export_pretrained(model, tmp / "policy", processor)
+        if teacher is not None:
+            export_pretrained(teacher, tmp / "teacher")
+
+
+def load_sharded(ckpt: str | Path, model, teacher, optimizer) -> None:
+    """Restores a `save_sharded` checkpoint into a sharded model, teacher and optimizer (every rank reads
+    its own shards; the world size may differ from the one that wrote it)."""
+    import torch.distributed.checkpoint as dcp
+    from torch.distributed.checkpoint.state_dict import set_model_state_dict, set_state_dict
+
+    path = Path(ckpt) / "sharded"
+    if not (path / ".metadata").is_file():
+        raise FileNotFoundError(f"{ckpt} has no sharded checkpoint ({path}/.metadata): was it written with --fsdp?")
+    sd = _sharded_state(model, teacher, optimizer)
+    dcp.load(sd, checkpoint_id=path)
+    set_state_dict(model, optimizer, model_state_dict=sd["policy"], optim_state_dict=sd["optimizer"])
+    if teacher is not None:
+        set_model_state_dict(teacher, sd["teacher"])
+
+
+def find_checkpoint(path: str | Path) -> Path:
+    """A checkpoint folder from a run folder (via DIR/latest) or the checkpoint folder itself."""
+    path = Path(path)
+    if (path / "state.pt").is_file():
+        return path
+    latest = path / "latest"
+    if latest.is_file():
+        ckpt = path / latest.read_text().strip()
+        if (ckpt / "state.pt").is_file():
+            return ckpt
+        raise FileNotFoundError(f"{latest} names {ckpt.name}, which is missing or incomplete")
+    raise FileNotFoundError(f"no checkpoint in {path} (expected {path}/latest or {path}/state.pt)")
+
+
+def model_source(path: str, what: str) -> str:
+    """What a model name loads (`--model`, `--teacher-model`, a route's teacher, `eval.py --model`): a built-in name
+    ('tiny', 'toy': `opd.builtin`) its folder, built on first use; a `train.py` run folder or one of its checkpoint
+    folders (a folder without config.json, holding `latest` or `state.pt`) its checkpoint's `policy/` export;
+    anything else unchanged (a checkpoint folder or hub id, checked by `opd.models.loading.resolve_model_source`). `what`
+    names the flag in errors."""
+    from opd.builtin import builtin_path
+    from opd.cli import UserError
+
+    if (builtin := builtin_path(path, "model")) is not None:
+        return str(builtin)
+    folder = Path(path).expanduser()
+    run_like = (folder / "latest").is_file() or (folder / "state.pt").is_file()
+    if not folder.is_dir() or (folder / "config.json").is_file() or not run_like:
+        return str(folder) if folder.exists() else path  # '~/x' quoted past the shell: the folder, not a hub id
+    try:
+        ckpt = find_checkpoint(folder)
+    except FileNotFoundError as exc:
+        raise UserError(f"{what}: {exc}") from None
+    if not (ckpt / "policy").is_dir():
+        if (ckpt / "sharded").is_dir():
+            raise UserError(f"{what}: {ckpt} is a sharded (--fsdp) training checkpoint without an export; only a "
+                            "run's last checkpoint holds policy/ (give the finished run)")
+        raise UserError(f"{what}: {ckpt} holds no exported policy/")
+    return str(ckpt / "policy")
+
+
+def load_state(ckpt: Path) -> dict:
+    import torch
+
+    return torch.load(Path(ckpt) / "state.pt", map_location="cpu", weights_only=False)
+
+
+def load_config(ckpt: Path) -> dict:
+    """The run's settings stored with a checkpoint (train_config.json; state.pt for older checkpoints)."""
+    path = Path(ckpt) / "train_config.json"
+    if path.is_file():
+        return json.loads(path.read_text())
+    return load_state(ckpt).get("config", {})

@@ -1,0 +1,250 @@
+"""A training run's --out folder: one run per folder, what a new run replaces, and what a resume must find again.
+
+- The lock (`opd.loop.lock`): rank 0 takes DIR/.lock before anything is read; every rank refuses alike when another
+  run holds it. A failed start releases it and removes a folder it created (when nothing else is there).
+- A new run refuses a folder that holds a run unless --overwrite; --overwrite sets the old run aside in
+  DIR/.overwritten/ only once every input is built, and puts it back if the trackers then fail to start.
+- Identities: every frozen model a resumed run loads again from its path (external teachers, DAPD's base, a sharded
+  run's --model) is recorded by its files' digest (`opd.models.identity`), and a resume whose model there has changed is
+  refused by name. DIR/.digests.json caches the digests (kept by --overwrite: it describes files outside the run).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import shlex
+import shutil
+import sys
+from dataclasses import dataclass
+from pathlib import Path
+
+from opd.loop import lock as runlock
+from opd.loop.checkpoint import find_checkpoint
+from opd.cli import Section, UserError
+from opd.models.identity import DigestCache, model_identity
+
+
+@dataclass
+class FolderConfig(Section):
+    """Where the run writes, and whether it continues or replaces the run already there."""
+
+    out: str = "runs/tiny"
+    """Output folder: ledger.jsonl, summary.md, checkpoints, TensorBoard logs."""
+    resume: str | None = None
+    """Continue from a run folder (its latest checkpoint) or a checkpoint folder, with the run's own settings."""
+    overwrite: bool = False
+    """Start over in an --out folder that holds a run, deleting its ledger, summary and checkpoints."""
+    auto_resume: bool = False
+    """Continue the run in --out when it holds a checkpoint (a requeued job's same command), else start it (a
+    folder without a checkpoint is started over); flags that differ from the stored run's are refused as with
+    --resume (verl's resume_mode=auto)."""
+    allow_data_change: bool = False
+    """With --resume: continue although --data's files changed since the run started (refused otherwise); the result
+    then differs from an uninterrupted run's."""
+
+    def check(self) -> list[str]:
+        problems = []
+        if Path(self.out).exists() and not Path(self.out).is_dir():
+            problems.append(f"--out {self.out}: is a file; a run needs a folder")
+        if self.resume and self.overwrite:
+            problems.append("--resume continues a run and --overwrite deletes it: choose one")
+        return problems
+
+
+VLLM_PUSH = ".vllm-push"
+"""DIR/.vllm-push/: a sharded run's gathered weights for the vLLM engine (`opd.engine.vllm`), removed at the end."""
+OVERWRITTEN = ".overwritten"
+"""DIR/.overwritten/: an --overwrite's old run, set aside until the new one has started its trackers."""
+RUN_FILES = ("ledger.jsonl", "summary.json", "summary.md", "latest", "train_config.json", "tb", "mlruns", "wandb",
+             "trackers.json", OVERWRITTEN, VLLM_PUSH)  # fmt: skip
+"""What a training run writes into its --out folder, besides checkpoint-NNNNNN/ (and a kill's leftovers: temporary
+siblings of the checkpoints and of the summaries, RUN_PREFIXES)."""
+RUN_PREFIXES = ("checkpoint-", ".checkpoint-", ".summary.", ".ledger.", ".latest.", ".train_config.")
+DIGESTS = ".digests.json"
+"""DIR/.digests.json: the digest cache of the frozen models a run loads (`opd.models.identity.DigestCache`)."""
+
+
+def run_files(out: Path) -> list[Path]:
+    """The files and folders of a training run in `out` (none when it holds no run)."""
+    if not out.is_dir():
+        return []
+    return sorted(p for p in out.iterdir() if p.name in RUN_FILES or p.name.startswith(RUN_PREFIXES))
+
+
+def checkpoint_of(path: str) -> Path:
+    """The checkpoint a --resume path names, or a UserError saying what is missing."""
+    try:
+        return find_checkpoint(path)
+    except FileNotFoundError as exc:
+        hint = ""
+        if run_files(Path(path)):  # a run stopped before its first checkpoint
+            hint = f"; the run stopped before its first checkpoint: start over with --out {path} --overwrite"
+        raise UserError(f"--resume {path}: {exc}{hint}") from None
+
+
+def eval_command(out: Path, eval_data: str | None, data: str | None) -> str:
+    """The eval.py command that scores the run in `out` (printed as the run ends): with the run's --eval-data, else
+    the built-in benchmark of its built-in --data ('toy'; none or 'tiny': the tiny one), else a placeholder DIR (a
+    folder with one sub-folder per benchmark, docs/EVAL.md). The interpreter is this one (the venv's), relative to
+    the current folder when it lies below it."""
+    from opd.builtin import is_builtin
+
+    bench = eval_data or ((data or "tiny") if data is None or is_builtin(data, "bench") else "DIR")
+    python, script = Path(sys.executable), Path(__file__).resolve().parents[1] / "eval.py"
+    here = [_below_cwd(p) for p in (python, script if script.is_file() else Path("eval.py"))]
+    return shlex.join([*here, "--model", str(out), "--data-dir", bench]) + (
+        " (DIR: a folder with one sub-folder per benchmark, docs/EVAL.md)" if bench == "DIR" else "")
+
+
+def _below_cwd(path: Path) -> str:
+    """`path` relative to the current folder when it lies below it."""
+    with contextlib.suppress(ValueError):
+        return str(path.relative_to(Path.cwd()))
+    return str(path)
+
+
+def launch_info(world: int) -> dict:
+    """What ran: the number of processes, the launcher and this process's command line."""
+    env = os.environ
+    launcher = ("accelerate" if any(k.startswith("ACCELERATE_") for k in env)
+                else "torchrun" if "TORCHELASTIC_RUN_ID" in env else "python")  # fmt: skip
+    return {"world_size": world, "launcher": launcher, "command": shlex.join([Path(sys.executable).name, *sys.argv])}
+
+
+class RunFolder:
+    """One run's --out folder, the same object on every rank (rank 0 alone writes)."""
+
+    def __init__(self, accelerator, cfg: FolderConfig):
+        self.acc, self.cfg, self.out = accelerator, cfg, Path(cfg.out)
+        self.main = accelerator.is_main_process
+        self.created = not self.out.exists()
+        self.lock()  # one run per folder: a second process is refused before it reads anything
+        self.digests = DigestCache(self.out / DIGESTS)
+        self.identities: dict[str, str] = {}  # what each frozen model loaded was (its files' digest), by role
+        self.stored_identities: dict[str, str] = {}
+
+    def lock(self) -> None:
+        """Rank 0 takes --out's lock (`opd.loop.lock`); every rank refuses alike when another run holds it."""
+        import torch
+
+        error = ""
+        if self.main:
+            try:
+                runlock.acquire(self.out)
+            except runlock.LockedError as exc:
+                error = f"{exc}: wait for it to finish, or give another --out"
+            except OSError as exc:  # not a folder, not writable
+                error = f"{self.out}: cannot hold a run ({exc.strerror or exc}); give another --out"
+        held = self.acc.reduce(torch.tensor([int(bool(error))], device=self.acc.device), "sum")
+        if int(held.item()):
+            raise UserError(f"--out {error or self.out}" + ("" if error else ": refused on rank 0"))
+
+    def release(self, failed: bool = False) -> None:
+        """Releases the lock; after a failed start, a folder this run created is removed (when nothing else is
+        there), so a failed start leaves no folder behind."""
+        runlock.release(self.out)
+        if failed and self.created and self.main:
+            for name in (runlock.LOCK_NAME, DIGESTS):
+                (self.out / name).unlink(missing_ok=True)
+            with contextlib.suppress(OSError):
+                self.out.rmdir()  # only if nothing else is there
+
+    def existing_run(self) -> list[Path]:
+        """A new run refuses a folder that holds a run, unless --overwrite; returns what it would replace."""
+        found = [] if self.cfg.resume else run_files(self.out)
+        if found and not self.cfg.overwrite:
+            names = ", ".join(p.name for p in found[:4]) + (", ..." if len(found) > 4 else "")
+            raise UserError(
+                f"--out {self.out} holds a run ({names}): continue it with --resume {self.out}, "
+                "or start over with --overwrite, which deletes it"
+            )
+        return found
+
+    def set_aside(self, found: list[Path]) -> Path | None:
+        """--overwrite: rank 0 moves the old run's files into DIR/.overwritten/, once every rank has built everything;
+        `drop` deletes it once the trackers have started, `restore` puts it back if they fail. Returns the folder on
+        rank 0 (None elsewhere, and when there is nothing to replace)."""
+        self.acc.wait_for_everyone()
+        aside = None
+        if found and self.main:
+            aside = self.out / OVERWRITTEN
+            if aside.exists():  # a kill's leftover
+                shutil.rmtree(aside)
+            aside.mkdir()
+            for path in found:
+                if path != aside:
+                    path.rename(aside / path.name)
+        self.acc.wait_for_everyone()
+        return aside
+
+    def restore(self, aside: Path | None) -> None:
+        """The old run's files back in place (rank 0), after a failed start (replacing what it had begun to write)."""
+        if aside is None:
+            return
+        for path in aside.iterdir():
+            target = self.out / path.name
+            if target.is_dir():
+                shutil.rmtree(target)
+            elif target.exists():
+                target.unlink()
+            path.rename(target)
+        aside.rmdir()
+
+    def clear(self) -> None:
+        """Removes this run's files (rank 0): a run that wrote no checkpoint cannot be resumed, so its folder goes
+        back to holding no run."""
+        if self.main:
+            for path in run_files(self.out):
+                shutil.rmtree(path) if path.is_dir() else path.unlink(missing_ok=True)
+
+    @staticmethod
+    def drop(aside: Path | None) -> None:
+        if aside is not None:
+            shutil.rmtree(aside)
+
+    def identify(self, path: str, role: str) -> str:
+        """Records the identity (`opd.models.identity.model_identity`: its files' digest, or a hub id) of a model that a
+        resumed run loads again from its path, and refuses a resume whose model there has changed since the run
+        started. Returns `path`."""
+        found = model_identity(path, self.digests)
+        ident = found["model"] + (f"@{found['model_revision']}" if found["model_revision"] else "")  # a hub commit too
+        before = self.stored_identities.get(role)
+        if before is not None and before not in (ident, found["model"]):  # (checkpoints before 12/2026: no commit)
+            raise UserError(
+                f"--resume {self.cfg.resume}: {role} {path} is not the model the run started with ({before[:19]}... "
+                f"then, {ident[:19]}... now): a resumed run needs the same weights; restore them or start a new run"
+            )
+        self.identities[role] = ident
+        return path
+
+    def identify_data(self, path: str) -> None:
+        """Records the identity of the training data (its file's or folder's digest, or a hub id) and refuses a resume
+        whose data changed since the run started, unless --allow-data-change. The images a JSONL names are not
+        hashed: the file itself (its problems, answers, crops and image paths) is."""
+        target = Path(path)
+        if target.is_file():
+            ident = "sha256:" + self.digests.file(target)
+        elif target.is_dir():
+            ident = "sha256:" + self.digests.folder(target)
+        else:
+            ident = f"hf:{path}"
+        before = self.stored_identities.get("--data")
+        if before is not None and before != ident and not self.cfg.allow_data_change:
+            raise UserError(
+                f"--resume {self.cfg.resume}: --data {path} changed since the run started ({before[:19]}... then, "
+                f"{ident[:19]}... now): a resumed run trains on its own data; restore it, start a new run, or give "
+                "--allow-data-change to continue on the changed data (the result will differ from an uninterrupted run)"
+            )
+        self.identities["--data"] = ident
+
+    def note_resume(self, ckpt: Path, state: dict) -> None:
+        """The line a resumed run starts with (rank 0): its checkpoint and the step it continues at; and one more
+        when it resumes on another number of processes (rollouts are seeded per rank)."""
+        if self.main:
+            print(f"train.py: resuming from {ckpt.name} (step {int(state['step'])}) in {self.out}", flush=True)
+        before = state.get("world_size")
+        if before is not None and before != self.acc.num_processes and self.main:
+            print(f"train.py: note: {ckpt} was trained on {before} process(es) and resumes on {self.acc.num_processes}: "
+                  "rollouts are seeded per rank, so the result will differ from a run on one number of processes",
+                  file=sys.stderr, flush=True)  # fmt: skip

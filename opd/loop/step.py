@@ -1,0 +1,175 @@
+"""Algorithm 1 of the paper, one step at a time, on every rank in lockstep: `Stepper.step` (lines 3-14).
+
+    line 3       y_i ~ p_theta(. | x_i, q_i) for every prompt of this rank       `Sampler` (opd.engine.sampler)
+    line 4       phi_i (Eq. 5), all-gathered; K = floor(rho |C|) (Eq. 4)         `rollout_features`, `query_budget`
+    lines 5-9    S from the global candidates, before any teacher computation   `Selector.select` (opd.selection.selectors)
+    lines 11-12  the teacher on this rank's rows of S only; the method's loss   the method's objective (opd.methods.objective)
+                 (Eq. 11) backpropagated; the labels u_i of S (Eq. 9)
+    line 13      AdamW, then theta-bar <- (1 - tau) theta-bar + tau theta after   `Stepper.update`, `Objective.after_update`
+                 a valid update
+    line 14      the labels of S gathered, (phi_i, u_i) into replay, psi updated  `Selector.observe`
+
+Every rank makes the same selection from the all-gathered features (the selector's draws come from a seed shared by
+the ranks), so every rank runs the same collectives in the same order. The step's loss is the sum of the ranks'
+shares (one all-reduce here); `StepRecord` gathers the rest of the step's ledger row (its counts and seconds).
+
+Notation: C is the step's set of candidates (the rows whose views can be built: a crop for the crop teacher), S the
+selected subset, K = floor(rho |C|) its budget (Eq. 4), pi_i a row's inclusion probability under unbiased selection
+and 1 / pi_i its weight in the loss (Eq. 11's Hajek form). The run around the steps (its folder, models, checkpoints,
+trackers, live evaluation, summary) is `opd.loop.run.Run`.
+"""
+
+from __future__ import annotations
+
+import math
+import time
+import warnings
+from dataclasses import dataclass
+
+import torch
+
+from opd.selection.features import rollout_features
+from opd.loop.optim import clip_gradients
+from opd.engine.rollout import Rollouts
+from opd.selection.selectors import query_budget
+from opd.loop.record import StepRecord
+
+
+@dataclass
+class Candidates:
+    """The step's rows over all ranks (rank 0's first): features phi (Eq. 5), eligibility (C), lengths, prompts."""
+
+    phi: torch.Tensor  # (N, 6)
+    eligible: torch.Tensor  # (N,) bool
+    lengths: torch.Tensor  # (N,) valid response tokens
+    prompt_of: torch.Tensor  # (N,) record ids
+
+    @property
+    def size(self) -> int:
+        """|C|."""
+        return int(self.eligible.sum())
+
+
+def gather_candidates(acc, phi_local, eligible_local, rollouts: Rollouts, prompt_ids: torch.Tensor) -> Candidates:
+    """Algorithm 1, line 4 over all ranks: this rank's rows all-gathered (four collectives, every rank)."""
+    device = acc.device
+    return Candidates(
+        acc.gather(phi_local.to(device)).cpu(),  # (N, 6)
+        acc.gather(eligible_local.long().to(device)).cpu().bool(),  # (N,)
+        acc.gather(rollouts.lengths.to(device)).cpu(),  # (N,)
+        acc.gather(prompt_ids.to(device)).cpu(),  # (N,)
+    )
+
+
+def local_rows(selected: torch.Tensor, pi: torch.Tensor | None, rank: int, n_local: int):
+    """This rank's rows of S (local ids) and, under unbiased selection, every local row's loss weight: 1 / pi_i for
+    the rows of S (Eq. 11's Hajek form), 1 elsewhere; None without it."""
+    offset = rank * n_local
+    mine = (selected >= offset) & (selected < offset + n_local)
+    local = selected[mine] - offset
+    weights = None
+    if pi is not None:
+        weights = torch.ones(n_local, dtype=torch.float64)
+        weights[local] = 1.0 / pi[mine]
+    return local, weights
+
+
+@dataclass
+class Stepper:
+    """Algorithm 1's step and update over a run's parts (built by `opd.loop.run.Run`)."""
+
+    acc: object
+    """The accelerator (DDP, or FSDP2 with --fsdp)."""
+    rho: float
+    """The query ratio of Eq. 4."""
+    grad_clip: float
+    """The gradient-norm clip before AdamW (0: none)."""
+    records: list
+    prompts: object
+    """The run's prompts (`opd.data.prompts.Prompts`): each step's records, the student's and the teachers' inputs, C."""
+    sampler: object
+    """Line 3 (`opd.engine.sampler.Sampler`)."""
+    selector: object
+    """Lines 4-10 and 14 (`opd.selection.selectors.Selector`)."""
+    objective: object
+    """Lines 11-13: the method's objective (`opd.methods.objective.Objective`)."""
+    student: torch.nn.Module
+    """The policy as trained (DDP-wrapped or sharded)."""
+    optimizer: object
+    scheduler: object
+    teachers: object
+    """The run's teacher set (its rows scored, for the ledger)."""
+    warned_no_eligible: bool = False
+    objective_keys: tuple = ()
+    """The objective's own ledger fields of the last step (its tracker namespace)."""
+
+    def step(self, step: int, rollouts: Rollouts | None = None) -> dict:
+        """One iteration of Algorithm 1 on every rank; `rollouts` may stand in for sampling (tests). Returns the
+        ledger row."""
+        rec, acc = StepRecord(self.acc, step), self.acc
+        with rec.phase("prompt"):
+            ids = self.prompts.ids(step)
+            records = [self.records[i] for i in ids]
+            student_prompts = self.prompts.student(records)
+        has_entropy = True  # Line 3: y_i ~ p_theta(. | x_i, q_i) for every prompt of this rank.
+        with rec.phase("generation"):
+            if rollouts is None:
+                rollouts, has_entropy = self.sampler(step, records, student_prompts)
+        # Line 4: detached features phi_i (Eq. 5), all-gathered so that every rank sees the global candidates C.
+        area = torch.tensor([records[j].area_ratio for j in rollouts.prompt_index.tolist()])
+        phi = rollout_features(rollouts.logp, rollouts.entropy, rollouts.response_mask, rollouts.prompt_len, area)
+        with rec.phase("wait"):
+            cand = gather_candidates(acc, phi, self.prompts.candidates(records, rollouts), rollouts,
+                                     torch.tensor([ids[j] for j in rollouts.prompt_index.tolist()]))  # fmt: skip
+        budget = query_budget(self.rho, cand.size)  # Eq. 4: K = floor(rho |C|)
+        self._warn_if_empty(step, cand)
+        with rec.phase("select"):  # Lines 5-9: S from the global candidates, before any teacher computation.
+            selected, pi = self.selector.select(cand.phi, cand.eligible, budget, step, has_entropy, cand.prompt_of)
+        rec.candidates(cand, budget, selected, pi)
+        local, weights = local_rows(selected, pi, acc.process_index, len(rollouts))
+        # Lines 11-12: the teacher on this rank's rows of S only; the method's objective backpropagated.
+        batch = self.prompts.batch(step, ids, rollouts, student_prompts, local, weights,
+                                   self.selector.full_query_tokens(cand.lengths, cand.eligible))  # fmt: skip
+        before, t0 = self.rows_scored(), time.perf_counter()
+        res = self.objective(batch)
+        seconds = time.perf_counter() - t0
+        with rec.phase("wait"):
+            loss = float(acc.reduce(torch.tensor(res.share, device=acc.device, dtype=torch.float64), "sum"))
+        with rec.phase("optimizer"):
+            grad_norm = clip_gradients(acc, self.student, self.grad_clip)
+        rec.objective(res, loss, seconds, self.rows_scored() - before)
+        self.update(step, rec, loss, grad_norm)  # Line 13: AdamW, then the teachers' update, after a valid step only.
+        # Line 14: the labels of S (gathered), replay and the selector's update, on every rank alike.
+        with rec.phase("wait"):
+            utility = acc.gather(res.utility.to(acc.device)).cpu()  # (N,) NaN outside S
+        with rec.phase("selector"):
+            metrics = self.selector.observe(cand.phi[selected], utility[selected], step)
+        rec.selector(float(utility[selected].nanmean()) if selected.numel() else float("nan"), metrics)
+        self.objective_keys = tuple(res.metrics)
+        return rec.row()
+
+    def update(self, step: int, rec: StepRecord, loss: float, grad_norm: float) -> None:
+        """Algorithm 1, line 13: AdamW and the teachers' update (`Objective.after_update`) when the loss and the gradient
+        are finite; the schedule moves either way."""
+        valid = math.isfinite(loss) and math.isfinite(grad_norm)
+        if valid:
+            with rec.phase("optimizer"):
+                self.optimizer.step()
+            with rec.phase("ema"):
+                self.objective.after_update(step)
+            self.sampler.updated()  # the vLLM engine gets the new weights before its next generation
+        else:
+            warnings.warn(f"step {step}: non-finite loss or gradient ({loss}, {grad_norm}); update and EMA skipped")
+        self.optimizer.zero_grad(set_to_none=True)
+        lr = self.scheduler.get_last_lr()[0]  # the rate this step's update used
+        self.scheduler.step()
+        rec.update(grad_norm, lr, valid)
+
+    def rows_scored(self) -> int:
+        """The teachers' forward rows so far on this rank (a shared teacher once)."""
+        return sum(t.rows_scored for t in dict.fromkeys(self.teachers.teachers.values()))
+
+    def _warn_if_empty(self, step: int, cand: Candidates) -> None:
+        if cand.size == 0 and not self.warned_no_eligible:
+            warnings.warn(f"step {step}: no crop-eligible rollout in the batch; training with zero distillation")
+            self.warned_no_eligible = True

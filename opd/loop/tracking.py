@@ -1,0 +1,277 @@
+"""Experiment trackers through accelerate: TensorBoard, Weights & Biases, MLflow, trackio, Comet, Aim, ClearML,
+DVCLive, SwanLab (`--report-to`, accelerate's names, comma-separated; `none` for none).
+
+Every tracker is accelerate's own (`accelerate.tracking`), started by `Accelerator.init_trackers` on the main
+process only, with the run's settings as its configuration and each ledger row logged at its step under fixed
+namespaces (`metrics`): `loss/` (Eq. 11, the gradient norm, the selector's loss), `select/` (budget, |S|,
+utility, prompt coverage, inclusion probabilities), `cost/` (teacher rows, tokens, seconds, the step's phases)
+and the objective's own under its name (`dapd/kl_*`, `opod/beta_*`, ...).
+
+Where things go: TensorBoard writes DIR/tb; MLflow the SQLite store DIR/mlflow.db (MLflow's recommended store,
+which its defaults read: the run prints `mlflow ui --backend-store-uri sqlite:///DIR/mlflow.db`; the UI is the full
+`mlflow` package's) unless MLFLOW_TRACKING_URI says otherwise; W&B its files under DIR/wandb (WANDB_MODE=offline
+keeps them there). A resumed run continues the same tracker run where the tracker allows: DIR/trackers.json keeps
+W&B's run id (resume "allow") and MLflow's run id and store (a run begun before the SQLite default keeps its file
+store DIR/mlruns, read with MLFLOW_ALLOW_FILE_STORE=true); TensorBoard appends to DIR/tb. Trackers are optional
+installs (requirements-trackers.txt) but TensorBoard (requirements.txt): a tracker that is not installed is a
+one-line error naming its pip package.
+
+--eval-before's scores (the ledger's first row, `eval_before`) reach every tracker at step 0 as
+`eval/before/<name>` (`eval/before/zoombench`, `eval/before/zoombench_crop`, ...; its seconds `cost/eval_before_s`):
+a name of their own, since the evaluation after step 0 is `eval/<name>` at step 0 too (a row's metrics are logged at
+its step; the evaluation in row k scored the weights after k + 1 updates).
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+import re
+import shlex
+import uuid
+from dataclasses import dataclass
+from pathlib import Path
+
+from opd.cli import Section, UserError
+from opd.storage import write_atomic
+
+PACKAGES = {"tensorboard": "tensorboard", "wandb": "wandb", "mlflow": "mlflow", "trackio": "trackio",
+            "comet_ml": "comet_ml", "aim": "aim", "clearml": "clearml", "dvclive": "dvclive", "swanlab": "swanlab"}  # fmt: skip
+"""accelerate's tracker names -> the pip package that provides each."""
+STATE = "trackers.json"
+PROJECT = "bas-opd"
+"""The trackers' project when neither --tracker-project nor $WANDB_PROJECT names one."""
+MLFLOW_DB = "mlflow.db"
+"""MLflow's store in the run folder (SQLite: MLflow's default backend, read without MLFLOW_ALLOW_FILE_STORE)."""
+BEFORE = "eval/before/"
+"""The trackers' namespace of --eval-before's scores (`eval/zoombench` before training -> `eval/before/zoombench`)."""
+VALID = re.compile(r"[^A-Za-z0-9_\-. :/]")
+"""What a metric name may not hold in some tracker (MLflow allows alphanumerics, _ - . space : and /; the others
+are laxer)."""
+
+
+def metric_name(key: str) -> str:
+    """A metric's name, valid in every tracker accelerate offers: each other character becomes '_'
+    ('eval/zoombench@crop' -> 'eval/zoombench_crop'). The one mapping from a ledger field to a tracker name."""
+    return VALID.sub("_", key)
+
+
+@dataclass
+class TrackerConfig(Section):
+    """Where the step's metrics go besides the ledger: accelerate's trackers."""
+
+    report_to: str = "tensorboard"
+    """Experiment trackers through accelerate, comma-separated: tensorboard (DIR/tb), wandb, mlflow (DIR/mlflow.db),
+    trackio, comet_ml, aim, clearml, dvclive, swanlab; none for none (opd/loop/tracking.py)."""
+    run_label: str | None = None
+    """The run's name in the trackers (default: the --out folder's name and the policy, e.g. 'tiny learned-25')."""
+    tracker_project: str | None = None
+    """The trackers' project (W&B's project, MLflow's experiment, ...); none: $WANDB_PROJECT, else 'bas-opd'."""
+    wandb_entity: str | None = None
+    """W&B's entity (a team or user); none: $WANDB_ENTITY, else W&B's default."""
+    tracker_tags: str | None = None
+    """Tags of the tracker run, comma-separated (W&B's tags, MLflow's tags)."""
+    tracker_group: str | None = None
+    """The group of the tracker run (W&B's group: e.g. one per sweep or seed set)."""
+
+    @property
+    def project(self) -> str:
+        return self.tracker_project or os.environ.get("WANDB_PROJECT") or PROJECT
+
+    @property
+    def tags(self) -> list[str]:
+        return [t.strip() for t in (self.tracker_tags or "").split(",") if t.strip()]
+
+    def check(self) -> list[str]:
+        try:
+            parse_report_to(self.report_to)
+        except UserError as exc:
+            return [str(exc)]
+        return []
+
+
+def parse_report_to(text: str | None) -> list[str]:
+    """The tracker names of --report-to ('none' or '' -> []); one line for an unknown or uninstalled one."""
+    from accelerate.tracking import LOGGER_TYPE_TO_CLASS, get_available_trackers
+
+    names = [n.strip().lower() for n in (text or "").split(",") if n.strip()]
+    if names in ([], ["none"]):
+        return []
+    if "none" in names:
+        raise UserError(f"--report-to {text}: 'none' means no tracker and cannot be combined with others; give "
+                        f"--report-to none alone, or only tracker names")
+    unknown = [n for n in names if n not in LOGGER_TYPE_TO_CLASS]
+    if unknown:
+        raise UserError(f"--report-to {text}: unknown tracker {', '.join(unknown)}; "
+                        f"choose from {', '.join(LOGGER_TYPE_TO_CLASS)} or none")
+    available = {str(t) for t in get_available_trackers()}
+    missing = [n for n in names if n not in available]
+    if missing:
+        raise UserError(f"--report-to {text}: {', '.join(missing)} not installed (pip install "
+                        f"{' '.join(PACKAGES.get(n, n) for n in missing)}, or see requirements-trackers.txt)")
+    if "mlflow" in names and not os.environ.get("MLFLOW_TRACKING_URI"):
+        import importlib.util
+
+        lacking = [m for m in ("sqlalchemy", "alembic") if importlib.util.find_spec(m) is None]
+        if lacking:
+            raise UserError(f"--report-to {text}: MLflow's store DIR/{MLFLOW_DB} (SQLite, MLflow's default) needs "
+                            f"{' and '.join(lacking)} (pip install -r requirements-trackers.txt, or the full mlflow "
+                            "package); or set MLFLOW_TRACKING_URI to a store of your own")  # fmt: skip
+    return list(dict.fromkeys(names))
+
+
+def _scalar(value):
+    return value if isinstance(value, (int, float)) and not isinstance(value, bool) else None
+
+
+TIMES = ("prompt_s", "generation_s", "select_s", "teacher_forward_s", "student_s", "optimizer_s", "ema_s",
+         "selector_s", "wait_s", "step_s")  # fmt: skip
+SELECT = ("rollouts", "candidates", "budget", "selected", "overrun", "utility_mean", "candidate_prompts",
+          "selected_prompts", "min_pi", "max_weight", "replay_size", "labels_added")  # fmt: skip
+COST = ("teacher_rows", "scored_tokens", "candidate_tokens", "teacher_tokens", "teacher_padded_tokens")
+
+
+def metrics(row: dict, objective: str = "", objective_keys=()) -> dict[str, float]:
+    """A ledger row as tracker scalars in the fixed namespaces (non-finite and non-numeric values left out)."""
+    out = {"loss/distill": row.get("loss"), "loss/grad_norm": row.get("grad_norm"), "loss/selector": row.get("selector"),
+           "loss/skipped": float(row.get("skipped", False)), "optim/lr": row.get("lr")}  # fmt: skip
+    out |= {f"select/{k}": row.get(k) for k in SELECT}
+    if row.get("candidate_prompts"):
+        out["select/prompt_coverage"] = row["selected_prompts"] / row["candidate_prompts"]
+    out |= {f"cost/{k}": row.get(k) for k in (*COST, *TIMES)}
+    for key, value in row.items():
+        if key.startswith(("teacher_rows_", "teacher_tokens_", "teacher_forward_s_")):
+            out[f"cost/{key}"] = value
+    out |= {key: row[key] for key in row if key.startswith("eval/")}  # opd.eval.live's scores
+    out["cost/eval_s"] = row.get("eval_s")
+    before = row.get("eval_before") if isinstance(row.get("eval_before"), dict) else {}  # --eval-before's, step 0
+    out |= {BEFORE + k.removeprefix("eval/"): v for k, v in before.items() if k.startswith("eval/")}
+    out["cost/eval_before_s"] = before.get("eval_s")
+    prefix = objective or "objective"
+    out |= {f"{prefix}/{k}": row.get(k) for k in objective_keys}
+    return {metric_name(k): float(v) for k, v in out.items() if _scalar(v) is not None and math.isfinite(float(v))}
+
+
+class Trackers:
+    """The run's trackers (none when `names` is empty): started on the main process, resumed where they can be."""
+
+    def __init__(self, accelerator, names: list[str], out: Path, project: str, run_name: str, config: dict,
+                 resume: bool, settings: TrackerConfig | None = None):  # fmt: skip
+        self.acc, self.names, self.out = accelerator, names, Path(out)
+        self.state: dict = {}
+        self.settings = settings or TrackerConfig()
+        self._set_env: list[str] = []  # what this run set in the process's environment (MLflow's), for finish()
+        if not names:
+            return
+        from accelerate.tracking import LOGGER_TYPE_TO_CLASS
+
+        path = self.out / STATE
+        if resume and path.is_file():
+            self.state = json.loads(path.read_text())
+        trackers = []
+        for name in names:
+            cls = LOGGER_TYPE_TO_CLASS[name]
+            if name == "tensorboard":
+                trackers.append(cls("tb", str(self.out)))  # DIR/tb
+            elif name == "mlflow":
+                trackers.append(self._mlflow(cls, project, run_name))
+            elif name == "wandb":
+                trackers.append(self._wandb(cls, project, run_name))
+            elif cls.requires_logging_directory:
+                trackers.append(cls(project, str(self.out)))
+            else:
+                trackers.append(cls(project))
+        accelerator.log_with = trackers
+        accelerator.init_trackers(project, config=None if resume else _config(config))  # logged once, at the start
+        if accelerator.is_main_process:
+            if "mlflow" in names:
+                self.state["mlflow"] = accelerator.get_tracker("mlflow").tracker.info.run_id
+            write_atomic(path, json.dumps(self.state, indent=1) + "\n")
+
+    def _wandb(self, cls, project: str, run_name: str):
+        """W&B's tracker: its run id kept in DIR/trackers.json for a resume, its files under DIR/wandb, the entity,
+        tags and group of the run's settings."""
+        run_id = self.state.get("wandb") or uuid.uuid4().hex[:12]
+        (self.out / "wandb").mkdir(parents=True, exist_ok=True)
+        s = self.settings
+        extra = {k: v for k, v in (("entity", s.wandb_entity or os.environ.get("WANDB_ENTITY")),
+                                   ("tags", s.tags or None), ("group", s.tracker_group)) if v}  # fmt: skip
+        self.state["wandb"] = run_id
+        return cls(project, id=run_id, resume="allow", name=run_name, dir=str(self.out), **extra)
+
+    def _mlflow(self, cls, project: str, run_name: str):
+        """MLflow's tracker on its store (`mlflow_store`), kept in DIR/trackers.json; the run's tags and group as
+        MLflow's tags; artifacts (none logged here) under DIR/mlartifacts, not the working directory's ./mlruns."""
+        uri = mlflow_store(self.out, self.state)
+        self.state["mlflow_uri"] = uri
+        logging_dir = None
+        if not os.environ.get("MLFLOW_TRACKING_URI") and self.acc.is_main_process:
+            import mlflow
+
+            if uri.startswith("file:") and "MLFLOW_ALLOW_FILE_STORE" not in os.environ:  # a run begun before the
+                os.environ["MLFLOW_ALLOW_FILE_STORE"] = "true"  # SQLite default: MLflow 3 keeps its file store opt-in
+                self._set_env.append("MLFLOW_ALLOW_FILE_STORE")
+            elif not uri.startswith("file:"):
+                logging_dir = (self.out / "mlartifacts").resolve().as_uri()
+            mlflow.set_tracking_uri(uri)  # which also sets $MLFLOW_TRACKING_URI: unset again by finish()
+            self._set_env.append("MLFLOW_TRACKING_URI")
+        s = self.settings
+        tags = {t: "true" for t in s.tags} | ({"group": s.tracker_group} if s.tracker_group else {})
+        return cls(experiment_name=project, logging_dir=logging_dir, run_id=self.state.get("mlflow"), run_name=run_name,
+                   tags=tags or None)  # fmt: skip
+
+    def where(self) -> list[str]:
+        """Where each tracker writes, in words, for the run's first lines: with the command that reads it back."""
+        tb = self.out / "tb"
+        places = {"tensorboard": f"TensorBoard logs in {tb} (tensorboard --logdir {shlex.quote(str(tb))})",
+                  "wandb": f"W&B run files in {self.out / 'wandb'} (project {self.settings.project})",
+                  "mlflow": mlflow_where(self.state.get("mlflow_uri") or mlflow_store(self.out, self.state))}  # fmt: skip
+        return [places.get(n, f"{n} (project {self.settings.project})") for n in self.names]
+
+    def log(self, row: dict, objective: str = "", objective_keys=()) -> None:
+        if self.names:
+            self.acc.log(metrics(row, objective, objective_keys), step=int(row["step"]))
+
+    def finish(self) -> None:
+        """Ends the tracker runs (not `Accelerator.end_training`, which also destroys the process group)."""
+        if self.names and self.acc.is_main_process:
+            for tracker in self.acc.trackers:
+                tracker.finish()
+            self.acc.trackers = []
+        if "MLFLOW_TRACKING_URI" in self._set_env:  # the process's MLflow as before the run: a later run in the same
+            import mlflow  # process (a test, an experiment script) must not take this store for the user's
+
+            mlflow.set_tracking_uri(None)
+        for name in self._set_env:
+            os.environ.pop(name, None)
+        self._set_env = []
+
+
+def _config(config: dict) -> dict:
+    """The run's settings as tracker hyperparameters (bool, str, float, int; None as '')."""
+    return {k: ("" if v is None else v) for k, v in config.items() if isinstance(v, (bool, str, float, int)) or v is None}
+
+
+def mlflow_store(out: Path, state: dict) -> str:
+    """MLflow's tracking URI for the run in `out`: $MLFLOW_TRACKING_URI if set; else the one DIR/trackers.json keeps
+    (a resume); else a run that already has an MLflow run id from before the SQLite default (its file store
+    DIR/mlruns); else SQLite DIR/mlflow.db, the store MLflow recommends and reads by default."""
+    if os.environ.get("MLFLOW_TRACKING_URI"):
+        return os.environ["MLFLOW_TRACKING_URI"]
+    if state.get("mlflow_uri"):
+        return state["mlflow_uri"]
+    if state.get("mlflow"):
+        return (Path(out) / "mlruns").resolve().as_uri()
+    return "sqlite:///" + str((Path(out) / MLFLOW_DB).resolve())
+
+
+def mlflow_where(uri: str) -> str:
+    """Where MLflow writes and the command that reads it back (`mlflow ui`, the full `mlflow` package's; a file
+    store needs MLFLOW_ALLOW_FILE_STORE=true in MLflow 3, whose defaults refuse it)."""
+    if uri.startswith(("http://", "https://", "databricks")):
+        return f"MLflow runs at {uri}"
+    read = f"mlflow ui --backend-store-uri {shlex.quote(uri)}"
+    if not uri.startswith(("sqlite:", "postgresql", "mysql", "mssql")):
+        read = "MLFLOW_ALLOW_FILE_STORE=true " + read
+    return f"MLflow runs in {uri} (the full mlflow package reads them back: {read})"

@@ -1,0 +1,164 @@
+"""The loss every objective shares: its settings (`LossConfig`) and Eq. 11's aggregation over S.
+
+Every objective (`opd.methods.objective`) receives one `LossConfig`, resolved for the run's method (`for_method`: the
+method's support unless --support names one, its divergence and token weight). The aggregation is the one place
+that turns per-token divergences into the step's loss:
+
+    token-mean     sum_{i,t} z_i m_it D_it / sum_{i,t} z_i m_it                          (Eq. 11; BAS-OPD)
+    sequence-mean  (1 / |S|) sum_{i in S} (1 / T_i) sum_t m_it D_it                        (OPSD's per-sequence mean)
+    micro-batch    sum_b (n_b / |S|) sum_{i in b, t} m_it D_it / sum_{i in b, t} m_it      (verl: a token mean per
+                                                                                          micro-batch b, weighted by rows)
+    token-sum      sum_{i,t} z_i m_it D_it                                                 (tinker's losses: a sum over
+                                                                                          tokens, no normalisation)
+
+|S| counts the selected rows with at least one valid token, over all ranks; the micro-batches are this loop's
+(grouped by length, `opd.methods.schedule.plan_micro_batches`), not verl's. The denominators are global: one all-reduce,
+run by every rank (`global_denominator`), so that the ranks' and micro-batches' parts add up to the step's loss.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from dataclasses import dataclass
+from typing import TYPE_CHECKING
+
+from opd.cli import Section
+
+if TYPE_CHECKING:
+    import torch
+
+AGGREGATIONS = ("token-mean", "sequence-mean", "micro-batch", "token-sum")
+"""How Eq. 11 averages over S (`LossConfig.aggregation`, `--loss-agg`): see the module docstring."""
+
+
+@dataclass
+class LossConfig(Section):
+    """The divergence, its support and aggregation, and how its forwards are batched (shared by every objective)."""
+
+    topk: int = 100
+    """Top-k support of the distillation loss and the utility terms."""
+    alpha: float = 0.5
+    """Generalized JSD mixture weight (0.5: symmetric JSD); unused by rp-opsd's reverse KL."""
+    support: str | None = None
+    """The divergence's support (opd/maths/divergence.py: student_tail, teacher, teacher_renorm, full); none = the method's."""
+    temperature: float = 1.0
+    """Both sides' logits divided by it before the divergence (OPSD: 1.1); the utility labels use it too."""
+    aggregation: str = "token-mean"
+    """Eq. 11's aggregation: token-mean (one mean over S's tokens, BAS-OPD), sequence-mean (each row's token mean,
+    averaged over rows: OPSD), micro-batch (a token mean per micro-batch, summed weighted by rows: verl's) or token-sum
+    (the tokens' sum, no mean: tinker's, Thinking Machines' on-policy distillation)."""
+    is_clip: float = 0.0
+    """Importance-ratio clip c (Vision-OPD's is_clip 2): each token's loss times min(pi/pi_old, c); 0 = off."""
+    micro_batch: int = 4
+    """Most rows per student/teacher forward."""
+    micro_batch_tokens: int = 0
+    """Most padded teacher tokens per forward (rows grouped by length under it); 0 = rows only."""
+    chunk: int = 512
+    """Response positions per LM-head chunk in the loss (logits never held beyond it); 0 = whole micro-batch logits."""
+    no_overlap: bool = False
+    """Ablation: utility without the top-k overlap factor (o = 1)."""
+    no_confidence: bool = False
+    """Ablation: utility without the teacher-confidence factor (c = 1)."""
+    divergence: str = "jsd"
+    """The method's divergence ('jsd': Eq. 3 with alpha; 'bc_rkl'; 'clamped_kl'): set by the method table."""
+    token_weight: str = "none"
+    """The method's per-token weight (a name of `opd.maths.weights.TOKEN_WEIGHTS`): set by the method table."""
+
+    FLAGS = {"temperature": "loss_temperature", "aggregation": "loss_agg", "chunk": "loss_chunk"}
+    INTERNAL = ("divergence", "token_weight")
+
+    def for_method(self, method) -> LossConfig:
+        """These settings for `method` (`opd.methods.table.Method`): its support unless --support names one, its divergence
+        and token weight."""
+        return dataclasses.replace(self, support=self.support or method.support, divergence=method.divergence,
+                                   token_weight=method.token_weight)  # fmt: skip
+
+    def check(self) -> list[str]:
+        problems = []
+        if not 0.0 <= self.alpha <= 1.0:
+            problems.append(f"--alpha {self.alpha}: must lie in [0, 1]")
+        if self.topk < 2:
+            problems.append(f"--topk {self.topk}: must be at least 2")
+        if not self.temperature > 0:
+            problems.append(f"--loss-temperature {self.temperature}: must be > 0")
+        if self.aggregation not in AGGREGATIONS:
+            problems.append(f"--loss-agg {self.aggregation!r}: choose one of {', '.join(AGGREGATIONS)}")
+        if not self.is_clip >= 0:  # NaN too
+            problems.append(f"--is-clip {self.is_clip}: must be >= 0 (0 = off)")
+        if self.micro_batch < 1:
+            problems.append(f"--micro-batch {self.micro_batch}: must be at least 1")
+        if self.micro_batch_tokens < 0 or self.chunk < 0:
+            problems.append("--micro-batch-tokens and --loss-chunk must be >= 0")
+        return problems
+
+    def check_support(self, divergence: str) -> list[str]:
+        """--support against the method's divergence (an unnormalised support only with 'bc_rkl')."""
+        if self.support is None:
+            return []
+        from opd.maths.divergence import check_loss
+
+        try:
+            check_loss(self.support, divergence)
+        except ValueError as exc:
+            return [f"--support {self.support!r}: {exc}"]
+        return []
+
+
+def aggregation_weights(aggregation: str, row_weights: torch.Tensor, mask: torch.Tensor, denominator, dtype,
+                        sample_weights: torch.Tensor | None = None) -> torch.Tensor:  # fmt: skip
+    """One micro-batch's per-token weights (n, T) of the loss's aggregation (`AGGREGATIONS`): Eq. 11's
+    `budgeted_weights` with the global token count (token-mean; with `sample_weights` its Hajek form), each row's
+    1 / T_i over the global |S| (sequence-mean), or the micro-batch's own token mean times its rows / |S|
+    (micro-batch), or 1 per token (token-sum; with `sample_weights`, the Horvitz-Thompson sum). `row_weights` (n,)
+    multiplies each row's (OPOD's beta)."""
+    from opd.maths.divergence import budgeted_weights
+
+    if aggregation == "token-mean":
+        return budgeted_weights(row_weights, mask, denominator, dtype, sample_weights)
+    if aggregation == "token-sum":
+        return budgeted_weights(row_weights, mask, 1.0, dtype, sample_weights)
+    lengths = mask.sum(-1).to(dtype).clamp(min=1)  # (n,) T_i
+    if aggregation == "sequence-mean":
+        return budgeted_weights(row_weights.to(dtype) / lengths, mask, denominator, dtype)
+    rows = float((mask.sum(-1) > 0).sum())  # micro-batch: n_b / |S| times the micro-batch's token mean
+    tokens = float(mask.sum())
+    return budgeted_weights(row_weights, mask, max(1.0, tokens), dtype) * (rows / max(1, denominator))
+
+
+def global_denominator(accelerator, lengths: torch.Tensor, selected: torch.Tensor, sample_weights=None) -> float | int:
+    """Eq. 11's denominator over all ranks (one all-reduce, run by every rank): the selected valid tokens, or with
+    unbiased selection's weights the Hajek form's sum_i w_i T_i (a float)."""
+    import torch
+
+    device = accelerator.device
+    if sample_weights is None:
+        tokens = int(lengths[selected].sum()) if selected.numel() else 0
+        return int(accelerator.reduce(torch.tensor(tokens, device=device), "sum").item())
+    local = (lengths[selected].double() * sample_weights[selected].double()).sum() if selected.numel() else 0.0
+    return float(accelerator.reduce(torch.tensor(float(local), device=device, dtype=torch.float64), "sum").item())
+
+
+def selected_rows(accelerator, lengths: torch.Tensor, selected: torch.Tensor) -> int:
+    """|S| over all ranks: the selected rows with at least one valid token (one all-reduce, run by every rank)."""
+    import torch
+
+    rows = int((lengths[selected] > 0).sum()) if selected.numel() else 0
+    return int(accelerator.reduce(torch.tensor(rows, device=accelerator.device), "sum").item())
+
+
+def loss_denominator(accelerator, aggregation: str, lengths: torch.Tensor, selected: torch.Tensor,
+                     sample_weights=None, full_tokens: float | None = None) -> float | int:  # fmt: skip
+    """The step's denominator of the aggregation: Eq. 11's token count (token-mean, and token-sum, whose weights do
+    not divide by it: there it only says whether S holds a token) or |S| (the others). `full_tokens` (unbiased
+    selection's --estimator ht, `StepBatch.full_tokens`): the token mean's Horvitz-Thompson denominator T_C, the
+    tokens of every candidate, in place of the Hajek form's sum_S w_i T_i,
+
+        L_HT = sum_{i in S} w_i sum_t m_it D_it / T_C,    E[L_HT] = sum_{i in C} sum_t m_it D_it / T_C exactly,
+
+    returned when S holds a token anywhere (0 otherwise: the same all-reduce runs first, on every rank)."""
+    if aggregation in ("token-mean", "token-sum"):
+        tokens = global_denominator(accelerator, lengths, selected, sample_weights)
+        if full_tokens is not None and aggregation == "token-mean" and tokens:
+            return float(full_tokens)
+        return tokens
+    return selected_rows(accelerator, lengths, selected)

@@ -1,0 +1,332 @@
+"""DAPD: dual-anchored policy distillation (arXiv 2608.01735; uanu2002/DAPD), on Algorithm 1's loop.
+
+OPSD's teacher sees a reference the student never sees at inference; the student can learn to act as if
+it did (the "privilege illusion"). DAPD pairs contexts of matched information instead: six forward KL terms
+KL(anchor || student), each on one completion, with the anchor and the student each given a context, and
+the anchor one of two frozen copies of the policy: `base` (the initial weights) or `snapshot` (the trained
+weights, refreshed every N steps). Source: dapd/objective.py (the pairs and weights), dapd/trainer.py (the
+views, the clamped KL, the snapshot), dapd/data.py (the prompts).
+
+| pair | completion | anchor's context | student's context | anchor | weight |
+| --- | --- | --- | --- | --- | --- |
+| entangled_rollout (plain OPSD) | rollout | reference | none | snapshot | 2/15 |
+| inference_reference | reference | none | reference | base | 2/15 |
+| privileged_rollout | rollout | reference | rollout | base | 2/15 |
+| entangled_reference | reference | rollout | none | snapshot | 2/5 |
+| inference_rollout | rollout | none | rollout | base | 2/5 |
+| privileged_reference | reference | rollout | reference | base | 4/5 |
+
+Weights sum to 2. Each term is `divergence.clamped_forward_kl` at temperature 1.1 with each vocabulary
+entry's contribution clamped at 0.05 (`--dapd-temperature`, `--dapd-clip`), a token mean over the pair's
+completion tokens, computed chunk by chunk from hidden states (`chunked.clamped_kl_from_hidden`; pairs that
+share the student's context share its forward). The loss is sum_p w_p L_p.
+
+Contexts, in this project (`context_text`): the student's own view (the full image) with
+- none: the plain question (the student's prompt);
+- reference: the question and the record's reference (its `solution`, else its `answer`) in OPSD's
+  template `views.REFERENCE_TEMPLATE` (the `reference_answer` view);
+- rollout: the same template with the row's own rollout (decoded, special tokens dropped) in the
+  reference's slot (DAPD's "self-conditioned bridge").
+Completions: rollout = the row's sampled response (its valid tokens, EOS included); reference = the
+reference's tokens followed by EOS, cut at --max-response-len (DAPD: the chat template's assistant turn).
+
+The budget: a DAPD example is one (prompt, reference, rollout); K = floor(rho |C|) rollouts are selected
+before any anchor forward, and every selected rollout enters all six pairs (five of them need it; the
+rollout-free `inference_reference` pair is computed once per selected rollout too, so a prompt's reference
+pair weighs as many times as it has selected rollouts: DAPD itself samples one rollout per prompt). An
+unselected rollout enters no pair and no anchor forward. Anchor forwards per selected rollout: six (four
+of the base, two of the snapshot), each counted in the ledger under `<anchor>:<pair>`; `teacher_rows` =
+6 |S|. The selector's utility label u_i (Eq. 9) comes from pair 1, the OPSD pair (the snapshot with the
+reference against the student without), at temperature 1 on the student's top-k.
+
+The anchors: `snapshot` is the run's teacher (`opd.models.ema_teacher.EMATeacher`, saved in every checkpoint) updated
+with tau = 1 every `--ema-every` steps (DAPD's method settings: `--ema-tau 1 --ema-every 100`; DAPD
+refreshes when its global step, counted after the update, is a multiple of 100, as here: after step index
+s when (s + 1) % 100 == 0), so it equals `base` until the first refresh; `base` is loaded from the run's
+initial `--model` (frozen; reloaded on resume). Full fine-tuning: DAPD trains a LoRA and reads its base by
+disabling the adapter; here the base is a separate frozen copy (one more model in memory).
+
+Departures from DAPD's code (each also in the README): contexts carry the student's image; the rollout
+context of a rollout completion is the reference template with the rollout in its slot (DAPD's code
+appends the rollout after the student's own prompt and rollout instead, a repeat); `--method dapd` samples as
+DAPD does (temperature 1.1, top-p 0.95, top-k 20: its recipe, `opd.methods.table`) but with the run's rollouts per
+prompt (DAPD: one); each pair's token mean is over the global (all ranks) tokens of S (docs/DEPARTURES.md, 36).
+
+Sharded (`--fsdp`): both anchors are sharded like the policy (the snapshot refresh runs on local shards); every
+rank runs as many micro-batches as the busiest one, the missing ones zero-weighted padding on its row 0 (six
+anchor forwards and four student forwards and backwards each, not counted); the anchors' gathered roots (their
+LM heads) are freed after each micro-batch.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import TYPE_CHECKING
+
+from opd.cli import Section
+from opd.models.external_teachers import TeacherSet
+from opd.maths.loss import global_denominator
+from opd.methods.objective import DistillResult, Objective, ObjectiveContext, StepBatch
+from opd.data.views import View, get_view, reference_prompt
+
+if TYPE_CHECKING:
+    import torch
+
+    from opd.methods.schedule import MicroBatch
+
+
+@dataclass(frozen=True)
+class Pair:
+    """One KL(anchor || student) term: the completion both score, each side's context, the anchor, the weight."""
+
+    name: str
+    completion: str
+    """'rollout' (the row's sampled response) or 'reference' (the record's reference text)."""
+    anchor_context: str
+    """'none', 'reference' or 'rollout' (see the module docstring)."""
+    student_context: str
+    anchor: str
+    """'base' (the initial weights) or 'snapshot' (refreshed every --ema-every steps)."""
+    weight: float
+
+
+PAIRS = (
+    Pair("entangled_rollout", "rollout", "reference", "none", "snapshot", 2 / 15),
+    Pair("inference_reference", "reference", "none", "reference", "base", 2 / 15),
+    Pair("privileged_rollout", "rollout", "reference", "rollout", "base", 2 / 15),
+    Pair("entangled_reference", "reference", "rollout", "none", "snapshot", 2 / 5),
+    Pair("inference_rollout", "rollout", "none", "rollout", "base", 2 / 5),
+    Pair("privileged_reference", "reference", "rollout", "reference", "base", 4 / 5),
+)
+"""DAPD's six pairs in its order (dapd/objective.py); weights sum to 2."""
+
+ANCHORS = ("snapshot", "base")
+COMPLETIONS = ("rollout", "reference")
+CONTEXTS = ("none", "reference", "rollout")
+
+
+def student_groups(pairs=PAIRS) -> dict[tuple[str, str], list[Pair]]:
+    """The pairs by the student's (completion, context), in first-appearance order: one student forward each."""
+    groups: dict[tuple[str, str], list[Pair]] = {}
+    for p in pairs:
+        groups.setdefault((p.completion, p.student_context), []).append(p)
+    return groups
+
+
+def context_text(problem: str, context: str, reference: str, rollout_text: str) -> str:
+    """The question text of a context: 'none' the plain question; 'reference' the question with the
+    reference in `views.REFERENCE_TEMPLATE`; 'rollout' the same template with the rollout's text."""
+    if context == "none":
+        return problem
+    if context == "reference":
+        return reference_prompt(problem, reference)
+    if context == "rollout":
+        return reference_prompt(problem, rollout_text)
+    raise ValueError(f"unknown context {context!r}; known: {', '.join(CONTEXTS)}")
+
+
+def reference_completion(tokenizer, reference: str, eos_id: int, max_len: int) -> torch.Tensor:
+    """The 'reference' completion: the reference's token ids followed by EOS, at most max_len ids."""
+    import torch
+
+    ids = tokenizer(reference, add_special_tokens=False)["input_ids"] + [eos_id]
+    return torch.tensor(ids[:max_len], dtype=torch.long)
+
+
+@dataclass
+class DAPDConfig(Section):
+    """DAPD's own settings (flags `--dapd-<field>`)."""
+
+    temperature: float = 1.1
+    """Temperature of both sides of the clamped forward KL (DAPD's 1.1)."""
+    clip: float = 0.05
+    """Upper clamp of each vocabulary entry's KL contribution (DAPD's 0.05)."""
+    context_thinking: bool = False
+    """The reference and rollout contexts with the thinking generation prompt (enable_thinking=True), as DAPD's code
+    (dapd/data.py); the none context is the student's own prompt, with the run's --enable-thinking either way (DAPD's
+    plain context has no thinking prompt: --enable-thinking off, the default, matches it). Off: every context with
+    the run's --enable-thinking."""
+
+    PREFIX = "dapd_"
+
+    def check(self) -> list[str]:
+        return [] if self.temperature > 0 and self.clip > 0 else ["--dapd-temperature and --dapd-clip must be positive"]
+
+
+class DAPD(Objective):
+    """The DAPD objective (see the module docstring): the six pairs on S, the snapshot refresh after a valid
+    update every `ema_every` steps."""
+
+    name = "dapd"
+    Config = DAPDConfig
+    refuses = {"teacher_view": "its contexts are fixed: none, reference, rollout",
+               "is_clip": "its clamped KL has no importance ratio",
+               "loss_agg": "each pair is a token mean over its completion's tokens",
+               "loss_temperature": "its clamped KL has its own temperature (--dapd-temperature)",
+               "support": "its KL is over the full vocabulary",
+               "estimator": "its reference completions' tokens over C, a Horvitz-Thompson denominator, are not counted; "
+                            "--estimator hajek weighs its pairs"}  # fmt: skip
+    needs_ema_teacher = "its snapshot anchor is the run's EMA teacher, refreshed by --ema-tau (DAPD's 1)"
+
+    @classmethod
+    def build_teachers(cls, teachers: TeacherSet, initial_teacher) -> TeacherSet:
+        """The two anchors: `snapshot`, the run's EMA teacher, and `base`, the initial weights (frozen, reloaded on
+        resume)."""
+        snapshot = teachers.teachers.get("teacher")
+        if snapshot is None or not snapshot.trainable:  # opd.config refuses --ema-tau 0 first
+            raise TypeError(f"DAPD: {cls.needs_ema_teacher}")
+        return TeacherSet({"snapshot": snapshot, "base": initial_teacher()})
+
+    def __init__(self, ctx: ObjectiveContext, config: DAPDConfig | None = None, initial_teacher=None):
+        super().__init__(ctx, config or DAPDConfig(), initial_teacher)
+        self.anchors = {name: ctx.teachers.teachers[name] for name in ANCHORS}
+        self._prompts: dict[tuple[str, int], object] = {}  # one step's encoded contexts (`_context_prompt`)
+
+    @property
+    def labels(self) -> list[str]:
+        return [f"{p.anchor}:{p.name}" for p in PAIRS]
+
+    def __call__(self, batch: StepBatch) -> DistillResult:
+        import torch
+
+        from opd.methods.schedule import lockstep, plan_micro_batches
+
+        ctx = self.ctx
+        acc, dc, device = ctx.accelerator, ctx.loss, ctx.device
+        ro, sel = batch.rollouts, batch.selected
+        eos = ctx.ids["eos"][0]
+        # Each completion's token count over all ranks (Hajek: sum_i w_i T_i), as the family's Eq. 11 denominator:
+        # the rollouts' is the result's (`begin`), the references' one more all-reduce.
+        res = DistillResult.begin(ctx, batch, self.labels)
+        refs = {j: reference_completion(ctx.tokenizer, batch.records[j].reference, eos, ctx.max_response_len)
+                for j in {*ro.prompt_index[sel].tolist(), int(ro.prompt_index[0])}}  # fmt: skip (row 0: padding)
+        w = batch.weights  # unbiased selection's 1 / pi_i (None: 1): every pair's token mean in its Hajek form
+        ref_lengths = torch.tensor([len(refs[int(j)]) if int(j) in refs else 0 for j in ro.prompt_index.tolist()])
+        n_roll, n_ref = res.global_tokens, global_denominator(acc, ref_lengths, sel, w)
+        sums = torch.zeros(len(PAIRS), dtype=torch.float64)  # this rank's sum of D per pair
+        res.loss_share = 0.0
+        if res.empty:  # S is empty everywhere: no anchor forward, zero loss
+            res.metrics = {f"kl_{p.name}": 0.0 for p in PAIRS}
+            return res
+        denominators = {"rollout": float(n_roll), "reference": max(1.0 if w is None else 1e-300, float(n_ref))}
+        scale = acc.num_processes
+        lengths = torch.tensor([len(batch.student_prompts[int(ro.prompt_index[i])]) for i in sel.tolist()], dtype=torch.long)
+        lengths = lengths + ro.lengths[sel] + torch.tensor([len(refs[int(ro.prompt_index[i])]) for i in sel.tolist()],
+                                                          dtype=torch.long)  # fmt: skip
+        plan = [sel[g] for g in plan_micro_batches(lengths, dc.micro_batch, dc.micro_batch_tokens)] if sel.numel() else []
+
+        self._prompts = {}
+        try:
+            for mb in lockstep(ctx, batch, {"pairs": plan}, release=[a.model for a in self.anchors.values()]):
+                self._micro_batch(batch, mb, refs, denominators, scale, res, sums)
+        finally:
+            self._prompts = {}
+        reduced = acc.reduce(sums.to(device), "sum").cpu()  # every rank, also with nothing to do
+        res.metrics = {f"kl_{p.name}": float(reduced[k]) / denominators[p.completion] for k, p in enumerate(PAIRS)}
+        res.loss_share = float(sum(p.weight * sums[k] / denominators[p.completion] for k, p in enumerate(PAIRS)))
+        res.loss_sum = res.loss_share * res.global_tokens
+        return res
+
+    def _inputs(self, batch: StepBatch, rows: torch.Tensor, refs: dict, completion: str, context: str):
+        """(inputs, mask, width) of `rows` in one (completion, context) and their prompt lengths."""
+        from opd.models.chat import completion_inputs
+
+        ro = batch.rollouts
+        prompts = [self._context_prompt(batch, i, context) for i in rows.tolist()]
+        if completion == "rollout":
+            completions = [ro.response_ids[i, : int(ro.lengths[i])] for i in rows.tolist()]
+        else:
+            completions = [refs[int(ro.prompt_index[i])] for i in rows.tolist()]
+        inputs, mask, _, width = completion_inputs(prompts, completions, self.ctx.ids["pad"], self.ctx.device)
+        return inputs, mask, width, sum(len(p) for p in prompts)
+
+    def _context_prompt(self, batch: StepBatch, i: int, context: str):
+        """Row i's prompt in a context (`context_text`): none = the student's prompt; reference = the reference view
+        (with context_thinking: encoded with the thinking prompt, once per prompt of the step); rollout = the
+        reference template with the row's decoded rollout (once per row of the step). An encoding is a pure function
+        of (record, text, thinking), so the step's cache (`self._prompts`) gives the same ids as encoding again."""
+        ctx, ro = self.ctx, batch.rollouts
+        j = int(ro.prompt_index[i])
+        thinking = True if self.config.context_thinking else None
+        if context == "none":
+            return batch.student_prompts[j]
+        if context == "reference" and not self.config.context_thinking:
+            return batch.teacher_prompt("snapshot", "reference_answer", j)  # encoded once per step by the loop
+        key = ("reference", j) if context == "reference" else ("rollout", i)
+        if key in self._prompts:
+            return self._prompts[key]
+        record = batch.records[j]
+        if context == "reference":
+            prompt = ctx.encode("reference_answer", record, 0, None, thinking)
+        else:
+            text = ctx.tokenizer.decode(ro.response_ids[i, : int(ro.lengths[i])], skip_special_tokens=True)
+            images, _ = get_view(ctx.student_view)(record)
+            question = context_text(record.problem, "rollout", "", text)
+            view = View(lambda r, seed, images=images, question=question: (images, question))
+            prompt = ctx.encode(view, record, 0, None, thinking)
+        self._prompts[key] = prompt
+        return prompt
+
+    def _micro_batch(self, batch, mb: MicroBatch, refs, denominators, scale, res, sums) -> None:
+        """One micro-batch of `mb.rows`: the six anchor forwards, then one student forward and backward per student
+        context (DDP: only the step's last backward synchronises). Padding (sharded lockstep): the same forwards and
+        backwards with zero weights, nothing counted or labelled."""
+        import torch
+
+        from opd.maths.chunked import clamped_kl_from_hidden
+        from opd.models.ema_teacher import lm_head_weight, response_hidden
+        from opd.methods.schedule import Stopwatch, record_forward
+
+        ctx, rows = self.ctx, mb.rows
+        dc, device = ctx.loss, ctx.device
+        cache: dict[tuple[str, str], tuple] = {}
+
+        def inputs_of(completion: str, context: str):
+            if (completion, context) not in cache:
+                cache[completion, context] = self._inputs(batch, rows, refs, completion, context)
+            return cache[completion, context]
+
+        anchor_h = {}
+        with ctx.autocast():
+            for p in PAIRS:  # the anchors: six detached forwards, each in its own context
+                inputs, mask, width, prompt_tokens = inputs_of(p.completion, p.anchor_context)
+                anchor = self.anchors[p.anchor]
+                forward = Stopwatch(device)
+                with mb.teacher(anchor):
+                    anchor_h[p.name] = anchor.hidden(inputs, width)[mask]  # (P, H)
+                if mb.real:
+                    record_forward(res.teachers[f"{p.anchor}:{p.name}"], inputs, mask, prompt_tokens, forward.seconds())
+        groups = list(student_groups().items())
+        for g, ((completion, context), pairs) in enumerate(groups):  # the student: one forward and backward per context
+            inputs, mask, width, _ = inputs_of(completion, context)
+            with mb.synced(last=g == len(groups) - 1):
+                with ctx.autocast():
+                    h_s = response_hidden(ctx.student, inputs, width)[mask]  # (P, H)
+                    w_s = lm_head_weight(getattr(ctx.student, "module", ctx.student))
+                    weight = mb.weight(torch.ones(h_s.shape[0], device=device) * (scale / denominators[completion]))
+                    w_pos = batch.position_weights(rows, mask, weight.dtype) if mb.real else None  # (P,) 1 / pi_i
+                    if w_pos is not None:  # each position times its row's 1 / pi_i
+                        weight = weight * w_pos
+                    timing: dict[str, float] = {}
+                    utility = dc.topk if pairs[0] is PAIRS[0] else 0
+                    loss, d, terms = clamped_kl_from_hidden(
+                        h_s, w_s, [anchor_h[p.name] for p in pairs],
+                        [lm_head_weight(self.anchors[p.anchor].model) for p in pairs], [weight * p.weight for p in pairs],
+                        self.config.temperature, self.config.clip, dc.chunk or max(1, h_s.shape[0]), utility_k=utility,
+                        timing=timing,
+                    )  # fmt: skip
+                mb.backward(loss, free=False)  # the anchors' LM heads are read again by the next context's loss
+            if not mb.real:
+                continue
+            for k, p in enumerate(pairs):
+                d_k = d[k].double() if w_pos is None else d[k].double() * w_pos.double()
+                sums[PAIRS.index(p)] += float(d_k.sum())
+                res.teachers[f"{p.anchor}:{p.name}"].seconds += timing.get("teacher_s", 0.0) / len(pairs)
+            if terms is not None:  # pair 1 (the OPSD pair): Eq. 7-9
+                res.label(rows, terms, mask, dc)
+        mb.free()  # sharded: the anchors' gathered roots (LM heads) are freed
+
+    def after_update(self, step: int) -> None:
+        """The snapshot refresh: snapshot <- policy (tau = --ema-tau, 1 for DAPD) every --ema-every steps."""
+        if self.ctx.ema.due(step):
+            self.anchors["snapshot"].update(self.ctx.model(), self.ctx.ema.tau)

@@ -1,0 +1,44 @@
+"""The family's objective: every method that is a loss and a view (`opd.methods.table`: BAS-OPD, Vision-OPD, RP-OPSD,
+OPD-V, OPSD, GKD).
+
+Each step it runs the family's distillation pass on S (`opd.methods.distill.distill`: Eq. 1, 2, 3, 9 and 11 against the
+run's teacher(s) in the method's views, support, divergence and token weight), and after a valid update it moves the
+teachers (Algorithm 1, line 13: the EMA, every --ema-every steps; a frozen teacher does not move).
+"""
+
+from __future__ import annotations
+
+from opd.methods.objective import DistillResult, Objective, StepBatch
+
+
+class Distillation(Objective):
+    """Eq. 11 on S against the run's teacher(s), then the teachers' update after a valid step."""
+
+    name = "distill"
+
+    @property
+    def labels(self) -> list[str]:
+        """The ledger labels of every teacher forward this objective can run, in a fixed order."""
+        from opd.methods.distill import distill_labels
+
+        return distill_labels(self.ctx)
+
+    def __call__(self, batch: StepBatch) -> DistillResult:
+        from opd.methods.distill import distill
+
+        return distill(self.ctx, batch)
+
+    def after_update(self, step: int) -> None:
+        """Algorithm 1, line 13 after a valid update, every `ema.every` steps (DAPD's snapshot: tau = 1)."""
+        update_teachers(self.ctx, step)
+
+
+def update_teachers(ctx, step: int) -> None:
+    """theta-bar <- (1 - tau) theta-bar + tau theta for each of the run's teachers once (a shared one once), when the
+    EMA is due after step `step`; frozen teachers do not move."""
+    import torch
+
+    if ctx.ema.due(step):
+        with torch.no_grad():
+            for t in dict.fromkeys(ctx.teachers.teachers.values()):
+                t.update(ctx.model(), ctx.ema.tau)

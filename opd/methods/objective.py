@@ -1,0 +1,257 @@
+"""The objective boundary: what the loop hands a method's objective, and what the objective gives back.
+
+The loop (`opd.loop.run.Run.step`) samples rollouts, selects S (Eq. 4, Algorithm 1 lines 4-9), then calls the method's
+objective once with the step's `StepBatch`; the objective runs the teacher(s) on S only, backpropagates its share of the
+loss and returns a `DistillResult` (its sums, the utility labels of S, its teacher costs, its metrics). After a
+valid optimizer step the loop calls `after_update` (the teachers' update: the EMA, DAPD's snapshot). That is the
+whole seam: an objective never sees the run, only
+
+- `ObjectiveContext`, built once per run: the accelerator, the policy being trained, the teacher set, the prompt
+  encoder, the mixed-precision context, the views and the shared loss settings (`opd.maths.loss.LossConfig`);
+- its own config dataclass (`Objective.Config`, flags `--<name>-<field>`, e.g. DAPD's `--dapd-clip`), with
+  field docstrings and its own `check()`;
+- `initial_teacher()`, a frozen teacher of the run's initial weights (a separate copy; with LoRA the policy's own
+  base with its adapter disabled), for objectives that anchor on them.
+
+An objective with teachers of its own (DAPD's `snapshot` and `base` anchors) says so in `build_teachers`, which
+returns the run's teacher set before the context is built: nothing changes the run from outside.
+
+The method table (`opd.methods.table.METHODS`) names each method's objective class: one registry. The pieces objectives
+share are modules of their own, never another objective: the family's distillation pass (`opd.methods.distill`), the
+policy-gradient pass (`opd.methods.policy_gradient`), the lockstep schedule and its padding rules (`opd.methods.schedule`), the
+loss's aggregation (`opd.maths.loss`). docs/EXTENDING.md walks through adding a method.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:
+    import torch
+
+    from opd.engine.rollout import Rollouts
+    from opd.methods.schedule import MicroBatch, TeacherCost
+
+
+def _no_labels() -> torch.Tensor:
+    """DistillResult.utility's default: no row (torch imported when a result is made: `opd.lazy`)."""
+    import torch
+
+    return torch.zeros(0)
+
+
+@dataclass
+class StepBatch:
+    """What the loop hands an objective for one step: this rank's part of it."""
+
+    step: int
+    records: list
+    """This rank's records of the step (local prompt j is records[j])."""
+    record_ids: list[int]
+    rollouts: Rollouts
+    student_prompts: list
+    """The student's encoded prompts (opd.models.chat.EncodedPrompt), one per local prompt."""
+    selected: torch.Tensor
+    """Local row ids of S."""
+    teacher_prompt: Callable
+    """(teacher name, view, j) -> local prompt j in a teacher's view, encoded once per step with that teacher's
+    processor; a view's randomness (the mask) is seeded by (seed, step, record id)."""
+    route: list
+    """Per local row: the name of its teacher (None outside C)."""
+    weights: torch.Tensor | None = None
+    """(N_local,) unbiased selection's w_i = 1 / pi_i for the rows of S (`opd.selection.selectors`), which every objective
+    applies to its per-row terms (Eq. 11's Hajek form); None: every row 1 (top-K, uniform, full)."""
+    full_tokens: float | None = None
+    """Unbiased selection with --estimator ht: T_C, the valid response tokens of every candidate in C over all ranks
+    (`opd.selection.selectors.Selector.full_query_tokens`), the token mean's Horvitz-Thompson denominator in place of the
+    Hajek form's sum_S w_i T_i (`opd.maths.loss.loss_denominator`); None: the Hajek form, or no weights."""
+
+    def routed(self, teacher: str) -> torch.Tensor:
+        """Local row ids of S routed to `teacher` (a name of the run's teacher set), in S's order."""
+        sel = self.selected
+        return sel[[self.route[i] == teacher for i in sel.tolist()]] if sel.numel() else sel
+
+    def position_weights(self, rows: torch.Tensor, mask: torch.Tensor, dtype) -> torch.Tensor | None:
+        """Unbiased selection's 1 / pi_i of each row of `rows`, at each of its valid positions (P,) in mask's
+        row-major order; None without it (every weight 1)."""
+        if self.weights is None:
+            return None
+        w = self.weights[rows].to(device=mask.device, dtype=dtype)  # (n,)
+        return w.unsqueeze(-1).expand(mask.shape)[mask]  # (P,)
+
+
+@dataclass
+class DistillResult:
+    """What an objective returns for one step on this rank."""
+
+    loss_sum: float = 0.0
+    """This rank's share of the loss times `global_tokens`: the local part of the loss's numerator. Token-mean (Eq.
+    11): sum over this rank's selected valid tokens of w D (w the token weight times OPOD's beta; with unbiased
+    selection times 1 / pi_i); sequence-mean: sum over its rows of S of the row's mean D; micro-batch: sum over its
+    micro-batches of n_b times the micro-batch's token mean. OPOD: of its gated distillation term only (its
+    `loss_share` adds the policy gradient and the KL)."""
+    global_tokens: float = 0
+    """The loss's denominator over all ranks (`opd.maths.loss.loss_denominator`): token-mean, the selected valid tokens
+    (an int), or sum_i w_i T_i with unbiased selection's weights (a float); sequence-mean and micro-batch, the
+    number |S| of selected rows with a valid token; DAPD, the rollout completions' tokens (weighted alike). 0: S is
+    empty everywhere."""
+    utility: torch.Tensor = field(default_factory=_no_labels)
+    """(N_local,) u_i for selected rows, NaN for unselected rows (they get no label)."""
+    teachers: dict[str, TeacherCost] = field(default_factory=dict)
+    """Per ledger label (teacher view, or teacher:view): rows, prompt + valid response tokens, input tokens
+    with padding, seconds."""
+    loss_share: float | None = None
+    """This rank's share of the step's loss (summed over ranks: the loss); None: loss_sum / global_tokens."""
+    metrics: dict = field(default_factory=dict)
+    """Extra ledger fields of the objective (already the same on every rank)."""
+
+    @classmethod
+    def begin(cls, ctx: ObjectiveContext, batch: StepBatch, labels: list[str]) -> DistillResult:
+        """The step's result before any teacher forward: no row labelled (NaN), every label's cost zero, and the
+        loss's global denominator (`opd.maths.loss.loss_denominator`: one all-reduce, run by every rank). `empty`: S holds
+        no token on any rank, so no teacher runs and the distillation term is zero (Appendix A.3)."""
+        import torch
+
+        from opd.maths.loss import loss_denominator
+        from opd.methods.schedule import TeacherCost
+
+        ro = batch.rollouts
+        res = cls(utility=torch.full((len(ro),), float("nan")), teachers={lab: TeacherCost() for lab in labels})
+        res.global_tokens = loss_denominator(ctx.accelerator, ctx.loss.aggregation, ro.lengths, batch.selected,
+                                             batch.weights, batch.full_tokens)  # fmt: skip
+        return res
+
+    @property
+    def empty(self) -> bool:
+        """S holds no valid token on any rank."""
+        return self.global_tokens == 0
+
+    def label(self, rows: torch.Tensor, terms: torch.Tensor, mask: torch.Tensor, loss) -> None:
+        """Eq. 9's labels u_i of `rows` from their per-position terms (d, o, c) ((P, 3) or (n, T, 3);
+        `opd.maths.utility.labels_from_terms`), with the run's ablations (`loss`: the `opd.maths.loss.LossConfig`)."""
+        from opd.maths.utility import labels_from_terms
+
+        u = labels_from_terms(terms, mask, not loss.no_overlap, not loss.no_confidence)
+        self.utility[rows] = u.float().cpu()
+
+    @property
+    def teacher_s(self) -> float:
+        return sum(c.seconds for c in self.teachers.values())
+
+    @property
+    def share(self) -> float:
+        """This rank's share of the step's loss."""
+        return self.loss_share if self.loss_share is not None else self.loss_sum / max(1, self.global_tokens)
+
+
+@dataclass
+class ObjectiveContext:
+    """Everything an objective may use, built once per run by the loop."""
+
+    accelerator: object
+    student: torch.nn.Module
+    """The policy as trained (DDP-wrapped, or FSDP2-sharded): its forwards and backwards."""
+    model: Callable[[], torch.nn.Module]
+    """() -> the policy unwrapped (its config, its weights for the teachers' update)."""
+    teachers: object
+    """The run's teachers (`opd.models.external_teachers.TeacherSet`), in a fixed order."""
+    encode: Callable
+    """(view or View, record, seed=0, processor=None, thinking=None) -> EncodedPrompt, with the run's thinking flag
+    (unless `thinking` says otherwise) and --max-prompt-len; a prompt that does not fit is a one-line error naming
+    its record (`opd.data.prompts.Prompts.encode`)."""
+    processor: object
+    """The policy's processor (its tokenizer decodes rollouts)."""
+    ids: dict
+    """The policy's special ids (`opd.models.loading.special_ids`): eos, pad, vision."""
+    autocast: Callable
+    """() -> the mixed-precision context of the forwards."""
+    student_view: str
+    teacher_views: tuple[str, ...]
+    """The teacher views of a scored row, the positive one first (OPD-V: crop, then masked)."""
+    loss: object
+    """The shared loss settings (`opd.maths.loss.LossConfig`, resolved for the method: its support, divergence and token
+    weight): top-k, alpha, temperature, aggregation, micro-batch and chunk sizes, utility ablations."""
+    max_response_len: int
+    ema: object
+    """The teachers' update (`opd.models.ema_teacher.EMAConfig`): rate tau after a valid step (0: fixed; 1: a copy), every
+    `every` steps."""
+
+    @property
+    def device(self) -> torch.device:
+        return self.accelerator.device
+
+    @property
+    def tokenizer(self):
+        return self.processor.tokenizer
+
+
+def teacher_plans(ctx: ObjectiveContext, batch: StepBatch, view: str) -> dict[str, list[torch.Tensor]]:
+    """S's rows routed to each teacher ({name: micro-batches of local row ids}, in the teachers' fixed order), each
+    teacher's rows grouped by their length in `view` (prompt + response; `opd.methods.schedule.plan_rows`)."""
+    from opd.methods.schedule import plan_rows
+
+    cfg = ctx.loss
+    return {n: plan_rows(batch.rollouts, lambda v, j, n=n: batch.teacher_prompt(n, v, j), batch.routed(n),
+                         cfg.micro_batch, cfg.micro_batch_tokens, view) for n in ctx.teachers.names}  # fmt: skip
+
+
+def teacher_inputs(ctx: ObjectiveContext, batch: StepBatch, mb: MicroBatch, view: str, res: DistillResult):
+    """The micro-batch's inputs for its teacher (`mb.group`) in `view`: (inputs, mask (n, T), width, cost). A real
+    slot's forward is booked (rows, tokens) under its ledger label and `cost` is that label's `TeacherCost` (for its
+    seconds); a padding slot runs on the student's prompts, booked nowhere (cost None)."""
+    from opd.models.chat import micro_batch_inputs
+    from opd.methods.schedule import record_forward
+
+    ro, pids = batch.rollouts, batch.rollouts.prompt_index[mb.rows].tolist()
+    prompts = [batch.teacher_prompt(mb.group, view, p) if mb.real else batch.student_prompts[p] for p in pids]
+    inputs, mask, width = micro_batch_inputs(prompts, ro, mb.rows, ctx.ids["pad"], ctx.device)
+    cost = res.teachers[ctx.teachers.label(mb.group, view)] if mb.real else None
+    if cost is not None:
+        record_forward(cost, inputs, mask, sum(len(p) for p in prompts))
+    return inputs, mask, width, cost
+
+
+class Objective:
+    """The interface of an objective (`opd.methods.distillation.Distillation`, `opd.methods.dapd.DAPD`, `opd.methods.opod.OPOD`,
+    `opd.methods.tm_opd.TMOPD`).
+
+    Class attributes: `name` (the prefix of its flags), `Config` (its config dataclass, or None), `refuses` (the
+    run's flags that do not apply to it, {flag name: reason}: `opd.config` refuses the run, naming
+    the flag and the reason, when the field's value differs from TrainConfig's default, whether or not the flag
+    was given; the method's own settings must leave these fields at their defaults), `needs_ema_teacher` (a reason
+    when the objective anchors on the run's EMA teacher, so --ema-tau 0, a fixed teacher, is refused; '': none)."""
+
+    name: str = ""
+    Config: type | None = None
+    refuses: dict[str, str] = {}
+    needs_ema_teacher: str = ""
+    aggregations: tuple[str, ...] = ()
+    """The --loss-agg values it implements ((): every one of `opd.maths.loss.AGGREGATIONS`)."""
+
+    @classmethod
+    def build_teachers(cls, teachers, initial_teacher: Callable[[], object]):
+        """The run's teacher set for this objective, from the loop's default (the EMA self-teacher or the external
+        ones); the default is kept."""
+        return teachers
+
+    def __init__(self, ctx: ObjectiveContext, config=None, initial_teacher: Callable[[], object] | None = None):
+        self.ctx, self.config, self.initial_teacher = ctx, config, initial_teacher
+
+    @property
+    def labels(self) -> list[str]:
+        """The ledger labels of every teacher forward this objective can run, in a fixed order."""
+        raise NotImplementedError
+
+    def __call__(self, batch: StepBatch) -> DistillResult:
+        raise NotImplementedError
+
+    def after_update(self, step: int) -> None:
+        """After a valid optimizer step (step index `step`)."""
+
+    def state_dict(self) -> dict:
+        return {}
+
+    def load_state_dict(self, state: dict) -> None:
+        pass

@@ -1,0 +1,359 @@
+"""OPOD: on-policy omni distillation (arXiv 2607.20918), on Algorithm 1's loop. Medium confidence.
+
+There is no public code; the formulas come from a third-party transcription
+(`../shared/notes/seed-family.md`). Every constant the transcription does not give is a flag of
+`train.py` with a stated default (marked "guess" below).
+
+Each response is routed to the teacher of its kind (`--teachers route.json`: a record field such as `task`
+or `modality` -> a teacher checkpoint; `--teacher-model` for one), separate frozen checkpoints, not the
+policy's own weights. Per step, on the selected rows S (K = floor(rho |C|) rows, chosen before any teacher
+forward; OPOD queries every row: its settings are --policy full --rho 1):
+
+1. Gated distillation (`opd.methods.distill` with the token weight 'gate'). For row i routed to teacher m_i:
+
+       c_t = ReLU(log pi_T(y_t) - log pi_theta(y_t))        (`weights.teacher_gate`, detached)
+       L_tc = sum_{i in S, t} beta_{m_i} c_t D_t / sum_{i in S} T_i
+
+   D_t the family's Eq. 3 (student top-k + tail, JSD_alpha) against the routed teacher. Guess: the
+   transcription's L_tc = mean_i beta_{m_i} c_i has no gradient with a detached gate; we read c_t as the
+   weight of the per-token divergence (as OPD-V's trust region), with the family's token mean.
+2. The per-teacher controller (`GateController`, `controller_step`): after a valid update,
+
+       beta_m <- clip(beta_m + eta (cbar_m - eps_m), beta_min, beta_max)
+
+   cbar_m the step's mean gate over teacher m's tokens (all ranks), eps_m = max(mean of cbar_m over the
+   first `--opod-warmup` (10) steps with tokens of m, `--opod-eps-floor` 0.02). beta_m stays at
+   `--opod-beta-init` during its warm-up (guess). beta_min 0.1 (paper); beta_init 1.0, beta_max 2.0,
+   eta 0.1 (guesses).
+3. The verification reward (`verified_reward`) of each row of S:
+
+       A = 1[correct] clip(mean_t log pi_T(y_t), -C, 0)                 (`answer_confidence`)
+       B = clip(log pi_T(a* | x, z) - log pi_T(a* | x), -C, C)         (`verification_gain`)
+       r = r_task + 0.2 A + 0.1 B,  C = 2
+
+   r_task = 1 when the project's answer parser (`opd.answers`, `task_reward`) finds the record's
+   answer in the decoded response, else 0. Guesses: A's "answer tokens" are all of the response's valid
+   tokens (our responses are the answer); "x, z" is the teacher's view with the response z in the reference
+   slot of `views.REFERENCE_TEMPLATE` (DAPD's bridge), "x" the teacher's own prompt, a* the answer's tokens
+   (no EOS), log-probs summed over a*. B costs two more teacher forwards per row: the ledger counts them
+   under the views 'verify' (one per row) and 'answer' (one per prompt with a selected row);
+   `--opod-reward-b 0` skips them.
+4. A group-relative policy-gradient term over each prompt's rows in S (`group_advantages`):
+
+       Ahat_i = (r_i - mean_g r) / (std_g r + eps)       (std with Bessel's correction, as TRL's GRPO; eps 1e-4)
+       L_pg = - sum_{i in S, t} Ahat_i log pi_theta(y_t) / sum_{i in S} T_i
+
+   on-policy (one update per batch: the importance ratio is 1 and PPO's clip inactive), so its gradient is
+   the REINFORCE form computed here (`chunked.weighted_logp_from_hidden`). A group is the rows of S from one
+   prompt (the reward needs the teacher, which never sees an unselected row); a group of one row has
+   advantage 0. Total: L_tc + `--opod-pg-weight` (1) L_pg + `--opod-kl` (0, guess: the paper's weight is not
+   known) KL(pi_theta || pi_ref), the KL by the k3 estimator on the sampled tokens against the initial policy,
+   its coefficient from the sampling log-probs (on-policy).
+
+The teachers see the student's own view by default (`--teacher-view` changes it). Sharded (`--fsdp`): the
+teachers (and the KL's reference) are sharded like the policy; the distillation pass, B's forwards and the
+policy-gradient pass each run as many micro-batches per model on every rank as on the busiest one, the missing
+ones zero-weighted (or uncounted) forwards on the rank's row 0.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+from typing import TYPE_CHECKING
+
+from opd.answers import exact_match, parse_choice, parse_yes_no, split_options
+from opd.cli import Section
+from opd.lazy import no_grad
+from opd.methods.objective import DistillResult, Objective, ObjectiveContext, StepBatch
+from opd.data.views import View, get_view, reference_prompt
+
+if TYPE_CHECKING:
+    import torch
+
+    from opd.methods.schedule import MicroBatch
+
+
+def task_reward(reply: str, problem: str, answer: str) -> float:
+    """r_task: 1.0 when the reply's parsed answer is the record's, else 0.0. Multiple choice (options in the
+    problem and a letter answer): `parse_choice`; a yes/no answer: `parse_yes_no`; else `exact_match`."""
+    _, options = split_options(problem.replace("<image>", ""))
+    if options and answer.strip().upper() in options:
+        pred = parse_choice(reply, options)
+        return float(pred is not None and pred.upper() == answer.strip().upper())
+    if answer.strip().lower() in ("yes", "no"):
+        return float(parse_yes_no(reply) == answer.strip().lower())
+    return float(exact_match(reply, answer))
+
+
+def answer_confidence(correct: torch.Tensor, mean_teacher_logp: torch.Tensor, clip: float = 2.0) -> torch.Tensor:
+    """OPOD's A = 1[correct] clip(mean_t log pi_T(y_t), -C, 0), C = clip. (...) -> (...)."""
+    return correct.to(mean_teacher_logp.dtype) * mean_teacher_logp.clamp(min=-clip, max=0.0)
+
+
+def verification_gain(logp_with: torch.Tensor, logp_without: torch.Tensor, clip: float = 2.0) -> torch.Tensor:
+    """OPOD's B = clip(log pi_T(a* | x, z) - log pi_T(a* | x), -C, C), C = clip. (...) -> (...)."""
+    return (logp_with - logp_without).clamp(min=-clip, max=clip)
+
+
+def verified_reward(r_task: torch.Tensor, a: torch.Tensor, b: torch.Tensor, weight_a: float = 0.2,
+                    weight_b: float = 0.1) -> torch.Tensor:
+    """OPOD's verification reward r = r_task + 0.2 A + 0.1 B (weights as arguments). (...) -> (...)."""
+    return r_task + weight_a * a + weight_b * b
+
+
+def group_advantages(rewards: torch.Tensor, groups: torch.Tensor, eps: float = 1e-4) -> torch.Tensor:
+    """Group-relative advantages (GRPO): for row i of group g,
+
+        Ahat_i = (r_i - mean_g r) / (std_g r + eps),   std_g with Bessel's correction (n - 1),
+
+    and 0 for a group of one row (no baseline). rewards, groups (n,) -> (n,) float64."""
+    import torch
+
+    r = rewards.double()
+    out = torch.zeros_like(r)
+    for g in torch.unique(groups).tolist():
+        idx = (groups == g).nonzero().squeeze(-1)
+        if idx.numel() < 2:
+            continue
+        x = r[idx]
+        out[idx] = (x - x.mean()) / (x.std(unbiased=True) + eps)
+    return out
+
+
+def controller_step(beta: float, gate_mean: float, eps: float, eta: float, beta_min: float, beta_max: float) -> float:
+    """OPOD's per-teacher controller: beta <- clip(beta + eta (cbar - eps), beta_min, beta_max)."""
+    return min(beta_max, max(beta_min, beta + eta * (gate_mean - eps)))
+
+
+class GateController:
+    """beta_m per teacher: at `beta_init` through a warm-up of `warmup` observed steps whose mean gate sets
+    eps_m = max(mean, eps_floor); then `controller_step` on every observed step. A step without tokens of
+    teacher m is not observed for m. Its state is saved in checkpoints (resume-exact)."""
+
+    def __init__(self, names, beta_init=1.0, beta_min=0.1, beta_max=2.0, eta=0.1, warmup=10, eps_floor=0.02):
+        self.beta = {n: float(beta_init) for n in names}
+        self.eps: dict[str, float | None] = {n: None for n in names}
+        self.warm = {n: [0.0, 0] for n in names}  # sum of cbar, steps observed
+        self.beta_min, self.beta_max, self.eta, self.warmup, self.eps_floor = beta_min, beta_max, eta, warmup, eps_floor
+
+    def observe(self, name: str, gate_mean: float | None) -> None:
+        if gate_mean is None or not math.isfinite(gate_mean):
+            return
+        if self.eps[name] is None:
+            self.warm[name][0] += gate_mean
+            self.warm[name][1] += 1
+            if self.warm[name][1] >= self.warmup:
+                self.eps[name] = max(self.warm[name][0] / self.warm[name][1], self.eps_floor)
+            return
+        self.beta[name] = controller_step(self.beta[name], gate_mean, self.eps[name], self.eta, self.beta_min, self.beta_max)
+
+    def state_dict(self) -> dict:
+        return {"beta": dict(self.beta), "eps": dict(self.eps), "warm": {k: list(v) for k, v in self.warm.items()}}
+
+    def load_state_dict(self, state: dict) -> None:
+        if state:
+            self.beta, self.eps = dict(state["beta"]), dict(state["eps"])
+            self.warm = {k: list(v) for k, v in state["warm"].items()}
+
+
+@dataclass
+class OPODConfig(Section):
+    """OPOD's own settings (flags `--opod-<field>`); each says whether its value is the paper's or a guess."""
+
+    beta_init: float = 1.0
+    """Initial strength beta_m of every teacher's gated term (not in the paper; a guess)."""
+    beta_min: float = 0.1
+    """Lower bound of beta_m (the paper's 0.1)."""
+    beta_max: float = 2.0
+    """Upper bound of beta_m (not in the paper; a guess)."""
+    eta: float = 0.1
+    """Controller rate eta of beta_m <- clip(beta_m + eta (mean c_m - eps_m)) (not in the paper; a guess)."""
+    warmup: int = 10
+    """Steps (with tokens of a teacher) whose mean gate sets that teacher's target eps_m (the paper's 10)."""
+    eps_floor: float = 0.02
+    """Floor of the controller target eps_m (the paper's 0.02)."""
+    reward_a: float = 0.2
+    """Weight of A (teacher confidence on a correct response) in r = r_task + 0.2 A + 0.1 B (the paper's)."""
+    reward_b: float = 0.1
+    """Weight of B (how much the response raises the teacher's log-prob of the answer); 0 skips its forwards."""
+    reward_clip: float = 2.0
+    """C, the clip of A to [-C, 0] and of B to [-C, C] (the paper's 2)."""
+    pg_weight: float = 1.0
+    """Weight of the group-relative policy-gradient term (the paper adds it unweighted)."""
+    adv_eps: float = 1e-4
+    """eps of the group advantage (r - mean) / (std + eps) (not in the paper; TRL's GRPO value)."""
+    kl: float = 0.0
+    """Weight of KL(pi_theta || pi_ref), pi_ref the initial policy (the paper's weight is unknown; 0 = off)."""
+
+    PREFIX = "opod_"
+
+    def check(self) -> list[str]:
+        problems = []
+        if not 0 < self.beta_min <= self.beta_init <= self.beta_max:
+            problems.append(f"--opod-beta-min {self.beta_min}, --opod-beta-init {self.beta_init}, --opod-beta-max "
+                            f"{self.beta_max}: need 0 < min <= init <= max")
+        if self.warmup < 1 or self.reward_clip <= 0 or self.adv_eps <= 0 or self.kl < 0:
+            problems.append("--opod-warmup must be >= 1, --opod-reward-clip and --opod-adv-eps > 0, --opod-kl >= 0")
+        return problems
+
+
+class OPOD(Objective):
+    """The OPOD objective (see the module docstring)."""
+
+    name = "opod"
+    Config = OPODConfig
+    refuses = {"loss_agg": "its gated term and policy gradient share one token mean"}
+
+    def __init__(self, ctx: ObjectiveContext, config: OPODConfig | None = None, initial_teacher=None):
+        from opd.methods.policy_gradient import PolicyGradient
+
+        super().__init__(ctx, config or OPODConfig(), initial_teacher)
+        c = self.config
+        self.controller = GateController(ctx.teachers.names, c.beta_init, c.beta_min, c.beta_max, c.eta, c.warmup,
+                                         c.eps_floor)  # fmt: skip
+        self.reference = initial_teacher() if c.kl > 0 else None
+        self.pg = PolicyGradient(ctx, c.pg_weight, reference=self.reference, kl=c.kl)  # 4. L_pg (+ the KL)
+        self.pending: dict[str, float | None] = {}
+
+    @property
+    def labels(self) -> list[str]:
+        from opd.methods.distill import distill_labels
+
+        t = self.ctx.teachers
+        extra = ("verify", "answer") if self.config.reward_b else ()
+        return distill_labels(self.ctx) + [t.label(n, v) for n in t.names for v in extra]  # the pass's, then B's
+
+    def __call__(self, batch: StepBatch) -> DistillResult:
+        import torch
+
+        from opd.methods.distill import distill
+        from opd.methods.policy_gradient import row_advantages
+
+        ctx, c = self.ctx, self.config
+        acc = ctx.accelerator
+        ro, sel, names = batch.rollouts, batch.selected, ctx.teachers.names
+        beta = torch.tensor([self.controller.beta.get(r, 0.0) if r is not None else 0.0 for r in batch.route])
+        token_sums: dict = {}  # per row: sum of the gate c_t and of log pi_T(y_t)
+        res = distill(ctx, batch, row_weights=beta, sync=False, token_sums=token_sums, labels=self.labels)  # 1. L_tc
+        res.metrics = {f"beta_{n}": self.controller.beta[n] for n in names}
+        self.pending = {}
+        if res.empty:  # S is empty everywhere: nothing more to do (every rank alike)
+            return res
+        rows = sel.tolist()
+        lengths = ro.lengths.double()
+        tok = ctx.tokenizer
+        replies = {i: tok.decode(ro.response_ids[i, : int(ro.lengths[i])], skip_special_tokens=True) for i in rows}
+        r_task = torch.tensor([task_reward(replies[i], batch.records[int(ro.prompt_index[i])].problem,
+                                           batch.records[int(ro.prompt_index[i])].answer) for i in rows], dtype=torch.float64)  # fmt: skip
+        mean_t = (token_sums["teacher_logp"].double()[sel] / lengths[sel].clamp(min=1)) if rows else torch.zeros(0, dtype=torch.float64)
+        a = answer_confidence(r_task > 0.5, mean_t, c.reward_clip)
+        b = self._verification(batch, res, replies) if c.reward_b else torch.zeros(len(rows), dtype=torch.float64)
+        reward = verified_reward(r_task, a, b, c.reward_a, c.reward_b)
+        adv = group_advantages(reward, ro.prompt_index[sel], c.adv_eps) if rows else reward
+        adv_of = dict(zip(rows, adv.tolist()))  # 4. L_pg (+ KL) over N = the distillation's denominator, synced
+        pg_value, kl_value = self.pg.run(batch, row_advantages(adv_of), res.global_tokens)
+        # The controller's statistics and the metrics, summed over ranks (one collective, every rank).
+        route = [batch.route[i] for i in rows]
+        per_teacher = []
+        for n in names:
+            mine = torch.tensor([r == n for r in route], dtype=torch.bool)
+            per_teacher += [float(token_sums["token_weight"][sel][mine].sum()) if rows else 0.0,
+                            float(ro.lengths[sel][mine].sum()) if rows else 0.0]  # fmt: skip
+        stats = [float(reward.sum()), float(r_task.sum()), float(a.sum()), float(b.sum()), len(rows), pg_value, kl_value,
+                 *per_teacher]  # fmt: skip
+        total = acc.reduce(torch.tensor(stats, dtype=torch.float64, device=acc.device), "sum").cpu().tolist()
+        n = max(1.0, total[4])
+        res.metrics |= {"reward_mean": total[0] / n, "task_reward_mean": total[1] / n, "reward_a_mean": total[2] / n,
+                        "reward_b_mean": total[3] / n, "pg_loss": total[5], "kl_loss": total[6]}  # fmt: skip
+        for k, name in enumerate(names):
+            g, t = total[7 + 2 * k], total[8 + 2 * k]
+            self.pending[name] = g / t if t else None
+            res.metrics[f"gate_mean_{name}"] = g / t if t else float("nan")
+        res.loss_share = res.loss_sum / res.global_tokens + pg_value + kl_value
+        return res
+
+    def _verification(self, batch: StepBatch, res: DistillResult, replies: dict) -> torch.Tensor:
+        """B of every row of S: the routed teacher's log-prob of the answer after the response (in the reference slot)
+        minus without it; two forward kinds, counted under the views 'verify' and 'answer'. Sharded: every rank runs
+        as many forwards per teacher as the busiest one (the rest on row 0, uncounted)."""
+        import torch
+
+        from opd.methods.schedule import lockstep
+
+        ctx = self.ctx
+        ro, tok = batch.rollouts, ctx.tokenizer
+        rows = batch.selected.tolist()
+        view = ctx.teacher_views[0]
+        micro = ctx.loss.micro_batch
+        answer_ids = {j: torch.tensor(tok(batch.records[j].answer, add_special_tokens=False)["input_ids"], dtype=torch.long)
+                      for j in {int(ro.prompt_index[i]) for i in rows}}  # fmt: skip
+        jobs = {}  # teacher -> [(kind, keys, prompts, completions)]
+        for name in ctx.teachers.names:
+            teacher = ctx.teachers.teachers[name]
+            mine = [k for k, i in enumerate(rows) if batch.route[i] == name]
+            prompts_of = sorted({int(ro.prompt_index[rows[k]]) for k in mine})
+            jobs[name] = [("answer", group, [batch.teacher_prompt(name, view, j) for j in group], [answer_ids[j] for j in group])
+                          for group in _chunks(prompts_of, micro)]  # log pi_T(a* | x): once per prompt
+            for group in _chunks(mine, micro):  # log pi_T(a* | x, z): once per row
+                prompts = []
+                for k in group:
+                    record = batch.records[int(ro.prompt_index[rows[k]])]
+                    images, _ = get_view(view)(record)
+                    text = replies[rows[k]]
+                    v = View(lambda r, seed, images=images, text=text: (images, reference_prompt(r.problem, text)))
+                    prompts.append(ctx.encode(v, record, 0, teacher.processor))
+                jobs[name].append(("verify", group, prompts, [answer_ids[int(ro.prompt_index[rows[k]])] for k in group]))
+        without, with_z = {}, {}
+        pad = ("padding", [], [batch.student_prompts[int(ro.prompt_index[0])]], [ro.response_ids[0, : int(ro.lengths[0])]])
+        models = [t.model for t in ctx.teachers.teachers.values()]
+        for mb in lockstep(ctx, batch, jobs, sync=False, release=models):  # teacher forwards only: nothing to sync
+            kind, keys, prompts, completions = mb.item if mb.real else pad
+            sums = self._answer_logp(mb, ctx.teachers.teachers[mb.group], kind, prompts, completions, res)
+            (without if kind == "answer" else with_z).update(zip(keys, sums))
+        out = torch.zeros(len(rows), dtype=torch.float64)
+        for k, i in enumerate(rows):
+            if k in with_z:
+                out[k] = verification_gain(torch.tensor(with_z[k]), torch.tensor(without[int(ro.prompt_index[i])]),
+                                           self.config.reward_clip)  # fmt: skip
+        return out
+
+    @no_grad
+    def _answer_logp(self, mb: MicroBatch, teacher, view: str, prompts, completions, res: DistillResult) -> list[float]:
+        """sum over the completion's tokens of log pi_T, for each prompt + completion (one teacher forward of
+        teacher `mb.group`; padding: uncounted, nothing returned)."""
+        import torch
+
+        from opd.models.chat import completion_inputs
+        from opd.maths.chunked import sampled_logp_from_hidden
+        from opd.models.ema_teacher import lm_head_weight
+        from opd.methods.schedule import Stopwatch, record_forward
+
+        ctx = self.ctx
+        device = ctx.device
+        watch = Stopwatch(device)
+        inputs, mask, ids, width = completion_inputs(prompts, completions, ctx.ids["pad"], device)
+        with ctx.autocast(), mb.teacher(teacher):
+            h = teacher.hidden(inputs, width)[mask]  # (P, H)
+            logp = sampled_logp_from_hidden(h, lm_head_weight(teacher.model), ids[mask], ctx.loss.chunk or max(1, h.shape[0]))
+        sums = torch.zeros(mask.shape, dtype=torch.float64, device=device).masked_scatter(mask, logp.double()).sum(-1)
+        seconds = watch.seconds()
+        if not mb.real:  # a sharded rank's lockstep forward: nothing counted
+            return []
+        record_forward(res.teachers[ctx.teachers.label(mb.group, view)], inputs, mask, sum(len(p) for p in prompts), seconds)
+        return sums.cpu().tolist()
+
+    def after_update(self, step: int) -> None:
+        """The controller's step on each teacher's mean gate of this step (external teachers do not move)."""
+        for name, mean in self.pending.items():
+            self.controller.observe(name, mean)
+
+    def state_dict(self) -> dict:
+        return {"controller": self.controller.state_dict()}
+
+    def load_state_dict(self, state: dict) -> None:
+        self.controller.load_state_dict(state.get("controller", {}))
+
+
+def _chunks(items: list, n: int) -> list[list]:
+    return [items[k : k + n] for k in range(0, len(items), max(1, n))]

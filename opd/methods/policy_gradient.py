@@ -1,0 +1,128 @@
+"""The policy-gradient pass objectives share: OPOD's group-relative term and Thinking Machines' on-policy
+distillation (`opd.methods.opod`, `opd.methods.tm_opd`), on the selected rows S only.
+
+With a per-token advantage A_it (detached) and unbiased selection's row weights w_i (1 / pi_i; else 1):
+
+    L_pg = - lambda sum_{i in S, t} w_i A_it log pi_theta(y_it) / N                 (REINFORCE: OPOD)
+    L_is = - lambda sum_{i in S, t} w_i A_it pi_theta(y_it) / pi_old(y_it) / N      (importance sampling: tinker's
+                                                                                    `importance_sampling` loss)
+
+lambda a weight, N the objective's denominator (a token count; 1 for tinker's token sum), pi_old the policy that
+sampled y (the rollouts' log-probs). On-policy, one update per batch, the two gradients agree up to the ratio
+rho = pi_theta / pi_old, 1 but for the sampling's rounding. Optionally + kl KL(pi_theta || pi_ref) by the k3
+estimator on the sampled tokens against a reference model (OPOD's initial policy), its coefficient from the
+sampling log-probs (on-policy).
+
+The advantage comes from a hook `advantage(mb, mask, h, w) -> (P,)`, run in the micro-batch after the student's
+forward (h, w: its detached final hidden states at the valid positions and its LM head): a precomputed table (OPOD:
+one A_i per row) or a teacher forward of its own (TM-OPD: the teacher's log-prob of each sampled token, and the
+selector's labels from both sides' hidden states), so that a teacher never runs outside the lockstep. Every rank runs
+as many micro-batches as the busiest one (`opd.methods.schedule.lockstep`); the last backward synchronises DDP (a rank
+without rows: a zero-weighted one).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass
+
+import torch
+
+from opd.models.chat import micro_batch_inputs
+from opd.maths.chunked import sampled_logp_from_hidden, weighted_logp_from_hidden
+from opd.models.ema_teacher import lm_head_weight, response_hidden
+from opd.methods.objective import StepBatch
+from opd.methods.schedule import MicroBatch, lockstep, plan_micro_batches
+
+
+def k3(ref_logp: torch.Tensor, old_logp: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """The k3 estimator of KL(pi_theta || pi_ref) per sampled token and its derivative in log pi_theta, on-policy
+    (log pi_theta = the sampling's log pi_old):  k3 = e^{r - o} - (r - o) - 1,  d k3 / d log pi = 1 - e^{r - o}.
+    (P,), (P,) -> (P,), (P,)."""
+    diff = ref_logp - old_logp
+    return torch.exp(diff) - diff - 1.0, 1.0 - torch.exp(diff)
+
+
+def row_advantages(advantages: dict[int, float]) -> Callable:
+    """An `advantage` hook for one advantage per row (OPOD's group-relative A_i): each row's tokens get its A_i
+    (rows absent from `advantages`, padding's row 0, get 0)."""
+
+    def advantage(mb: MicroBatch, mask: torch.Tensor, h=None, w=None) -> torch.Tensor:
+        a = torch.tensor([advantages.get(i, 0.0) for i in mb.rows.tolist()], device=mask.device)  # (n,)
+        return a.unsqueeze(-1).expand(mask.shape)[mask]  # (P,)
+
+    return advantage
+
+
+@dataclass
+class PolicyGradient:
+    """One policy-gradient pass over S's micro-batches: `run` backpropagates and returns this rank's values."""
+
+    ctx: object
+    """The run's `opd.methods.objective.ObjectiveContext`."""
+    weight: float = 1.0
+    """lambda."""
+    importance: bool = False
+    """The importance-sampled form (tinker's) instead of REINFORCE."""
+    reference: object = None
+    """A frozen model (`opd.models.ema_teacher.Teacher`) for KL(pi_theta || pi_ref); None: no KL term."""
+    kl: float = 0.0
+
+    def run(self, batch: StepBatch, advantage: Callable, denominator: float, sync: bool = True, release=(),
+            plans: dict | None = None) -> tuple[float, float]:  # fmt: skip
+        """Backpropagates this rank's share of L_pg (or L_is) + the KL on S, each row's terms times its 1 / pi_i under
+        unbiased selection. `advantage(mb, mask, h, w)` -> (P,) the valid positions' A_it (it may run teacher
+        forwards: `release` names their models, freed before each backward). `plans` ({group: [local row ids]}):
+        the micro-batches (default: S grouped by length, one group). Returns this rank's (pg value, KL value)."""
+        ctx, ro, sel = self.ctx, batch.rollouts, batch.selected
+        cfg = ctx.loss
+        if plans is None:
+            plan = plan_micro_batches(ro.lengths[sel], cfg.micro_batch, cfg.micro_batch_tokens) if sel.numel() else []
+            plans = {"pg": [sel[g] for g in plan]}
+        values = [0.0, 0.0]
+        extra = [self.reference.model] if self.reference is not None else []
+        for mb in lockstep(ctx, batch, plans, sync, release=[*release, *extra]):
+            with mb.synced():
+                self._micro_batch(batch, mb, advantage, denominator, values)
+        return values[0], values[1]
+
+    def _micro_batch(self, batch: StepBatch, mb: MicroBatch, advantage: Callable, n: float, values: list) -> None:
+        ctx, ro, device = self.ctx, batch.rollouts, self.ctx.device
+        chunk, rows = ctx.loss.chunk, mb.rows
+        pids = ro.prompt_index[rows].tolist()
+        inputs, mask, width = micro_batch_inputs([batch.student_prompts[p] for p in pids], ro, rows, ctx.ids["pad"], device)
+        y = ro.response_ids[rows, :width].to(device)[mask]  # (P,)
+        old = ro.logp[rows, :width].to(device)[mask]  # (P,) log pi_old(y_t), the sampling's
+        kl_terms = d_kl = None
+        if self.reference is not None:  # KL(pi_theta || pi_ref), k3 on the sampled tokens
+            with ctx.autocast(), mb.teacher(self.reference):
+                h_r = self.reference.hidden(inputs, width)[mask]
+                ref = sampled_logp_from_hidden(h_r, lm_head_weight(self.reference.model), y, chunk or max(1, h_r.shape[0]))
+            mb.free()  # sharded: its gathered root (LM head) freed before the student's forward
+            kl_terms, d_kl = k3(ref, old.to(ref.dtype))  # (P,) each
+            w_pos = batch.position_weights(rows, mask, kl_terms.dtype) if mb.real else None  # (P,) 1 / pi_i
+            if w_pos is not None:
+                kl_terms, d_kl = kl_terms * w_pos, d_kl * w_pos
+        with ctx.autocast():
+            h = response_hidden(ctx.student, inputs, width)[mask]  # (P, H)
+            w = lm_head_weight(getattr(ctx.student, "module", ctx.student))
+        a = advantage(mb, mask, h.detach(), w.detach()).to(device)  # (P,) A_it, detached
+        w_pos = batch.position_weights(rows, mask, a.dtype) if mb.real else None  # (P,) 1 / pi_i
+        if w_pos is not None:  # unbiased selection: each position times its row's 1 / pi_i
+            a = a * w_pos
+        coef = -self.weight * a / n  # (P,) d L_pg / d log pi(y_t)
+        if d_kl is not None:
+            coef = coef + self.kl * d_kl / n
+        coef = mb.weight(coef)
+        with ctx.autocast():
+            loss, logp = weighted_logp_from_hidden(h, w, y, coef.double() * ctx.accelerator.num_processes,
+                                                   chunk or max(1, h.shape[0]), old if self.importance else None)  # fmt: skip
+        mb.backward(loss)
+        if not mb.real:
+            return
+        if self.importance:
+            values[0] += float((-self.weight * a * torch.exp(logp.double() - old.double())).sum()) / n
+        else:
+            values[0] += float((-self.weight * a * logp.double()).sum()) / n
+        if kl_terms is not None:
+            values[1] += self.kl * float(kl_terms.double().sum()) / n

@@ -1,0 +1,163 @@
+"""Thinking Machines' on-policy distillation (thinking-machines-lab/tinker-cookbook,
+`tinker_cookbook/distillation/train_on_policy.py`; the blog post "On-Policy Distillation", 2025), on Algorithm 1's
+loop, with BAS-OPD's budget on top like every method.
+
+A frozen teacher (a separate checkpoint: --teacher-model, or --teachers routed by a record field) scores the
+student's own sampled tokens, and each token's advantage is the negative one-sample reverse KL (their
+`incorporate_kl_penalty`):
+
+    A_t = -lambda (log pi_old(y_t) - log pi_T(y_t))                        (`token_advantages`; lambda = 1)
+    with gamma > 0:  A_t <- sum_{s >= t} gamma^(s - t) A_s                 (`discounted_future_sum`; gamma = 0)
+
+pi_old(y_t) the sampling policy's log-prob (the rollouts'), pi_T(y_t) the teacher's at temperature 1 on its view
+of the prompt (theirs: the student's own prompt, `--teacher-view full`, the method's). The loss is tinker's
+`importance_sampling` loss, a sum over tokens (`opd.methods.policy_gradient`, `--loss-agg token-sum`; token-mean divides it
+by S's tokens):
+
+    L = - sum_{i in S, t} w_i A_t pi_theta(y_t) / pi_old(y_t)                (w_i = 1 / pi_i under --unbiased; else 1)
+
+The budget: K = floor(rho |C|) rows, chosen before any teacher forward; the teacher runs on S only, one forward per
+row (`teacher_rows` = |S|). The selector's label u_i is Eq. 9 (the top-k JSD times overlap and confidence) of the
+student's and the teacher's distributions at the row's tokens, computed from both sides' hidden states in the same
+micro-batch (no gradient), as every method's label.
+
+Their recipe (`opd.methods.table`; docs/FAMILY.md): LoRA rank 128 (recipes/distillation/on_policy_distillation.py; the
+library's Config default is 32), lr 1e-4 constant, 4 rollouts per prompt (group_size), sampling at temperature 1,
+AdamW beta1 0.9, beta2 0.95, eps 1e-8 (rl/train.py, enqueue_optim_step), no weight decay and no gradient clip
+(tinker's AdamParams defaults). Where this departs from their code (docs/DEPARTURES.md): the LoRA alpha (tinker's,
+server-side, is not in their code: ours 2 r); the environment's reward advantages (zero for their prompt-only
+distillation datasets) are absent; --max-response-len is the preset's, not their max_tokens 4096.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import TYPE_CHECKING
+
+from opd.cli import Section
+from opd.lazy import no_grad
+from opd.methods.objective import DistillResult, Objective, ObjectiveContext, StepBatch, teacher_inputs, teacher_plans
+
+if TYPE_CHECKING:
+    import torch
+
+    from opd.methods.schedule import MicroBatch
+
+
+def token_advantages(old_logp: torch.Tensor, teacher_logp: torch.Tensor, coef: float = 1.0) -> torch.Tensor:
+    """A_t = -coef (log pi_old(y_t) - log pi_T(y_t)): the negative one-sample reverse KL of each sampled token.
+    (...) -> (...)."""
+    return -coef * (old_logp - teacher_logp)
+
+
+def discounted_future_sum(a: torch.Tensor, mask: torch.Tensor, gamma: float) -> torch.Tensor:
+    """A_t <- sum_{s >= t} gamma^(s - t) A_s along each row's valid tokens (their `discounted_future_sum_vectorized`;
+    gamma = 0: unchanged). a, mask (n, T) -> (n, T), 0 outside the mask."""
+    import torch
+
+    a = a * mask
+    if gamma == 0:
+        return a
+    out = torch.zeros_like(a)
+    running = torch.zeros_like(a[:, 0])
+    for t in range(a.shape[1] - 1, -1, -1):
+        running = a[:, t] + gamma * running * mask[:, t]
+        out[:, t] = running
+    return out * mask
+
+
+@dataclass
+class TMOPDConfig(Section):
+    """Thinking Machines' on-policy distillation's own settings (flags `--tm-opd-<field>`), their defaults theirs."""
+
+    kl_coef: float = 1.0
+    """lambda of A_t = -lambda (log pi_old - log pi_T) (their kl_penalty_coef, 1)."""
+    discount: float = 0.0
+    """gamma of the discounted future sum of the advantages (their kl_discount_factor, 0: none)."""
+
+    PREFIX = "tm_opd_"
+
+    def check(self) -> list[str]:
+        problems = []
+        if not self.kl_coef > 0:
+            problems.append(f"--tm-opd-kl-coef {self.kl_coef}: must be > 0")
+        if not 0 <= self.discount <= 1:
+            problems.append(f"--tm-opd-discount {self.discount}: must lie in [0, 1]")
+        return problems
+
+
+class TMOPD(Objective):
+    """The objective (see the module docstring): the teacher's log-probs of S's tokens, the importance-sampled policy
+    gradient of their advantages, and the selector's labels, one micro-batch at a time."""
+
+    name = "tm_opd"
+    Config = TMOPDConfig
+    refuses = {"loss_temperature": "its advantages are the sampled tokens' log-probs at temperature 1",
+               "is_clip": "its importance ratio is the loss itself (tinker's importance_sampling)"}  # fmt: skip
+    aggregations = ("token-sum", "token-mean")
+
+    def __init__(self, ctx: ObjectiveContext, config: TMOPDConfig | None = None, initial_teacher=None):
+        from opd.methods.policy_gradient import PolicyGradient
+
+        super().__init__(ctx, config or TMOPDConfig(), initial_teacher)
+        self.pg = PolicyGradient(ctx, importance=True)
+
+    @property
+    def labels(self) -> list[str]:
+        t = self.ctx.teachers
+        return [t.label(n, v) for n in t.names for v in self.ctx.teacher_views[:1]]
+
+    def __call__(self, batch: StepBatch) -> DistillResult:
+        import torch
+
+        ctx = self.ctx
+        res = DistillResult.begin(ctx, batch, self.labels)
+        if res.empty:  # S is empty everywhere: no teacher call, zero loss (every rank alike)
+            res.loss_share, res.metrics = 0.0, {"teacher_kl": 0.0}
+            return res
+        n = 1.0 if ctx.loss.aggregation == "token-sum" else float(res.global_tokens)
+        kl = torch.zeros(2, dtype=torch.float64)  # this rank's sum of log pi_old - log pi_T over S's tokens, tokens
+        models = [t.model for t in ctx.teachers.teachers.values()]
+        hook = lambda mb, mask, h, w: self._advantages(batch, mb, mask, h, w, res, kl)  # noqa: E731
+        res.loss_share, _ = self.pg.run(batch, hook, n, release=models,
+                                        plans=teacher_plans(ctx, batch, ctx.teacher_views[0]))  # fmt: skip
+        total = ctx.accelerator.reduce(kl.to(ctx.device), "sum").cpu()  # every rank, also with nothing to do
+        res.metrics = {"teacher_kl": float(total[0] / total[1].clamp(min=1))}  # their metric: the mean over tokens
+        return res
+
+    @no_grad
+    def _advantages(self, batch: StepBatch, mb: MicroBatch, mask, h_s, w_s, res: DistillResult, kl) -> torch.Tensor:
+        """The teacher `mb.group` on the micro-batch's rows (booked unless padding): A_t (P,), and the rows' labels
+        u_i (Eq. 9) into `res.utility`."""
+        import torch
+
+        from opd.maths.chunked import budgeted_loss_from_hidden
+        from opd.models.ema_teacher import lm_head_weight
+        from opd.methods.schedule import timed
+        from opd.maths.weights import TokenWeight
+
+        ctx, ro, rows, cfg = self.ctx, batch.rollouts, mb.rows, self.ctx.loss
+        teacher = ctx.teachers.teachers[mb.group]
+        inputs, _, width, cost = teacher_inputs(ctx, batch, mb, ctx.teacher_views[0], res)
+        with ctx.autocast(), mb.teacher(teacher), timed(cost, ctx.device):
+            h_t = teacher.hidden(inputs, width)[mask]  # (P, H)
+        y = ro.response_ids[rows, :width].to(ctx.device)[mask]  # (P,)
+        old = ro.logp[rows, :width].to(ctx.device)[mask]  # (P,) log pi_old(y_t)
+        extras, timing = {}, {}
+        ones = TokenWeight(lambda s: torch.ones_like(s.student), y)  # w_t = 1: only log pi_T(y_t) comes back
+        with ctx.autocast():
+            _, _, terms = budgeted_loss_from_hidden(
+                h_s, w_s, h_t, lm_head_weight(teacher.model), torch.zeros(h_s.shape[0], device=ctx.device), cfg.topk,
+                cfg.alpha, cfg.chunk or max(1, h_s.shape[0]), support=cfg.support, divergence=cfg.divergence,
+                tokens=ones, timing=timing, extras=extras,
+            )  # fmt: skip
+        teacher_logp = extras["teacher_logp"]  # (P,) at the logits' precision (float32, float64)
+        old = old.to(teacher_logp.dtype)
+        per_token = torch.zeros(mask.shape, dtype=teacher_logp.dtype, device=ctx.device)
+        per_token[mask] = token_advantages(old, teacher_logp, self.config.kl_coef)
+        advantage = discounted_future_sum(per_token, mask, self.config.discount)[mask]  # (P,)
+        if cost is not None:  # a real slot: its teacher LM-head time, the labels, the KL metric
+            cost.seconds += timing.get("teacher_s", 0.0)  # the teacher's LM head inside the fused pass
+            res.label(rows, terms, mask, cfg)
+            kl += torch.tensor([float((old - teacher_logp).double().sum()), float(mask.sum())], dtype=torch.float64)
+        return advantage

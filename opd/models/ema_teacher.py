@@ -1,0 +1,224 @@
+"""The crop-conditioned EMA teacher theta-bar (Eq. 2; Algorithm 1, lines 1, 11 and 13).
+
+`EMATeacher` (full fine-tuning): a separate copy of the policy initialised from the same weights, without
+gradients (no optimizer moves it), updated only by theta-bar <- (1 - tau) theta-bar + tau theta after a valid
+student update. With LoRA (`AdapterTeacher`) it is no copy: the policy's own base with the adapter `teacher`,
+the adapter updated the same way (`opd.models.lora`). Either scores the student's own response tokens after its
+privileged prompt, only for selected rows, detached. `rows_scored` and `batches` count every row and batch it
+has been asked about, so the budget can be audited.
+
+`Teacher` is a fixed one (an external checkpoint, DAPD's `base` anchor): the same scoring and counting, no
+update.
+
+Under `--fsdp` the teacher is sharded exactly like the policy (`opd.models.sharding.shard_model`), and both
+line 1 and line 13 run on each rank's own float32 shards, with no communication; forwards that only
+keep the ranks in step (`opd.methods.distill`'s zero-weighted micro-batches) are not counted (`uncounted`).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import copy
+from dataclasses import dataclass
+from typing import TYPE_CHECKING
+
+from opd.cli import Section
+from opd.lazy import no_grad
+
+if TYPE_CHECKING:
+    import torch
+
+
+@dataclass
+class EMAConfig(Section):
+    """How the self-teacher moves (Algorithm 1, line 13): theta-bar <- (1 - tau) theta-bar + tau theta."""
+
+    tau: float = 0.05
+    """EMA rate tau of the crop teacher, applied after each valid update."""
+    every: int = 1
+    """Apply the teacher update every N steps (1: the EMA of every step; DAPD's snapshot: 100, with --ema-tau 1)."""
+
+    PREFIX = "ema_"
+
+    def due(self, step: int) -> bool:
+        """Whether the update follows step index `step` (every `every` steps)."""
+        return (step + 1) % max(1, self.every) == 0
+
+    def check(self) -> list[str]:
+        problems = []
+        if not 0.0 <= self.tau <= 1.0:
+            problems.append(f"--ema-tau {self.tau}: the EMA rate must lie in [0, 1] (0: a fixed teacher, 1: a copy)")
+        if self.every < 1:
+            problems.append(f"--ema-every {self.every}: must be at least 1")
+        return problems
+
+
+def response_logits(model, inputs: dict[str, torch.Tensor], n_response: int, **kwargs) -> torch.Tensor:
+    """Logits of the n_response positions that predict the response block at the end of `inputs`.
+
+    With a left-padded prompt and a (n, T) response appended (`opd.models.chat.collate`), position P + t - 1
+    predicts response token t, so the last T + 1 positions minus the final one are kept. The model
+    computes its own multimodal (M-RoPE) positions from input_ids, mm_token_type_ids and the image
+    grid. Returns (n, T, V).
+    """
+    out = model(**inputs, logits_to_keep=n_response + 1, use_cache=False, **kwargs)
+    return out.logits[:, :-1]
+
+
+def response_hidden(model, inputs: dict[str, torch.Tensor], n_response: int) -> torch.Tensor:
+    """The final (normed) hidden states at the same positions as `response_logits`: (n, T, H).
+
+    logits = hidden @ W_lm_head^T; the LM head itself is left to `opd.maths.chunked`, which never builds
+    the (n, T, V) logits. Only one position's logits are computed here (logits_to_keep=1).
+    """
+    out = model(**inputs, logits_to_keep=1, output_hidden_states=True, use_cache=False)
+    return out.hidden_states[-1][:, -(n_response + 1) : -1]
+
+
+def lm_head_weight(model) -> torch.Tensor:
+    """W of logits = h W^T (the output embedding; tied to the input embedding in some checkpoints)."""
+    return model.get_output_embeddings().weight
+
+
+class Teacher:
+    """A frozen teacher: a model that scores the student's responses after its own prompt, detached, and
+    counts every row and batch it is asked about (the budget audit). `update` leaves it as it is.
+
+    An external teacher (`--teacher-model`, `--teachers`, `opd.models.external_teachers`) is one; so is DAPD's `base`
+    anchor. `processor` encodes its prompts (None: the policy's)."""
+
+    def __init__(self, model: torch.nn.Module, processor=None, *, freeze: bool = True):
+        """freeze=False (`AdapterTeacher`): `model` is the policy itself, left in its mode and trainable."""
+        self.model = model.eval().requires_grad_(False) if freeze else model
+        self.processor = processor
+        self.rows_scored = 0
+        self.batches: list[int] = []
+        self._counting = True
+
+    trainable = False
+    """Whether `update` changes the weights (then a checkpoint must hold them)."""
+
+    def _record(self, inputs: dict[str, torch.Tensor]) -> None:
+        """Counts the rows of every teacher batch (the budget audit)."""
+        if not self._counting:
+            return
+        n = inputs["input_ids"].shape[0]
+        self.rows_scored += n
+        self.batches.append(n)
+
+    @contextlib.contextmanager
+    def uncounted(self):
+        """Forwards inside are not counted: they score nothing (a sharded rank's zero-weighted micro-batch)."""
+        self._counting = False
+        try:
+            yield
+        finally:
+            self._counting = True
+
+    def update(self, student: torch.nn.Module, tau: float) -> None:
+        """A frozen teacher does not follow the student."""
+
+    @no_grad
+    def logits(self, inputs: dict[str, torch.Tensor], n_response: int) -> torch.Tensor:
+        """Eq. 2 of the paper: p^T_{i,t} = p_theta-bar(. | x~_i, q_i, y_{i,<t}) as detached logits (n, T, V)."""
+        self._record(inputs)
+        return response_logits(self.model, inputs, n_response).detach()
+
+    @no_grad
+    def hidden(self, inputs: dict[str, torch.Tensor], n_response: int) -> torch.Tensor:
+        """Eq. 2 as final hidden states (n, T, H): logits = hidden @ lm_head_weight(model)^T."""
+        self._record(inputs)
+        return response_hidden(self.model, inputs, n_response).detach()
+
+
+@no_grad
+def ema_(pairs, tau: float) -> None:
+    """Algorithm 1, line 13 on (teacher tensor, student tensor) pairs, in place: theta-bar <- (1 - tau) theta-bar +
+    tau theta (`lerp_`, the student cast to the teacher's dtype); tau = 1 copies (DAPD's snapshot refresh)."""
+    for t, s in pairs:
+        if tau == 1.0:
+            t.copy_(s.detach())
+        else:
+            t.lerp_(s.detach().to(t.dtype), tau)
+
+
+class EMATeacher(Teacher):
+    trainable = True
+
+    def __init__(self, student: torch.nn.Module, copy_weights: bool = True):
+        """Algorithm 1, line 1: theta-bar <- theta (copy_weights=False adopts a loaded teacher as is; a
+        sharded model cannot be deep-copied: give a separately built one and call `copy_from`)."""
+        super().__init__(copy.deepcopy(student) if copy_weights else student)
+
+    @no_grad
+    def copy_from(self, student: torch.nn.Module) -> None:
+        """Algorithm 1, line 1 for a teacher built separately: theta-bar <- theta, shard by shard."""
+        from opd.models.sharding import local_pairs
+
+        for t, s in local_pairs(self.model, student):
+            t.copy_(s)
+        for t, s in zip(self.model.buffers(), student.buffers(), strict=True):
+            t.copy_(s)
+
+    @no_grad
+    def update(self, student: torch.nn.Module, tau: float) -> None:
+        """Algorithm 1, line 13: theta-bar <- (1 - tau) theta-bar + tau theta (parameters; buffers copied).
+        Sharded models: on each rank's local shards (the two are sharded alike). tau = 1 copies the
+        student (DAPD's snapshot refresh)."""
+        from opd.models.sharding import local_pairs
+
+        ema_(local_pairs(self.model, student), tau)
+        for t, s in zip(self.model.buffers(), student.buffers(), strict=True):
+            t.copy_(s)
+
+
+class AdapterTeacher(Teacher):
+    """A teacher that is the policy's own base with one of its adapters, or with none (`opd.models.lora`): one base in
+    memory. `adapter` None: the base alone (a fixed teacher; DAPD's `base` anchor), frozen; else that adapter (the
+    EMA teacher, DAPD's snapshot), updated by `update` on the adapters' parameters only. Forwards run in eval mode
+    (no LoRA dropout) with the adapter active and no gradient, then the policy's own adapter and mode come back."""
+
+    def __init__(self, model: torch.nn.Module, adapter: str | None, processor=None):
+        super().__init__(model, processor, freeze=False)  # the policy's peft model, unwrapped: nothing frozen or copied
+        self.adapter = adapter
+
+    @property
+    def trainable(self) -> bool:
+        return self.adapter is not None
+
+    @contextlib.contextmanager
+    def _active(self):
+        import torch
+
+        from opd.models.lora import active_adapter
+
+        was_training = self.model.training
+        self.model.eval()
+        try:
+            with active_adapter(self.model, self.adapter), torch.no_grad():
+                yield
+        finally:
+            self.model.train(was_training)
+
+    @no_grad
+    def logits(self, inputs: dict[str, torch.Tensor], n_response: int) -> torch.Tensor:
+        self._record(inputs)
+        with self._active():
+            return response_logits(self.model, inputs, n_response).detach()
+
+    @no_grad
+    def hidden(self, inputs: dict[str, torch.Tensor], n_response: int) -> torch.Tensor:
+        self._record(inputs)
+        with self._active():
+            return response_hidden(self.model, inputs, n_response).detach()
+
+    def update(self, student: torch.nn.Module, tau: float) -> None:
+        """Algorithm 1, line 13 on the adapter: theta-bar <- (1 - tau) theta-bar + tau theta (the base is shared)."""
+        if self.adapter is not None:
+            import torch
+
+            from opd.models.lora import adapter_pairs
+
+            with torch.no_grad():
+                ema_(adapter_pairs(self.model, self.adapter), tau)  # the adapters' parameters (tau = 1: a copy)
+

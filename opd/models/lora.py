@@ -1,0 +1,262 @@
+"""LoRA through peft (`--lora-r`): the policy is a frozen base plus a trainable adapter, and its teachers are the
+same base with another adapter, or with none. One base in memory.
+
+- The student: the base with the adapter `default` (peft's `LoraConfig`: rank `--lora-r`, scale `--lora-alpha` / r,
+  `--lora-dropout`, on the modules `--lora-targets` names, a regex; by default the language model's linear layers:
+  attention q/k/v/o, the MLP's gate/up/down and Qwen3.5's linear-attention in_proj_qkv, in_proj_z and out_proj;
+  the vision tower and the LM head stay frozen). Only the adapter is trained: AdamW holds its parameters alone.
+- The EMA teacher (Algorithm 1, line 13, with LoRA): the adapter `teacher`, a copy of `default` at the start,
+  frozen, updated as theta-bar <- (1 - tau) theta-bar + tau theta on the adapter's parameters only (the base is
+  shared and never moves). A teacher forward activates its adapter for that forward (`active_adapter`: peft's
+  layers read `_active_adapter`; set directly, so no parameter's requires_grad changes) in eval mode (no LoRA
+  dropout), without gradient.
+- A fixed teacher (OPSD, `--ema-tau 0`) and DAPD's `base` anchor: the base with the adapter disabled, as OPSD's and
+  DAPD's code read it (`disable_adapter`); DAPD's `snapshot` is the EMA teacher, the adapter `teacher` (a copy of
+  `default` refreshed every `--ema-every` steps by DAPD's tau = 1).
+
+Checkpoints hold the adapters (`save_adapter`: adapter_model.safetensors + adapter_config.json, whose
+`base_model_name_or_path` is the run's initial model), not the base; `opd.models.loading.load_model` merges an adapter folder
+into its base, so `eval.py --model RUN` scores a LoRA run as any other.
+
+Sharded (`--fsdp`): the adapters are sharded with their layers (FSDP2 takes frozen and trainable parameters in one
+group); the EMA runs on the local shards of the two adapters' parameters, paired by name.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import re
+import warnings
+from dataclasses import dataclass
+from pathlib import Path
+from typing import TYPE_CHECKING
+
+from opd.cli import Section
+from opd.lazy import no_grad
+
+if TYPE_CHECKING:
+    import torch
+    from torch import nn
+
+DEFAULT_TARGETS = (
+    r".*language_model.*\.(self_attn\.(q_proj|k_proj|v_proj|o_proj)|mlp\.(gate_proj|up_proj|down_proj)"
+    r"|linear_attn\.(in_proj_qkv|in_proj_z|out_proj))"
+)
+"""The language model's linear layers (Qwen3.5: full and linear attention, MLP), as a regex over module names."""
+STUDENT = "default"
+
+
+@dataclass
+class LoRAConfig(Section):
+    """LoRA's settings (train.py's --lora-*): 0 = full fine-tuning (BAS-OPD's)."""
+
+    r: int = 0
+    """LoRA rank (peft; opd/models/lora.py): 0 = full fine-tuning (BAS-OPD's); else the policy trains an adapter on a frozen
+    base and its teachers are that base with another adapter (EMA) or none (fixed, DAPD's base)."""
+    alpha: float = 0.0
+    """LoRA alpha: the adapter's output times alpha / r; 0 = 2 r (OPSD's 128 for r 64)."""
+    dropout: float = 0.0
+    """Dropout on the adapter's input in the student's forwards (teachers run without it)."""
+    targets: str = DEFAULT_TARGETS
+    """Modules LoRA adapts: a regex over module names, or comma-separated module names (default: the language
+    model's attention, MLP and linear-attention projections)."""
+
+    PREFIX = "lora_"
+
+    @property
+    def scale_alpha(self) -> float:
+        return self.alpha or 2.0 * self.r
+
+    def check(self) -> list[str]:
+        problems = []
+        if self.r < 0:
+            problems.append(f"--lora-r {self.r}: must be >= 0 (0 = full fine-tuning)")
+        if self.alpha < 0:
+            problems.append(f"--lora-alpha {self.alpha}: must be >= 0 (0 = 2 r)")
+        if not 0 <= self.dropout < 1:
+            problems.append(f"--lora-dropout {self.dropout}: must lie in [0, 1)")
+        if self.r == 0:
+            unused = [f for f, v in (("alpha", self.alpha), ("dropout", self.dropout), ("targets", self.targets))
+                      if v != getattr(LoRAConfig, f)]  # fmt: skip
+            problems += [f"--lora-{f} has no effect without --lora-r (full fine-tuning): give --lora-r N to train "
+                         "an adapter, or drop it" for f in unused]  # fmt: skip
+        return problems
+
+
+def target_modules(targets: str):
+    """peft's target_modules: a regex string as is, a comma-separated list of names as a list."""
+    if any(c in targets for c in "()[]*.|\\^$+?"):
+        return targets
+    return [t.strip() for t in targets.split(",") if t.strip()]
+
+
+def matched_modules(model: nn.Module, targets: str) -> list[str]:
+    """The names of the linear modules `targets` would adapt (the check behind a one-line error)."""
+    from torch import nn
+
+    spec = target_modules(targets)
+    names = [n for n, m in model.named_modules() if isinstance(m, nn.Linear)]
+    if isinstance(spec, str):
+        return [n for n in names if re.fullmatch(spec, n)]
+    return [n for n in names if n.split(".")[-1] in spec]
+
+
+def wrap(model: nn.Module, lora: LoRAConfig, adapters: tuple[str, ...] = ()) -> nn.Module:
+    """The peft model: `model` (frozen) with the trainable adapter `default` and, for each name of `adapters`, a
+    frozen copy of it (the EMA teacher, DAPD's snapshot)."""
+    from peft import LoraConfig, get_peft_model
+
+    config = LoraConfig(r=lora.r, lora_alpha=lora.scale_alpha, lora_dropout=lora.dropout,
+                        target_modules=target_modules(lora.targets), bias="none")  # fmt: skip
+    with warnings.catch_warnings():  # peft reads transformers' deprecated `is_gradient_checkpointing` (a v6 rename)
+        warnings.filterwarnings("ignore", message=".*is_gradient_checkpointing.*", category=FutureWarning)
+        peft_model = get_peft_model(model, config)
+    for name in adapters:
+        peft_model.add_adapter(name, config)
+        copy_adapter(peft_model, STUDENT, name)
+    _set_trainable(peft_model)  # add_adapter may leave its own adapter active: train and use `default` only
+    return peft_model
+
+
+def _set_trainable(model: nn.Module) -> None:
+    """requires_grad on the student adapter's parameters only."""
+    for name, p in model.named_parameters():
+        p.requires_grad_(f".{STUDENT}." in name and "lora_" in name)
+    for m in _tuner_layers(model):
+        m._active_adapter = [STUDENT]
+
+
+def _tuner_layers(model: nn.Module):
+    from peft.tuners.tuners_utils import BaseTunerLayer
+
+    return [m for m in model.modules() if isinstance(m, BaseTunerLayer)]
+
+
+def is_lora(model: nn.Module) -> bool:
+    from peft import PeftModel
+
+    return isinstance(model, PeftModel)
+
+
+@contextlib.contextmanager
+def active_adapter(model: nn.Module, name: str | None):
+    """Forwards inside use the adapter `name` (None: none, the base alone); restored after. requires_grad untouched."""
+    layers = _tuner_layers(model)
+    saved = [(m._active_adapter, m._disable_adapters) for m in layers]
+    for m in layers:
+        if name is None:
+            m._disable_adapters = True
+        else:
+            m._active_adapter, m._disable_adapters = [name], False
+    try:
+        yield
+    finally:
+        for m, (active, disabled) in zip(layers, saved):
+            m._active_adapter, m._disable_adapters = active, disabled
+
+
+def adapter_pairs(model: nn.Module, target: str, source: str = STUDENT):
+    """(target adapter parameter, source adapter parameter) pairs by name, local shards when sharded."""
+    from torch.distributed.tensor import DTensor
+
+    params = dict(model.named_parameters())
+    for name, t in params.items():
+        if f".{target}." not in name or "lora_" not in name:
+            continue
+        s = params[name.replace(f".{target}.", f".{source}.")]
+        if isinstance(t, DTensor):
+            yield t.to_local(), s.to_local()
+        else:
+            yield t, s
+
+
+@no_grad
+def copy_adapter(model: nn.Module, source: str, target: str) -> None:
+    for t, s in adapter_pairs(model, target, source):
+        t.copy_(s)
+
+
+def adapter_state(model: nn.Module, name: str, state_dict: dict | None = None) -> dict[str, torch.Tensor]:
+    """The adapter's weights under peft's names for `name` = default (CPU copies)."""
+    from peft import get_peft_model_state_dict
+
+    sd = get_peft_model_state_dict(model, state_dict=state_dict, adapter_name=name)
+    return {k: v.detach().cpu().clone() for k, v in sd.items()}
+
+
+def save_adapter(model: nn.Module, name: str, folder: Path, state_dict: dict | None = None) -> None:
+    """`folder`/adapter_model.safetensors + adapter_config.json (loadable by peft as the default adapter)."""
+    from safetensors.torch import save_file
+
+    folder = Path(folder)
+    folder.mkdir(parents=True, exist_ok=True)
+    save_file(adapter_state(model, name, state_dict), str(folder / "adapter_model.safetensors"))
+    config = model.peft_config[name].to_dict()
+    config = {k: (sorted(v) if isinstance(v, set) else v) for k, v in config.items()}
+    (folder / "adapter_config.json").write_text(json.dumps(config, indent=2, default=str) + "\n")
+
+
+def load_adapter(model: nn.Module, name: str, folder: Path) -> None:
+    """Loads `folder`'s adapter weights (saved by `save_adapter`) into the adapter `name`. Every LoRA tensor of that
+    adapter must come from the file: a missing one (another --lora-targets or rank, a truncated file) would keep
+    its initial value silently, so it is an error, as is a tensor the model has no place for."""
+    from peft import set_peft_model_state_dict
+    from safetensors.torch import load_file
+
+    path = Path(folder) / "adapter_model.safetensors"
+    result = set_peft_model_state_dict(model, load_file(str(path)), adapter_name=name)
+    unexpected = list(getattr(result, "unexpected_keys", []))
+    if unexpected:
+        raise ValueError(f"{folder}: adapter weights the model has no place for: {unexpected[:3]}")
+    missing = [k for k in getattr(result, "missing_keys", []) if "lora_" in k and f".{name}." in k]
+    if missing:
+        raise ValueError(f"{path}: {len(missing)} tensors of the adapter '{name}' are missing (e.g. {missing[:3]}): "
+                         "the checkpoint was saved with other --lora-targets / --lora-r, or is incomplete")
+    _set_trainable(model)
+
+
+def is_adapter_folder(path: str | Path) -> bool:
+    p = Path(path)
+    return (p / "adapter_config.json").is_file() and not (p / "config.json").is_file()
+
+
+def merged(path: str | Path, load_base) -> nn.Module:
+    """The model of an adapter folder: its base (`load_base(base path)`) with the adapter merged in."""
+    from peft import PeftModel
+
+    base_path = json.loads((Path(path) / "adapter_config.json").read_text())["base_model_name_or_path"]
+    with warnings.catch_warnings():
+        warnings.filterwarnings("ignore", message=".*is_gradient_checkpointing.*", category=FutureWarning)
+        model = PeftModel.from_pretrained(load_base(base_path), str(path))
+    return model.merge_and_unload()
+
+
+def merged_state_dict(state: dict[str, torch.Tensor], scaling: float, adapter: str = STUDENT) -> dict[str, torch.Tensor]:
+    """The weights of the base with `adapter` merged in, under the base model's own names, from a peft model's state
+    dict (`state_dict()`, or `opd.models.sharding.full_state_dict` of a sharded one): for each adapted linear layer
+
+        W' = W + scaling B A          (peft's `get_delta_weight`: lora_B @ lora_A times alpha / r)
+
+    and every other tensor as it is; the adapters' own tensors (every adapter's) are left out. The model being
+    trained is not touched (peft's `merge_adapter` would change it in place)."""
+    import torch
+
+    out: dict[str, torch.Tensor] = {}
+    for key, value in state.items():
+        if "lora_" in key:
+            continue
+        name = key.removeprefix("base_model.model.").replace(".base_layer.", ".")
+        a = key.replace(".base_layer.weight", f".lora_A.{adapter}.weight")
+        if key.endswith(".base_layer.weight") and a in state:
+            b = key.replace(".base_layer.weight", f".lora_B.{adapter}.weight")
+            work = torch.float32 if value.dtype in (torch.float16, torch.bfloat16) else value.dtype  # as peft's merge
+            delta = (state[b].to(work) @ state[a].to(work)) * scaling  # (out, in)
+            value = value + delta.to(value.dtype)
+        out[name] = value
+    return out
+
+
+def base_parameters(model: nn.Module) -> int:
+    """Elements of the frozen base (everything but the adapters)."""
+    return sum(p.numel() for n, p in model.named_parameters() if "lora_" not in n)
