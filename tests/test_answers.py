@@ -4,15 +4,11 @@ import re
 
 import pytest
 
-from opd.answers import (
-    exact_match,
-    free_form_match,
-    grade,
-    normalize_answer,
-    parse_choice,
-    parse_yes_no,
-    strip_thinking,
-)
+from opd.answers.choice import parse_choice
+from opd.answers.free_form import exact_match, free_form_match
+from opd.answers.grade import grade
+from opd.answers.text import normalize_answer, strip_thinking
+from opd.answers.yes_no import parse_yes_no
 from opd.eval.benchmarks import BenchItem
 
 COLORS = {"A": "red", "B": "blue", "C": "green", "D": "dark red"}

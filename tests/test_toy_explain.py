@@ -18,7 +18,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from opd.answers import parse_choice
+from opd.answers.choice import parse_choice
 from opd.loop.ledger import read_ledger, summarize
 from opd.toy import report as toy_report
 from opd.toy.experiment import label, order, split_name

@@ -56,7 +56,7 @@ from typing import Callable, Iterator
 
 from PIL import Image
 
-from opd.answers import clean_question, split_options
+from opd.answers.options import clean_question, split_options
 from opd.cli import UserError
 
 

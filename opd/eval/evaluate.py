@@ -3,7 +3,7 @@
 For each benchmark (and view) ``OUT/<key>/`` holds, with ``key`` the benchmark name or
 ``<name>@crop`` for the crop view:
 
-* ``predictions.jsonl``: one graded record per answered item (`opd.answers.grade`: index, reply,
+* ``predictions.jsonl``: one graded record per answered item (`opd.answers.grade.grade`: index, reply,
   pred, correct, ...), appended and flushed as the replies come. A restarted run skips the items
   whose ``index`` is already there; a torn last line (a run killed mid-write) is dropped and the
   item answered again.
@@ -31,7 +31,8 @@ import shutil
 from collections.abc import Callable, Iterator
 from pathlib import Path
 
-from opd.answers import grade, strip_thinking
+from opd.answers.grade import grade
+from opd.answers.text import strip_thinking
 from opd.cli import UserError
 from opd.eval import inference
 from opd.eval.benchmarks import BenchItem

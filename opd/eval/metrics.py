@@ -1,7 +1,7 @@
 """Official aggregate scores, as pure functions on per-item records.
 
 A record is a dict with at least ``index``, ``correct`` (bool), ``category``, ``meta`` (dict),
-``pred``, ``answer`` and ``parsed`` (bool); :func:`opd.answers.grade` makes one. An unparsed
+``pred``, ``answer`` and ``parsed`` (bool); :func:`opd.answers.grade.grade` makes one. An unparsed
 reply counts as wrong. ``score(benchmark, records)`` returns a dict whose ``"score"`` is the
 official number in percent (0-100), with ``"n"``, ``"unparsed"`` and sub-metrics beside it:
 

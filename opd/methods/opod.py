@@ -62,7 +62,10 @@ import math
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
-from opd.answers import exact_match, parse_choice, parse_yes_no, split_options
+from opd.answers.choice import parse_choice
+from opd.answers.free_form import exact_match
+from opd.answers.options import split_options
+from opd.answers.yes_no import parse_yes_no
 from opd.cli import Section
 from opd.lazy import no_grad
 from opd.methods.objective import DistillResult, Objective, ObjectiveContext, StepBatch

@@ -27,7 +27,7 @@ from pathlib import Path
 
 import torch
 
-from opd.answers import parse_choice
+from opd.answers.choice import parse_choice
 from opd.models.chat import collate, encode_prompt
 from opd.loop.ledger import write_atomic
 from opd.data.views import get_view, reference_prompt
