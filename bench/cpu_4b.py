@@ -310,7 +310,7 @@ def prompt_tokens(model: Path, data: Path) -> tuple[int, int]:
     """(the longest student prompt in tokens, the most image tokens of one) over the dataset, by the model's
     processor (opd.models.chat.encode_prompt of the full view, as training encodes it)."""
     from opd.models.chat import encode_prompt
-    from opd.data.records import load_records
+    from opd.data.sources import load_records
     from opd.models.loading import load_processor
     from opd.data.views import get_view
 

@@ -59,7 +59,7 @@ def summarize(engine: str, ledger: list[dict], wall: float) -> dict:
 
 def main(argv=None) -> dict:
     from bench._util import format_machine, markdown_table, set_threads, start, write_json
-    from opd.engine.vllm import VLLMServer, check_venv
+    from opd.engine.vllm_server import VLLMServer, check_venv
     from opd.tiny import build_tiny_dataset, build_tiny_vllm_model, cache_dir
 
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])

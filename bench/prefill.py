@@ -115,7 +115,7 @@ def measure(
     import torch
 
     from opd.models.chat import encode_prompt
-    from opd.data.records import load_records
+    from opd.data.sources import load_records
     from opd.models.loading import load_model, load_processor
     from opd.engine.rollout import generate_rollouts
     from opd.data.views import student_view

@@ -161,7 +161,7 @@ def base_gaps(root: Path, cfg: FamilyConfig) -> dict:
     path = root / "base_gaps.json"
     if path.exists():
         return json.loads(path.read_text())
-    from opd.data.records import load_records
+    from opd.data.sources import load_records
     from opd.models.loading import load_model, load_processor
     from opd.toy.family import view_accuracy, write_eval_records
 
@@ -196,7 +196,7 @@ def route_gaps(root: Path, cfg: FamilyConfig) -> dict:
     path = root / "route_gaps.json"
     if path.exists():
         return json.loads(path.read_text())
-    from opd.data.records import load_records
+    from opd.data.sources import load_records
     from opd.models.loading import load_model, load_processor
     from opd.toy.family import view_accuracy
 
@@ -299,7 +299,7 @@ TRAINED_VIEWS = {"rp-opsd": ("half_resolution",), "opsd": ("reference_answer",),
 def trained_views(root: Path, cfg: FamilyConfig) -> None:
     """OUT/runs/.../views.json: a finished run's final policy in TRAINED_VIEWS (greedy, as base_gaps)."""
     from opd.loop.checkpoint import find_checkpoint
-    from opd.data.records import load_records
+    from opd.data.sources import load_records
     from opd.models.loading import load_model, load_processor
     from opd.toy.family import view_accuracy
 

@@ -185,7 +185,7 @@ def base_samples(root: Path, cfg: ExplainConfig) -> list[dict]:
     import torch
 
     from opd.models.chat import encode_prompt
-    from opd.data.records import load_records
+    from opd.data.sources import load_records
     from opd.models.loading import load_model, load_processor, special_ids
     from opd.engine.rollout import generate_rollouts
     from opd.toy.explain import style_of

@@ -7,7 +7,7 @@
 | `toy` | the toy world's base, trained on crops (`opd.toy.default`) | the toy world's training split | its held-out items (zoombench/, with crops) |
 
 A name wins over a folder of that name in the current folder (give `./toy` for the folder). Callers:
-`opd.loop.checkpoint.model_source` (every model flag), `opd.loop.build.default_sources` and `opd.data.records.load_records` (--data),
+`opd.loop.checkpoint.model_source` (every model flag), `opd.loop.build.default_sources` and `opd.data.sources.load_records` (--data),
 `opd.eval.live` (--eval-data), `opd.eval.cli` (eval.py --data-dir).
 """
 

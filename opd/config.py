@@ -24,9 +24,9 @@ from pathlib import Path
 from opd.loop.build import ModelConfig
 from opd.loop.checkpoint import CheckpointConfig, find_latest, load_config
 from opd.cli import Flag, Section, UserError, flag_text
-from opd.data.records import DataConfig
+from opd.data.sources import DataConfig
 from opd.models.ema_teacher import EMAConfig
-from opd.engine.vllm import EngineConfig
+from opd.engine.vllm_server import EngineConfig
 from opd.eval.live import LiveEvalConfig
 from opd.models.external_teachers import TeacherConfig
 from opd.models.lora import LoRAConfig

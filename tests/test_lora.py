@@ -83,7 +83,7 @@ def test_the_adapters_gradient_is_autograd_on_the_merged_weights(tiny):
         for n, p in peft_model.named_parameters():
             if "lora_B" in n:
                 p.normal_(0, 0.3)
-    from opd.data.records import load_records
+    from opd.data.sources import load_records
 
     records = load_records(data)[:2]
     prompts = [encode_prompt(processor, *student_view(r)) for r in records]
@@ -204,7 +204,7 @@ def test_rollout_stats_are_those_of_the_warped_distribution(tiny, temperature, t
     float64_model()
     model_dir, data = tiny
     model, processor = load_model(str(model_dir), "float64"), load_processor(str(model_dir))
-    from opd.data.records import load_records
+    from opd.data.sources import load_records
 
     records = load_records(data)[:2]
     prompts = [encode_prompt(processor, *student_view(r)) for r in records]

@@ -10,7 +10,7 @@ from float64 import float64_model
 
 from opd.models.chat import collate, encode_prompt
 from opd.methods.dapd import DAPD, DAPDConfig
-from opd.data.records import load_records
+from opd.data.sources import load_records
 from opd.methods.distillation import Distillation
 from opd.maths.divergence import budgeted_loss, topk_divergence
 from opd.models.ema_teacher import EMAConfig, EMATeacher, Teacher, response_logits

@@ -19,7 +19,7 @@ import train
 from opd.loop import lock as runlock
 from opd.models.chat import encode_prompt, prompt_length
 from opd.cli import UserError
-from opd.data.records import load_records
+from opd.data.sources import load_records
 from opd.loop.ledger import read_ledger
 from opd.models.loading import load_processor
 from opd.tiny import build_tiny_model

@@ -11,7 +11,7 @@ from test_training import TIMING, params_of, small_config
 
 import train
 from opd.cli import UserError
-from opd.data.records import load_records
+from opd.data.sources import load_records
 from opd.models.external_teachers import load_routes
 from opd.loop.ledger import read_ledger
 from opd.loop.run import Run

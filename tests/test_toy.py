@@ -19,8 +19,9 @@ import pytest
 import torch
 
 from opd.toy import audit
-from opd.data.records import load_records
-from opd.eval.benchmarks import load_benchmark, prompt_text
+from opd.data.sources import load_records
+from opd.eval.benchmarks import load_benchmark
+from opd.eval.bench_items import prompt_text
 from opd.loop.ledger import read_ledger, summarize
 from opd.toy.world import WorldConfig, export_world, sample
 

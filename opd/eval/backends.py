@@ -2,13 +2,13 @@
 
 eval.py --backend picks one: `hf` (`opd.eval.inference`, the default), `openai` (`OpenAIBackend`: any
 OpenAI-compatible chat completions endpoint: vLLM, SGLang, `transformers serve`, llama.cpp, ...) or `vllm`
-(`VLLMBackend`: a vLLM server started for --model by `opd.engine.vllm.VLLMServer`, or one already running). Each
+(`VLLMBackend`: a vLLM server started for --model by `opd.engine.vllm_server.VLLMServer`, or one already running). Each
 has `answer_items(items, ...)` yielding (item, reply) in order, as `inference.answer_items` does; the prompts,
 parsers and aggregates are eval.py's own either way.
 
 `OpenAIBackend` sends one chat completion per item (`--batch-size` of them in flight): the same user turn as
 `opd.models.chat.user_message` builds (the image, as a lossless PNG base64 data URL, in front of
-`opd.eval.benchmarks.prompt_text(item)`), so the server's chat template renders the prompt the trainer's
+`opd.eval.bench_items.prompt_text(item)`), so the server's chat template renders the prompt the trainer's
 processor renders; greedy (temperature 0, top_p 1, no penalties, seed), `max_tokens` = --max-new-tokens,
 and, when --model names the checkpoint, its vision special tokens biased by -100 (`logit_bias`, the OpenAI
 bound), as `generate`'s suppression. Servers add their own generation defaults (the checkpoint's
@@ -22,7 +22,7 @@ template's default thinking mode applies there, whatever --enable-thinking says.
 ``<think>...</think>``, which the answer parser drops again.
 
 `VLLMBackend` encodes each prompt with the trainer's own processor and sends its token ids
-(`opd.engine.vllm.generate_text`, the trainer's exact ids, checked against the server's), greedy, vision tokens
+(`opd.engine.vllm_rollouts.generate_text`, the trainer's exact ids, checked against the server's), greedy, vision tokens
 biased by -100, replies decoded by the trainer's processor: the engine computes in bf16, so a reply can part
 from HF float32 greedy at a near-tie (tests/test_eval_backends.py measures how often).
 """
@@ -41,7 +41,7 @@ from pathlib import Path
 from types import SimpleNamespace
 
 from opd.cli import UserError
-from opd.eval.benchmarks import BenchItem, item_origin, prompt_text
+from opd.eval.bench_items import BenchItem, item_origin, prompt_text
 
 BACKENDS = ("hf", "openai", "vllm")
 CONNECT_TIMEOUT = 5.0  # seconds /v1/models (or a --vllm-url's /health) may take before the server counts as unreachable
@@ -61,7 +61,7 @@ def api_base(url: str, flag: str = "--base-url") -> str:
 def chat_messages(item: BenchItem, view: str = "full") -> list[dict]:
     """The item's user turn in OpenAI form: `opd.models.chat.user_message`'s parts, each image as an image_url."""
     from opd.models.chat import user_message
-    from opd.engine.vllm import image_url
+    from opd.engine.vllm_rollouts import image_url
     from opd.eval.inference import VIEWS, item_error, item_image
 
     if view not in VIEWS:
@@ -170,7 +170,8 @@ class OpenAIBackend:
 
     def body(self, item: BenchItem, view: str, max_new_tokens: int, enable_thinking: bool) -> dict:
         """The chat completion request of one item (greedy, neutral: see the module docstring)."""
-        from opd.engine.vllm import SUPPRESS_BIAS  # -100.0, the OpenAI bound; a float: transformers serve refuses an int
+        from opd.engine.vllm_rollouts import SUPPRESS_BIAS  # -100.0, the OpenAI bound; a float: transformers serve
+        # refuses an int
 
         body = {
             "model": self.served_model, "messages": chat_messages(item, view), "max_tokens": max_new_tokens,
@@ -280,7 +281,7 @@ def refuse_adapter(model_dir: str, backend: str) -> None:
 
 
 class VLLMBackend:
-    """Greedy replies from a vLLM server through `opd.engine.vllm.generate_text` (the trainer's token ids)."""
+    """Greedy replies from a vLLM server through `opd.engine.vllm_rollouts.generate_text` (the trainer's token ids)."""
 
     def __init__(self, server, processor, ids: dict, image_token_id: int | None, timeout: float = 3600.0):
         self.server, self.processor, self.ids = server, processor, ids
@@ -291,11 +292,11 @@ class VLLMBackend:
              max_model_len: int | None = None, log_path=None, env: dict | None = None,
              timeout: float = 3600.0) -> VLLMBackend:
         """A server for `model_dir`: connected to at `vllm_url`, else started from the vLLM venv
-        (`opd.engine.vllm.check_venv`: a missing venv is a one-line UserError naming scripts/install_vllm.sh). A LoRA
-        adapter folder is refused in one line (`refuse_adapter`)."""
+        (`opd.engine.vllm_server.check_venv`: a missing venv is a one-line UserError naming scripts/install_vllm.sh).
+        A LoRA adapter folder is refused in one line (`refuse_adapter`)."""
         from transformers import AutoConfig
 
-        from opd.engine.vllm import VLLMServer, check_venv
+        from opd.engine.vllm_server import VLLMServer, check_venv
         from opd.models.loading import load_processor
 
         refuse_adapter(model_dir, "vllm")
@@ -316,7 +317,7 @@ class VLLMBackend:
                      max_prompt_len: int | None = None) -> Iterator[tuple[BenchItem, str]]:
         """(item, reply) for every item, in order; `batch_size` requests in flight (the engine batches them)."""
         from opd.models.chat import encode_prompt
-        from opd.engine.vllm import generate_text
+        from opd.engine.vllm_rollouts import generate_text
         from opd.eval.inference import item_error, item_image
 
         for chunk in _chunks(items, max(1, batch_size)):

@@ -38,7 +38,7 @@ class EvalConfig:
     request_timeout: float = 600.0
     """--backend openai / vllm: seconds to wait for one reply."""
     vllm_url: str | None = None
-    """--backend vllm: a vLLM server already running on --model (started with opd.engine.vllm.server_command's
+    """--backend vllm: a vLLM server already running on --model (started with opd.engine.vllm_server.server_command's
     flags) instead of starting one; it must answer /health within 5 s. Its prompts are checked token for token
     against --model's processor, its weights are not: the resume key is --model's files' digest, taken on trust."""
     benchmarks: str = ALL_BENCHMARKS

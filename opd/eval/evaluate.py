@@ -35,7 +35,7 @@ from opd.answers.grade import grade
 from opd.answers.text import strip_thinking
 from opd.cli import UserError
 from opd.eval import inference
-from opd.eval.benchmarks import BenchItem
+from opd.eval.bench_items import BenchItem
 from opd.eval.metrics import score
 from opd.models.identity import DigestCache, file_sha256, hub_snapshot, model_identity  # noqa: F401 (eval.py's resume key)
 from opd.storage import Appender, append_jsonl, write_atomic, write_jsonl_atomic  # noqa: F401 (judge, scoring)

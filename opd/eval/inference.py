@@ -17,7 +17,7 @@ import torch
 
 from opd.models.chat import EncodedPrompt, collate, encode_prompt
 from opd.cli import UserError
-from opd.eval.benchmarks import BenchItem, item_origin, prompt_text
+from opd.eval.bench_items import BenchItem, item_origin, prompt_text
 from opd.models.loading import neutral_generation_defaults, special_ids
 
 VIEWS = ("full", "crop")
@@ -36,7 +36,7 @@ def item_image(item: BenchItem, view: str):
 
 def encode_item(processor, item: BenchItem, view: str = "full", enable_thinking: bool = False,
                 max_prompt_len: int | None = None) -> EncodedPrompt:
-    """One item's prompt: its image (full or crop) and `opd.eval.benchmarks.prompt_text(item)`. A prompt over
+    """One item's prompt: its image (full or crop) and `opd.eval.bench_items.prompt_text(item)`. A prompt over
     `max_prompt_len` tokens or an image that does not decode is a one-line `item_error`."""
     try:
         return encode_prompt(processor, [item_image(item, view)], prompt_text(item), enable_thinking, max_prompt_len)

@@ -98,7 +98,8 @@ class LiveEval:
 
     def __init__(self, settings: LiveEvalConfig, steps: int):
         from opd.builtin import builtin_path
-        from opd.eval.benchmarks import BenchmarkDataError, load_benchmark
+        from opd.eval.bench_items import BenchmarkDataError
+        from opd.eval.benchmarks import load_benchmark
 
         self.settings, self.steps = settings, steps
         self.replies: dict[tuple[str, str], dict[str, str]] = {}

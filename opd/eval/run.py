@@ -18,7 +18,8 @@ from dataclasses import asdict
 from pathlib import Path
 
 from opd.cli import UserError
-from opd.eval.benchmarks import BenchmarkDataError, load_benchmark
+from opd.eval.bench_items import BenchmarkDataError
+from opd.eval.benchmarks import load_benchmark
 from opd.eval.config import EvalConfig
 
 
@@ -69,7 +70,7 @@ def model_setup(cfg: EvalConfig, ranks) -> tuple[str | None, object | None]:
         server = ranks.on_main(OpenAIBackend.connect, cfg.base_url, cfg.served_model, None,
                                os.environ.get(cfg.api_key_env) or None, cfg.request_timeout, cfg.seed)
     if cfg.backend == "vllm" and not cfg.vllm_url:
-        from opd.engine.vllm import check_venv
+        from opd.engine.vllm_server import check_venv
 
         check_venv()  # a one-line error naming scripts/install_vllm.sh
     model_path = resolve_model(cfg.model, ranks) if cfg.model is not None else None
@@ -92,7 +93,7 @@ def model_setup(cfg: EvalConfig, ranks) -> tuple[str | None, object | None]:
 
 def check_vllm_url(url: str) -> None:
     """A one-line UserError unless the server at --vllm-url answers /health within CONNECT_TIMEOUT seconds."""
-    from opd.engine.vllm import VLLMServer
+    from opd.engine.vllm_server import VLLMServer
     from opd.eval.backends import CONNECT_TIMEOUT
 
     if not VLLMServer(url.strip()).healthy(CONNECT_TIMEOUT):

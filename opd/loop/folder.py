@@ -53,7 +53,8 @@ class FolderConfig(Section):
 
 
 VLLM_PUSH = ".vllm-push"
-"""DIR/.vllm-push/: a sharded run's gathered weights for the vLLM engine (`opd.engine.vllm`), removed at the end."""
+"""DIR/.vllm-push/: a sharded run's gathered weights for the vLLM engine (`opd.engine.vllm_server`), removed at the
+end."""
 OVERWRITTEN = ".overwritten"
 """DIR/.overwritten/: an --overwrite's old run, set aside until the new one has started its trackers."""
 RUN_FILES = ("ledger.jsonl", "summary.json", "summary.md", "latest", "train_config.json", "tb", "mlruns", "wandb",

@@ -23,7 +23,7 @@ from opd.loop.build import ModelBuilder, Resume, default_sources
 from opd.loop.checkpoint import find_latest, load_config, prune, save_checkpoint, save_sharded
 from opd.cli import UserError
 from opd.config import TrainConfig, refuse_changed_settings
-from opd.data.records import load_records, parse_columns
+from opd.data.sources import load_records, parse_columns
 from opd.eval.live import LiveEval, evaluations, format_scores
 from opd.loop.ledger import Ledger, format_summary, summarize, write_atomic
 from opd.models.loading import autocast, special_ids

@@ -43,7 +43,8 @@ import torch
 
 from opd.models.chat import micro_batch_inputs
 from opd.cli import UserError
-from opd.data.records import Record, step_prompt_indices
+from opd.data.records import Record
+from opd.data.prompts import step_prompt_indices
 from opd.methods.distill import micro_batch_loss
 from opd.maths.divergence import budgeted_weights
 from opd.selection.features import rollout_features

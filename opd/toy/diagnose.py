@@ -130,7 +130,7 @@ def diagnose_one(job: dict) -> dict:
     from pathlib import Path
 
     from opd.config import TrainConfig
-    from opd.data.records import load_records
+    from opd.data.sources import load_records
     from opd.loop.ledger import write_atomic
     from opd.loop.run import Run
     from opd.toy.experiment import evaluate, finished_or_cleared, quiet, say

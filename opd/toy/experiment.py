@@ -120,7 +120,7 @@ def train_one(job: dict) -> dict:
         return finished
     from opd.toy.audit import AuditContext, audit_utility, gradient_geometry
     from opd.config import TrainConfig
-    from opd.data.records import load_records
+    from opd.data.sources import load_records
     from opd.loop.run import Run
 
     tcfg = TrainConfig(**job["train"], out=str(out))
