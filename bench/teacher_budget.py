@@ -91,7 +91,7 @@ def measure(model: str, rhos: list[float], prompts_per_step: int, rollouts_per_p
     rows = {rho: [] for rho in rhos}
     for _ in range(repeats):
         for rho in rhos:
-            run.cfg = run.cfg.replace(rho=rho)
+            run.stepper.rho = rho  # the query ratio of Eq. 4 this step budgets with
             rows[rho].append(run.step(0, rollouts))
     keys = ("selected", "candidates", "scored_tokens", "candidate_tokens", "teacher_tokens", "teacher_padded_tokens")
     out = []

@@ -94,6 +94,43 @@ class Flag:
     """The section that owns it (`Section`); '' for a flat dataclass's field."""
     attr: str = ""
     """Its field in that section (lora_r is LoRAConfig.r)."""
+    rules: tuple = ()
+    """The field's rules (`resumable`, `launch_only`), as its declaration marks them."""
+
+    @property
+    def launch_only(self) -> bool:
+        """It says how a run was launched, not what it is (a run's own train_config.json read by --config drops it)."""
+        return "launch_only" in self.rules
+
+    def resumable(self, stored: dict) -> bool:
+        """A resumed run whose stored flags are `stored` may change it."""
+        return any(r == "resumable" or (isinstance(r, tuple) and r[0] == "resumable" and stored.get(r[1]) != r[2])
+                   for r in self.rules)  # fmt: skip
+
+    def fixed_by(self, stored: dict) -> str | None:
+        """The stored setting that makes this otherwise resumable field the run's own ('--loss-agg micro-batch'), or
+        None."""
+        for r in self.rules:
+            if isinstance(r, tuple) and r[0] == "resumable" and stored.get(r[1]) == r[2]:
+                return f"{flag_text(r[1])} {r[2]}"
+        return None
+
+
+def resumable(default=None, unless: tuple[str, object] | None = None):
+    """A field a resumed run may change (`--resume` with the flag: its length, checkpointing, logging, live
+    evaluation, or a memory/speed setting that leaves the run's results unchanged); every other field is the run's
+    own, read from its checkpoint. `unless` (flag, value): not when the run was started with that flag's value (a
+    micro-batch size is the objective's own under --loss-agg micro-batch). Use as the field's default:
+    `steps: int = resumable(0)`."""
+    rule = "resumable" if unless is None else ("resumable", *unless)
+    return dataclasses.field(default=default, metadata={"rules": (rule,)})
+
+
+def launch_only(default=None, resumable_too: bool = False):
+    """A field that says how a run was launched, not the run (--resume, --overwrite, --auto-resume): a run's own
+    train_config.json given to --config drops it; `resumable_too` when a resume may also give it."""
+    rules = ("launch_only", "resumable") if resumable_too else ("launch_only",)
+    return dataclasses.field(default=default, metadata={"rules": rules})
 
 
 class Section:
@@ -116,8 +153,8 @@ class Section:
     def flags(cls, section: str = "") -> list[Flag]:
         """The section's flags, in field order."""
         docs, hints = field_docs(cls), typing.get_type_hints(cls)
-        return [Flag(cls.flag_of(f.name), _base_type(hints[f.name]), f.default, docs.get(f.name, ""), section, f.name)
-                for f in dataclasses.fields(cls) if f.name not in cls.INTERNAL]  # fmt: skip
+        return [Flag(cls.flag_of(f.name), _base_type(hints[f.name]), f.default, docs.get(f.name, ""), section, f.name,
+                     tuple(f.metadata.get("rules", ()))) for f in dataclasses.fields(cls) if f.name not in cls.INTERNAL]  # fmt: skip
 
     def check(self) -> list[str]:
         """What is wrong with these settings (a phrase per problem, naming the flag); [] when nothing is."""

@@ -23,7 +23,7 @@ from pathlib import Path
 
 from opd.loop.build import ModelConfig
 from opd.loop.checkpoint import CheckpointConfig, find_latest, load_config
-from opd.cli import Flag, Section, UserError, flag_text
+from opd.cli import Flag, Section, UserError, flag_text, resumable
 from opd.data.sources import DataConfig
 from opd.models.ema_teacher import EMAConfig
 from opd.engine.vllm_server import EngineConfig
@@ -50,7 +50,7 @@ class RunConfig(Section):
     method: str = "bas-opd"
     """Method of the family (the table in opd/methods/table.py): sets its views, support, divergence, token weight (DAPD,
     OPOD, TM-OPD: their own objective), its paper's settings and its published recipe (under the flags given)."""
-    steps: int = 0
+    steps: int = resumable(0)
     """Training steps; 0 = one epoch (floor(records / prompts_per_step), the paper's 111)."""
     seed: int = 42
     """Training seed: data order and rollout sampling."""
@@ -242,8 +242,6 @@ def resolve(given: dict) -> TrainConfig:
     return cfg
 
 
-LAUNCH_ONLY = ("resume", "overwrite", "auto_resume")
-"""Fields of a run's train_config.json that describe how it was launched, not the run: --config drops them."""
 
 
 @dataclass
@@ -272,7 +270,7 @@ def read_config_file(path: str) -> dict:
 
 def load_config_file(path: str) -> ConfigFile:
     """A config file: YAML whose keys are flag names (dashes or underscores), or a run's own train_config.json (less
-    `LAUNCH_ONLY`). A file that cannot be read or parsed is one UserError naming the file (and its line); a bad key
+    its launch-only flags: `opd.cli.launch_only`). A file that cannot be read or parsed is one UserError naming the file (and its line); a bad key
     or value goes to `problems`, the rest is read."""
     import yaml
 
@@ -297,7 +295,7 @@ def load_config_file(path: str) -> ConfigFile:
     for key, value in data.items():
         name = str(key).lstrip("-").replace("-", "_")
         where = f"{path}:{key_lines.get(key, '?')}"
-        if stored_run and name in LAUNCH_ONLY:
+        if stored_run and name in flags and flags[name].launch_only:  # how the run was launched, not the run
             continue
         if name not in flags:
             near = difflib.get_close_matches(name, list(flags), n=1, cutoff=0.6)
@@ -345,24 +343,12 @@ def refuse_file_problems(file: ConfigFile, cfg: TrainConfig | None = None, besid
         raise UserError("\n".join(sorted(lines, key=lambda t: int(m.group(1)) if (m := at.match(t)) else math.inf)))
 
 
-RESUMABLE = (
-    "resume", "out", "auto_resume", "allow_data_change", "steps", "save_every", "keep_checkpoints", "report_to", "run_label",
-    "eval_every", "eval_data", "eval_benchmarks", "eval_limit", "eval_views", "eval_max_new_tokens", "eval_batch",
-    "eval_before",
-    "micro_batch", "micro_batch_tokens", "loss_chunk", "rollout_batch", "share_prefill", "grad_checkpointing", "vllm_url",
-    "fsdp_generation",
-)  # fmt: skip
-"""The flags a resumed run may change: its length, its checkpointing, and memory/speed settings that leave the
-method's results unchanged. Every other one is the run's own, read from its checkpoint."""
-OBJECTIVE_BATCHING = ("micro_batch", "micro_batch_tokens")
-"""RESUMABLE flags that are the objective's own under --loss-agg micro-batch (a token mean per micro-batch)."""
-
-
 def resumable(stored: dict) -> tuple[str, ...]:
-    """RESUMABLE, less the micro-batching of a run whose loss is verl's per-micro-batch mean."""
-    if stored.get("loss_agg") == "micro-batch":
-        return tuple(f for f in RESUMABLE if f not in OBJECTIVE_BATCHING)
-    return RESUMABLE
+    """The flags a resumed run whose stored flags are `stored` may change: the fields marked resumable where they are
+    declared (`opd.cli.resumable`: the run's length, checkpointing, logging, live evaluation, memory/speed settings
+    that leave its results unchanged), less those its stored settings make its own (the micro-batching of verl's
+    per-micro-batch mean). Every other flag is the run's own, read from its checkpoint."""
+    return tuple(f.name for f in TrainConfig.flag_list() if f.resumable(stored))
 
 
 def _same(field: str, a, b) -> bool:
@@ -377,14 +363,14 @@ def refuse_changed_settings(cfg: TrainConfig, stored: dict, ckpt: Path, given: s
     """A resumed run keeps the settings it was trained with: any other flag that differs is refused by name.
 
     `given` limits the check to the flags given on the command line (the others come from `stored`)."""
-    may, values = resumable(stored), cfg.flags()
-    names = [f for f in values if f not in may and f != "overwrite"]
+    may, values, flag = resumable(stored), cfg.flags(), {f.name: f for f in TrainConfig.flag_list()}
+    names = [f for f in values if f not in may and not flag[f].launch_only]
     changed = [f for f in names if (given is None or f in given) and f in stored and not _same(f, values[f], stored[f])]
     if changed:
         flags = ", ".join(f"{flag_text(f)} {values[f]!r} (the run has {stored[f]!r})" for f in changed)
         allowed = ", ".join(flag_text(f) for f in may if f not in ("resume", "out"))
-        why = (" (--micro-batch and --micro-batch-tokens are the objective's own under --loss-agg micro-batch)"
-               if may != RESUMABLE and set(changed) & set(OBJECTIVE_BATCHING) else "")  # fmt: skip
+        fixed = {f: by for f in changed if (by := flag[f].fixed_by(stored))}
+        why = "".join(f" ({flag_text(f)} is the objective's own under {by})" for f, by in fixed.items())
         raise UserError(
             f"--resume {ckpt}: {flags}: a resumed run keeps its own settings; it may change only {allowed}{why}. "
             "Start a new run in another --out to change the others"
@@ -412,7 +398,7 @@ def launch_config(given: dict) -> TrainConfig:
 
 
 def resumed_config(given: dict) -> TrainConfig:
-    """--resume: the run's stored settings are the defaults; the flags given may change only RESUMABLE ones."""
+    """--resume: the run's stored settings are the defaults; the flags given may change only the resumable ones."""
     ckpt = checkpoint_of(given["resume"])
     stored = load_config(ckpt)
     known = {f.name for f in TrainConfig.flag_list()}

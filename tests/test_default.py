@@ -50,11 +50,12 @@ def test_the_builtin_names_resolve_in_one_place(small_toy):
     from opd.loop.checkpoint import model_source
     from opd.data.sources import load_records
     from opd.models.external_teachers import teacher_source
-    from opd.tiny import tiny_defaults
+    from opd.tiny import tiny_bench, tiny_defaults
 
     tiny_model, tiny_data = tiny_defaults()
     assert (builtin_path("tiny", "model"), builtin_path("tiny", "data"), builtin_path("tiny", "bench")) == (
-        tiny_model, tiny_data, None)  # fmt: skip
+        tiny_model, tiny_data, tiny_bench())  # fmt: skip (the tiny task's held-out items: eval.py --data-dir tiny)
+    assert (tiny_bench() / "zoombench").is_dir()
     toy = small_toy
     assert (builtin_path("toy", "model"), builtin_path("toy", "data"), builtin_path("toy", "bench")) == (
         toy.base, toy.data, toy.bench)  # fmt: skip

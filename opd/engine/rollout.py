@@ -14,7 +14,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
-from opd.cli import Section
+from opd.cli import Section, resumable
 from opd.lazy import no_grad
 
 if TYPE_CHECKING:
@@ -38,9 +38,9 @@ class SamplingConfig(Section):
     """Rollout nucleus sampling: the smallest top set of probability >= p (OPSD, DAPD: 0.95); 1 = off."""
     top_k: int = 0
     """Rollout sampling among the k most likely tokens (OPSD, DAPD: 20); 0 = off."""
-    rollout_batch: int = 0
+    rollout_batch: int = resumable(0)
     """Rows per generate() call, in whole prompts; 0 = all of a rank's rows at once."""
-    share_prefill: bool = True
+    share_prefill: bool = resumable(True)
     """Encode and prefill each prompt once for its rollouts (when the model's cache can be expanded)."""
 
     FLAGS = {"temperature": "sample_temperature", "top_p": "sample_top_p", "top_k": "sample_top_k"}

@@ -32,7 +32,7 @@ import urllib.request
 from dataclasses import dataclass
 from pathlib import Path
 
-from opd.cli import Section, UserError
+from opd.cli import Section, UserError, resumable
 
 ROOT = Path(__file__).resolve().parents[2]
 DEFAULT_VENV = ROOT / ".venv-vllm"  # or $BAS_OPD_VLLM_VENV (e.g. a venv kept outside CI's fresh clone)
@@ -48,7 +48,7 @@ class EngineConfig(Section):
     its own venv, scripts/install_vllm.sh; the policy's weights pushed to it before each step's generation;
     opd/engine/vllm_server.py). With vllm the token entropy is unavailable: Eq. 5's entropy feature is 0 and
     Entropy-25 ranks by the mean sampled-token NLL (the paper's fallback)."""
-    vllm_url: str | None = None
+    vllm_url: str | None = resumable(None)
     """A vLLM server already running (http://127.0.0.1:PORT, started with opd.engine.vllm_server.server_command's
     flags) for --rollout-engine vllm; none: the run starts its own on rank 0 and stops it at the end."""
 

@@ -26,7 +26,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from opd.cli import Section, UserError
+from opd.cli import Section, UserError, resumable
 
 CROP = "_crop"
 """The crop view's suffix of a live-evaluation metric (`eval/zoombench_crop`, `eval/zoombench_crop_gap`): '@', eval.py's
@@ -37,22 +37,22 @@ own mark for the view, is not a valid tracker name (MLflow refuses it), and the 
 class LiveEvalConfig(Section):
     """train.py's --eval-* flags (a section of its TrainConfig: field f is flag --eval-f)."""
 
-    every: int = 0
+    every: int = resumable(0)
     """Score the policy on held benchmark items every N steps and at the last (opd/eval/live.py); 0 = never."""
-    data: str | None = None
+    data: str | None = resumable(None)
     """The benchmark folder of --eval-every (eval.py's --data-dir: one sub-folder per benchmark), or 'toy': the toy
     world's held-out items (zoombench, with crops; built on first use)."""
-    benchmarks: str = "zoombench"
+    benchmarks: str = resumable("zoombench")
     """Benchmarks of --eval-every, comma-separated (eval.py's names)."""
-    limit: int = 100
+    limit: int = resumable(100)
     """Items per benchmark of --eval-every (each benchmark's first; 0 = all)."""
-    views: str = "full"
+    views: str = resumable("full")
     """Views of --eval-every: full, or full,crop (the crop view: the collapse warning sign)."""
-    max_new_tokens: int = 64
+    max_new_tokens: int = resumable(64)
     """Most new tokens per answer of --eval-every."""
-    batch: int = 8
+    batch: int = resumable(8)
     """Prompts per generate() call of --eval-every."""
-    before: bool = False
+    before: bool = resumable(False)
     """With --eval-every: also score the policy before step 0 (the weights the run starts from), for a before/after
     comparison (the console and summary.md show both)."""
 

@@ -24,7 +24,7 @@ from typing import TYPE_CHECKING
 from opd.models import lora as lora_mod
 from opd.builtin import builtin_path, is_builtin
 from opd.loop.checkpoint import load_sharded, load_state, model_source
-from opd.cli import Section, UserError
+from opd.cli import Section, UserError, resumable
 from opd.models.ema_teacher import AdapterTeacher, EMATeacher, Teacher, lm_head_weight
 from opd.models.external_teachers import TeacherSet, build_routed, load_routes, load_teacher, teacher_source
 
@@ -44,12 +44,12 @@ class ModelConfig(Section):
     """Weight dtype of policy and teacher (float32 keeps lr 2e-6 updates representable)."""
     mixed_precision: str = "no"
     """Autocast of the forwards: no, bf16 or fp16 (weights stay in --dtype)."""
-    grad_checkpointing: bool = False
+    grad_checkpointing: bool = resumable(False)
     """Recompute activations in backward (long responses on a real model)."""
     fsdp: bool = False
     """Shard the policy, its gradients and AdamW state, and the EMA teacher over the processes (FSDP2, torch's
     fully_shard) instead of replicating them (DDP); checkpoints are then sharded."""
-    fsdp_generation: str = "gathered"
+    fsdp_generation: str = resumable("gathered")
     """With --fsdp: 'gathered' all-gathers the policy once per generate() call; 'layerwise' gathers it layer by layer
     at every generated token (less memory, far more communication)."""
 

@@ -28,7 +28,7 @@ import shutil
 from dataclasses import dataclass
 from pathlib import Path
 
-from opd.cli import Section
+from opd.cli import Section, resumable
 from opd.storage import disk_full, is_full, write_atomic
 
 
@@ -36,9 +36,9 @@ from opd.storage import disk_full, is_full, write_atomic
 class CheckpointConfig(Section):
     """When the run writes checkpoints, and how many it keeps."""
 
-    save_every: int = 0
+    save_every: int = resumable(0)
     """Checkpoint every N steps (0: only at the end)."""
-    keep_checkpoints: int = 1
+    keep_checkpoints: int = resumable(1)
     """Checkpoints kept in the output folder."""
 
     def due(self, step: int, steps: int) -> bool:

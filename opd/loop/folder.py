@@ -21,7 +21,7 @@ from pathlib import Path
 
 from opd.loop import lock as runlock
 from opd.loop.checkpoint import find_checkpoint
-from opd.cli import Section, UserError
+from opd.cli import Section, UserError, launch_only, resumable
 from opd.models.identity import DigestCache, model_identity
 
 
@@ -29,17 +29,17 @@ from opd.models.identity import DigestCache, model_identity
 class FolderConfig(Section):
     """Where the run writes, and whether it continues or replaces the run already there."""
 
-    out: str = "runs/tiny"
+    out: str = resumable("runs/tiny")
     """Output folder: ledger.jsonl, summary.md, checkpoints, TensorBoard logs."""
-    resume: str | None = None
+    resume: str | None = launch_only(None, resumable_too=True)
     """Continue from a run folder (its latest checkpoint) or a checkpoint folder, with the run's own settings."""
-    overwrite: bool = False
+    overwrite: bool = launch_only(False)
     """Start over in an --out folder that holds a run, deleting its ledger, summary and checkpoints."""
-    auto_resume: bool = False
+    auto_resume: bool = launch_only(False, resumable_too=True)
     """Continue the run in --out when it holds a checkpoint (a requeued job's same command), else start it (a
     folder without a checkpoint is started over); flags that differ from the stored run's are refused as with
     --resume (verl's resume_mode=auto)."""
-    allow_data_change: bool = False
+    allow_data_change: bool = resumable(False)
     """With --resume: continue although --data's files changed since the run started (refused otherwise); the result
     then differs from an uninterrupted run's."""
 
@@ -92,7 +92,7 @@ def eval_command(out: Path, eval_data: str | None, data: str | None) -> str:
     from opd.builtin import is_builtin
 
     bench = eval_data or ((data or "tiny") if data is None or is_builtin(data, "bench") else "DIR")
-    python, script = Path(sys.executable), Path(__file__).resolve().parents[1] / "eval.py"
+    python, script = Path(sys.executable), Path(__file__).resolve().parents[2] / "eval.py"
     here = [_below_cwd(p) for p in (python, script if script.is_file() else Path("eval.py"))]
     return shlex.join([*here, "--model", str(out), "--data-dir", bench]) + (
         " (DIR: a folder with one sub-folder per benchmark, docs/EVAL.md)" if bench == "DIR" else "")

@@ -33,7 +33,7 @@ import uuid
 from dataclasses import dataclass
 from pathlib import Path
 
-from opd.cli import Section, UserError
+from opd.cli import Section, UserError, resumable
 from opd.storage import write_atomic
 
 PACKAGES = {"tensorboard": "tensorboard", "wandb": "wandb", "mlflow": "mlflow", "trackio": "trackio",
@@ -61,10 +61,10 @@ def metric_name(key: str) -> str:
 class TrackerConfig(Section):
     """Where the step's metrics go besides the ledger: accelerate's trackers."""
 
-    report_to: str = "tensorboard"
+    report_to: str = resumable("tensorboard")
     """Experiment trackers through accelerate, comma-separated: tensorboard (DIR/tb), wandb, mlflow (DIR/mlflow.db),
     trackio, comet_ml, aim, clearml, dvclive, swanlab; none for none (opd/loop/tracking.py)."""
-    run_label: str | None = None
+    run_label: str | None = resumable(None)
     """The run's name in the trackers (default: the --out folder's name and the policy, e.g. 'tiny learned-25')."""
     tracker_project: str | None = None
     """The trackers' project (W&B's project, MLflow's experiment, ...); none: $WANDB_PROJECT, else 'bas-opd'."""

@@ -22,7 +22,7 @@ import dataclasses
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
-from opd.cli import Section
+from opd.cli import Section, resumable
 
 if TYPE_CHECKING:
     import torch
@@ -49,11 +49,11 @@ class LossConfig(Section):
     (the tokens' sum, no mean: tinker's, Thinking Machines' on-policy distillation)."""
     is_clip: float = 0.0
     """Importance-ratio clip c (Vision-OPD's is_clip 2): each token's loss times min(pi/pi_old, c); 0 = off."""
-    micro_batch: int = 4
+    micro_batch: int = resumable(4, unless=("loss_agg", "micro-batch"))
     """Most rows per student/teacher forward."""
-    micro_batch_tokens: int = 0
+    micro_batch_tokens: int = resumable(0, unless=("loss_agg", "micro-batch"))
     """Most padded teacher tokens per forward (rows grouped by length under it); 0 = rows only."""
-    chunk: int = 512
+    chunk: int = resumable(512)
     """Response positions per LM-head chunk in the loss (logits never held beyond it); 0 = whole micro-batch logits."""
     no_overlap: bool = False
     """Ablation: utility without the top-k overlap factor (o = 1)."""

@@ -170,7 +170,7 @@ def distill(ctx, batch: StepBatch, row_weights: torch.Tensor | None = None, sync
     float64 = next(ctx.student.parameters()).dtype == torch.float64  # Eq. 11's weights in float64 for a float64 policy
     dtype, scale = torch.float64 if float64 else torch.float32, ctx.accelerator.num_processes  # DDP averages ranks
     for mb in lockstep(ctx, batch, teacher_plans(ctx, batch, ctx.teacher_views[0]), sync,
-                       release=[t.model for t in teachers.teachers.values()]):  # fmt: skip
+                       release=ctx.teacher_models):  # fmt: skip
         # One micro-batch of `mb.rows` scored by teacher `mb.group` (padding: the same forwards and backward with zero
         # weights on the student's prompts, nothing counted or labelled): the teacher's inputs in every view (booked),
         # the student's, Eq. 11's weights (with unbiased selection's 1 / pi_i), the loss backpropagated at once.

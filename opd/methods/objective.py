@@ -183,6 +183,12 @@ class ObjectiveContext:
         return self.accelerator.device
 
     @property
+    def teacher_models(self) -> list:
+        """The teachers' models, in the teachers' order: what a micro-batch frees before the student's backward
+        (`lockstep(..., release=)`, sharded)."""
+        return [t.model for t in self.teachers.teachers.values()]
+
+    @property
     def tokenizer(self):
         return self.processor.tokenizer
 

@@ -309,8 +309,7 @@ class OPOD(Objective):
                 jobs[name].append(("verify", group, prompts, [answer_ids[int(ro.prompt_index[rows[k]])] for k in group]))
         without, with_z = {}, {}
         pad = ("padding", [], [batch.student_prompts[int(ro.prompt_index[0])]], [ro.response_ids[0, : int(ro.lengths[0])]])
-        models = [t.model for t in ctx.teachers.teachers.values()]
-        for mb in lockstep(ctx, batch, jobs, sync=False, release=models):  # teacher forwards only: nothing to sync
+        for mb in lockstep(ctx, batch, jobs, sync=False, release=ctx.teacher_models):  # teacher forwards only: nothing to sync
             kind, keys, prompts, completions = mb.item if mb.real else pad
             sums = self._answer_logp(mb, ctx.teachers.teachers[mb.group], kind, prompts, completions, res)
             (without if kind == "answer" else with_z).update(zip(keys, sums))

@@ -117,9 +117,8 @@ class TMOPD(Objective):
             return res
         n = 1.0 if ctx.loss.aggregation == "token-sum" else float(res.global_tokens)
         kl = torch.zeros(2, dtype=torch.float64)  # this rank's sum of log pi_old - log pi_T over S's tokens, tokens
-        models = [t.model for t in ctx.teachers.teachers.values()]
         hook = lambda mb, mask, h, w: self._advantages(batch, mb, mask, h, w, res, kl)  # noqa: E731
-        res.loss_share, _ = self.pg.run(batch, hook, n, release=models,
+        res.loss_share, _ = self.pg.run(batch, hook, n, release=ctx.teacher_models,
                                         plans=teacher_plans(ctx, batch, ctx.teacher_views[0]))  # fmt: skip
         total = ctx.accelerator.reduce(kl.to(ctx.device), "sum").cpu()  # every rank, also with nothing to do
         res.metrics = {"teacher_kl": float(total[0] / total[1].clamp(min=1))}  # their metric: the mean over tokens
