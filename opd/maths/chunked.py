@@ -60,7 +60,9 @@ Full vocabulary (support 'full'; GKD, OPSD's full-vocabulary recipe): s = z - ls
 
 g comes from autograd on the support only ((C, k + 1) with the tail, (C, k) without it, (C, V) for 'full'):
 generalized_jsd with alpha (divergence 'jsd') or bias_corrected_reverse_kl ('bc_rkl'). The importance ratio is
-detached and only scales a row's g.
+detached and only scales a row's g. For 'full' the log-probs s, t overwrite the chunk's own logits, D, g and dD/dz
+are formed 1/FULL_BLOCKS of the chunk's rows at a time and g overwrites t: two (C, V) buffers and a block's
+temporaries at once (autograd through the divergence over the whole chunk held about ten more; issue 36).
 
 Tests compare values and gradients with `topk_divergence` on full logits (every support and
 divergence), with autograd through an exact float64 support (the endpoints alpha = 0 and 1, k = V,
