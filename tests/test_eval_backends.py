@@ -417,6 +417,28 @@ def test_vllm_backend_refuses_what_no_server_can_load_before_anything_is_written
     assert config_special_ids(str(adapter)) == config_special_ids(str(tiny[0]))
 
 
+def test_a_vllm_server_eval_starts_says_so_with_its_log(tiny, vstar, tmp_path, monkeypatch, capsys):
+    """--backend vllm without --vllm-url starts its own server: eval.py prints the lines `VLLMServer.start` says (that
+    it starts, with its log under --out, and that it answers), as train.py does for --rollout-engine vllm. The server
+    is a stand-in that says two lines and then fails, so nothing is evaluated."""
+    import opd.engine.vllm_server
+
+    def fake_start(model_dir, seed=0, dtype="bfloat16", max_model_len=4096, log_path=None, env=None, say=None, **_):
+        say(f"starting a vLLM server for {model_dir} (pid 1; its log: {log_path})")
+        say("vLLM server started at http://127.0.0.1:1 in 0.0 s")
+        raise UserError("stand-in server: no generation")
+
+    monkeypatch.setattr(opd.engine.vllm_server, "check_venv", lambda venv=None: Path(sys.executable))
+    monkeypatch.setattr(opd.engine.vllm_server.VLLMServer, "start", staticmethod(fake_start))
+    out = tmp_path / "out"
+    with pytest.raises(UserError, match="stand-in server"):
+        eval_py.main(["--backend", "vllm", "--model", str(tiny[0]), "--data-dir", str(vstar), "--benchmarks", "vstar",
+                      "--out", str(out)])
+    lines = capsys.readouterr().out.splitlines()
+    assert f"eval.py: starting a vLLM server for {tiny[0]} (pid 1; its log: {out / 'vllm-server.log'})" in lines
+    assert "eval.py: vLLM server started at http://127.0.0.1:1 in 0.0 s" in lines
+
+
 def test_a_launched_processs_engine_gets_its_entry_of_the_gpu_mask():
     from opd.eval.parallel import visible_gpu
 

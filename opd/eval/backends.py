@@ -290,10 +290,11 @@ class VLLMBackend:
     @classmethod
     def open(cls, model_dir: str, vllm_url: str | None = None, dtype: str = "bfloat16", seed: int = 42,
              max_model_len: int | None = None, log_path=None, env: dict | None = None,
-             timeout: float = 3600.0) -> VLLMBackend:
+             timeout: float = 3600.0, say=None) -> VLLMBackend:
         """A server for `model_dir`: connected to at `vllm_url`, else started from the vLLM venv
         (`opd.engine.vllm_server.check_venv`: a missing venv is a one-line UserError naming scripts/install_vllm.sh).
-        A LoRA adapter folder is refused in one line (`refuse_adapter`)."""
+        A LoRA adapter folder is refused in one line (`refuse_adapter`). `say` (a callable taking a line) is told
+        when a started server starts, with its log, and when it answers (`VLLMServer.start`)."""
         from transformers import AutoConfig
 
         from opd.engine.vllm_server import VLLMServer, check_venv
@@ -308,7 +309,7 @@ class VLLMBackend:
             if max_model_len is None:
                 max_model_len = min(int(getattr(config.get_text_config(), "max_position_embeddings", 4096)), 32768)
             server = VLLMServer.start(model_dir, seed=seed, dtype=dtype, max_model_len=max_model_len,
-                                      log_path=log_path, env=env)
+                                      log_path=log_path, env=env, say=say)
         return cls(server, load_processor(model_dir), config_special_ids(model_dir),
                    getattr(config, "image_token_id", None), timeout)
 

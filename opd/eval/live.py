@@ -40,8 +40,8 @@ class LiveEvalConfig(Section):
     every: int = resumable(0)
     """Score the policy on held benchmark items every N steps and at the last (opd/eval/live.py); 0 = never."""
     data: str | None = resumable(None)
-    """The benchmark folder of --eval-every (eval.py's --data-dir: one sub-folder per benchmark), or 'toy': the toy
-    world's held-out items (zoombench, with crops; built on first use)."""
+    """The benchmark folder of --eval-every (eval.py's --data-dir: one sub-folder per benchmark), 'toy': the toy
+    world's held-out items (zoombench, with crops; built on first use), or 'tiny': the tiny model's benchmark folder."""
     benchmarks: str = resumable("zoombench")
     """Benchmarks of --eval-every, comma-separated (eval.py's names)."""
     limit: int = resumable(100)

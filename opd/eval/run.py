@@ -162,10 +162,11 @@ class Engine:
             if ranks.world > 1 and not cfg.vllm_url:  # one engine per process, each on its own GPU
                 env = {"CUDA_VISIBLE_DEVICES": visible_gpu(ranks.local_rank)}
             log = Path(cfg.out) / f"vllm-server{'' if ranks.main else f'-rank{ranks.rank}'}.log"
+            say_main = (lambda line: print(f"eval.py: {line}", flush=True)) if ranks.main else None
             try:
                 return VLLMBackend.open(self.model_path, cfg.vllm_url, self.dtype, cfg.seed,
                                         cfg.max_prompt_len + self.max_new if cfg.max_prompt_len else None, log, env,
-                                        cfg.request_timeout)
+                                        cfg.request_timeout, say=say_main)
             except UserError as exc:  # this process's own server (rank k's may fail alone): it says so
                 raise UserError(str(exc), local=True) from None
         from opd.models.loading import load_model, load_processor
