@@ -19,7 +19,7 @@ peak the largest of them; the parent's 50 ms samples of VmRSS check it. Beside i
 estimate for the same settings (prompt length as measured, the micro-batch's real rows, one generate() call of
 every row; an external teacher adds its bf16 weights, 2 P, and drops the EMA adapter).
 
-    .venv/bin/python bench/cpu_4b.py --out docs/bench/cpu_4b.json          # about 71 min on 2 cores, 24 GB RAM
+    .venv/bin/python bench/cpu_4b.py --out docs/bench/cpu_4b.json          # about 12 min on 2 idle cores, 24 GB RAM
     .venv/bin/python bench/cpu_4b.py --reduced --methods bas-opd           # the real vocabulary, 4 small layers: 1-2 min
 
 `--reduced` keeps the vocabulary, the head dimensions, the vision width and every module name, with hidden 256,
