@@ -23,7 +23,8 @@ below (bytes, per GPU; s = the number of shards: the GPUs under FSDP2, 1 under D
   + 7 nh hd + 5 nkv hd + 4I per token for a full-attention layer, 5H + 3 (2 nk dk + nv dv) + 3 nv dv
   + 4I for a linear-attention one, twice (the activations and their gradients), and the loss of
   `opd.maths.chunked` over b x 1,024 positions: dL/dW in float32 (4VH), the LM head's bf16 copies under DDP
-  (2VH per side), one chunk's logits of both sides and the gradient buffer (3 x 512 V x 4).
+  (2VH per side), one chunk's logits of both sides and the gradient buffer (3 x 512 V x 4; with fewer than 512
+  positions the one chunk holds only those).
 - generation (before training, in its own phase): the bf16 policy (DDP: autocast's copies; FSDP2
   gathered: the whole model; layerwise: R + 2U) and the cache of every row of a generate() call: 8
   full-attention layers' keys and values (2 nkv hd L x 2 bytes) and 24 linear-attention layers'
@@ -159,7 +160,8 @@ def activations(m: Shape, s: Settings, head_grad: bool = True) -> dict[str, floa
     vision_block = (8 * m.vision_hidden + 2 * m.vision_intermediate) * b * patches * 2
     recompute = 2 * max(text_layer, vision_block)  # a layer's activations and their gradients
     positions = b * s.response_len
-    loss = 4 * m.vocab * m.hidden * head_grad + 3 * s.loss_chunk * m.vocab * 4 + positions * m.hidden * (4 + 2 + 2)
+    chunk = min(s.loss_chunk, positions)  # opd.maths.chunked's chunks run over the valid positions: a shorter last one
+    loss = 4 * m.vocab * m.hidden * head_grad + 3 * chunk * m.vocab * 4 + positions * m.hidden * (4 + 2 + 2)
     return {"saved": saved, "recompute": recompute, "loss": loss}
 
 

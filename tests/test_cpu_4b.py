@@ -140,3 +140,6 @@ def test_the_lora_estimate_counts_no_lm_head_gradient():
     V, H = shape.vocab, shape.hidden
     assert lora["loss"] == 3 * 8 * V * 4 + 2 * 16 * H * 8
     assert full["loss"] == lora["loss"] + 4 * V * H
+    short = mt.estimate_lora(shape, mt.Settings(micro_batch=2, response_len=16, loss_chunk=512, prompt_len=40,
+                                                image_tokens=4), 8)  # fmt: skip
+    assert short["loss"] == 3 * 32 * V * 4 + 2 * 16 * H * 8  # 32 positions: one chunk of 32, not of 512
