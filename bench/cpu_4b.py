@@ -17,7 +17,8 @@ and the peak resident set: the process's VmHWM, reset at every phase boundary so
 objective, the teacher forward, the student forward, the chunked loss and the backward) has its own peak, the run's
 peak the largest of them; the parent's 50 ms samples of VmRSS check it. Beside it, bench/memory_table.py's LoRA
 estimate for the same settings (prompt length as measured, the micro-batch's real rows, one generate() call of
-every row; an external teacher adds its bf16 weights, 2 P, and drops the EMA adapter).
+every row; an external teacher adds its bf16 weights, 2 P, and drops the EMA adapter), and that plus the
+process's runtime (its resident set with torch, transformers, accelerate and peft imported, before any model).
 
     .venv/bin/python bench/cpu_4b.py --out docs/bench/cpu_4b.json          # about 12 min on 2 idle cores, 24 GB RAM
     .venv/bin/python bench/cpu_4b.py --reduced --methods bas-opd           # the real vocabulary, 4 small layers: 1-2 min
@@ -255,11 +256,20 @@ def instrument(windows: Windows, runs: list) -> None:
 
 def train_case(argv: list[str], out: str) -> dict:
     """train.py's main(argv) in this (fresh) process, instrumented; returns the ledger, the windows' peaks and
-    seconds, and the wall time."""
+    seconds, the wall time, and the runtime's resident set before any model (Python with torch, transformers,
+    accelerate, peft and the loop imported: what a CPU process holds beyond memory_table.py's GPU count)."""
+    import accelerate  # noqa: F401  (the runtime measured below)
+    import peft  # noqa: F401
+    import torch  # noqa: F401
+    import transformers  # noqa: F401
+
+    import opd.loop.run  # noqa: F401
     import train
+    from bench._util import _status_kb
     from opd.loop.ledger import read_ledger
     from opd.models.lora import _tuner_layers
 
+    runtime = _status_kb("VmRSS") * 1024
     windows, runs = Windows(), []
     instrument(windows, runs)
     t0 = time.perf_counter()
@@ -268,7 +278,7 @@ def train_case(argv: list[str], out: str) -> dict:
     peak = windows.finish()
     model = runs[0].model
     return {"rows": read_ledger(Path(out) / "ledger.jsonl"), "peak_bytes": peak, "window_peaks": windows.peak,
-            "window_seconds": windows.seconds, "window_cpu_s": windows.cpu, "wall_s": wall,
+            "window_seconds": windows.seconds, "window_cpu_s": windows.cpu, "wall_s": wall, "runtime_bytes": runtime,
             "adapted_modules": len(_tuner_layers(model)),
             "trainable_params": sum(p.numel() for p in model.parameters() if p.requires_grad)}  # fmt: skip
 
@@ -357,7 +367,8 @@ def summarize(results: list[dict], info: dict, a) -> str:
             "", markdown_table(head, table), "",
             (f"Peak resident set **{gb(r['peak_bytes'])}** (sampled every 50 ms by the parent: "
              f"{gb(r['child_peak_rss_bytes'])}); memory_table.py's estimate **{gb(e['peak'])}** (micro-batch "
-             f"{e['micro_batch']}, prompt {e['prompt_len']} tokens). Peak per window:"),
+             f"{e['micro_batch']}, prompt {e['prompt_len']} tokens), plus the process's runtime "
+             f"{gb(r.get('runtime_bytes'))}: {gb(e['peak'] + r.get('runtime_bytes', 0))}. Peak per window:"),
             "", markdown_table(["window", "peak resident", "wall seconds", "CPU seconds"], windows), "",
         ]  # fmt: skip
     return "\n".join(lines)
