@@ -21,7 +21,7 @@ every row; an external teacher adds its bf16 weights, 2 P, and drops the EMA ada
 process's runtime (its resident set with torch, transformers, accelerate and peft imported, before any model).
 
     .venv/bin/python bench/cpu_4b.py --out docs/bench/cpu_4b.json          # about 12 min on 2 idle cores, 24 GB RAM
-    .venv/bin/python bench/cpu_4b.py --reduced --methods bas-opd           # the real vocabulary, 4 small layers: 1-2 min
+    .venv/bin/python bench/cpu_4b.py --reduced --methods bas-opd           # the real vocabulary, 4 small layers: 1 min
 
 `--reduced` keeps the vocabulary, the head dimensions, the vision width and every module name, with hidden 256,
 4 text layers (3 linear, 1 full attention) and 2 vision blocks (tests/test_cpu_4b.py runs it, slow-marked).
