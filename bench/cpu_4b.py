@@ -38,7 +38,7 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from bench._util import GB, bench_cache, fmt_s, format_machine, markdown_table, run_case, start, write_json
+from bench._util import GB, _status_kb, bench_cache, fmt_s, format_machine, markdown_table, run_case, start, write_json
 
 CONFIG_4B = Path(__file__).resolve().parent / "configs" / "qwen3.5-4b.json"
 REDUCED = {"hidden": 256, "layers": 4, "vision_depth": 2}
@@ -166,8 +166,6 @@ def models_and_data(a, cache: Path) -> tuple[Path, Path | None, Path, list[dict]
 
 
 def _hwm() -> int:
-    from bench._util import _status_kb
-
     return _status_kb("VmHWM") * 1024
 
 
@@ -265,7 +263,6 @@ def train_case(argv: list[str], out: str) -> dict:
 
     import opd.loop.run  # noqa: F401
     import train
-    from bench._util import _status_kb
     from opd.loop.ledger import read_ledger
     from opd.models.lora import _tuner_layers
 

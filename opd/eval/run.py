@@ -23,6 +23,11 @@ from opd.eval.benchmarks import load_benchmark
 from opd.eval.config import EvalConfig
 
 
+def say(line: str) -> None:
+    """One line of eval.py's progress on stdout (a sharded checkpoint's export, a started vLLM server)."""
+    print(f"eval.py: {line}", flush=True)
+
+
 def resolve_model(path: str, ranks=None) -> str:
     """What to load for --model (`opd.loop.checkpoint.model_source`: 'toy', 'tiny', a train.py run or checkpoint folder's
     policy/), then `opd.models.loading.resolve_model_source` (a checkpoint folder, made absolute, or a hub id). A sharded
@@ -33,8 +38,7 @@ def resolve_model(path: str, ranks=None) -> str:
     from opd.export import ensure_export
     from opd.models.loading import resolve_model_source
 
-    exported = (ranks or Ranks()).on_main(ensure_export, path, "--model",
-                                          lambda line: print(f"eval.py: {line}", flush=True))
+    exported = (ranks or Ranks()).on_main(ensure_export, path, "--model", say)
     source = resolve_model_source(str(exported) if exported is not None else model_source(path, f"--model {path}"))
     return str(Path(source).resolve()) if Path(source).is_dir() else source
 
@@ -162,11 +166,10 @@ class Engine:
             if ranks.world > 1 and not cfg.vllm_url:  # one engine per process, each on its own GPU
                 env = {"CUDA_VISIBLE_DEVICES": visible_gpu(ranks.local_rank)}
             log = Path(cfg.out) / f"vllm-server{'' if ranks.main else f'-rank{ranks.rank}'}.log"
-            say_main = (lambda line: print(f"eval.py: {line}", flush=True)) if ranks.main else None
             try:
                 return VLLMBackend.open(self.model_path, cfg.vllm_url, self.dtype, cfg.seed,
                                         cfg.max_prompt_len + self.max_new if cfg.max_prompt_len else None, log, env,
-                                        cfg.request_timeout, say=say_main)
+                                        cfg.request_timeout, say=say if ranks.main else None)
             except UserError as exc:  # this process's own server (rank k's may fail alone): it says so
                 raise UserError(str(exc), local=True) from None
         from opd.models.loading import load_model, load_processor
