@@ -108,9 +108,15 @@ def test_overwrite_deletes_nothing_until_every_input_is_built(tmp_path, tiny, ot
         with pytest.raises(RuntimeError, match="not logged in"):
             train.main(["--preset", "tiny", "--steps", "3", "--out", str(out), "--overwrite"])
     assert snapshot(out) == before and not (out / opd.loop.folder.OVERWRITTEN).exists()
+    (out / "eval").mkdir()  # eval.py's evaluations of the old run (its default --out), and a file of the user's
+    (out / "eval" / "results.json").write_text("{}")
+    (out / "eval-checkpoint-000002-merged").mkdir()
+    (out / "notes.txt").write_text("mine")
     train.main(["--preset", "tiny", "--steps", "1", "--out", str(out), "--overwrite"])  # a good one still replaces the run
     assert not (out / opd.loop.folder.OVERWRITTEN).exists()
     assert [r["step"] for r in read_ledger(out / "ledger.jsonl")] == [0]
+    assert not (out / "eval").exists() and not (out / "eval-checkpoint-000002-merged").exists()
+    assert (out / "notes.txt").read_text() == "mine"
 
 
 def test_a_second_run_is_refused_while_another_process_holds_the_folder(tmp_path, tiny):

@@ -144,6 +144,16 @@ def model_name(model: str | None, served_model: str | None = None) -> str:
     return _folder_name(Path(model).expanduser().resolve().name)
 
 
+RUN_EVAL = "eval"
+"""A train.py run's evaluations by eval.py without --out: RUN/eval, RUN/eval-<checkpoint>[-merged] (`default_out`).
+They score the run's own weights, so an --overwrite of the run replaces them with it (`run_evaluations`)."""
+
+
+def run_evaluations(run: Path) -> list[Path]:
+    """The evaluations eval.py wrote by default into the train.py run folder `run` (`default_out`)."""
+    return sorted(p for p in run.iterdir() if p.is_dir() and (p.name == RUN_EVAL or p.name.startswith(f"{RUN_EVAL}-")))
+
+
 def default_out(model: str | None, served_model: str | None = None) -> str:
     """--out when none is given, one folder per model: a train.py run's evaluation beside its checkpoints (RUN/eval,
     RUN/eval-checkpoint-000008, RUN/eval-checkpoint-000008-merged), any other model's OUT_ROOT/<model_name>
@@ -151,6 +161,6 @@ def default_out(model: str | None, served_model: str | None = None) -> str:
     if model is not None and not is_builtin(model, "model") and Path(model).expanduser().exists():
         run, below = _in_run(model)
         if run is not None:
-            out = run / (f"eval-{below}" if below else "eval")
+            out = run / (f"{RUN_EVAL}-{below}" if below else RUN_EVAL)
             return str(out.relative_to(Path.cwd().resolve())) if out.is_relative_to(Path.cwd().resolve()) else str(out)
     return str(OUT_ROOT / model_name(model, served_model))

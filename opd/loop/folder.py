@@ -152,7 +152,11 @@ class RunFolder:
                 self.out.rmdir()  # only if nothing else is there
 
     def existing_run(self) -> list[Path]:
-        """A new run refuses a folder that holds a run, unless --overwrite; returns what it would replace."""
+        """A new run refuses a folder that holds a run, unless --overwrite; returns what it would replace: the run's
+        files and eval.py's default evaluations of it (`opd.eval.config.run_evaluations`: they score the old
+        weights)."""
+        from opd.eval.config import run_evaluations
+
         found = [] if self.cfg.resume else run_files(self.out)
         if found and not self.cfg.overwrite:
             names = ", ".join(p.name for p in found[:4]) + (", ..." if len(found) > 4 else "")
@@ -160,7 +164,7 @@ class RunFolder:
                 f"--out {self.out} holds a run ({names}): continue it with --resume {self.out}, "
                 "or start over with --overwrite, which deletes it"
             )
-        return found
+        return found + run_evaluations(self.out) if found else found
 
     def set_aside(self, found: list[Path]) -> Path | None:
         """--overwrite: rank 0 moves the old run's files into DIR/.overwritten/, once every rank has built everything;
