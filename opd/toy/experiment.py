@@ -100,6 +100,15 @@ class Trace:
         selector.select, selector.observe = traced_select, traced_observe
 
 
+def attach(target: str, run, job: dict):
+    """job["hook"] 'module:Class' (importable: a study's own selection arm or measurement, experiments/) built
+    with (run, job) before the run's first step; its `end()`, when it has one, runs after the last step."""
+    import importlib
+
+    module, _, name = target.partition(":")
+    return getattr(importlib.import_module(module), name)(run, job)
+
+
 def finished_or_cleared(out: Path) -> dict | None:
     """A run folder's done.json when the run finished; else None, with the folder emptied for a fresh start
     (an unfinished run starts over)."""
@@ -131,6 +140,7 @@ def train_one(job: dict) -> dict:
     audit_records = load_records(job["audit_data"])
     with open(out / "train.log", "w") as log, contextlib.redirect_stdout(log):
         run = Run(tcfg)
+        hook = attach(job["hook"], run, job) if job.get("hook") else None
         if job.get("trace"):
             Trace(run, out / "trace.jsonl")
         for step in range(steps):
@@ -143,6 +153,8 @@ def train_one(job: dict) -> dict:
                 say(f"  {spec['name']} seed {spec['seed']}: step {step + 1}/{steps}, loss {row['loss']:.4f}, "
                     f"|S|/K {row['selected']}/{row['budget']}, {time.perf_counter() - t0:.0f} s")
         run.save(steps)
+        if hook is not None and hasattr(hook, "end"):
+            hook.end()
         summary = run.finish()
         audit = None
         if job.get("audit_batches"):

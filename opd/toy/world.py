@@ -33,7 +33,7 @@ import json
 import os
 import shutil
 import tempfile
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
 import numpy as np
@@ -91,6 +91,11 @@ class WorldConfig:
         a world that mixes kinds of items overrides it (opd.toy.regime). It draws nothing from the sample's rng."""
         return self.target_min, self.target_max
 
+    def finish(self, s: "Sample", split: str, index: int) -> "Sample":
+        """The sample as drawn, changed by a world that adds to it (opd.toy's harm world: a decoy and its crop);
+        here unchanged."""
+        return s
+
 
 @dataclass
 class Sample:
@@ -99,6 +104,10 @@ class Sample:
     colour: str
     shape: str
     target: int
+    where: tuple[int, int] = (0, 0)
+    """The target's top-left corner (x, y) in canvas pixels."""
+    extra: dict = field(default_factory=dict)
+    """Fields a world adds to the sample's JSONL and benchmark rows (opd.toy's harm world: "harm")."""
 
     @property
     def answer(self) -> str:
@@ -160,7 +169,7 @@ def sample(cfg: WorldConfig, split: str, index: int) -> Sample:
     cy = ty + t / 2 + rng.uniform(-0.25, 0.25) * (side - t)
     x1 = int(np.clip(round(cx - side / 2), 0, n - side))
     y1 = int(np.clip(round(cy - side / 2), 0, n - side))
-    return Sample(image, (x1, y1, x1 + side, y1 + side), colour, shape, t)
+    return cfg.finish(Sample(image, (x1, y1, x1 + side, y1 + side), colour, shape, t, (tx, ty)), split, index)
 
 
 def _write(tmp: Path, cfg: WorldConfig) -> None:
@@ -172,7 +181,7 @@ def _write(tmp: Path, cfg: WorldConfig) -> None:
                 path = f"images/{split}/{i:05d}.png"
                 s.image.save(tmp / path)
                 f.write(json.dumps({"image": path, "bbox": list(s.bbox), "problem": s.problem, "answer": s.answer,
-                                    "target": s.target, "shape": s.shape}) + "\n")
+                                    "target": s.target, "shape": s.shape, **s.extra}) + "\n")
     bench = tmp / "bench" / "zoombench"
     (bench / "images").mkdir(parents=True)
     rows = []
@@ -182,7 +191,8 @@ def _write(tmp: Path, cfg: WorldConfig) -> None:
         s.crop().save(bench / "images" / f"{i:05d}_crop.png")
         rows.append({"id": f"toy-{i:05d}", "images": [f"images/{i:05d}.png"],
                      "teacher_images": [f"images/{i:05d}_crop.png"], "query": question_text(s.shape),
-                     "response": s.answer, "question_type": "mcq", "category": s.shape, "target": s.target})
+                     "response": s.answer, "question_type": "mcq", "category": s.shape, "target": s.target,
+                     **s.extra})
     (bench / "toy.json").write_text(json.dumps(rows, indent=0) + "\n")
     (tmp / "world.json").write_text(json.dumps({"version": WORLD_VERSION, **asdict(cfg)}, indent=2) + "\n")
 
