@@ -57,8 +57,10 @@ def fake_parquet(monkeypatch, tmp_path, name, rows, rel="data/test-00000-of-0000
 # ----------------------------------------------------------------------------- each layout
 
 
-def test_registry_names_the_seven_benchmarks():
-    assert list(bm.LOADERS) == ["vstar", "zoombench", "hrbench4k", "mmvp", "cvbench", "mmstar", "pope"]
+def test_registry_names_the_seven_benchmarks_and_the_familys():
+    assert list(bm.LOADERS) == ["vstar", "zoombench", "hrbench4k", "mmvp", "cvbench", "mmstar", "pope", "hrbench8k",
+                                "mmerealworld", "mmerealworld_cn"]
+    assert bm.PAPER == tuple(list(bm.LOADERS)[:7])
 
 
 @pytest.mark.parametrize("fmt", ["jsonl", "tsv"])

@@ -6,6 +6,7 @@ benchmark's row parser and the layouts tried for each benchmark (`layouts`, in t
 
 from __future__ import annotations
 
+import ast
 import base64
 import binascii
 import csv
@@ -326,6 +327,75 @@ def _zoombench_row(row: Row, images: ImageSource, n: int) -> BenchItem:
     return item
 
 
+_MME_OPTION = re.compile(r"\s*\(([A-Z])\)\s*(.*)", re.DOTALL)
+
+
+def _mme_options(row: Row) -> dict[str, str]:
+    """MME-RealWorld's options: columns A-E (VLMEvalKit's TSV), else the list "Answer choices" (the official JSON) /
+    "multi-choice options" (lmms-eval, the Base64 JSONs) of "(A) text" strings, also as the text of such a list
+    or as "(A) ... (B) ..." text."""
+    fields, where = row
+    columns = {k: str(fields[k]).strip() for k in "ABCDE" if _get(row, k, required=False) is not None}
+    if len(columns) >= 2:
+        return columns
+    raw = _get(row, "Answer choices", "multi-choice options", "options", "choices")
+    if isinstance(raw, str) and raw.strip().startswith("["):
+        try:
+            raw = ast.literal_eval(raw.strip())
+        except (ValueError, SyntaxError):
+            pass
+    if isinstance(raw, str):
+        return split_options(raw)[1]
+    options = {}
+    for n, choice in enumerate(raw if isinstance(raw, (list, tuple)) else []):
+        m = _MME_OPTION.fullmatch(str(choice))
+        key, text = (m.group(1), m.group(2).strip()) if m else (chr(ord("A") + n), str(choice).strip())
+        options[key] = text
+    return options
+
+
+_MME_IMAGE_DIRS = ("", "MME-RealWorld", "MME-RealWorld-CN", "images", "data")
+
+
+def _mme_image(images: ImageSource, row: Row) -> ImageRef:
+    """The row's image: embedded (base64 "image" / lmms-eval's "bytes", an HF struct) or the official JSON's "Image"
+    path, looked up beside the JSON and in its image folders (`_MME_IMAGE_DIRS`)."""
+    fields, where = row
+    name = next((k for k in ("Image", "image", "bytes", "image_path") if _get(row, k, required=False) is not None),
+                "Image")
+    value = _get(row, name)
+    if isinstance(value, str) and not Path(value).is_absolute() and re.search(r"\.[A-Za-z]{2,5}$", value.strip()):
+        found = [images.base / d / value.strip() for d in _MME_IMAGE_DIRS if (images.base / d / value.strip()).is_file()]
+        if found:
+            value = str(found[0])
+    return images.ref(value, where, name)
+
+
+def _mme_row(bench: str, row: Row, images: ImageSource, n: int) -> BenchItem:
+    """MME-RealWorld (EN or CN) in any of its shipped forms: the official JSON (Question_id, Image, Text, Answer
+    choices, Ground truth, Task, Subtask, Category), VLMEvalKit's TSV and lmms-eval's parquet (index, question,
+    A-E / multi-choice options, answer, category "Task/Subtask", l2-category, image / bytes). A Vision-OPD JSON row
+    (images, query, response) is read as every benchmark's."""
+    fields, where = row
+    if "images" in fields or "query" in fields:
+        return _visionopd_row(bench, row, images, n)
+    options = _mme_options(row)
+    if len(options) < 2:
+        raise BenchmarkDataError(f"{where}: field 'Answer choices': expected \"(A) ...\" options")
+    category = str(_get(row, "category", "Category", required=False) or "")
+    task, _, subtask = category.partition("/") if "/" in category and "Task" not in fields else ("", "", "")
+    task = str(_get(row, "Task", required=False) or task)
+    subtask = str(_get(row, "Subtask", required=False) or subtask)
+    fine = _get(row, "l2-category", "l2_category", required=False)
+    fine = str(fine if fine is not None else (category if "Task" in fields else ""))
+    meta = {k: v for k, v in (("task", task), ("subtask", subtask), ("l2_category", fine)) if v}
+    question = clean_question(str(_get(row, "Text", "question")))
+    index = _index(row, n, "Question_id", "index", "question_id")
+    return _choice(bench, index, question, options, _get(row, "Ground truth", "answer"),
+                   f"{task}/{subtask}" if task and subtask else category, _mme_image(images, row), meta=meta,
+                   where=where)
+
+
 # ----------------------------------------------------------------------------- layouts per benchmark
 
 
@@ -343,6 +413,13 @@ def layouts(name: str) -> list[tuple]:
     def mcq(*meta):
         return lambda row, images, n: _mcq_row(name, row, images, n, meta)
 
+    def mme_layouts(official: str, vlmevalkit: str) -> list[tuple]:
+        row = lambda row, images, n: _mme_row(name, row, images, n)  # noqa: E731
+        answer = ("Ground truth|answer|response", "Text|question|query|problem")
+        return [((official, "*.json"), _read_json_list, row, answer + ("Image|images",)),
+                ((vlmevalkit, "*.tsv"), _tsv, row, answer + ("image|image_path",)),
+                (("**/*.parquet",), _read_parquet, row, answer + ("image|bytes",))]
+
     hr_meta, star_meta = ("cycle_category", ("cycle_category",)), ("l2_category", ("l2_category", "l2-category"))
     hr_cols = ("question", "answer", "cycle_category", "image")
     star_cols = ("question", "answer", "image", "category")
@@ -355,6 +432,10 @@ def layouts(name: str) -> list[tuple]:
                        ("query|prompt|question", "response|answer", "image"))],
         "hrbench4k": [(("hr_bench_4k.tsv", "*4k*.tsv", "*4K*.tsv", "*.tsv"), _tsv, mcq(hr_meta), hr_cols),
                       (("**/*4k*.parquet", "**/*4K*.parquet", "**/*.parquet"), _read_parquet, mcq(hr_meta), hr_cols)],
+        "hrbench8k": [(("hr_bench_8k.tsv", "*8k*.tsv", "*8K*.tsv", "*.tsv"), _tsv, mcq(hr_meta), hr_cols),
+                      (("**/*8k*.parquet", "**/*8K*.parquet", "**/*.parquet"), _read_parquet, mcq(hr_meta), hr_cols)],
+        "mmerealworld": mme_layouts("MME_RealWorld.json", "MME-RealWorld.tsv"),
+        "mmerealworld_cn": mme_layouts("MME_RealWorld_CN.json", "MME-RealWorld-CN.tsv"),
         "mmvp": [(("Questions.csv",), _csv,
                   lambda row, images, n: _mmvp_row(row, images, n, _mmvp_image_dir(images.base)),
                   ("Index|lndex", "Question", "Options", "Correct Answer")),
@@ -370,6 +451,17 @@ def layouts(name: str) -> list[tuple]:
     vision_opd = (("*.json",), _read_json_list, lambda row, images, n: _visionopd_row(name, row, images, n),
                   ("images", "query|problem", "response"))
     return table[name] + [vision_opd]
+
+
+def skipped(name: str, filename: str) -> bool:
+    """Files a benchmark's folder may hold that belong to a sibling: HR-Bench 4K never reads an 8K file nor 8K a 4K
+    one; MME-RealWorld EN never reads a CN file, and neither reads the Lite subset (another benchmark)."""
+    lower = filename.lower()
+    if name in ("hrbench4k", "hrbench8k"):
+        return ("8k" if name == "hrbench4k" else "4k") in lower
+    if name in ("mmerealworld", "mmerealworld_cn"):
+        return "lite" in lower or (name == "mmerealworld" and re.search(r"(^|[^a-z])cn([^a-z]|$)", lower) is not None)
+    return False
 
 
 def _mmvp_image_dir(folder: Path) -> Path:

@@ -1,43 +1,15 @@
-"""Loaders for the paper's seven evaluation benchmarks, reading each one as it is shipped.
+"""Loaders for the evaluation benchmarks (the paper's seven, `PAPER`, and the family's, `FAMILY`), each read as shipped.
 
-``load_benchmark(name, data_dir)`` looks under ``data_dir/<name>/`` and reads the first layout
-found, in the order listed below (``**/`` means any sub-folder, as a Hugging Face download leaves
-parquet files under ``data/``). Every benchmark also accepts a Vision-OPD evaluation JSON as the
-last choice (``*.json``: a list of ``{"images": [path], "query": ..., "response": gold, ...}`` rows,
-image paths relative to the JSON file; ``teacher_images``/``crop_images`` give the crop; options are
-read from the query unless ``question_format``/``question_type`` says open; other scalar fields such
-as ``category`` or ``cycle_category`` land in ``meta``).
+``load_benchmark(name, data_dir)`` reads ``data_dir/<name>/``: the first of the benchmark's layouts whose files are
+there (`opd.eval.bench_rows.layouts`, in the order docs/EVAL.md's "Expected files" lists them; ``**/`` is any
+sub-folder, where a Hugging Face download leaves its parquet files), and last a Vision-OPD evaluation JSON (a list of
+``{"images": [path], "query": ..., "response": gold}`` rows, paths relative to the JSON file, the crop in
+``teacher_images``/``crop_images``, other scalar fields in ``meta``). A sibling's files in the same folder are never
+read (`opd.eval.bench_rows.skipped`: HR-Bench 4K and 8K, MME-RealWorld EN and CN, the Lite subset).
 
-=============  ========================================================================================
-benchmark      expected files under ``data_dir/<name>/``
-=============  ========================================================================================
-``vstar``      ``test_questions.jsonl`` (rows ``image`` relative path, ``text`` with "(A) ..." options,
-               ``label``, ``category``, ``question_id``) with the image folders beside it; or a
-               VLMEvalKit TSV ``*.tsv``; or ``**/*.parquet`` (lmms-lab/vstar-bench: the same fields
-               with an embedded ``image``). 191 items (direct_attributes 115, relative_position 76).
-``zoombench``  ``**/*.parquet`` with ``id``, ``query`` (or ``prompt``), ``response`` (or ``answer``),
-               ``question_type`` ("mcq" or open), ``image``, ``crop_image``. 845 items: 621 multiple
-               choice (options inside the query) and 224 open-ended.
-``hrbench4k``  ``hr_bench_4k.tsv`` / ``*4k*.tsv`` (VLMEvalKit TSV: ``index, question, answer,
-               category, A-D, cycle_category, image`` base64) or ``**/*4k*.parquet``; files whose
-               name holds "8k" are never read. 800 items = 200 questions x 4 option cycles.
-``mmvp``       ``Questions.csv`` (``Index`` (also spelled ``lndex``), ``Question``, ``Options`` like
-               "(a) Open (b) Closed", ``Correct Answer`` like "(a)") with ``MMVP Images/<Index>.jpg``
-               (also ``MMVP Imgaes/``, ``images/``); or ``**/*.parquet`` with the same columns and an
-               ``image``. 300 items, 150 pairs (indices 1-2, 3-4, ...).
-``cvbench``    ``test.jsonl`` / ``*.jsonl`` (``idx, type, task, source, prompt, choices, answer "(A)",
-               filename`` relative to the folder) or ``test.parquet`` / ``**/test_2d*.parquet`` +
-               ``**/test_3d*.parquet`` / ``**/*.parquet`` with an ``image``. 2,638 items.
-``mmstar``     ``**/*.parquet`` (``index, question`` with "Options: A: ..., B: ..." inline, ``image,
-               answer, category, l2_category``) or ``*.tsv`` (VLMEvalKit: option columns ``A``-``D``).
-               1,500 items.
-``pope``       ``**/*.parquet`` (``question_id, question, answer`` yes/no, ``image, category``
-               adversarial/popular/random). 9,000 items.
-=============  ========================================================================================
-
-Images stay encoded until used: ``item.image()`` (or ``load_image(item.image)``) decodes to RGB.
-At load time only the image header is read, so a missing or corrupt image fails early with the
-file, row and field named. Reading parquet needs ``pyarrow`` (imported only then).
+Images stay encoded until used: ``item.image()`` (or ``load_image(item.image)``) decodes to RGB. At load time only
+the image header is read, so a missing or corrupt image fails early with the file, row and field named. Reading
+parquet needs ``pyarrow`` (imported only then).
 """
 
 from __future__ import annotations
@@ -46,12 +18,12 @@ from pathlib import Path
 from typing import Callable
 
 from opd.eval.bench_items import BenchItem, BenchmarkDataError, ImageRef
-from opd.eval.bench_rows import ImageSource, layouts
+from opd.eval.bench_rows import ImageSource, layouts, skipped
 
 
-def _find(root: Path, patterns: tuple[str, ...]) -> list[Path]:
+def _find(root: Path, patterns: tuple[str, ...], name: str) -> list[Path]:
     for pattern in patterns:
-        hits = sorted(p for p in root.glob(pattern) if p.is_file() and "8k" not in p.name.lower())
+        hits = sorted(p for p in root.glob(pattern) if p.is_file() and not skipped(name, p.name))
         if hits:
             return hits
     return []
@@ -60,7 +32,7 @@ def _find(root: Path, patterns: tuple[str, ...]) -> list[Path]:
 def has_files(name: str, data_dir) -> bool:
     """Whether ``data_dir/<name>/`` holds files of one of the benchmark's layouts (names only; nothing is read)."""
     root = Path(data_dir) / name
-    return root.is_dir() and any(_find(root, patterns) for patterns, *_ in layouts(name))
+    return root.is_dir() and any(_find(root, patterns, name) for patterns, *_ in layouts(name))
 
 
 def expected_files(name: str) -> str:
@@ -73,7 +45,7 @@ def _load(name: str, root: Path, check_images: bool) -> list[BenchItem]:
     if not root.is_dir():
         raise BenchmarkDataError(f"{root}: benchmark folder not found (opd/eval/benchmarks.py lists the files expected)")
     for patterns, reader, row_fn, columns in layouts(name):
-        files = _find(root, patterns)
+        files = _find(root, patterns, name)
         if not files:
             continue
         items: list[BenchItem] = []
@@ -120,6 +92,18 @@ def load_hrbench4k(root: Path, check_images: bool = True) -> list[BenchItem]:
     return _load("hrbench4k", Path(root), check_images)
 
 
+def load_hrbench8k(root: Path, check_images: bool = True) -> list[BenchItem]:
+    return _load("hrbench8k", Path(root), check_images)
+
+
+def load_mmerealworld(root: Path, check_images: bool = True) -> list[BenchItem]:
+    return _load("mmerealworld", Path(root), check_images)
+
+
+def load_mmerealworld_cn(root: Path, check_images: bool = True) -> list[BenchItem]:
+    return _load("mmerealworld_cn", Path(root), check_images)
+
+
 def load_mmvp(root: Path, check_images: bool = True) -> list[BenchItem]:
     return _load("mmvp", Path(root), check_images)
 
@@ -144,7 +128,15 @@ LOADERS: dict[str, Callable[..., list[BenchItem]]] = {
     "cvbench": load_cvbench,
     "mmstar": load_mmstar,
     "pope": load_pope,
+    "hrbench8k": load_hrbench8k,
+    "mmerealworld": load_mmerealworld,
+    "mmerealworld_cn": load_mmerealworld_cn,
 }
+
+PAPER = ("vstar", "zoombench", "hrbench4k", "mmvp", "cvbench", "mmstar", "pope")
+"""The paper's seven (Table 1), eval.py's default --benchmarks."""
+FAMILY = ("vstar", "zoombench", "hrbench4k", "hrbench8k", "mmerealworld", "mmerealworld_cn")
+"""The family's six (Vision-OPD's table and its forks'), eval.py --preset family."""
 
 
 def load_benchmark(name: str, data_dir, check_images: bool = True) -> list[BenchItem]:

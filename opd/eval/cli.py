@@ -20,7 +20,8 @@ from opd.eval.backends import BACKENDS
 from opd.eval.benchmarks import LOADERS, expected_files, has_files
 from opd.eval.config import PRESETS, EvalConfig, default_out
 
-DESCRIPTION = "Evaluation on the paper's seven benchmarks (Table 1) from their shipped local files."
+DESCRIPTION = ("Evaluation on the paper's seven benchmarks (Table 1), or the family's six (--preset family), from their "
+               "shipped local files.")
 
 def parse_args(argv: list[str] | None) -> tuple[EvalConfig, list[str] | None]:
     """(config, runs to compare or None): the EvalConfig flags plus ``--compare RUN [RUN ...]``."""
@@ -112,6 +113,11 @@ def builtin_data(cfg: EvalConfig, names: list[str]) -> EvalConfig:
 def check_data(names: list[str], data_dir: str) -> None:
     """Refuses up front when benchmarks have no files: all missing ones with the files each expects,
     and the present ones with the --benchmarks that runs them."""
+    if Path(data_dir).exists() and not Path(data_dir).is_dir():
+        first = names[0] if names else "vstar"
+        raise UserError(f"--data-dir {data_dir}: is a file, not a folder; --data-dir takes the folder holding one "
+                        f"sub-folder per benchmark with its files as shipped (a file of {first}: DATA/{first}/"
+                        f"{Path(data_dir).name}, then --data-dir DATA; docs/EVAL.md lists each benchmark's files)")
     if not Path(data_dir).is_dir():
         raise UserError(f"--data-dir {data_dir}: no such folder (it holds one sub-folder per benchmark)")
     missing = [n for n in dict.fromkeys(names) if not has_files(n, data_dir)]

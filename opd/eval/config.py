@@ -7,15 +7,16 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from opd.builtin import is_builtin
-from opd.eval.benchmarks import LOADERS
+from opd.eval.benchmarks import FAMILY, PAPER
 
-ALL_BENCHMARKS = ",".join(LOADERS)  # Table 1 order
+ALL_BENCHMARKS = ",".join(PAPER)  # the paper's seven, Table 1 order
 
 
 @dataclass
 class EvalConfig:
     preset: str = "default"
-    """Starting values (only 'default'; flags set everything)."""
+    """Starting values: 'default' (the paper's seven benchmarks) or 'family' (the six of Vision-OPD's table: V*Bench,
+    ZoomBench, HR-Bench 4K and 8K, MME-RealWorld EN and CN); flags override them."""
     model: str | None = None
     """HF image-text-to-text checkpoint (folder or hub id), a train.py run or checkpoint folder (its policy/;
     a sharded --fsdp checkpoint is exported there first), or a built-in name: 'toy' (the toy world's base, untrained
@@ -42,7 +43,8 @@ class EvalConfig:
     flags) instead of starting one; it must answer /health within 5 s. Its prompts are checked token for token
     against --model's processor, its weights are not: the resume key is --model's files' digest, taken on trust."""
     benchmarks: str = ALL_BENCHMARKS
-    """Comma-separated benchmarks: vstar, zoombench, hrbench4k, mmvp, cvbench, mmstar, pope."""
+    """Comma-separated benchmarks: the paper's seven (Table 1), vstar, zoombench, hrbench4k, mmvp, cvbench, mmstar,
+    pope, and the family's hrbench8k, mmerealworld, mmerealworld_cn (--preset family: its six)."""
     data_dir: str | None = None
     """Folder holding one sub-folder per benchmark, as shipped (docs/EVAL.md lists the files), or a built-in name:
     'toy' (the toy world's held-out items) or 'tiny' (16 items of the tiny model's task), built on first use;
@@ -93,7 +95,7 @@ class EvalConfig:
     """Show a progress bar per benchmark."""
 
 
-PRESETS: dict[str, dict] = {"default": {}}
+PRESETS: dict[str, dict] = {"default": {}, "family": {"benchmarks": ",".join(FAMILY)}}
 
 OUT_ROOT = Path("runs/eval")
 """Where an evaluation of a model outside any train.py run writes without --out: OUT_ROOT/<its name> (`default_out`)."""

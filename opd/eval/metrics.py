@@ -16,6 +16,8 @@ official number in percent (0-100), with ``"n"``, ``"unparsed"`` and sub-metrics
 * POPE: pooled accuracy (the paper's number); accuracy, precision, recall, F1 and yes-ratio per
   split and overall, "yes" being the positive class (an unparsed reply is not a "yes").
 * ZoomBench: pooled accuracy; per kind and category. :func:`zoom_gap` gives crop minus full accuracy.
+* HR-Bench 8K: as 4K. MME-RealWorld (EN, CN): pooled accuracy over all items (the official script's, lmms-eval's
+  and VLMEvalKit's "Overall"); per task (Perception, Reasoning), subtask and l2 category beside it.
 """
 
 from __future__ import annotations
@@ -148,6 +150,25 @@ def zoombench_score(records: list[dict]) -> dict:
             "per_category": group_accuracy(records, lambda r: r.get("category"))}
 
 
+def _mme_l2(record: dict) -> str | None:
+    """An MME-RealWorld record's l2 category as its official script groups it: lower case, ".../attribute" for
+    every attribute category ("Color/attribute/motion" and "color/attribute" are one)."""
+    fine = (record.get("meta") or {}).get("l2_category")
+    if fine is None:
+        return None
+    fine = str(fine).lower()
+    return fine.split("/")[0] + "/attribute" if "attribute" in fine else fine
+
+
+def mmerealworld_score(records: list[dict]) -> dict:
+    """MME-RealWorld (EN or CN): pooled accuracy over every item (the official "Overall"); per task, per
+    task/subtask (the item's category) and per l2 category, each pooled."""
+    return {"score": accuracy(records), **_base(records),
+            "per_task": group_accuracy(records, _meta("task")),
+            "per_subtask": group_accuracy(records, lambda r: r.get("category") or None),
+            "per_l2_category": group_accuracy(records, _mme_l2)}
+
+
 def zoom_gap(full_records: list[dict], crop_records: list[dict]) -> dict:
     """Crop-image minus full-image accuracy (percentage points) on the indices both runs scored."""
     full = {str(r["index"]): r for r in full_records}
@@ -167,6 +188,9 @@ SCORERS: dict[str, Callable[[list[dict]], dict]] = {
     "cvbench": cvbench_score,
     "mmstar": mmstar_score,
     "pope": pope_score,
+    "hrbench8k": hrbench_score,
+    "mmerealworld": mmerealworld_score,
+    "mmerealworld_cn": mmerealworld_score,
 }
 
 

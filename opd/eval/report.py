@@ -4,9 +4,10 @@
 comes from :func:`opd.eval.metrics.score` (``"score"`` in percent). It is written atomically (a temp
 file in the same folder, then ``os.replace``), so a crash never leaves half a file.
 
-Tables follow Table 1's column order: V*Bench, ZoomBench, HR-Bench 4K, MMVP, CV-Bench, MMStar,
-POPE, Avg. The average is the unweighted mean over the benchmarks present (the paper averages
-all seven); absent benchmarks show "-" and are listed under the table.
+A table has one column per benchmark asked for (`ORDER`: the paper's Table 1 order, V*Bench, ZoomBench,
+HR-Bench 4K, MMVP, CV-Bench, MMStar, POPE, with the family's HR-Bench 8K and MME-RealWorld EN / CN after
+HR-Bench 4K), then Avg.: the unweighted mean over the benchmarks present (the paper averages all seven).
+A benchmark asked for but absent shows "-" and is named under the table.
 """
 
 from __future__ import annotations
@@ -15,17 +16,34 @@ import json
 import re
 from pathlib import Path
 
+from opd.eval.benchmarks import PAPER
 from opd.storage import write_atomic
 
-COLUMNS = (
-    ("vstar", "V*Bench"),
-    ("zoombench", "ZoomBench"),
-    ("hrbench4k", "HR-Bench 4K"),
-    ("mmvp", "MMVP"),
-    ("cvbench", "CV-Bench"),
-    ("mmstar", "MMStar"),
-    ("pope", "POPE"),
-)
+TITLES = {
+    "vstar": "V*Bench",
+    "zoombench": "ZoomBench",
+    "hrbench4k": "HR-Bench 4K",
+    "hrbench8k": "HR-Bench 8K",
+    "mmerealworld": "MME-RealWorld EN",
+    "mmerealworld_cn": "MME-RealWorld CN",
+    "mmvp": "MMVP",
+    "cvbench": "CV-Bench",
+    "mmstar": "MMStar",
+    "pope": "POPE",
+}
+ORDER = tuple(TITLES)
+"""Column order: the paper's seven (Table 1) and the family's six (opd.eval.benchmarks.PAPER / FAMILY) both keep
+their own order in it."""
+
+COLUMNS = tuple((key, TITLES[key]) for key in PAPER)  # the paper's Table 1 columns: a table's default
+
+
+def columns(names=None) -> tuple[tuple[str, str], ...]:
+    """(key, title) of each benchmark in `names` that a table has a column for, in `ORDER`; None: the paper's seven."""
+    if names is None:
+        return COLUMNS
+    wanted = set(names)
+    return tuple((key, TITLES[key]) for key in ORDER if key in wanted)
 
 
 def write_results(path, benchmarks: dict[str, dict], meta: dict | None = None) -> Path:
@@ -51,10 +69,10 @@ def read_results(path) -> dict:
     return data
 
 
-def row_scores(benchmarks: dict[str, dict]) -> dict[str, float | None]:
-    """Each Table 1 column's score (None when absent) and "avg" over the present ones."""
+def row_scores(benchmarks: dict[str, dict], names=None) -> dict[str, float | None]:
+    """Each column's score (None when absent; `columns(names)`) and "avg" over the present ones."""
     scores = {}
-    for key, _ in COLUMNS:
+    for key, _ in columns(names):
         value = (benchmarks.get(key) or {}).get("score")
         scores[key] = float(value) if value is not None else None
     present = [v for v in scores.values() if v is not None]
@@ -68,27 +86,29 @@ def _fmt(value: float | None, signed: bool = False) -> str:
     return f"{value:+.2f}" if signed else f"{value:.2f}"
 
 
-def _table(rows: list[tuple[str, dict]], signed: bool = False, first: str = "Run") -> list[str]:
-    header = [first] + [title for _, title in COLUMNS] + ["Avg."]
+def _table(rows: list[tuple[str, dict]], cols, signed: bool = False, first: str = "Run") -> list[str]:
+    header = [first] + [title for _, title in cols] + ["Avg."]
     lines = ["| " + " | ".join(header) + " |", "|" + "|".join(["---"] + ["---:"] * (len(header) - 1)) + "|"]
     for label, scores in rows:
-        cells = [label] + [_fmt(scores[key], signed) for key, _ in COLUMNS] + [_fmt(scores["avg"], signed)]
+        cells = [label] + [_fmt(scores[key], signed) for key, _ in cols] + [_fmt(scores["avg"], signed)]
         lines.append("| " + " | ".join(cells) + " |")
     return lines
 
 
-def _missing_note(label: str, scores: dict) -> str | None:
-    missing = [title for key, title in COLUMNS if scores[key] is None]
+def _missing_note(label: str, scores: dict, cols) -> str | None:
+    missing = [title for key, title in cols if scores[key] is None]
     if not missing:
         return None
-    return f"{label}: missing {', '.join(missing)}; Avg. is over the {len(COLUMNS) - len(missing)} present."
+    return f"{label}: missing {', '.join(missing)}; Avg. is over the {len(cols) - len(missing)} present."
 
 
-def markdown_table(benchmarks: dict[str, dict], label: str = "model") -> str:
-    """One-row Markdown table in Table 1 order, 2 decimals, with a note naming missing benchmarks."""
-    scores = row_scores(benchmarks)
-    lines = _table([(label, scores)], first="Model")
-    note = _missing_note(label, scores)
+def markdown_table(benchmarks: dict[str, dict], label: str = "model", names=None) -> str:
+    """One-row Markdown table, a column per benchmark in `names` (eval.py: those it evaluated; None: the paper's
+    seven) in `ORDER`, 2 decimals, with a note naming the ones asked for but absent."""
+    cols = columns(names)
+    scores = row_scores(benchmarks, names)
+    lines = _table([(label, scores)], cols, first="Model")
+    note = _missing_note(label, scores, cols)
     return "\n".join(lines + ([f"\n{note}"] if note else [])) + "\n"
 
 
@@ -153,7 +173,8 @@ def row_labels(folders: list[Path], stored: list[str | None], named: list[str | 
 
 
 def compare_runs(paths) -> str:
-    """Runs side by side (one row each, Table 1 order), then each run's deltas against the first."""
+    """Runs side by side (one row each; a column per benchmark any of them scored, in `ORDER`), then each run's
+    deltas against the first."""
     paths = list(paths)
     if not paths:
         raise ValueError("compare_runs: no results files given")
@@ -161,17 +182,19 @@ def compare_runs(paths) -> str:
     folders = [Path(p).resolve() for p in paths]
     folders = [f.parent if f.suffix == ".json" else f for f in folders]
     labels = row_labels(folders, [_stored_label(d, f) for d, f in zip(datas, folders)], [_model_label(d) for d in datas])
-    runs = [(label, row_scores(d["benchmarks"])) for label, d in zip(labels, datas)]
-    lines = ["Scores (%)", ""] + _table(runs)
+    names = {key for d in datas for key, value in d["benchmarks"].items() if (value or {}).get("score") is not None}
+    cols = columns(names) or COLUMNS
+    runs = [(label, row_scores(d["benchmarks"], [k for k, _ in cols])) for label, d in zip(labels, datas)]
+    lines = ["Scores (%)", ""] + _table(runs, cols)
     base = runs[0][1]
     deltas = []
     for label, scores in runs[1:]:
         d = {k: (scores[k] - base[k]) if scores[k] is not None and base[k] is not None else None for k in base}
         deltas.append((label, d))
     if deltas:
-        lines += ["", f"Delta vs {runs[0][0]} (points)", ""] + _table(deltas, signed=True)
-    notes = [n for n in (_missing_note(label, s) for label, s in runs) if n]
-    if len({tuple(k for k, _ in COLUMNS if s[k] is not None) for _, s in runs}) > 1:
+        lines += ["", f"Delta vs {runs[0][0]} (points)", ""] + _table(deltas, cols, signed=True)
+    notes = [n for n in (_missing_note(label, s, cols) for label, s in runs) if n]
+    if len({tuple(k for k, _ in cols if s[k] is not None) for _, s in runs}) > 1:
         notes.append("The runs cover different benchmarks, so their Avg. columns are not comparable.")
     if notes:
         lines += [""] + notes

@@ -283,7 +283,8 @@ def gap_note(name: str, results: dict, by_view: dict) -> str:
 
 
 def write_outputs(cfg: EvalConfig, engine: Engine, results: dict, notes: list[str], judge, requests: int) -> dict:
-    """Rank 0: results.json (scores and meta) and results.md (the Table 1 row, also printed)."""
+    """Rank 0: results.json (scores and meta) and results.md (the Table 1 row of the benchmarks evaluated, also
+    printed)."""
     from opd.eval.config import default_out, model_name
     from opd.eval.report import default_label, markdown_table, write_results
     from opd.storage import write_atomic
@@ -305,7 +306,8 @@ def write_outputs(cfg: EvalConfig, engine: Engine, results: dict, notes: list[st
     if judge is not None:
         meta["judge_requests"] = judge.requests
     write_results(out / "results.json", results, meta)
-    table = markdown_table(results, label) + "".join(f"\n{n}\n" for n in notes)
+    evaluated = [key for key in results if "@" not in key]  # the benchmarks of this command, not their @crop views
+    table = markdown_table(results, label, evaluated) + "".join(f"\n{n}\n" for n in notes)
     write_atomic(out / "results.md", table)
     print("\n" + table, end="", flush=True)
     folders = ", ".join(f"{key}/" for key in results)  # each view's predictions.jsonl and scored.jsonl
