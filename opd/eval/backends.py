@@ -46,6 +46,7 @@ from opd.eval.bench_items import BenchItem, item_origin, prompt_text
 BACKENDS = ("hf", "openai", "vllm")
 CONNECT_TIMEOUT = 5.0  # seconds /v1/models (or a --vllm-url's /health) may take before the server counts as unreachable
 TEMPLATE_KWARGS = ("vllm", "sglang", "transformers")  # the server kinds that take chat_template_kwargs
+RETRY_WAIT = 1.0  # seconds before a failed request's second try, doubled before each later one (both backends)
 
 
 def api_base(url: str, flag: str = "--base-url") -> str:
@@ -225,7 +226,7 @@ class OpenAIBackend:
         last = ""
         for attempt in range(self.retries):
             if attempt:
-                time.sleep(2 ** (attempt - 1))
+                time.sleep(RETRY_WAIT * 2 ** (attempt - 1))
             with self._lock:
                 self.requests += 1
             request = urllib.request.Request(self.base + "/chat/completions", data=data,
@@ -280,12 +281,50 @@ def refuse_adapter(model_dir: str, backend: str) -> None:
                         "checkpoint-N/merged/) and give that folder as --model")
 
 
+def _transient(exc: UserError) -> bool:
+    """Whether a `VLLMServer.post` failure may pass on a retry: a 5xx or 429 answer, a dropped or timed-out
+    connection; not a 4xx, a server that died (`_raise_if_dead`: no cause) or a prompt expanded otherwise."""
+    cause = exc.__cause__
+    if isinstance(cause, urllib.error.HTTPError):
+        return cause.code >= 500 or cause.code == 429
+    return isinstance(cause, (urllib.error.URLError, OSError))
+
+
+class RetryingServer:
+    """A `opd.engine.vllm_server.VLLMServer` whose POSTs are tried `tries` times in all (`_transient` failures only,
+    RETRY_WAIT apart, doubling), as `OpenAIBackend`'s requests are; everything else is the server's own."""
+
+    def __init__(self, server, tries: int = 3):
+        self.server, self.tries = server, max(1, tries)
+
+    def __getattr__(self, name):  # only for what this class lacks
+        if name == "server":
+            raise AttributeError(name)
+        return getattr(self.server, name)
+
+    def post(self, path: str, body: dict | None = None, timeout: float = 600.0):
+        for attempt in range(self.tries):
+            if attempt:
+                time.sleep(RETRY_WAIT * 2 ** (attempt - 1))
+            try:
+                return self.server.post(path, body, timeout=timeout)
+            except UserError as exc:
+                if not _transient(exc):
+                    raise
+                if attempt == self.tries - 1:
+                    raise UserError(f"{exc} (after {self.tries} tries)") from exc.__cause__
+
+
 class VLLMBackend:
-    """Greedy replies from a vLLM server through `opd.engine.vllm_rollouts.generate_text` (the trainer's token ids)."""
+    """Greedy replies from a vLLM server through `opd.engine.vllm_rollouts.generate_text` (the trainer's token ids).
+
+    A request that still fails after its tries (`RetryingServer`) stops the run with one line: its chunk's replies
+    are not stored (never scored as answers), the rows stored before stay, and the same command continues."""
 
     def __init__(self, server, processor, ids: dict, image_token_id: int | None, timeout: float = 3600.0):
         self.server, self.processor, self.ids = server, processor, ids
         self.image_token_id, self.timeout = image_token_id, timeout
+        self.retrying = RetryingServer(server)
 
     @classmethod
     def open(cls, model_dir: str, vllm_url: str | None = None, dtype: str = "bfloat16", seed: int = 42,
@@ -332,12 +371,14 @@ class VLLMBackend:
                     raise item_error(item, exc) from None
                 images.append([image])
             try:
-                texts = generate_text(self.server, prompts, images, max_new_tokens, self.processor,
+                texts = generate_text(self.retrying, prompts, images, max_new_tokens, self.processor,
                                       eos=self.ids["eos"], vision=self.ids["vision"],
                                       image_token_id=self.image_token_id, max_concurrency=max(1, batch_size),
                                       timeout=self.timeout)
             except UserError as exc:  # this process's server failed (died, refused a request): only it knows
-                raise UserError(str(exc), local=True) from None
+                indices = ", ".join(item.index for item in chunk)
+                raise UserError(f"{exc}; answering {chunk[0].benchmark} item(s) {indices}: none of them stored, the "
+                                "replies before are kept; the same command continues from there", local=True) from None
             yield from zip(chunk, texts)
 
     def close(self) -> None:
