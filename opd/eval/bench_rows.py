@@ -365,9 +365,8 @@ def _mme_image(images: ImageSource, row: Row) -> ImageRef:
                 "Image")
     value = _get(row, name)
     if isinstance(value, str) and not Path(value).is_absolute() and re.search(r"\.[A-Za-z]{2,5}$", value.strip()):
-        found = [images.base / d / value.strip() for d in _MME_IMAGE_DIRS if (images.base / d / value.strip()).is_file()]
-        if found:
-            value = str(found[0])
+        found = [images.base / d / value.strip() for d in _MME_IMAGE_DIRS]
+        value = str(next((path for path in found if path.is_file()), value))
     return images.ref(value, where, name)
 
 

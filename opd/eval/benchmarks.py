@@ -43,7 +43,7 @@ def expected_files(name: str) -> str:
 
 def _load(name: str, root: Path, check_images: bool) -> list[BenchItem]:
     if not root.is_dir():
-        raise BenchmarkDataError(f"{root}: benchmark folder not found (opd/eval/benchmarks.py lists the files expected)")
+        raise BenchmarkDataError(f"{root}: benchmark folder not found (docs/EVAL.md lists the files expected)")
     for patterns, reader, row_fn, columns in layouts(name):
         files = _find(root, patterns, name)
         if not files:

@@ -20,8 +20,8 @@ from opd.eval.backends import BACKENDS
 from opd.eval.benchmarks import LOADERS, expected_files, has_files
 from opd.eval.config import PRESETS, EvalConfig, default_out
 
-DESCRIPTION = ("Evaluation on the paper's seven benchmarks (Table 1), or the family's six (--preset family), from their "
-               "shipped local files.")
+DESCRIPTION = ("Evaluation on the paper's seven benchmarks (Table 1), or the family's six (--preset family), from "
+               "their shipped local files.")
 
 def parse_args(argv: list[str] | None) -> tuple[EvalConfig, list[str] | None]:
     """(config, runs to compare or None): the EvalConfig flags plus ``--compare RUN [RUN ...]``."""
