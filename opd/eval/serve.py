@@ -1,7 +1,7 @@
 """Serves a checkpoint for other evaluation toolkits: the project's vLLM server (`opd.engine.vllm_server.VLLMServer`,
 from the vLLM venv of scripts/install_vllm.sh) on 127.0.0.1 under a model name, until Ctrl-C.
 
-    .venv/bin/python -m opd.eval.serve --model runs/paper-4b --port 8000 --out runs/paper-4b/serve
+    .venv/bin/python -m opd.eval.serve --model runs/paper-4b --port 8000 --out runs/paper-4b/toolkits
 
 --model is resolved as eval.py resolves it (a run folder's latest policy/, a sharded checkpoint exported first; a LoRA
 adapter is refused: serve its merged/ export). Greedy clients get no sampling defaults from the checkpoint
