@@ -289,3 +289,25 @@ def test_the_family_preset_runs_the_six_beside_the_papers_seven(tmp_path):
                         "| MME-RealWorld CN | Avg. |")
     assert lines[2].endswith(f"| 50.00 | 0.00 | 33.33 | 33.33 | 60.00 | 50.00 | {sum(expected.values()) / 6:.2f} |")
     assert "missing" not in result["table"] and result["meta"]["preset"] == "family"
+
+
+def test_mmerealworld_as_the_familys_harness_ships_it(tmp_path):
+    """The family's harness names its Vision-OPD manifest MME_RealWorld.json too (images, query with the official
+    prompt around the "(A) ..." choices, response): read as a Vision-OPD JSON, its options from the query."""
+    root = tmp_path / "mmerealworld"
+    (root / "images").mkdir(parents=True)
+    rows = []
+    for n, (_, task, subtask, category, text, choices, gold) in enumerate(MME_EN[:2]):
+        (root / "images" / f"{n}.png").write_bytes(image_bytes(980 + n))
+        query = ("<image>" + text + " The choices are listed below:\n"
+                 + "\n".join(f"({chr(65 + i)}) {c}" for i, c in enumerate(choices))
+                 + "\nSelect the best answer to the above multiple-choice question based on the image. Respond with "
+                 "only the letter (A, B, C, D, or E) of the correct option.\nThe best answer is:")
+        rows.append({"images": [f"images/{n}.png"], "query": query, "response": gold, "category": f"{task}/{subtask}"})
+    (root / "MME_RealWorld.json").write_text(json.dumps(rows), encoding="utf-8")
+    items = load_benchmark("mmerealworld", tmp_path)
+    assert [i.answer for i in items] == ["A", "B"]
+    assert items[1].options == {"A": "red", "B": "white", "C": "blue", "D": "black",
+                                "E": "The image does not feature a moving car."}
+    assert items[0].question.startswith("How many cars are in the image?")
+    assert score("mmerealworld", [grade(i, "B") for i in items])["score"] == pytest.approx(50.0)
