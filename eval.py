@@ -1,25 +1,17 @@
-"""Evaluation on the paper's seven benchmarks (Table 1) from their shipped local files.
+"""Evaluation on the paper's seven benchmarks (Table 1), or the family's six (--preset family), from shipped files.
 
     python eval.py --model runs/paper-4b --data-dir data/eval --out runs/paper-4b/eval
-    python eval.py --model Qwen/Qwen3.5-4B --benchmarks zoombench --view crop --data-dir data/eval --out runs/base
+    python eval.py --preset family --model runs/paper-4b --data-dir data/eval --out runs/paper-4b/eval
     python eval.py --compare runs/base runs/paper-4b/eval
     torchrun --nproc_per_node 8 eval.py --model runs/paper-4b --data-dir data/eval --out runs/paper-4b/eval
-    python eval.py --backend openai --base-url http://127.0.0.1:8000/v1 --model runs/paper-4b --data-dir data/eval
 
-Greedy decoding (temperature 0, seed 42) with plain Hugging Face `generate`, the model and processor
-loaded as in training, the non-thinking prompt unless --enable-thinking. Predictions are appended to
-OUT/<benchmark>/predictions.jsonl as they come, so a stopped run resumes where it stopped (with the
-same model: its files' digest, not its path, is the resume key); the scores go to OUT/results.json and
-OUT/results.md (Table 1 order, unweighted average). docs/EVAL.md lists the files each benchmark needs
-and where scoring departs from the paper. Errors the user can fix are one line and exit code 2.
+Greedy decoding (temperature 0, seed 42), the model and processor loaded as in training, non-thinking unless
+--enable-thinking; --backend openai / vllm answer through a server with the same prompts, parsers and aggregates.
+Predictions are appended to OUT/<benchmark>/predictions.jsonl as they come (a stopped run resumes; the model's files'
+digest is the resume key); the scores go to OUT/results.json and OUT/results.md. Errors the user can fix are one line
+and exit code 2. docs/EVAL.md has the files each benchmark needs and where scoring departs from the paper.
 
-A sharded (--fsdp) training checkpoint without a policy/ export is exported first (`opd.export`). Under a
-launcher (torchrun, accelerate launch) each process answers its share of every benchmark
-(`opd.eval.parallel`); rank 0 merges and scores. --backend openai / vllm answer through a server
-(`opd.eval.backends`) with the same prompts, parsers and aggregates.
-
-This script is the command line only: the settings, their checks and `main` live in `opd.eval.cli` (library
-code calls `opd.eval.cli.main(argv)`), the run itself in `opd.eval.run`.
+The command line only: the settings, their checks and `main` live in `opd.eval.cli`, the run in `opd.eval.run`.
 """
 
 import sys

@@ -4,27 +4,14 @@ eval.py --backend picks one: `hf` (`opd.eval.inference`, the default), `openai` 
 OpenAI-compatible chat completions endpoint: vLLM, SGLang, `transformers serve`, llama.cpp, ...) or `vllm`
 (`VLLMBackend`: a vLLM server started for --model by `opd.engine.vllm_server.VLLMServer`, or one already running). Each
 has `answer_items(items, ...)` yielding (item, reply) in order, as `inference.answer_items` does; the prompts,
-parsers and aggregates are eval.py's own either way.
+parsers and aggregates are eval.py's own either way. A request is tried 3 times (`RETRY_WAIT` apart, doubling); one
+that still fails stops the run with one line and is never stored, so never scored.
 
-`OpenAIBackend` sends one chat completion per item (`--batch-size` of them in flight): the same user turn as
-`opd.models.chat.user_message` builds (the image, as a lossless PNG base64 data URL, in front of
-`opd.eval.bench_items.prompt_text(item)`), so the server's chat template renders the prompt the trainer's
-processor renders; greedy (temperature 0, top_p 1, no penalties, seed), `max_tokens` = --max-new-tokens,
-and, when --model names the checkpoint, its vision special tokens biased by -100 (`logit_bias`, the OpenAI
-bound), as `generate`'s suppression. Servers add their own generation defaults (the checkpoint's
-generation_config.json: repetition penalty, top-k, ...): a server `/v1/models` identifies gets the parameters
-that turn them off and `chat_template_kwargs.enable_thinking` as --enable-thinking: `transformers serve` a
-whole `generation_config` (the neutral config of `opd.models.loading.neutral_generation_config`: the checkpoint's EOS
-and pad ids, greedy, the vision tokens suppressed), vLLM and SGLang `repetition_penalty` 1. Any other server
-(kind 'openai') gets the standard parameters only, which an OpenAI-compatible server must accept: its chat
-template's default thinking mode applies there, whatever --enable-thinking says. A reply's
-`reasoning_content` (a server's reasoning parser split a think block off) is put back in front as
-``<think>...</think>``, which the answer parser drops again.
-
-`VLLMBackend` encodes each prompt with the trainer's own processor and sends its token ids
-(`opd.engine.vllm_rollouts.generate_text`, the trainer's exact ids, checked against the server's), greedy, vision tokens
-biased by -100, replies decoded by the trainer's processor: the engine computes in bf16, so a reply can part
-from HF float32 greedy at a near-tie (tests/test_eval_backends.py measures how often).
+`OpenAIBackend` sends eval.py's own user turn (the image as a lossless PNG data URL), greedy and with the server's
+generation defaults turned off (its docstring says how, per server kind). `VLLMBackend` sends the trainer's own token
+ids (`opd.engine.vllm_rollouts.generate_text`, checked against the server's) and decodes with the trainer's
+processor: the engine computes in bf16, so a reply can part from HF float32 greedy at a near-tie
+(tests/test_eval_backends.py measures how often).
 """
 
 from __future__ import annotations
@@ -126,7 +113,20 @@ def _chunks(items: Iterable, n: int) -> Iterator[list]:
 
 
 class OpenAIBackend:
-    """Greedy replies from an OpenAI-compatible chat completions endpoint (`connect` first)."""
+    """Greedy replies from an OpenAI-compatible chat completions endpoint (`connect` first).
+
+    One chat completion per item (`--batch-size` of them in flight): the user turn `opd.models.chat.user_message`
+    builds (the image, as a lossless PNG base64 data URL, in front of `opd.eval.bench_items.prompt_text(item)`), so the
+    server's chat template renders the prompt the trainer's processor renders; greedy (temperature 0, top_p 1, no
+    penalties, seed), `max_tokens` = --max-new-tokens, and, when --model names the checkpoint, its vision special
+    tokens biased by -100 (`logit_bias`, the OpenAI bound), as `generate`'s suppression. Servers add their own
+    generation defaults (the checkpoint's generation_config.json): a server `/v1/models` identifies gets the
+    parameters that turn them off and `chat_template_kwargs.enable_thinking` as --enable-thinking: `transformers
+    serve` a whole `generation_config` (`opd.models.loading.neutral_generation_config`: the checkpoint's EOS and pad
+    ids, greedy, the vision tokens suppressed), vLLM and SGLang `repetition_penalty` 1. Any other server (kind
+    'openai') gets the standard parameters only: its chat template's default thinking mode applies there. A reply's
+    `reasoning_content` (a server's reasoning parser split a think block off) is put back in front as
+    ``<think>...</think>``, which the answer parser drops again."""
 
     def __init__(self, base: str, served_model: str, kind: str = "openai", ids: dict | None = None,
                  api_key: str | None = None, timeout: float = 600.0, seed: int = 42, retries: int = 3):

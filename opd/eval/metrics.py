@@ -1,23 +1,12 @@
 """Official aggregate scores, as pure functions on per-item records.
 
-A record is a dict with at least ``index``, ``correct`` (bool), ``category``, ``meta`` (dict),
-``pred``, ``answer`` and ``parsed`` (bool); :func:`opd.answers.grade.grade` makes one. An unparsed
-reply counts as wrong. ``score(benchmark, records)`` returns a dict whose ``"score"`` is the
-official number in percent (0-100), with ``"n"``, ``"unparsed"`` and sub-metrics beside it:
-
-* V*Bench: pooled accuracy over its 191 questions; per-category accuracy beside it.
-* HR-Bench 4K: accuracy within each ``cycle_category`` (the 4 option orders), then the mean over
-  cycles; "single" and "cross" are averaged over cycles the same way (HR-Bench's official rule).
-* MMVP: question accuracy (the score); pair accuracy = pairs (indices 1-2, 3-4, ...) with both
-  questions right, over complete pairs.
-* CV-Bench: 1/2 * [(acc_ADE20K + acc_COCO) / 2 + acc_Omni3D] (Cambrian-1's formula: 2D is the
-  mean of its two sources, 3D is Omni3D); pooled 2D and 3D accuracy and the per-task accuracy beside it.
-* MMStar: pooled accuracy; per category and per l2 category.
-* POPE: pooled accuracy (the paper's number); accuracy, precision, recall, F1 and yes-ratio per
-  split and overall, "yes" being the positive class (an unparsed reply is not a "yes").
-* ZoomBench: pooled accuracy; per kind and category. :func:`zoom_gap` gives crop minus full accuracy.
-* HR-Bench 8K: as 4K. MME-RealWorld (EN, CN): pooled accuracy over all items (the official script's, lmms-eval's
-  and VLMEvalKit's "Overall"); per task (Perception, Reasoning), subtask and l2 category beside it.
+A record is a dict with at least ``index``, ``correct`` (bool), ``category``, ``meta`` (dict), ``pred``, ``answer``
+and ``parsed`` (bool); :func:`opd.answers.grade.grade` makes one. An unparsed reply counts as wrong.
+``score(benchmark, records)`` returns a dict whose ``"score"`` is the official number in percent (0-100), with
+``"n"``, ``"unparsed"`` and sub-metrics beside it. Each benchmark's rule is its scorer's docstring (`SCORERS`):
+pooled accuracy for V*Bench, ZoomBench, MMStar, POPE and MME-RealWorld (EN, CN); the mean of per-cycle accuracies for
+HR-Bench 4K and 8K; question accuracy for MMVP (pair accuracy beside it); Cambrian-1's formula for CV-Bench.
+:func:`zoom_gap` gives crop minus full accuracy. docs/EVAL.md says where scoring departs from the paper.
 """
 
 from __future__ import annotations
