@@ -229,6 +229,12 @@ def test_mmerealworld_vlmevalkit_tsv_and_lmms_eval_parquet(tmp_path):
     for got, want in ((tsv, load_benchmark("mmerealworld", official)),):
         assert [(i.question, i.options, i.answer, i.category, i.meta) for i in got] == \
             [(i.question, i.options, i.answer, i.category, i.meta) for i in want]
+    base64_json = tmp_path / "b64"  # yifanzhang114/MME-RealWorld-Base64's JSON lists (VLMEvalKit's TSV source)
+    (base64_json / "mmerealworld_cn").mkdir(parents=True)
+    rows = [{("image" if k == "bytes" else k): v for k, v in r.items()} for r in mme_lmms_rows(MME_CN)]
+    (base64_json / "mmerealworld_cn" / "MME-RealWorld-CN.json").write_text(json.dumps(rows), encoding="utf-8")
+    assert [(i.question, i.options, i.answer, i.meta) for i in load_benchmark("mmerealworld_cn", base64_json)] == \
+        [(i.question, i.options, i.answer, i.meta) for i in cn]
     assert [i.answer for i in cn] == ["B", "A", "E", "A"] and cn[1].question == "招牌上写的是什么？"
     assert cn[1].options == {"A": "面包", "B": "咖啡", "C": "茶", "D": "书店", "E": "看不清"}
     assert cn[2].meta == {"task": "Reasoning", "subtask": "Diagram and Table", "l2_category": "table"}

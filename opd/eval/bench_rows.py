@@ -415,7 +415,7 @@ def layouts(name: str) -> list[tuple]:
     def mme_layouts(official: str, vlmevalkit: str) -> list[tuple]:
         row = lambda row, images, n: _mme_row(name, row, images, n)  # noqa: E731
         answer = ("Ground truth|answer|response", "Text|question|query|problem")
-        return [((official, "*.json"), _read_json_list, row, answer + ("Image|images",)),
+        return [((official, "*.json"), _read_json_list, row, answer + ("Image|images|image",)),
                 ((vlmevalkit, "*.tsv"), _tsv, row, answer + ("image|image_path",)),
                 (("**/*.parquet",), _read_parquet, row, answer + ("image|bytes",))]
 
