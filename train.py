@@ -39,8 +39,11 @@ def main(argv: list[str] | None = None) -> dict:
     """Trains (or, with --print-config, prints the settings) and returns the summary (the settings' flags)."""
     given, show, file, beside = parse(argv)
     cfg = launch_config(given)  # --resume, --auto-resume, or a new run
+    world = int(os.environ.get("WORLD_SIZE", "1"))
     if file is not None:  # every problem of the file at once, by its lines (and of the settings, unless printed)
-        refuse_file_problems(file, None if show else cfg, beside, int(os.environ.get("WORLD_SIZE", "1")))
+        refuse_file_problems(file, None if show else cfg, beside, world)
+    elif not show:
+        cfg.check(world)  # before torch is imported: a bad setting answers as fast as a mistyped flag
     if show:
         print(cfg.to_yaml(), end="", flush=True)
         return cfg.flags()

@@ -36,13 +36,40 @@ def _rank() -> int:
     return int(os.environ.get("RANK", "0") or 0)
 
 
+PEER_LOST = re.compile(r"Connection (closed|reset) by peer|remote worker crashing|Broken pipe|communicator was aborted")
+"""How gloo and NCCL report, to a rank waiting in a collective, that another rank has ended."""
+
+
+def _peer_lost(exc: BaseException) -> bool:
+    """Under a launcher with several processes: `exc` says another rank ended (its own error is printed by it)."""
+    if int(os.environ.get("WORLD_SIZE", "1") or 1) < 2:
+        return False
+    names = {k.__name__ for k in type(exc).__mro__}
+    return bool(names & {"DistError", "DistBackendError", "DistNetworkError"} or
+                (isinstance(exc, RuntimeError) and PEER_LOST.search(str(exc))))  # fmt: skip
+
+
+def _quiet_when_a_peer_ends(main: Callable, argv: list[str], prog: str):
+    try:
+        return main(argv)
+    except UserError:
+        raise
+    except Exception as exc:
+        if not _peer_lost(exc):
+            raise
+        print(f"{prog}: [rank {_rank()}] stopped: another process of the run ended (its error is above)",
+              file=sys.stderr, flush=True)  # fmt: skip
+        sys.exit(1)
+
+
 def run_cli(main: Callable, argv: list[str], prog: str):
     """Calls main(argv); a UserError becomes one line 'prog: error: ...' on stderr and exit code 2 (printed once
     under a launcher: by rank 0, unless only this rank met it), Ctrl-C one line 'prog: interrupted ...' (the
-    KeyboardInterrupt's message, if any) and exit code 130. A launcher reports a failed process with its own
-    exit code (torchrun and accelerate launch: 1)."""
+    KeyboardInterrupt's message, if any) and exit code 130; a rank whose collective failed because another rank
+    ended (that rank prints its own error) one line 'prog: [rank r] stopped: ...' and exit code 1, not gloo's
+    traceback. A launcher reports a failed process with its own exit code (torchrun and accelerate launch: 1)."""
     try:
-        return main(argv)
+        return _quiet_when_a_peer_ends(main, argv, prog)
     except UserError as exc:
         if _rank() == 0 or exc.local:
             where = f"[rank {_rank()}] " if exc.local and _rank() else ""

@@ -276,9 +276,13 @@ def load_config_file(path: str) -> ConfigFile:
 
     file = Path(path)
     try:
-        text = file.read_text()
+        text = file.read_text(encoding="utf-8")
     except OSError as exc:
         raise UserError(f"--config {path}: cannot read it ({exc.strerror or exc})") from None
+    except UnicodeDecodeError as exc:  # a binary file, or text saved in another encoding
+        line = exc.object[: exc.start].count(b"\n") + 1
+        raise UserError(f"{path}:{line}: not UTF-8 text (byte 0x{exc.object[exc.start]:02x}); a config file is YAML or "
+                        "JSON saved as UTF-8") from None
     try:
         data = yaml.safe_load(text) if text.strip() else {}
         node = yaml.compose(text) if text.strip() else None
@@ -291,7 +295,7 @@ def load_config_file(path: str) -> ConfigFile:
     key_lines = {k.value: k.start_mark.line + 1 for k, _ in node.value} if node is not None else {}
     stored_run = file.suffix == ".json"
     flags = {f.name: f for f in TrainConfig.flag_list()}
-    out, lines, problems = {}, {}, []
+    out, lines, problems = {}, {}, _repeated_keys(path, node)
     for key, value in data.items():
         name = str(key).lstrip("-").replace("-", "_")
         where = f"{path}:{key_lines.get(key, '?')}"
@@ -307,6 +311,19 @@ def load_config_file(path: str) -> ConfigFile:
         except UserError as exc:
             problems.append(str(exc))
     return ConfigFile(path, out, lines, problems)
+
+
+def _repeated_keys(path: str, node) -> list[str]:
+    """A line for each key given again (YAML keeps the last one silently; `lora-r` and `lora_r` are one key), naming
+    both lines."""
+    first, problems = {}, []
+    for key, _ in node.value if node is not None else []:
+        name, line = str(key.value).lstrip("-").replace("-", "_"), key.start_mark.line + 1
+        if name in first:
+            problems.append(f"{path}:{line}: key {key.value!r} given twice (also on line {first[name]}); keep one")
+        else:
+            first[name] = line
+    return problems
 
 
 def _typed(value, flag: Flag, where: str):

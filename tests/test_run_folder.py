@@ -111,6 +111,7 @@ def test_overwrite_deletes_nothing_until_every_input_is_built(tmp_path, tiny, ot
     (out / "eval").mkdir()  # eval.py's evaluations of the old run (its default --out), and a file of the user's
     (out / "eval" / "results.json").write_text("{}")
     (out / "eval-checkpoint-000002-merged").mkdir()
+    (out / "eval-checkpoint-000002-merged" / ".lock").write_text("pid 1 on host\n")  # eval.py's lock file
     (out / "notes.txt").write_text("mine")
     train.main(["--preset", "tiny", "--steps", "1", "--out", str(out), "--overwrite"])  # a good one still replaces the run
     assert not (out / opd.loop.folder.OVERWRITTEN).exists()

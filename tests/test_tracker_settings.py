@@ -3,6 +3,7 @@ $WANDB_PROJECT (or --tracker-project), its entity, tags and group; metric names 
 rules, the strictest), one mapping; the run says where its logs go. Read back with each tracker's own reader."""
 
 import json
+import shlex
 
 import pytest
 from bench_fixtures import write_all_fixtures
@@ -10,7 +11,7 @@ from tracker_readers import mlflow_client, tensorboard_scalars, wandb_history, w
 
 import train
 from opd.loop.ledger import read_ledger
-from opd.loop.tracking import metric_name, mlflow_store, mlflow_where
+from opd.loop.tracking import MLFLOW_READ, metric_name, mlflow_store, mlflow_where, venv_command
 
 TINY = ["--preset", "tiny", "--steps", "2", "--save-every", "0"]
 
@@ -103,8 +104,10 @@ def test_mlflow_writes_its_sqlite_store_and_says_how_to_read_it(tmp_path, monkey
     assert mlflow_store(tmp_path, {"mlflow": "abc"}) == (tmp_path / "mlruns").resolve().as_uri()
     monkeypatch.setenv("MLFLOW_TRACKING_URI", "http://127.0.0.1:5000")
     assert mlflow_store(tmp_path, {"mlflow_uri": db}) == "http://127.0.0.1:5000"
-    read = f"mlflow ui --backend-store-uri {db}"
-    assert mlflow_where(db) == f"MLflow runs in {db} (the full mlflow package reads them back: {read})"
+    python = venv_command("python")
+    read = f"MLFLOW_TRACKING_URI={db} {python} -c {shlex.quote(MLFLOW_READ)}"
+    assert mlflow_where(db) == f"MLflow runs in {db} (read them back: {read})"
     file_uri = (tmp_path / "mlruns").resolve().as_uri()
-    assert mlflow_where(file_uri).endswith(f"MLFLOW_ALLOW_FILE_STORE=true mlflow ui --backend-store-uri {file_uri})")
+    assert mlflow_where(file_uri).endswith(f"MLFLOW_ALLOW_FILE_STORE=true MLFLOW_TRACKING_URI={file_uri} {python} -c "
+                                           f"{shlex.quote(MLFLOW_READ)})")
     assert mlflow_where("http://127.0.0.1:5000") == "MLflow runs at http://127.0.0.1:5000"

@@ -11,19 +11,20 @@ from pathlib import Path
 
 
 def mlflow_client(printed: str):
-    """MLflow's client on the store whose read-back command the run printed (`mlflow ui --backend-store-uri URI`),
-    under MLflow's defaults: the command must need no environment of its own (no MLFLOW_ALLOW_FILE_STORE=true: MLflow
-    3 refuses its file store by default), and the client runs without MLFLOW_ALLOW_FILE_STORE or
-    MLFLOW_TRACKING_URI set (the caller's monkeypatch has removed them)."""
+    """MLflow's client on the store whose read-back command the run printed (`MLFLOW_TRACKING_URI=URI .venv/bin/python
+    -c ...`, `opd.loop.tracking.MLFLOW_READ`), under MLflow's defaults: the command must need no other environment (no
+    MLFLOW_ALLOW_FILE_STORE=true: MLflow 3 refuses its file store by default), and the client runs without
+    MLFLOW_ALLOW_FILE_STORE or MLFLOW_TRACKING_URI set (the caller's monkeypatch has removed them)."""
     from mlflow.tracking import MlflowClient
 
     line = next(line for line in printed.splitlines() if "MLflow runs in" in line)
-    found = re.search(r"reads them back: (.*)\)$", line)
+    found = re.search(r"read them back: (.*)\)$", line)
     assert found, f"the run prints no command that reads MLflow's store back: {line}"
     words = shlex.split(found.group(1))
-    assert words[:3] == ["mlflow", "ui", "--backend-store-uri"], line  # MLflow's own command, no environment
+    assert words[0].startswith("MLFLOW_TRACKING_URI=") and words[2] == "-c", line  # the URI, no other environment
     assert "MLFLOW_ALLOW_FILE_STORE" not in os.environ and "MLFLOW_TRACKING_URI" not in os.environ
-    return MlflowClient(tracking_uri=words[3]), words[3]
+    uri = words[0].split("=", 1)[1]
+    return MlflowClient(tracking_uri=uri), uri
 
 
 def mlflow_history(out: Path, key: str) -> list[tuple[int, float]]:

@@ -31,6 +31,10 @@ from opd.models.external_teachers import TeacherSet, build_routed, load_routes, 
 if TYPE_CHECKING:
     import torch
 
+DTYPE_NAMES = ("float32", "bfloat16", "float16", "float64")
+"""--dtype's choices: `opd.models.loading.DTYPES`'s names, here without torch (a settings check imports nothing heavy)."""
+GENERATION_MODES = ("gathered", "layerwise")
+"""--fsdp-generation's choices: `opd.models.sharding.GENERATION`, here without torch."""
 
 @dataclass
 class ModelConfig(Section):
@@ -53,17 +57,14 @@ class ModelConfig(Section):
     """With --fsdp: 'gathered' all-gathers the policy once per generate() call; 'layerwise' gathers it layer by layer
     at every generated token (less memory, far more communication)."""
 
-    def check(self) -> list[str]:
-        from opd.models.loading import DTYPES
-        from opd.models.sharding import GENERATION
-
+    def check(self) -> list[str]:  # torch-free: a bad --config answers before any heavy import
         problems = []
         if self.mixed_precision not in ("no", "bf16", "fp16"):
             problems.append(f"--mixed-precision {self.mixed_precision!r}: choose no, bf16 or fp16")
-        if self.dtype not in DTYPES:
-            problems.append(f"--dtype {self.dtype!r}: choose one of {', '.join(DTYPES)}")
-        if self.fsdp_generation not in GENERATION:
-            problems.append(f"--fsdp-generation {self.fsdp_generation!r}: choose one of {', '.join(GENERATION)}")
+        if self.dtype not in DTYPE_NAMES:
+            problems.append(f"--dtype {self.dtype!r}: choose one of {', '.join(DTYPE_NAMES)}")
+        if self.fsdp_generation not in GENERATION_MODES:
+            problems.append(f"--fsdp-generation {self.fsdp_generation!r}: choose one of {', '.join(GENERATION_MODES)}")
         return problems
 
 

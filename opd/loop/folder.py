@@ -3,7 +3,9 @@
 - The lock (`opd.loop.lock`): rank 0 takes DIR/.lock before anything is read; every rank refuses alike when another
   run holds it. A failed start releases it and removes a folder it created (when nothing else is there).
 - A new run refuses a folder that holds a run unless --overwrite; --overwrite sets the old run aside in
-  DIR/.overwritten/ only once every input is built, and puts it back if the trackers then fail to start.
+  DIR/.overwritten/ only once every input is built, and puts it back if the trackers then fail to start. Each move
+  is one rename, so a kill anywhere in between is recoverable: the next run into the folder puts a set-aside run
+  back before it looks at the folder (`recover`), and only a new run that has started deletes it.
 - Identities: every frozen model a resumed run loads again from its path (external teachers, DAPD's base, a sharded
   run's --model) is recorded by its files' digest (`opd.models.identity`), and a resume whose model there has changed is
   refused by name. DIR/.digests.json caches the digests (kept by --overwrite: it describes files outside the run).
@@ -57,8 +59,15 @@ VLLM_PUSH = ".vllm-push"
 end."""
 OVERWRITTEN = ".overwritten"
 """DIR/.overwritten/: an --overwrite's old run, set aside until the new one has started its trackers."""
+OVERWRITING = ".overwriting"
+"""DIR/.overwriting/: the old run's files while they move aside (renamed .overwritten once all are there)."""
+RESTORING = ".restoring"
+"""DIR/.restoring/: the old run's files while they move back (after the new run's own were deleted)."""
+DROPPING = ".overwritten.drop"
+"""DIR/.overwritten.drop/: the old run being deleted, once the new one has started (a kill's leftover is deleted)."""
+ASIDE = (OVERWRITTEN, OVERWRITING, RESTORING, DROPPING)
 RUN_FILES = ("ledger.jsonl", "summary.json", "summary.md", "latest", "train_config.json", "tb", "mlruns", "wandb",
-             "trackers.json", OVERWRITTEN, VLLM_PUSH)  # fmt: skip
+             "trackers.json", *ASIDE, VLLM_PUSH)  # fmt: skip
 """What a training run writes into its --out folder, besides checkpoint-NNNNNN/ (and a kill's leftovers: temporary
 siblings of the checkpoints and of the summaries, RUN_PREFIXES)."""
 RUN_PREFIXES = ("checkpoint-", ".checkpoint-", ".summary.", ".ledger.", ".latest.", ".train_config.")
@@ -74,14 +83,68 @@ def run_files(out: Path) -> list[Path]:
 
 
 def checkpoint_of(path: str) -> Path:
-    """The checkpoint a --resume path names, or a UserError saying what is missing."""
+    """The checkpoint a --resume path names, or a UserError saying what is missing. A run an interrupted --overwrite
+    had set aside is put back first (one process: under the folder's lock; several: named in the error)."""
     try:
         return find_checkpoint(path)
     except FileNotFoundError as exc:
-        hint = ""
-        if run_files(Path(path)):  # a run stopped before its first checkpoint
-            hint = f"; the run stopped before its first checkpoint: start over with --out {path} --overwrite"
-        raise UserError(f"--resume {path}: {exc}{hint}") from None
+        error = exc
+    out = Path(path)
+    if out.is_dir() and any((out / name).exists() for name in ASIDE):
+        if int(os.environ.get("WORLD_SIZE", "1")) > 1:
+            raise UserError(f"--resume {path}: {error}; {path}/{OVERWRITTEN}/ holds the run an interrupted --overwrite "
+                            "set aside: resume it once on one process, which puts it back") from None
+        with contextlib.suppress(runlock.LockedError):  # a run is using it: its own --overwrite, live
+            runlock.acquire(out)
+            try:
+                recover(out)
+            finally:
+                runlock.release(out)
+            with contextlib.suppress(FileNotFoundError):
+                return find_checkpoint(path)
+    hint = ""
+    if run_files(out):  # a run stopped before its first checkpoint
+        hint = (f"; the run in {path} stopped before its first checkpoint, so nothing can be resumed: start over with "
+                "the same command and --overwrite (which deletes it)")
+    raise UserError(f"--resume {path}: {error}{hint}") from None
+
+
+def _remove(path: Path) -> None:
+    shutil.rmtree(path) if path.is_dir() and not path.is_symlink() else path.unlink(missing_ok=True)
+
+
+def put_back(out: Path) -> bool:
+    """Puts an old run set aside by --overwrite (`RunFolder.set_aside`) back in `out`, from wherever a failed start or
+    a kill left it; True when there was one. From DIR/.overwritten/ (set aside whole; the new run may have begun to
+    write its trackers' files): the new run's files are deleted, then it moves back through DIR/.restoring/; from
+    .overwriting/ or .restoring/ (a kill midway): the files still there move back, over nothing of the new run's.
+    DIR/.overwritten.drop/ (a kill while the old run was deleted, the new one started) is deleted."""
+    if (out / DROPPING).exists():
+        shutil.rmtree(out / DROPPING)
+    whole = out / OVERWRITTEN
+    if whole.is_dir():
+        for path in run_files(out):
+            if path.name not in ASIDE:
+                _remove(path)
+        whole.rename(out / RESTORING)
+    found = False
+    for name in (OVERWRITING, RESTORING):
+        if (out / name).is_dir():
+            found = True
+            for path in (out / name).iterdir():
+                if (out / path.name).exists():  # (a file of the new run's set-aside run: not expected)
+                    _remove(out / path.name)
+                path.rename(out / path.name)
+            (out / name).rmdir()
+    return found
+
+
+def recover(out: Path) -> None:
+    """What a kill left of an --overwrite in `out`, under the folder's lock (no run is using it): the old run it had
+    set aside is put back (a note says so), so that the same command, --resume or --overwrite, meets it again."""
+    if put_back(out):
+        print(f"train.py: note: {out} held a run an interrupted --overwrite had set aside ({OVERWRITTEN}/): put back",
+              file=sys.stderr, flush=True)  # fmt: skip
 
 
 def eval_command(out: Path, eval_data: str | None, data: str | None) -> str:
@@ -133,6 +196,7 @@ class RunFolder:
         if self.main:
             try:
                 runlock.acquire(self.out)
+                recover(self.out)  # a kill's leftover of an --overwrite, before anyone looks at the folder
             except runlock.LockedError as exc:
                 error = f"{exc}: wait for it to finish, or give another --out"
             except OSError as exc:  # not a folder, not writable
@@ -160,6 +224,10 @@ class RunFolder:
         found = [] if self.cfg.resume else run_files(self.out)
         if found and not self.cfg.overwrite:
             names = ", ".join(p.name for p in found[:4]) + (", ..." if len(found) > 4 else "")
+            if not (self.out / "latest").is_file():  # stopped (Ctrl-C, a kill) before its first checkpoint
+                raise UserError(f"--out {self.out} holds a run that stopped before its first checkpoint ({names}): "
+                                "nothing can be resumed; start over with the same command and --overwrite, which "
+                                "deletes it")  # fmt: skip
             raise UserError(
                 f"--out {self.out} holds a run ({names}): continue it with --resume {self.out}, "
                 "or start over with --overwrite, which deletes it"
@@ -167,46 +235,40 @@ class RunFolder:
         return found + run_evaluations(self.out) if found else found
 
     def set_aside(self, found: list[Path]) -> Path | None:
-        """--overwrite: rank 0 moves the old run's files into DIR/.overwritten/, once every rank has built everything;
-        `drop` deletes it once the trackers have started, `restore` puts it back if they fail. Returns the folder on
-        rank 0 (None elsewhere, and when there is nothing to replace)."""
+        """--overwrite: rank 0 moves the old run's files into DIR/.overwriting/, then renames it DIR/.overwritten/, once
+        every rank has built everything; `drop` deletes it once the trackers have started, `restore` puts it back if
+        they fail (and `recover`, after a kill, at the next start). Returns the folder on rank 0 (None elsewhere, and
+        when there is nothing to replace)."""
         self.acc.wait_for_everyone()
         aside = None
         if found and self.main:
-            aside = self.out / OVERWRITTEN
-            if aside.exists():  # a kill's leftover
-                shutil.rmtree(aside)
-            aside.mkdir()
+            moving, aside = self.out / OVERWRITING, self.out / OVERWRITTEN
+            moving.mkdir()
             for path in found:
-                if path != aside:
-                    path.rename(aside / path.name)
+                path.rename(moving / path.name)
+            moving.rename(aside)  # one rename: every file of the old run is aside, none of the new run's is
         self.acc.wait_for_everyone()
         return aside
 
     def restore(self, aside: Path | None) -> None:
         """The old run's files back in place (rank 0), after a failed start (replacing what it had begun to write)."""
-        if aside is None:
-            return
-        for path in aside.iterdir():
-            target = self.out / path.name
-            if target.is_dir():
-                shutil.rmtree(target)
-            elif target.exists():
-                target.unlink()
-            path.rename(target)
-        aside.rmdir()
+        if aside is not None:
+            put_back(self.out)
 
     def clear(self) -> None:
         """Removes this run's files (rank 0): a run that wrote no checkpoint cannot be resumed, so its folder goes
         back to holding no run."""
         if self.main:
             for path in run_files(self.out):
-                shutil.rmtree(path) if path.is_dir() else path.unlink(missing_ok=True)
+                _remove(path)
 
     @staticmethod
     def drop(aside: Path | None) -> None:
+        """Deletes the set-aside old run: renamed first, so that a kill midway leaves no partial run to put back."""
         if aside is not None:
-            shutil.rmtree(aside)
+            dropping = aside.with_name(DROPPING)
+            aside.rename(dropping)
+            shutil.rmtree(dropping)
 
     def identify(self, path: str, role: str) -> str:
         """Records the identity (`opd.models.identity.model_identity`: its files' digest, or a hub id) of a model that a

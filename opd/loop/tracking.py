@@ -8,8 +8,8 @@ utility, prompt coverage, inclusion probabilities), `cost/` (teacher rows, token
 and the objective's own under its name (`dapd/kl_*`, `opod/beta_*`, ...).
 
 Where things go: TensorBoard writes DIR/tb; MLflow the SQLite store DIR/mlflow.db (MLflow's recommended store,
-which its defaults read: the run prints `mlflow ui --backend-store-uri sqlite:///DIR/mlflow.db`; the UI is the full
-`mlflow` package's) unless MLFLOW_TRACKING_URI says otherwise; W&B its files under DIR/wandb (WANDB_MODE=offline
+which its defaults read: the run prints a read-back on MLflow's client API that runs with mlflow-skinny
+(`MLFLOW_READ`); the UI, `mlflow ui --backend-store-uri sqlite:///DIR/mlflow.db`, is the full `mlflow` package's) unless MLFLOW_TRACKING_URI says otherwise; W&B its files under DIR/wandb (WANDB_MODE=offline
 keeps them there). A resumed run continues the same tracker run where the tracker allows: DIR/trackers.json keeps
 W&B's run id (resume "allow") and MLflow's run id and store (a run begun before the SQLite default keeps its file
 store DIR/mlruns, read with MLFLOW_ALLOW_FILE_STORE=true); TensorBoard appends to DIR/tb. Trackers are optional
@@ -36,9 +36,13 @@ from pathlib import Path
 from opd.cli import Section, UserError, resumable
 from opd.storage import write_atomic
 
-PACKAGES = {"tensorboard": "tensorboard", "wandb": "wandb", "mlflow": "mlflow", "trackio": "trackio",
-            "comet_ml": "comet_ml", "aim": "aim", "clearml": "clearml", "dvclive": "dvclive", "swanlab": "swanlab"}  # fmt: skip
-"""accelerate's tracker names -> the pip package that provides each."""
+PACKAGES = {"aim": "aim", "comet_ml": "comet_ml", "mlflow": "mlflow", "tensorboard": "tensorboard", "wandb": "wandb",
+            "clearml": "clearml", "dvclive": "dvclive", "swanlab": "swanlab", "trackio": "trackio"}  # fmt: skip
+"""accelerate's tracker names (`accelerate.tracking.LOGGER_TYPE_TO_CLASS`'s, in its order) -> the pip package that
+provides each."""
+MODULES = {"tensorboard": ("tensorboard", "tensorboardX")}
+"""The modules whose presence makes a tracker available, as accelerate's `is_<name>_available` decide (the tracker's
+own name when not listed)."""
 STATE = "trackers.json"
 PROJECT = "bas-opd"
 """The trackers' project when neither --tracker-project nor $WANDB_PROJECT names one."""
@@ -92,8 +96,10 @@ class TrackerConfig(Section):
 
 
 def parse_report_to(text: str | None) -> list[str]:
-    """The tracker names of --report-to ('none' or '' -> []); one line for an unknown or uninstalled one."""
-    from accelerate.tracking import LOGGER_TYPE_TO_CLASS, get_available_trackers
+    """The tracker names of --report-to ('none' or '' -> []); one line for an unknown or uninstalled one. Torch-free
+    (no accelerate import): a bad setting answers in a second; the names are accelerate's (`PACKAGES`), a tracker
+    installed when one of its `MODULES` is (accelerate's own test: tests/test_tracking.py compares them)."""
+    import importlib.util
 
     names = [n.strip().lower() for n in (text or "").split(",") if n.strip()]
     if names in ([], ["none"]):
@@ -101,18 +107,15 @@ def parse_report_to(text: str | None) -> list[str]:
     if "none" in names:
         raise UserError(f"--report-to {text}: 'none' means no tracker and cannot be combined with others; give "
                         f"--report-to none alone, or only tracker names")
-    unknown = [n for n in names if n not in LOGGER_TYPE_TO_CLASS]
+    unknown = [n for n in names if n not in PACKAGES]
     if unknown:
         raise UserError(f"--report-to {text}: unknown tracker {', '.join(unknown)}; "
-                        f"choose from {', '.join(LOGGER_TYPE_TO_CLASS)} or none")
-    available = {str(t) for t in get_available_trackers()}
-    missing = [n for n in names if n not in available]
+                        f"choose from {', '.join(PACKAGES)} or none")
+    missing = [n for n in names if not any(importlib.util.find_spec(m) for m in MODULES.get(n, (n,)))]
     if missing:
         raise UserError(f"--report-to {text}: {', '.join(missing)} not installed (pip install "
                         f"{' '.join(PACKAGES.get(n, n) for n in missing)}, or see requirements-trackers.txt)")
     if "mlflow" in names and not os.environ.get("MLFLOW_TRACKING_URI"):
-        import importlib.util
-
         lacking = [m for m in ("sqlalchemy", "alembic") if importlib.util.find_spec(m) is None]
         if lacking:
             raise UserError(f"--report-to {text}: MLflow's store DIR/{MLFLOW_DB} (SQLite, MLflow's default) needs "
@@ -224,7 +227,7 @@ class Trackers:
     def where(self) -> list[str]:
         """Where each tracker writes, in words, for the run's first lines: with the command that reads it back."""
         tb = self.out / "tb"
-        places = {"tensorboard": f"TensorBoard logs in {tb} (tensorboard --logdir {shlex.quote(str(tb))})",
+        places = {"tensorboard": f"TensorBoard logs in {tb} ({venv_command('tensorboard')} --logdir {shlex.quote(str(tb))})",
                   "wandb": f"W&B run files in {self.out / 'wandb'} (project {self.settings.project})",
                   "mlflow": mlflow_where(self.state.get("mlflow_uri") or mlflow_store(self.out, self.state))}  # fmt: skip
         return [places.get(n, f"{n} (project {self.settings.project})") for n in self.names]
@@ -266,12 +269,34 @@ def mlflow_store(out: Path, state: dict) -> str:
     return "sqlite:///" + str((Path(out) / MLFLOW_DB).resolve())
 
 
+def venv_command(name: str) -> str:
+    """The command `name` as this interpreter's environment installs it (.venv/bin/tensorboard beside .venv/bin/python,
+    relative to the current folder when below it), so that a printed hint runs as printed; else on $PATH, as is."""
+    import contextlib
+    import shutil
+    import sys
+
+    path = Path(sys.executable).parent / name
+    if not path.is_file():
+        return shutil.which(name) or name
+    with contextlib.suppress(ValueError):
+        return str(path.relative_to(Path.cwd()))
+    return str(path)
+
+
+MLFLOW_READ = ('import mlflow; [print(r.info.run_name, r.info.status, r.data.metrics) '
+               'for r in mlflow.search_runs(search_all_experiments=True, output_format="list")]')
+"""The read-back of an MLflow store with mlflow-skinny (requirements-trackers.txt): each run's name, status and last
+metrics. `mlflow ui` is the full `mlflow` package's (it needs flask, which mlflow-skinny leaves out: docs/TRAINING.md)."""
+
+
 def mlflow_where(uri: str) -> str:
-    """Where MLflow writes and the command that reads it back (`mlflow ui`, the full `mlflow` package's; a file
-    store needs MLFLOW_ALLOW_FILE_STORE=true in MLflow 3, whose defaults refuse it)."""
+    """Where MLflow writes and a command that reads it back with what requirements-trackers.txt installs (a Python
+    one-liner on MLflow's client API, `MLFLOW_READ`; the UI, `mlflow ui`, needs the full mlflow package); a file
+    store needs MLFLOW_ALLOW_FILE_STORE=true in MLflow 3, whose defaults refuse it."""
     if uri.startswith(("http://", "https://", "databricks")):
         return f"MLflow runs at {uri}"
-    read = f"mlflow ui --backend-store-uri {shlex.quote(uri)}"
+    read = f"MLFLOW_TRACKING_URI={shlex.quote(uri)} {venv_command('python')} -c {shlex.quote(MLFLOW_READ)}"
     if not uri.startswith(("sqlite:", "postgresql", "mysql", "mssql")):
         read = "MLFLOW_ALLOW_FILE_STORE=true " + read
-    return f"MLflow runs in {uri} (the full mlflow package reads them back: {read})"
+    return f"MLflow runs in {uri} (read them back: {read})"

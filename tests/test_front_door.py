@@ -1,0 +1,215 @@
+"""The front door as a new user meets it (issue 44): a bad --config file is one line, as fast as a bad flag; its
+key given twice names both lines; --overwrite keeps a user's own folders and survives a kill; a run stopped before
+its first checkpoint says plainly that nothing can be resumed; every hint the run prints runs as printed; a rank
+whose peer failed exits in one line."""
+
+import json
+import os
+import re
+import shlex
+import shutil
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+from tracker_readers import mlflow_history
+
+import opd.loop.run
+import train
+from opd.cli import UserError
+from opd.eval.config import run_evaluations
+from opd.loop import folder as runfolder
+from opd.loop.ledger import read_ledger
+
+ROOT = Path(__file__).resolve().parents[1]
+TINY = ["--preset", "tiny", "--report-to", "none"]
+
+
+def test_a_config_file_that_is_not_utf8_is_one_line_naming_its_line(tmp_path):
+    path = tmp_path / "run.yaml"
+    raw = "rho: 0.5\n# r\u00e9glages\nsteps: 2\n".encode("latin-1")  # saved in Latin-1, as an old editor might
+    path.write_bytes(raw)
+    line = raw[: raw.index(b"\xe9")].count(b"\n") + 1  # the bad byte's line, counted here
+    assert line == 2
+    with pytest.raises(UserError, match=rf"^{re.escape(str(path))}:{line}: not UTF-8 text \(byte 0xe9\)"):
+        train.main(["--config", str(path), "--print-config"])
+
+
+@pytest.mark.parametrize("second", ["rho", "--rho"])
+def test_a_key_given_twice_in_a_config_file_names_both_lines(tmp_path, second):
+    path = tmp_path / "run.yaml"
+    path.write_text(f"rho: 0.5\nsteps: 2\n{second}: 0.75\n")  # YAML itself keeps the last one silently
+    with pytest.raises(UserError, match=rf"{re.escape(str(path))}:3: key '{second}' given twice \(also on line 1\)"):
+        train.main(["--config", str(path), "--print-config"])
+    (tmp_path / "two.yaml").write_text("lora-r: 4\nlora_r: 8\n")  # two spellings of one flag
+    with pytest.raises(UserError, match="two.yaml:2: key 'lora_r' given twice"):
+        train.main(["--config", str(tmp_path / "two.yaml"), "--print-config"])
+
+
+def test_a_bad_setting_answers_before_torch_is_imported(tmp_path):
+    """A --config file's problem (and a bad flag value) is found before any heavy import: it took 19 s (torch,
+    transformers and accelerate loaded by the settings' checks), a mistyped flag 1 s."""
+    bad = tmp_path / "bad.yaml"
+    bad.write_text("rho: 2.5\nbogus_key: 1\n")
+    code = ("import sys, train\nfrom opd.cli import UserError\n"
+            f"for argv in ({['--config', str(bad)]!r}, ['--rho', '2.5'], ['--dtype', 'float8']):\n"
+            "    try:\n        train.main(argv)\n    except UserError as e:\n        print('ERR', str(e).replace(chr(10), ' | '))\n"
+            "print('torch' in sys.modules, 'accelerate' in sys.modules)")  # fmt: skip
+    out = subprocess.run([sys.executable, "-c", code], cwd=ROOT, capture_output=True, text=True, timeout=120).stdout
+    assert out.count("ERR ") == 3 and "unknown key 'bogus_key'" in out and "--dtype 'float8'" in out, out
+    assert out.strip().endswith("False False"), out
+
+
+def test_tracker_availability_is_accelerates_own():
+    """--report-to is checked without importing accelerate (torch): its names and availability match accelerate's."""
+    from accelerate.tracking import LOGGER_TYPE_TO_CLASS, get_available_trackers
+
+    from opd.loop.tracking import PACKAGES, parse_report_to
+
+    assert list(PACKAGES) == list(LOGGER_TYPE_TO_CLASS)
+    available = {str(t) for t in get_available_trackers()}
+    for name in PACKAGES:
+        try:
+            parse_report_to(name)
+            ours = True
+        except UserError as exc:
+            ours = "not installed" not in str(exc)  # (mlflow without its SQLite packages: installed)
+        assert ours == (name in available), name
+
+
+def test_overwrite_replaces_only_the_evaluations_eval_py_wrote(tmp_path):
+    """RUN/eval-mynotes is the user's; RUN/eval and RUN/eval-checkpoint-N[-merged] are eval.py's default --out, and
+    only when eval.py's lock file or results are in them."""
+    names = {"eval": ".lock", "eval-checkpoint-000060": "results.json", "eval-checkpoint-000060-merged": ".lock",
+             "eval-mynotes": ".lock", "eval-checkpoint-000060-old": "results.json", "evaluation": ".lock",
+             "eval-checkpoint-000002": None}  # fmt: skip
+    for name, marker in names.items():
+        (tmp_path / name).mkdir()
+        if marker:
+            (tmp_path / name / marker).write_text("x")
+    (tmp_path / "eval-file").write_text("a file")
+    found = [p.name for p in run_evaluations(tmp_path)]
+    assert found == ["eval", "eval-checkpoint-000060", "eval-checkpoint-000060-merged"]
+
+
+def _aside(out: Path, partial: str) -> dict:
+    """The run in `out` as a kill leaves it: set aside by --overwrite (`partial`: 'whole', into .overwritten/, with
+    the new run's first tracker files written; 'moving', half moved into .overwriting/; 'restoring', half moved
+    back). Returns the old run's files (hidden ones aside) before."""
+    before = {str(p.relative_to(out)): p.read_bytes() for p in sorted(out.rglob("*")) if p.is_file()
+              and not p.name.startswith(".")}  # fmt: skip
+    found = runfolder.run_files(out)
+    target = out / {"whole": runfolder.OVERWRITTEN, "moving": runfolder.OVERWRITING,
+                    "restoring": runfolder.RESTORING}[partial]  # fmt: skip
+    target.mkdir()
+    for path in found if partial == "whole" else found[: len(found) // 2]:
+        path.rename(target / path.name)
+    if partial == "whole":
+        (out / "tb").mkdir()
+        (out / "tb" / "events.new-run").write_text("the new run's")
+        (out / "trackers.json").write_text("{}")
+    return before
+
+
+def _files(out: Path) -> dict:
+    return {str(p.relative_to(out)): p.read_bytes() for p in sorted(out.rglob("*")) if p.is_file()
+            and not p.name.startswith(".")}  # fmt: skip
+
+
+def test_a_run_killed_while_overwrite_had_the_old_one_aside_is_put_back(tmp_path, tiny, capsys):
+    """A kill between --overwrite moving the old run aside and the new run starting left it in DIR/.overwritten/,
+    where the next --overwrite deleted it unseen. Now the next run into the folder puts it back first: the same
+    command is refused as before (the old run is there), --resume continues it."""
+    out = tmp_path / "run"
+    train.main([*TINY, "--steps", "2", "--out", str(out)])
+    for partial in ("whole", "moving", "restoring"):
+        before = _aside(out, partial)
+        with pytest.raises(UserError, match="holds a run .*continue it with --resume"):
+            train.main([*TINY, "--steps", "2", "--out", str(out)])
+        assert _files(out) == before, partial
+        assert not any((out / n).exists() for n in runfolder.ASIDE), partial
+        assert "an interrupted --overwrite had set aside" in capsys.readouterr().err
+    _aside(out, "whole")
+    train.main([*TINY, "--resume", str(out), "--steps", "3"])  # --resume finds it (before any lock: checkpoint_of)
+    assert [r["step"] for r in read_ledger(out / "ledger.jsonl")] == [0, 1, 2]
+
+
+def test_ctrl_c_before_the_first_checkpoint_says_plainly_nothing_can_be_resumed(tmp_path, tiny, monkeypatch):
+    """The README's first run checkpoints only at its end: Ctrl-C before it offered --resume, which then failed.
+    What it prints, and what the same command then says, are run as printed."""
+    out = tmp_path / "run"
+    real = opd.loop.run.Run.step
+
+    def interrupted(self, step, rollouts=None):
+        if step == 1:
+            raise KeyboardInterrupt
+        return real(self, step, rollouts)
+
+    with monkeypatch.context() as m:
+        m.setattr(opd.loop.run.Run, "step", interrupted)
+        with pytest.raises(KeyboardInterrupt, match="at step 1, before its first checkpoint .*nothing can be resumed; "
+                           "the same command with --overwrite starts over"):  # fmt: skip
+            train.main([*TINY, "--steps", "3", "--save-every", "0", "--out", str(out)])
+    with pytest.raises(UserError, match="stopped before its first checkpoint .*nothing can be resumed; start over with "
+                       "the same command and --overwrite") as again:  # fmt: skip
+        train.main([*TINY, "--steps", "3", "--save-every", "0", "--out", str(out)])
+    assert "--resume" not in str(again.value)
+    with pytest.raises(UserError, match="stopped before its first checkpoint, so nothing can be resumed"):
+        train.main([*TINY, "--resume", str(out)])
+    train.main([*TINY, "--steps", "3", "--save-every", "0", "--out", str(out), "--overwrite"])  # as the lines say
+    assert [r["step"] for r in read_ledger(out / "ledger.jsonl")] == [0, 1, 2]
+
+
+def test_the_tracker_hints_run_as_printed(tmp_path, tiny, monkeypatch, capsys):
+    """TensorBoard's hint is the venv's own tensorboard (not on $PATH); MLflow's reads the store back with what
+    requirements-trackers.txt installs (mlflow-skinny has no `mlflow ui`: flask is missing). Each is run in a shell,
+    exactly as printed, from the folder the run was started in."""
+    pytest.importorskip("mlflow")
+    pytest.importorskip("sqlalchemy")
+    monkeypatch.delenv("MLFLOW_TRACKING_URI", raising=False)
+    monkeypatch.chdir(ROOT)
+    out = tmp_path / "run"
+    train.main(["--preset", "tiny", "--steps", "2", "--report-to", "tensorboard,mlflow", "--out", str(out)])
+    printed = capsys.readouterr().out
+    tb = re.search(r"TensorBoard logs in \S+ \((.*)\)$", printed, re.M).group(1)
+    ml = re.search(r"MLflow runs in \S+ \(read them back: (.*)\)$", printed, re.M).group(1)
+    env = {k: v for k, v in os.environ.items() if not k.startswith("MLFLOW_")}
+    env["PATH"] = "/usr/bin:/bin"  # a fresh shell: the venv is not activated
+    read = subprocess.run(["bash", "-c", ml], cwd=ROOT, env=env, capture_output=True, text=True, timeout=120)
+    assert read.returncode == 0, read.stderr[-2000:]
+    loss = dict(mlflow_history(out, "loss/distill"))[1]
+    assert "FINISHED" in read.stdout and f"'loss/distill': {loss!r}" in read.stdout, read.stdout
+    assert shlex.split(tb)[0].endswith("tensorboard") and "--logdir" in tb
+    server = subprocess.Popen(["bash", "-c", f"exec {tb} --port 0"], cwd=ROOT, env=env, stdout=subprocess.PIPE,
+                              stderr=subprocess.STDOUT, text=True)  # fmt: skip
+    try:
+        line, deadline = "", time.time() + 90
+        while "http://" not in line and time.time() < deadline and server.poll() is None:
+            line = server.stdout.readline()
+        assert "TensorBoard" in line and "http://" in line, line
+    finally:
+        server.send_signal(signal.SIGINT)
+        server.wait(timeout=30)
+
+
+def test_the_rank_whose_peer_failed_says_one_line(tmp_path, tiny):
+    """Two ranks, rank 1 failing with its own error: rank 0, waiting in a collective, printed gloo's traceback
+    ('Connection closed by peer'); now one line."""
+    worker = tmp_path / "worker.py"
+    worker.write_text(
+        "import sys\nsys.path.insert(0, sys.argv.pop(1))\nimport opd.loop.run, train\nfrom opd.cli import UserError, "
+        "run_cli\nreal = opd.loop.run.Run.step\n"
+        "def step(self, step, rollouts=None):\n    if step == 1 and self.acc.process_index == 1:\n"
+        "        raise UserError('a prompt of its own shard (test)', local=True)\n    return real(self, step, rollouts)\n"
+        "opd.loop.run.Run.step = step\nrun_cli(train.main, sys.argv[1:], 'train.py')\n"
+    )  # fmt: skip
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", "2", str(worker),
+           str(ROOT), *TINY, "--steps", "3", "--out", str(tmp_path / "two")]  # fmt: skip
+    proc = subprocess.run(cmd, env={**os.environ, "OMP_NUM_THREADS": "1"}, capture_output=True, text=True, timeout=300)
+    err = proc.stderr.replace("\r", "\n")
+    assert proc.returncode != 0 and "train.py: error: [rank 1] a prompt of its own shard (test)" in err
+    assert "train.py: [rank 0] stopped: another process of the run ended" in err, err[-3000:]
+    assert "[rank0]: Traceback" not in err and "Connection closed by peer" not in err, err[-3000:]
