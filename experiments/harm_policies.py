@@ -9,7 +9,8 @@
   positive), then K_e uniform picks; before it, Learned-25's uniform picks. Rows of one prompt point the same way
   (SELECTION.md's mechanism), so a prompt's second row is worth less than another prompt's first.
 - `factors`: per candidate row of held batches, the masked means of d (Eq. 7), o (top-k overlap) and c (Eq. 8) on the
-  run's support k, at the run's start (seed 0 of Full: the base) and end: the spread of each factor over C.
+  run's support k, at the run's start (seed 0 of Full: the base) and end: the spread of each factor over C, as row
+  means and at each row's most divergent token.
 """
 
 from __future__ import annotations
@@ -147,7 +148,8 @@ def diminishing_top(scores: torch.Tensor, candidates: torch.Tensor, prompt_of: t
 @torch.no_grad()
 def factors(ctx: AuditContext, selector, records, n_batches: int, k: int, seed: int = 4343) -> list[dict]:
     """Per candidate row of `n_batches` held batches: mean d, o, c over its valid tokens on the support k
-    (`opd.maths.utility.utility_terms`: the student's top-k, Eq. 7-8), its u_i = mean d o c (Eq. 9) and a_i."""
+    (`opd.maths.utility.utility_terms`: the student's top-k, Eq. 7-8), its u_i = mean d o c (Eq. 9), a_i, and d, o,
+    c at its most divergent token ("*_peak": a response's template tokens agree, so the means are diluted)."""
     out = []
     for b, recs in enumerate(held_records(records, ctx.prompts_per_step, n_batches, seed)):
         batch = sample_batch(ctx, selector, recs, seed + b)
@@ -160,10 +162,13 @@ def factors(ctx: AuditContext, selector, records, n_batches: int, k: int, seed: 
                 d, o, c = utility_terms(s_logits.double(), t_logits.double(), k)  # (n, T) each
                 m = mask.double()
                 mean = lambda x: ((x * m).sum(-1) / m.sum(-1).clamp(min=1)).tolist()  # noqa: E731
-                for j, dj, oj, cj, uj in zip(sel.tolist(), mean(d), mean(o), mean(c), mean(d * o * c)):
+                peak = d.masked_fill(m == 0, -1.0).argmax(-1, keepdim=True)  # (n, 1) the row's most divergent token
+                at = lambda x: x.gather(-1, peak).squeeze(-1).tolist()  # noqa: E731
+                for j, dj, oj, cj, uj, dp, op, cp in zip(sel.tolist(), mean(d), mean(o), mean(c), mean(d * o * c),
+                                                         at(d), at(o), at(c)):  # fmt: skip
                     rec = batch.records[int(batch.rollouts.prompt_index[j])]
-                    out.append({"batch": b, "d": dj, "o": oj, "c": cj, "u": uj, "area": float(rec.area_ratio),
-                                "harm": int(rec.field("harm") or 0)})
+                    out.append({"batch": b, "d": dj, "o": oj, "c": cj, "u": uj, "d_peak": dp, "o_peak": op,
+                                "c_peak": cp, "area": float(rec.area_ratio), "harm": int(rec.field("harm") or 0)})  # fmt: skip
     return out
 
 

@@ -123,7 +123,7 @@ def factor_rows(rows: list[dict], label: str) -> list[str]:
         if not pick:
             continue
         cells = []
-        for f in ("o", "c", "d", "u"):
+        for f in ("o", "c", "o_peak", "c_peak", "d", "u"):
             q = np.percentile([r[f] for r in pick], [5, 50, 95])
             cells.append(f"{q[1]:.3f} [{q[0]:.3f}, {q[2]:.3f}]")
         out.append(f"| {label} | {kind} | {len(pick)} | " + " | ".join(cells) + " |")
@@ -132,7 +132,8 @@ def factor_rows(rows: list[dict], label: str) -> list[str]:
 
 def factor_table(by: dict) -> list[str]:
     """o, c, d and u_i over C: the base (Full's seed 0 before its first step) and each policy's runs at their end."""
-    lines = ["| When | Rows | n | o: median [5%, 95%] | c | d | u = mean(d o c) |", "| --- | --- | ---: | --- | --- | --- | --- |"]
+    lines = ["| When | Rows | n | o, row mean: median [5%, 95%] | c, row mean | o at the most divergent token | c there | "
+             "d, row mean | u = mean(d o c) |", "| --- | --- | ---: | --- | --- | --- | --- | --- | --- |"]
     start = [r for rec in by.get("full-100", {}).values() if rec.get("factors_start") for r in rec["factors_start"]]
     lines += factor_rows(start, "base (start)") if start else []
     for p in [p for p in POLICIES if by.get(p)]:
