@@ -86,3 +86,15 @@ def test_the_readme_and_family_cite_departures_that_exist_and_count_them_right()
     family = re.search(r"Where each method departs from its paper's code:\n.*?items ([^.]+)\.", FAMILY, flags=re.S)
     siblings = groups()["The sibling papers"]
     assert numbers(family.group(1)) == siblings, numbers(family.group(1)) ^ siblings
+
+
+def test_the_paper_is_cited_by_its_arxiv_id_not_by_a_path_outside_the_repository():
+    """A clone has no paper file beside it (the shared folder above the repository): the README, the docs and the code
+    cite the paper by title and arXiv id."""
+    files = [p for pattern in ("*.md", "docs/*.md", "opd/**/*.py", "*.py", "tests/*.py", "experiments/**/*.py")
+             for p in ROOT.glob(pattern)]  # fmt: skip
+    outside = "../" + "shared/paper"  # (spelled apart, so that this file does not name it)
+    assert len(files) > 50 and not [str(p.relative_to(ROOT)) for p in files if outside in p.read_text()]
+    title = ("BAS-OPD: Budget-Aware Selective On-Policy Self-Distillation for\nFine-Grained Multimodal Perception** "
+             "(arXiv 2609.25891)")
+    assert title in README
