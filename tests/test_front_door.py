@@ -54,10 +54,13 @@ def test_a_bad_setting_answers_before_torch_is_imported(tmp_path):
     transformers and accelerate loaded by the settings' checks), a mistyped flag 1 s."""
     bad = tmp_path / "bad.yaml"
     bad.write_text("rho: 2.5\nbogus_key: 1\n")
-    code = ("import sys, train\nfrom opd.cli import UserError\n"
-            f"for argv in ({['--config', str(bad)]!r}, ['--rho', '2.5'], ['--dtype', 'float8']):\n"
-            "    try:\n        train.main(argv)\n    except UserError as e:\n        print('ERR', str(e).replace(chr(10), ' | '))\n"
-            "print('torch' in sys.modules, 'accelerate' in sys.modules)")  # fmt: skip
+    code = "\n".join([
+        "import sys, train", "from opd.cli import UserError",
+        f"for argv in ({['--config', str(bad)]!r}, ['--rho', '2.5'], ['--dtype', 'float8']):",
+        "    try:", "        train.main(argv)", "    except UserError as e:",
+        "        print('ERR', str(e).replace(chr(10), ' | '))",
+        "print('torch' in sys.modules, 'accelerate' in sys.modules)",
+    ])  # fmt: skip
     out = subprocess.run([sys.executable, "-c", code], cwd=ROOT, capture_output=True, text=True, timeout=120).stdout
     assert out.count("ERR ") == 3 and "unknown key 'bogus_key'" in out and "--dtype 'float8'" in out, out
     assert out.strip().endswith("False False"), out
@@ -199,13 +202,13 @@ def test_the_rank_whose_peer_failed_says_one_line(tmp_path, tiny):
     """Two ranks, rank 1 failing with its own error: rank 0, waiting in a collective, printed gloo's traceback
     ('Connection closed by peer'); now one line."""
     worker = tmp_path / "worker.py"
-    worker.write_text(
-        "import sys\nsys.path.insert(0, sys.argv.pop(1))\nimport opd.loop.run, train\nfrom opd.cli import UserError, "
-        "run_cli\nreal = opd.loop.run.Run.step\n"
-        "def step(self, step, rollouts=None):\n    if step == 1 and self.acc.process_index == 1:\n"
-        "        raise UserError('a prompt of its own shard (test)', local=True)\n    return real(self, step, rollouts)\n"
-        "opd.loop.run.Run.step = step\nrun_cli(train.main, sys.argv[1:], 'train.py')\n"
-    )  # fmt: skip
+    worker.write_text("\n".join([
+        "import sys", "sys.path.insert(0, sys.argv.pop(1))", "import opd.loop.run, train",
+        "from opd.cli import UserError, run_cli", "real = opd.loop.run.Run.step",
+        "def step(self, step, rollouts=None):", "    if step == 1 and self.acc.process_index == 1:",
+        "        raise UserError('a prompt of its own shard (test)', local=True)", "    return real(self, step, rollouts)",
+        "opd.loop.run.Run.step = step", "run_cli(train.main, sys.argv[1:], 'train.py')", "",
+    ]))  # fmt: skip
     cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", "2", str(worker),
            str(ROOT), *TINY, "--steps", "3", "--out", str(tmp_path / "two")]  # fmt: skip
     proc = subprocess.run(cmd, env={**os.environ, "OMP_NUM_THREADS": "1"}, capture_output=True, text=True, timeout=300)

@@ -32,7 +32,8 @@ if TYPE_CHECKING:
     import torch
 
 DTYPE_NAMES = ("float32", "bfloat16", "float16", "float64")
-"""--dtype's choices: `opd.models.loading.DTYPES`'s names, here without torch (a settings check imports nothing heavy)."""
+"""--dtype's choices: `opd.models.loading.DTYPES`'s names, here without torch (a settings check imports nothing
+heavy)."""
 GENERATION_MODES = ("gathered", "layerwise")
 """--fsdp-generation's choices: `opd.models.sharding.GENERATION`, here without torch."""
 

@@ -290,8 +290,8 @@ class Run:
                     "(the ledger's later rows are retrained)")
         every = self.cfg.checkpoint.save_every
         when = f"every {every} steps" if every else "only at its end (--save-every 0)"
-        return (f"at step {step}, before its first checkpoint (it checkpoints {when}): nothing can be resumed; the same "
-                "command with --overwrite starts over (--save-every N makes a run resumable sooner)")
+        return (f"at step {step}, before its first checkpoint (it checkpoints {when}): nothing can be resumed; "
+                "the same command with --overwrite starts over (--save-every N makes a run resumable sooner)")
 
     def summary(self) -> dict:
         """summary.json's content: Tables 7/8 from the ledger, the world size and every launch."""

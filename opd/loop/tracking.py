@@ -7,10 +7,11 @@ namespaces (`metrics`): `loss/` (Eq. 11, the gradient norm, the selector's loss)
 utility, prompt coverage, inclusion probabilities), `cost/` (teacher rows, tokens, seconds, the step's phases)
 and the objective's own under its name (`dapd/kl_*`, `opod/beta_*`, ...).
 
-Where things go: TensorBoard writes DIR/tb; MLflow the SQLite store DIR/mlflow.db (MLflow's recommended store,
-which its defaults read: the run prints a read-back on MLflow's client API that runs with mlflow-skinny
-(`MLFLOW_READ`); the UI, `mlflow ui --backend-store-uri sqlite:///DIR/mlflow.db`, is the full `mlflow` package's) unless MLFLOW_TRACKING_URI says otherwise; W&B its files under DIR/wandb (WANDB_MODE=offline
-keeps them there). A resumed run continues the same tracker run where the tracker allows: DIR/trackers.json keeps
+Where things go: TensorBoard writes DIR/tb (the run prints the venv's `tensorboard --logdir DIR/tb`); MLflow the
+SQLite store DIR/mlflow.db (MLflow's recommended store, which its defaults read: the run prints a read-back on
+MLflow's client API that runs with mlflow-skinny, `MLFLOW_READ`; the UI, `mlflow ui --backend-store-uri
+sqlite:///DIR/mlflow.db`, is the full `mlflow` package's) unless MLFLOW_TRACKING_URI says otherwise; W&B its files
+under DIR/wandb (WANDB_MODE=offline keeps them there). A resumed run continues the same tracker run where the tracker allows: DIR/trackers.json keeps
 W&B's run id (resume "allow") and MLflow's run id and store (a run begun before the SQLite default keeps its file
 store DIR/mlruns, read with MLFLOW_ALLOW_FILE_STORE=true); TensorBoard appends to DIR/tb. Trackers are optional
 installs (requirements-trackers.txt) but TensorBoard (requirements.txt): a tracker that is not installed is a
@@ -227,7 +228,8 @@ class Trackers:
     def where(self) -> list[str]:
         """Where each tracker writes, in words, for the run's first lines: with the command that reads it back."""
         tb = self.out / "tb"
-        places = {"tensorboard": f"TensorBoard logs in {tb} ({venv_command('tensorboard')} --logdir {shlex.quote(str(tb))})",
+        board = f"{venv_command('tensorboard')} --logdir {shlex.quote(str(tb))}"
+        places = {"tensorboard": f"TensorBoard logs in {tb} ({board})",
                   "wandb": f"W&B run files in {self.out / 'wandb'} (project {self.settings.project})",
                   "mlflow": mlflow_where(self.state.get("mlflow_uri") or mlflow_store(self.out, self.state))}  # fmt: skip
         return [places.get(n, f"{n} (project {self.settings.project})") for n in self.names]
@@ -287,7 +289,8 @@ def venv_command(name: str) -> str:
 MLFLOW_READ = ('import mlflow; [print(r.info.run_name, r.info.status, r.data.metrics) '
                'for r in mlflow.search_runs(search_all_experiments=True, output_format="list")]')
 """The read-back of an MLflow store with mlflow-skinny (requirements-trackers.txt): each run's name, status and last
-metrics. `mlflow ui` is the full `mlflow` package's (it needs flask, which mlflow-skinny leaves out: docs/TRAINING.md)."""
+metrics. `mlflow ui` is the full `mlflow` package's (it needs flask, which mlflow-skinny leaves out;
+docs/TRAINING.md)."""
 
 
 def mlflow_where(uri: str) -> str:
