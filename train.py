@@ -57,5 +57,14 @@ def main(argv: list[str] | None = None) -> dict:
     return summary
 
 
+def one_thread_per_process() -> None:
+    """OMP_NUM_THREADS=1 unless it is set: what `accelerate launch` and `torchrun` give each process, so that
+    `python train.py` is the same process as `accelerate launch train.py` (bit-identical results) and does not
+    oversubscribe shared cores (the default run took 4x longer at torch's default of one thread per core beside
+    another job). Set before torch is imported."""
+    os.environ.setdefault("OMP_NUM_THREADS", "1")
+
+
 if __name__ == "__main__":
+    one_thread_per_process()
     run_cli(main, sys.argv[1:], "train.py")
