@@ -1,6 +1,6 @@
 """BAS-OPD training: the command line of Algorithm 1's loop (opd/loop/run.py) on accelerate (DDP, or FSDP2 with --fsdp).
 
-    accelerate launch train.py --policy learned --rho 0.25            # built-in tiny model, CPU, ~1 min
+    python train.py --policy learned --rho 0.25                       # the toy world (the default), one process, ~2 min
     accelerate launch train.py --preset paper-4b --data train.jsonl   # Qwen3.5-4B, the paper's settings
     python train.py --config run.yaml --rho 0.5                       # a YAML config file; flags beside it win
     python train.py --config runs/tiny/train_config.json --out runs/again   # a run, again (its latest checkpoint's)

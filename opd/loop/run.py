@@ -289,7 +289,7 @@ class Run:
             return (f"at step {step}; {self.out} keeps {latest.read_text().strip()}: continue with --resume {self.out} "
                     "(the ledger's later rows are retrained)")
         every = self.cfg.checkpoint.save_every
-        when = f"every {every} steps" if every else "only at its end (--save-every 0)"
+        when = f"every {every} steps" if every else "only at its end: --save-every 0"
         return (f"at step {step}, before its first checkpoint (it checkpoints {when}): nothing can be resumed; "
                 "the same command with --overwrite starts over (--save-every N makes a run resumable sooner)")
 
