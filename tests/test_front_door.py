@@ -241,3 +241,28 @@ def test_python_train_py_runs_one_thread_per_process_as_the_launchers_do():
     run = subprocess.run([sys.executable, "-c", code], cwd=ROOT, env={**env, "OMP_NUM_THREADS": "2"},
                          capture_output=True, text=True, timeout=120)  # fmt: skip
     assert run.stdout.split() == ["2", "2"], run.stderr[-2000:]
+
+
+def test_a_sigkill_while_overwrite_starts_loses_nothing(tmp_path, tiny):
+    """The kill itself: --overwrite has set the old run aside and is starting its trackers when it is SIGKILLed; the
+    same command without --overwrite then finds the old run, byte for byte, and is refused as before."""
+    out = tmp_path / "run"
+    train.main([*TINY, "--steps", "2", "--out", str(out)])
+    before = _files(out)
+    worker = tmp_path / "worker.py"
+    worker.write_text("\n".join([
+        "import sys, time", "sys.path.insert(0, sys.argv.pop(1))", "import opd.loop.run, train",
+        "def stalled(*args, **kwargs):", "    print('aside', flush=True)", "    time.sleep(600)",
+        "opd.loop.run.Trackers = stalled", "train.main(sys.argv[1:])", "",
+    ]))  # fmt: skip
+    proc = subprocess.Popen([sys.executable, str(worker), str(ROOT), *TINY, "--steps", "2", "--out", str(out),
+                             "--overwrite"], stdout=subprocess.PIPE, text=True)  # fmt: skip
+    try:
+        assert proc.stdout.readline().strip() == "aside"
+        assert (out / runfolder.OVERWRITTEN).is_dir() and not (out / "ledger.jsonl").exists()
+    finally:
+        proc.kill()
+        proc.wait()
+    with pytest.raises(UserError, match="holds a run .*continue it with --resume"):
+        train.main([*TINY, "--steps", "2", "--out", str(out)])
+    assert _files(out) == before and not (out / runfolder.OVERWRITTEN).exists()
