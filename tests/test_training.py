@@ -11,6 +11,7 @@ import pytest
 import torch
 
 import opd.maths.chunked
+import opd.methods.distill
 import opd.config
 import opd.loop.run
 import opd.methods.table
@@ -265,7 +266,8 @@ def test_importance_ratio_scales_each_token_up_to_the_clip(tmp_path, tiny):
     for chunk in (512, 0):
         losses = []
         for is_clip in (0.0, 2.0):
-            run = Run(small_config(tmp_path / f"{chunk}-{is_clip}", policy="full", rho=1.0, is_clip=is_clip, loss_chunk=chunk))
+            run = Run(small_config(tmp_path / f"{chunk}-{is_clip}", policy="full", rho=1.0, is_clip=is_clip, loss_chunk=chunk,
+                                      fused_kernel=True))
             ro = fixed_rollouts(run, 0)
             ro.logp = torch.where(ro.response_mask, torch.full_like(ro.logp, -100.0), ro.logp)
             losses.append(run.step(0, ro)["loss"])
@@ -311,7 +313,8 @@ def test_empty_selection_is_a_valid_step_without_teacher(tmp_path, tiny):
 def test_non_finite_loss_skips_update_and_ema(tmp_path, tiny, monkeypatch):
     run = Run(small_config(tmp_path, policy="full", rho=1.0))
     nan_jsd = lambda s, t, a: (s * float("nan")).sum(-1)  # noqa: E731
-    monkeypatch.setattr(opd.maths.chunked, "generalized_jsd", nan_jsd)  # both loss paths compute Eq. 3 there
+    monkeypatch.setattr(opd.methods.distill, "generalized_jsd", nan_jsd)  # Eq. 3 on the plain path
+    monkeypatch.setattr(opd.maths.chunked, "generalized_jsd", nan_jsd)  # and in the fused kernel
     student_before, teacher_before = params_of(run.model), params_of(run.teacher.model)
     with pytest.warns(UserWarning, match="non-finite"):
         row = run.step(0, fixed_rollouts(run, 0))
@@ -596,7 +599,7 @@ def test_the_teachers_lm_head_inside_the_fused_loss_is_teacher_time(tmp_path, ti
         return out
 
     monkeypatch.setattr(opd.methods.distill, "budgeted_loss_from_hidden", slow_teacher_head)
-    run = Run(small_config(tmp_path, policy="full", rho=1.0, micro_batch=64))
+    run = Run(small_config(tmp_path, policy="full", rho=1.0, micro_batch=64, fused_kernel=True))
     row = run.step(0, fixed_rollouts(run, 0))
     assert row["teacher_forward_s"] >= 7.0 and row["teacher_forward_s_crop"] >= 7.0
     assert row["student_s"] < 7.0

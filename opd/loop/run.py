@@ -92,11 +92,15 @@ class Run:
         self.selector = Selector.from_config(cfg.selection, cfg.selector)
         self.prompts = Prompts(self.records, self.processor, self.method, self.teacher_views, self.teachers, cfg.data,
                                cfg.run.seed, acc.process_index, acc.num_processes)  # fmt: skip
+        vocab = self.model.get_output_embeddings().weight.shape[0]  # the plain path's logits: micro-batch x T x vocab
+        loss, note = cfg.loss.for_method(self.method).for_vocabulary(vocab, cfg.sampling.max_response_len)
+        if note:
+            acc.print(note)
         self.context = ObjectiveContext(
             accelerator=acc, student=self.student, model=lambda: self.model, teachers=self.teachers,
             encode=self.prompts.encode, processor=self.processor, ids=self.ids, autocast=self.autocast,
             student_view=self.method.student_view, teacher_views=self.teacher_views,
-            loss=cfg.loss.for_method(self.method), max_response_len=cfg.sampling.max_response_len, ema=cfg.ema,
+            loss=loss, max_response_len=cfg.sampling.max_response_len, ema=cfg.ema,
         )  # fmt: skip
         self.objective = self.method.objective(self.context, cfg.objective(), models.initial_teacher)
         state = resume.state if resume is not None else {}

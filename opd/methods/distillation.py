@@ -8,6 +8,9 @@ teachers (Algorithm 1, line 13: the EMA, every --ema-every steps; a frozen teach
 
 from __future__ import annotations
 
+from collections.abc import Callable
+from types import MethodType
+
 from opd.methods.objective import DistillResult, Objective, StepBatch
 
 
@@ -23,10 +26,13 @@ class Distillation(Objective):
 
         return distill_labels(self.ctx)
 
-    def __call__(self, batch: StepBatch) -> DistillResult:
+    @property
+    def __call__(self) -> Callable[[StepBatch], DistillResult]:
+        """The pass itself, bound to this objective: `objective(batch)` is `distill(objective, batch)`, so the step's
+        call lands in the micro-batch loop where Eq. 1-3 and 11 run (imported here: `opd.lazy`)."""
         from opd.methods.distill import distill
 
-        return distill(self.ctx, batch)
+        return MethodType(distill, self)
 
     def after_update(self, step: int) -> None:
         """Algorithm 1, line 13 after a valid update, every `ema.every` steps (DAPD's snapshot: tau = 1)."""
