@@ -33,7 +33,7 @@ from opd.data.prompts import Prompts, check_records
 from opd.engine.rollout import Rollouts
 from opd.loop.folder import RunFolder, checkpoint_of, eval_command, launch_info
 from opd.engine.sampler import Sampler
-from opd.selection.selectors import Selector
+from opd.selection.designs import selector_from_config
 from opd.models.sharding import generation
 from opd.loop.step import Stepper
 from opd.storage import DiskFullError, drop_temporaries
@@ -89,7 +89,7 @@ class Run:
         self.student, self.optimizer, self.processor = models.student, models.optimizer, models.processor
         self.models, self.teachers, self.teacher = models, models.teachers, models.teacher  # the first: with routes
         self.ids = special_ids(self.model)
-        self.selector = Selector.from_config(cfg.selection, cfg.selector)
+        self.selector = selector_from_config(cfg.selection, cfg.selector)
         self.prompts = Prompts(self.records, self.processor, self.method, self.teacher_views, self.teachers, cfg.data,
                                cfg.run.seed, acc.process_index, acc.num_processes)  # fmt: skip
         vocab = self.model.get_output_embeddings().weight.shape[0]  # the plain path's logits: micro-batch x T x vocab

@@ -274,7 +274,7 @@ def budgeted_weights(
 ) -> torch.Tensor:
     """Eq. 11's weight of each token: z_i m_{i,t} / max(1, sum_i sum_t z_i m_{i,t}), shape (N, T).
 
-    With sample weights w_i (unbiased selection's 1 / pi_i, `opd.selection.selectors`) the Hajek form of the full-query token
+    With sample weights w_i (unbiased selection's 1 / pi_i, `opd.selection.designs`) the Hajek form of the full-query token
     mean: w_i z_i m_{i,t} / sum_i w_i z_i sum_t m_{i,t}, w_i in the numerator *and* the denominator (clamped at 1
     only without weights). (A weight of the numerator alone, such as OPOD's beta, is `selected`'s value z_i, or
     `opd.methods.distill`'s `row_weights`.) `denominator` replaces the sum when the batch is split: the training loop
@@ -308,7 +308,7 @@ def budgeted_loss(
         L = sum_i w_i z_i sum_t m_{i,t} D_{i,t} / sum_i w_i z_i sum_t m_{i,t},
 
     with w_i = 1 / pi_i a consistent estimate of the full-query token mean whatever the inclusion probabilities
-    pi of a sampled S (unbiased selection, `opd.selection.selectors.sample_with_probabilities`); w = 1 is today's Eq. 11.
+    pi of a sampled S (unbiased selection, `opd.selection.designs.sample_with_probabilities`); w = 1 is today's Eq. 11.
     """
     return weighted_sum(per_token, budgeted_weights(selected, mask, denominator, per_token.dtype, sample_weights))
 

@@ -61,11 +61,11 @@ class StepBatch:
     route: list
     """Per local row: the name of its teacher (None outside C)."""
     weights: torch.Tensor | None = None
-    """(N_local,) unbiased selection's w_i = 1 / pi_i for the rows of S (`opd.selection.selectors`), which every objective
+    """(N_local,) unbiased selection's w_i = 1 / pi_i for the rows of S (`opd.selection.designs`), which every objective
     applies to its per-row terms (Eq. 11's Hajek form); None: every row 1 (top-K, uniform, full)."""
     full_tokens: float | None = None
     """Unbiased selection with --estimator ht: T_C, the valid response tokens of every candidate in C over all ranks
-    (`opd.selection.selectors.Selector.full_query_tokens`), the token mean's Horvitz-Thompson denominator in place of the
+    (`opd.selection.designs.Unbiased.full_query_tokens`), the token mean's Horvitz-Thompson denominator in place of the
     Hajek form's sum_S w_i T_i (`opd.maths.loss.loss_denominator`); None: the Hajek form, or no weights."""
 
     def routed(self, teacher: str) -> torch.Tensor:
