@@ -17,11 +17,34 @@ the objective's own metrics, world_size and step_s.
 from __future__ import annotations
 
 import time
+from collections import defaultdict
 from contextlib import contextmanager
 
 import torch
 
-from opd.loop.ledger import PHASES, PhaseTimer
+from opd.loop.ledger import PHASES
+
+
+class PhaseTimer:
+    """Seconds per phase of one step; on CUDA the device is synchronised at each phase boundary."""
+
+    def __init__(self, device: torch.device):
+        self.device = torch.device(device)
+        self.seconds: dict[str, float] = defaultdict(float)
+
+    def _sync(self) -> None:
+        if self.device.type == "cuda":
+            torch.cuda.synchronize(self.device)
+
+    @contextmanager
+    def __call__(self, phase: str):
+        self._sync()
+        t0 = time.perf_counter()
+        try:
+            yield
+        finally:
+            self._sync()
+            self.seconds[phase] += time.perf_counter() - t0
 
 
 class StepRecord:

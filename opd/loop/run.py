@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import json
 import time
+from functools import partial
 from pathlib import Path
 
 import torch
@@ -97,7 +98,7 @@ class Run:
         if note:
             acc.print(note)
         self.context = ObjectiveContext(
-            accelerator=acc, student=self.student, model=lambda: self.model, teachers=self.teachers,
+            accelerator=acc, student=self.student, model=partial(acc.unwrap_model, self.student), teachers=self.teachers,
             encode=self.prompts.encode, processor=self.processor, ids=self.ids, autocast=self.autocast,
             student_view=self.method.student_view, teacher_views=self.teacher_views,
             loss=loss, max_response_len=cfg.sampling.max_response_len, ema=cfg.ema,
@@ -109,7 +110,7 @@ class Run:
         self.scheduler = lr_scheduler(self.optimizer, cfg.optim.lr_schedule, cfg.optim.warmup_steps, self.schedule_span)
         self.prompts.check()
         self.live = LiveEval(cfg.eval, self.steps) if cfg.eval.every else None  # the held items, loaded once
-        self.sampler = Sampler(cfg.sampling, cfg.engine, acc, lambda: self.model, self.autocast,
+        self.sampler = Sampler(cfg.sampling, cfg.engine, acc, partial(acc.unwrap_model, self.student), self.autocast,
                                cfg.model.fsdp_generation, cfg.run.seed, get_view(self.method.student_view),
                                self.out, models.lora_scaling)  # fmt: skip
         if cfg.engine.vllm:

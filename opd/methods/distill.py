@@ -125,7 +125,8 @@ def distill(objective, batch: StepBatch, row_weights: torch.Tensor | None = None
     row_w = torch.ones(len(ro)) if row_weights is None else row_weights.float().cpu()  # (N_local,) OPOD's beta
     float64 = next(ctx.student.parameters()).dtype == torch.float64  # Eq. 11's weights in float64 for a float64 policy
     dtype, scale = torch.float64 if float64 else torch.float32, ctx.accelerator.num_processes  # DDP averages ranks
-    plain = not (cfg.kernel or sums or token_weight(cfg.token_weight, cfg.is_clip) or len(ctx.teacher_views) > 1)
+    weighted = cfg.token_weight != "none" or bool(cfg.is_clip)  # a token weight w_t (`opd.maths.weights`)
+    plain = not (cfg.kernel or weighted or len(ctx.teacher_views) > 1)
     temp, k = cfg.temperature, cfg.topk
     for mb in lockstep(ctx, batch, teacher_plans(ctx, batch, ctx.teacher_views[0]), sync, release=ctx.teacher_models):
         teacher, rows = teachers.teachers[mb.group], mb.rows  # padding: zero weights, nothing counted or labelled
