@@ -26,7 +26,7 @@ DEFAULT = ["--policy", "learned", "--rho", "0.25", "--steps", "8", "--no-eval-be
 steps 6-7 run every line of Algorithm 1), without what runs outside the steps (live evaluation, checkpoints)."""
 
 EQUATIONS = {
-    "Eq. 1 (student)": ("opd.models.ema_teacher", "response_logits"),
+    "Eq. 1 (student)": ("opd.models.chat", "response_logits"),
     "Eq. 2 (teacher)": ("opd.models.ema_teacher", "Teacher.logits"),
     "Eq. 3": ("opd.maths.divergence", "generalized_jsd"),
     "Eq. 4": ("opd.selection.selectors", "query_budget"),

@@ -16,7 +16,7 @@ from opd.maths.chunked import (
 )
 from opd.maths.divergence import clamped_forward_kl, generalized_jsd, topk_divergence, topk_support
 from opd.loop.run import Run
-from opd.methods.schedule import plan_micro_batches
+from opd.methods.lockstep import plan_micro_batches
 from opd.engine.synthetic import fixed_rollouts
 from opd.maths.utility import utility_terms
 from opd.maths.weights import TokenWeight, importance_ratio, teacher_gate, token_weight

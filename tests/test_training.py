@@ -15,8 +15,8 @@ import opd.methods.distill
 import opd.config
 import opd.loop.run
 import opd.methods.table
-import opd.engine.sampler
-import opd.methods.schedule
+import opd.engine.rollout
+import opd.methods.lockstep
 import opd.data.views
 import train
 from opd.models.chat import collate, encode_prompt
@@ -24,7 +24,7 @@ from opd.cli import UserError
 from opd.config import TrainConfig
 from opd.data.sources import load_records
 from opd.data.prompts import step_prompt_indices
-from opd.models.ema_teacher import response_logits
+from opd.models.chat import response_logits
 from opd.loop.ledger import read_ledger
 from opd.loop.run import Run
 from opd.models.loading import load_model, load_processor, special_ids
@@ -63,7 +63,7 @@ def divergence_before_update(run, rollouts, records) -> torch.Tensor:
     independent side of the tests that write a step's loss out."""
     from opd.models.chat import collate
     from opd.maths.divergence import topk_divergence
-    from opd.models.ema_teacher import response_logits
+    from opd.models.chat import response_logits
 
     index = rollouts.prompt_index.tolist()
     s_in = collate([run.prompts.student(records)[j] for j in index], run.ids["pad"], rollouts.response_ids,
@@ -156,8 +156,8 @@ def test_response_mask_keeps_tokens_up_to_the_first_eos():
 
 
 def test_teacher_sees_exactly_the_selected_rows(tmp_path, tiny, monkeypatch):
-    plan = Spy(opd.methods.schedule.plan_micro_batches)
-    monkeypatch.setattr(opd.methods.schedule, "plan_micro_batches", plan)
+    plan = Spy(opd.methods.lockstep.plan_micro_batches)
+    monkeypatch.setattr(opd.methods.lockstep, "plan_micro_batches", plan)
     run = Run(small_config(tmp_path, policy="random", rho=0.5, micro_batch=2))
     select = Spy(run.selector.select)
     run.selector.select = select
@@ -190,8 +190,8 @@ def test_teacher_sees_exactly_the_selected_rows(tmp_path, tiny, monkeypatch):
 
 @pytest.mark.parametrize("policy,rho", [("full", 1.0), ("random", 0.25), ("entropy", 0.25), ("learned", 0.25)])
 def test_two_steps_of_each_policy(tmp_path, tiny, monkeypatch, policy, rho):
-    gen = Spy(opd.engine.sampler.generate_rollouts)
-    monkeypatch.setattr(opd.engine.sampler, "generate_rollouts", gen)
+    gen = Spy(opd.engine.rollout.generate_rollouts)
+    monkeypatch.setattr(opd.engine.rollout, "generate_rollouts", gen)
     run = Run(small_config(tmp_path, policy=policy, rho=rho, replay_start=4, replay_batch=8))
     select = Spy(run.selector.select)
     run.selector.select = select

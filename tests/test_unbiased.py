@@ -229,7 +229,7 @@ def test_unbiased_training_weighs_each_selected_row_by_one_over_pi(tmp_path, tin
 
     from opd.models.chat import collate
     from opd.maths.divergence import topk_divergence
-    from opd.models.ema_teacher import response_logits
+    from opd.models.chat import response_logits
 
     float64_model()
     run = opd.loop.run.Run(small_config(tmp_path, policy="entropy", unbiased=True, rho=0.5, dtype="float64"))

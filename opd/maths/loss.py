@@ -1,19 +1,16 @@
 """The loss every objective shares: its settings (`LossConfig`) and Eq. 11's aggregation over S.
 
-Every objective (`opd.methods.objective`) receives one `LossConfig`, resolved for the run's method (`for_method`: the
-method's support unless --support names one, its divergence and token weight). The aggregation is the one place
-that turns per-token divergences into the step's loss:
+Every objective receives one `LossConfig`, resolved for the run's method (`for_method`) and the policy's vocabulary
+(`for_vocabulary`: the fused kernel past `PLAIN_LOGITS_LIMIT`). The aggregation turns per-token divergences into
+the step's loss:
 
-    token-mean     sum_{i,t} z_i m_it D_it / sum_{i,t} z_i m_it                          (Eq. 11; BAS-OPD)
-    sequence-mean  (1 / |S|) sum_{i in S} (1 / T_i) sum_t m_it D_it                        (OPSD's per-sequence mean)
-    micro-batch    sum_b (n_b / |S|) sum_{i in b, t} m_it D_it / sum_{i in b, t} m_it      (verl: a token mean per
-                                                                                          micro-batch b, weighted by rows)
-    token-sum      sum_{i,t} z_i m_it D_it                                                 (tinker's losses: a sum over
-                                                                                          tokens, no normalisation)
+    token-mean     sum_{i,t} z_i m_it D_it / sum_{i,t} z_i m_it                       (Eq. 11; BAS-OPD)
+    sequence-mean  (1 / |S|) sum_{i in S} (1 / T_i) sum_t m_it D_it                     (OPSD)
+    micro-batch    sum_b (n_b / |S|) sum_{i in b, t} m_it D_it / sum_{i in b, t} m_it   (verl)
+    token-sum      sum_{i,t} z_i m_it D_it                                              (tinker)
 
-|S| counts the selected rows with at least one valid token, over all ranks; the micro-batches are this loop's
-(grouped by length, `opd.methods.schedule.plan_micro_batches`), not verl's. The denominators are global: one all-reduce,
-run by every rank (`global_denominator`), so that the ranks' and micro-batches' parts add up to the step's loss.
+The denominators are global (one all-reduce, run by every rank: `loss_denominator`), so that the ranks' and
+micro-batches' parts add up to the step's loss. Details: docs/MODULES.md#opdmathsloss.
 """
 
 from __future__ import annotations

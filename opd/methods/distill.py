@@ -11,19 +11,19 @@ student's logits, its tail's masked copy and the teacher's logits are held, abou
 (20 n T V bytes: the toy's 64 x 4 x 105 is 0.5 MB; Qwen3.5's 4 x 1,024 x 248,320 would be 20 GB). Past
 `opd.maths.loss.PLAIN_LOGITS_LIMIT` a run takes the fused kernel instead (--fused-kernel: `micro_batch_loss`,
 `opd.maths.chunked`), as do token weights and OPD-V's second teacher view. Lockstep and padding over ranks:
-`opd.methods.schedule.lockstep`; details, teachers and cost accounting: docs/TRAINING.md#the-distillation-pass.
+`opd.methods.lockstep.lockstep`; details, teachers and cost accounting: docs/TRAINING.md#the-distillation-pass.
 """
 
 
 import torch
 
-from opd.models.chat import micro_batch_inputs
 from opd.maths.chunked import budgeted_loss_from_hidden, sampled_logp, sampled_logp_from_hidden
 from opd.maths.divergence import bias_corrected_reverse_kl, generalized_jsd, support_logp, topk_divergence, upcast, weighted_sum
-from opd.models.ema_teacher import Teacher, lm_head_weight, response_hidden, response_logits
+from opd.models.ema_teacher import Teacher
+from opd.models.chat import lm_head_weight, micro_batch_inputs, response_hidden, response_logits
 from opd.maths.loss import LossConfig, aggregation_weights
-from opd.methods.objective import DistillResult, StepBatch, teacher_inputs, teacher_plans
-from opd.methods.schedule import Stopwatch, TeacherCost, lockstep, timed
+from opd.methods.objective import ObjectiveResult, StepBatch, teacher_inputs, teacher_plans
+from opd.methods.lockstep import Stopwatch, TeacherCost, lockstep, timed
 from opd.maths.utility import labels_from_terms, utility_terms
 from opd.maths.weights import SampledLogp, TokenWeight, token_weight
 
@@ -39,7 +39,7 @@ def micro_batch_loss(student, teacher: Teacher, s_inputs, t_inputs: list, mask, 
     'token_weight' (w_t) and 'teacher_logp' (log pi_T(y_t)), (n, T), 0 outside the mask.
     """
     device = mask.device
-    costs = [TeacherCost() for _ in t_inputs]  # the teacher seconds per view (`schedule.timed`)
+    costs = [TeacherCost() for _ in t_inputs]  # the teacher seconds per view (`lockstep.timed`)
     weight_fn = token_weight(cfg.token_weight, cfg.is_clip)  # w_t (opd.maths.weights), None when 1
 
     temp = cfg.temperature
@@ -103,7 +103,7 @@ def micro_batch_loss(student, teacher: Teacher, s_inputs, t_inputs: list, mask, 
 
 
 def distill(objective, batch: StepBatch, row_weights: torch.Tensor | None = None, sync: bool = True,
-            token_sums: dict | None = None, labels: list[str] | None = None) -> DistillResult:  # fmt: skip
+            token_sums: dict | None = None, labels: list[str] | None = None) -> ObjectiveResult:  # fmt: skip
     """Eq. 11 on S against the run's teacher(s), backpropagated micro-batch by micro-batch; returns its sums and the
     labels u_i of S (Eq. 9). The default objective's call (`Distillation.__call__`), so each micro-batch's Eq. 1, 2, 3
     and 11 run right here; the fused kernel, token weights and OPD-V's second view run `micro_batch_loss`.
@@ -115,7 +115,7 @@ def distill(objective, batch: StepBatch, row_weights: torch.Tensor | None = None
     result's teacher labels (default `distill_labels`). Memory: module docstring."""
     ctx = objective.ctx
     cfg, ro, teachers = ctx.loss, batch.rollouts, ctx.teachers
-    res = DistillResult.begin(ctx, batch, labels or distill_labels(ctx))
+    res = ObjectiveResult.begin(ctx, batch, labels or distill_labels(ctx))
     sums: dict = {}
     if token_sums is not None and (cfg.token_weight != "none" or cfg.is_clip):
         sums = token_sums

@@ -11,7 +11,7 @@ from __future__ import annotations
 from collections.abc import Callable
 from types import MethodType
 
-from opd.methods.objective import DistillResult, Objective, StepBatch
+from opd.methods.objective import ObjectiveResult, Objective, StepBatch
 
 
 class Distillation(Objective):
@@ -27,7 +27,7 @@ class Distillation(Objective):
         return distill_labels(self.ctx)
 
     @property
-    def __call__(self) -> Callable[[StepBatch], DistillResult]:
+    def __call__(self) -> Callable[[StepBatch], ObjectiveResult]:
         """The pass itself, bound to this objective: `objective(batch)` is `distill(objective, batch)`, so the step's
         call lands in the micro-batch loop where Eq. 1-3 and 11 run (imported here: `opd.lazy`)."""
         from opd.methods.distill import distill

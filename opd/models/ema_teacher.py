@@ -24,6 +24,7 @@ from typing import TYPE_CHECKING
 
 from opd.cli import Section
 from opd.lazy import no_grad
+from opd.models.chat import lm_head_weight, response_hidden, response_logits  # noqa: F401 (also for opd.toy, experiments)
 
 if TYPE_CHECKING:
     import torch
@@ -51,33 +52,6 @@ class EMAConfig(Section):
         if self.every < 1:
             problems.append(f"--ema-every {self.every}: must be at least 1")
         return problems
-
-
-def response_logits(model, inputs: dict[str, torch.Tensor], n_response: int, **kwargs) -> torch.Tensor:
-    """Logits of the n_response positions that predict the response block at the end of `inputs`.
-
-    With a left-padded prompt and a (n, T) response appended (`opd.models.chat.collate`), position P + t - 1
-    predicts response token t, so the last T + 1 positions minus the final one are kept. The model
-    computes its own multimodal (M-RoPE) positions from input_ids, mm_token_type_ids and the image
-    grid. Returns (n, T, V).
-    """
-    out = model(**inputs, logits_to_keep=n_response + 1, use_cache=False, **kwargs)
-    return out.logits[:, :-1]
-
-
-def response_hidden(model, inputs: dict[str, torch.Tensor], n_response: int) -> torch.Tensor:
-    """The final (normed) hidden states at the same positions as `response_logits`: (n, T, H).
-
-    logits = hidden @ W_lm_head^T; the LM head itself is left to `opd.maths.chunked`, which never builds
-    the (n, T, V) logits. Only one position's logits are computed here (logits_to_keep=1).
-    """
-    out = model(**inputs, logits_to_keep=1, output_hidden_states=True, use_cache=False)
-    return out.hidden_states[-1][:, -(n_response + 1) : -1]
-
-
-def lm_head_weight(model) -> torch.Tensor:
-    """W of logits = h W^T (the output embedding; tied to the input embedding in some checkpoints)."""
-    return model.get_output_embeddings().weight
 
 
 class Teacher:

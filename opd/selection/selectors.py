@@ -1,9 +1,8 @@
 """Choosing S before any teacher computation: Eq. 4 and the paper's policies (Algorithm 1, lines 4-9).
 
-(Inside opd/: a top-level selectors.py would shadow the standard library's `selectors` module and break
-`import torch`.) Every selector sees the *global* candidates (features all-gathered from every rank) and returns
-global row ids; its draws come from a seed shared by the ranks, so all ranks make the same selection. |S| <= K
-always holds; `select` checks it (a RuntimeError otherwise).
+Every selector sees the *global* candidates (features all-gathered from every rank) and returns global row ids; its
+draws come from a seed shared by the ranks, so all ranks make the same selection. |S| <= K always holds; `select`
+checks it (a RuntimeError otherwise). (Not a top-level selectors.py: it would shadow the standard library's.)
 
 - full: S = C (rho must be 1).
 - random (Appendix A.1): K uniform picks without replacement (a CPU permutation seeded by the seed and the step).

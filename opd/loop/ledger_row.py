@@ -1,6 +1,6 @@
 """The ledger row of one step (DIR/ledger.jsonl, Appendix C's cost ledger), gathered as the step runs.
 
-The step (`opd.loop.step.Stepper`) hands `StepRecord` what each line of Algorithm 1 produced; the record times the
+The step (`opd.loop.step.Stepper`) hands `LedgerRow` what each line of Algorithm 1 produced; the row times the
 phases (`phase`), sums the teacher's cost over ranks and keeps the slowest rank's seconds. Every method here runs the
 same collectives on every rank, in the same order (`objective`: one all-reduce of the counts, one all-gather of the
 teacher seconds; `row`: one all-gather of the phases).
@@ -47,7 +47,7 @@ class PhaseTimer:
             self.seconds[phase] += time.perf_counter() - t0
 
 
-class StepRecord:
+class LedgerRow:
     """One step's ledger row on this rank (the same row on every rank once gathered)."""
 
     def __init__(self, accelerator, step: int):
