@@ -51,6 +51,8 @@ class Trace:
     """Each equation's fewest calls below Stepper.step."""
     autograd_functions: set[str] = field(default_factory=set)
     """Custom torch.autograd.Function classes of opd whose forward or backward ran inside a step."""
+    functions: dict[str, set[str]] = field(default_factory=dict)
+    """opd's file -> the names of its functions that ran inside a step."""
     imported: set[str] = field(default_factory=set)
     """opd's files first imported inside a step (their module bodies ran there, none of their functions need have)."""
 
@@ -70,29 +72,32 @@ def _codes() -> dict:
 
 
 class Tracer:
-    """A context under which every call inside `Stepper.step` is noted (`Trace`); a module's body (a first import
-    inside a step) is noted apart, in `imported`, not as code of the step."""
+    """A context under which every call inside `Stepper.step` is noted (`Trace`); an import inside a step (a module's
+    body, its class bodies and whatever they call) is noted apart, in `imported`, not as code of the step."""
 
     def __init__(self):
         from opd.loop.step import Stepper
 
         self.root, self.codes, self.out = Stepper.step.__code__, _codes(), Trace()
         self.seen: set[str] = set()
-        self.inside = 0
+        self.inside = self.importing = 0
 
     def profile(self, frame, event, arg):
         code = frame.f_code
         if code is self.root:
             self.inside += 1 if event == "call" else -1 if event == "return" else 0
             return
-        if event != "call" or not self.inside:
+        if code.co_name == "<module>":  # an import inside a step: its module body and all it runs are not the step's
+            self.importing += 1 if event == "call" else -1 if event == "return" else 0
+            if event == "call" and self.inside and code.co_filename.startswith(OPD):
+                self.out.imported.add(str(Path(code.co_filename).relative_to(ROOT)))
+            return
+        if event != "call" or not self.inside or self.importing:
             return
         name = code.co_filename
         if name.startswith(OPD):
-            if code.co_name == "<module>":
-                self.out.imported.add(str(Path(name).relative_to(ROOT)))
-                return
             self.seen.add(name)
+            self.out.functions.setdefault(str(Path(name).relative_to(ROOT)), set()).add(code.co_name)
             if code.co_name in ("forward", "backward") and code.co_varnames[:1] == ("ctx",):  # autograd.Function
                 self.out.autograd_functions.add(f"{Path(name).relative_to(ROOT)}:{code.co_name}")
         if code in self.codes:
@@ -128,7 +133,7 @@ if __name__ == "__main__":
     with tempfile.TemporaryDirectory() as tmp:
         t = trace([*DEFAULT, "--out", str(Path(tmp) / "run"), *sys.argv[1:]])
     for name, n in sorted(t.files.items(), key=lambda kv: -kv[1]):
-        print(f"{n:6d}  {name}")
+        print(f"{n:6d}  {name}  ({', '.join(sorted(t.functions[name]))})")
     print(f"{t.lines:6d}  in {len(t.files)} files")
     for what, d in t.depths.items():
         print(f"  {what}: {d} calls below the step")

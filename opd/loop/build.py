@@ -213,13 +213,13 @@ class ModelBuilder:
 
     def _sharded(self, model_path: str):
         """Full fine-tuning, FSDP2: every rank holds 1/world of the policy, its optimizer state and the teacher."""
-        from opd.models.sharding import load_sharded_model
+        from opd.models.sharding import load_sharded_model, local_pairs
 
         cfg = self.cfg
         student = load_sharded_model(model_path, grad_checkpointing=cfg.model.grad_checkpointing, **self.shard)
         teacher = None
         if not cfg.teacher.external:
-            teacher = EMATeacher(load_sharded_model(model_path, **self.shard), copy_weights=False)
+            teacher = EMATeacher(load_sharded_model(model_path, **self.shard), copy_weights=False, pairs=local_pairs)
             teacher.copy_from(student)  # Algorithm 1, line 1, shard by shard
         return student, cfg.optim.adamw(student.parameters()), teacher
 

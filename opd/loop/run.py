@@ -37,7 +37,7 @@ from opd.loop.folder import RunFolder, checkpoint_of, eval_command, launch_info
 from opd.engine.rollout import Sampler
 from opd.engine.vllm_sampler import VLLMSampler
 from opd.selection.designs import selector_from_config
-from opd.models.sharding import generation
+from opd.models.sharding import generation, is_sharded
 from opd.loop.step import Stepper
 from opd.storage import DiskFullError, drop_temporaries
 from opd.loop.tracking import Trackers, parse_report_to
@@ -104,7 +104,7 @@ class Run:
             teachers=self.teachers,
             encode=self.prompts.encode, processor=self.processor, ids=self.ids, autocast=self.autocast,
             student_view=self.method.student_view, teacher_views=self.teacher_views,
-            loss=loss, max_response_len=cfg.sampling.max_response_len, ema=cfg.ema,
+            loss=loss, max_response_len=cfg.sampling.max_response_len, ema=cfg.ema, sharded=is_sharded(self.student),
         )  # fmt: skip
         self.objective = self.method.objective(self.context, cfg.objective(), models.initial_teacher)
         state = resume.state if resume is not None else {}

@@ -35,16 +35,12 @@ class Distillation(Objective):
         return MethodType(distill, self)
 
     def after_update(self, step: int) -> None:
-        """Algorithm 1, line 13 after a valid update, every `ema.every` steps (DAPD's snapshot: tau = 1)."""
-        update_teachers(self.ctx, step)
+        """Algorithm 1, line 13 after a valid update: theta-bar <- (1 - tau) theta-bar + tau theta for each of the run's
+        teachers once (a shared one once), every `ema.every` steps (DAPD's snapshot: tau = 1); frozen ones stay."""
+        import torch
 
-
-def update_teachers(ctx, step: int) -> None:
-    """theta-bar <- (1 - tau) theta-bar + tau theta for each of the run's teachers once (a shared one once), when the
-    EMA is due after step `step`; frozen teachers do not move."""
-    import torch
-
-    if ctx.ema.due(step):
-        with torch.no_grad():
-            for t in dict.fromkeys(ctx.teachers.teachers.values()):
-                t.update(ctx.model(), ctx.ema.tau)
+        ctx = self.ctx
+        if ctx.ema.due(step):
+            with torch.no_grad():
+                for t in dict.fromkeys(ctx.teachers.teachers.values()):
+                    t.update(ctx.model(), ctx.ema.tau)

@@ -21,7 +21,7 @@ from dataclasses import dataclass
 import torch
 
 from opd.models.chat import micro_batch_inputs
-from opd.models.sharding import is_sharded, reshard
+from opd.models.sharding import reshard
 
 
 def cuda_sync(device: torch.device | str) -> None:
@@ -88,11 +88,10 @@ def slot_counts(accelerator, sharded: bool, plans: dict[str, list]) -> dict[str,
     return counts
 
 
-def slots(accelerator, student, plans: dict[str, list], sync: bool = True) -> Iterator[tuple[str, object, bool]]:
+def slots(accelerator, sharded: bool, plans: dict[str, list], sync: bool = True) -> Iterator[tuple[str, object, bool]]:
     """The lockstep order of this rank's micro-batches: (group, item or None for padding, sync), groups in the
     plans' order (the same on every rank). `sync` is True for the last real micro-batch when the caller syncs
     (DDP: its backward all-reduces the step's gradients); never for padding (sharded runs sync every backward)."""
-    sharded = is_sharded(student)
     counts = slot_counts(accelerator, sharded, plans)
     real = [(g, j) for g, p in plans.items() for j in range(len(p))]
     last = real[-1] if real else None
@@ -163,14 +162,15 @@ def lockstep(ctx, batch, plans: dict[str, list], sync: bool = True, release=()) 
     Unsharded, a rank with nothing to run runs one zero-weighted forward and backward on its row 0
     (`dummy_backward`) when `sync`, so that it joins DDP's gradient all-reduce; with sync=False a later pass of the
     caller synchronises. `ctx` an `opd.methods.objective.ObjectiveContext`, `batch` the step's `StepBatch`; `release` the
-    teachers' models, resharded before each backward and at the end."""
+    teachers' models, resharded before each backward and at the end when sharded (`ctx.sharded`)."""
     acc, student = ctx.accelerator, ctx.student
+    release = tuple(release) if ctx.sharded else ()  # unsharded: nothing gathered, nothing to free
     ran = False
     try:
-        for group, item, last in slots(acc, student, plans, sync):
+        for group, item, last in slots(acc, ctx.sharded, plans, sync):
             ran = ran or item is not None
-            yield MicroBatch(group, item, last, acc, student, tuple(release))
-        if not ran and sync and not is_sharded(student):
+            yield MicroBatch(group, item, last, acc, student, release)
+        if not ran and sync and not ctx.sharded:
             dummy_backward(ctx, batch)
     finally:
         for model in release:

@@ -165,6 +165,8 @@ class ObjectiveContext:
     ema: object
     """The teachers' update (`opd.models.ema_teacher.EMAConfig`): rate tau after a valid step (0: fixed; 1: a copy), every
     `every` steps."""
+    sharded: bool = False
+    """The policy and teachers are FSDP2-sharded (`--fsdp`): `opd.methods.lockstep` pads and frees for it."""
 
     @property
     def device(self) -> torch.device:

@@ -116,13 +116,21 @@ def ema_(pairs, tau: float) -> None:
             t.lerp_(s.detach().to(t.dtype), tau)
 
 
+def parameter_pairs(teacher: torch.nn.Module, student: torch.nn.Module):
+    """(teacher, student) parameter pairs, in order: what line 13 moves in an unsharded teacher."""
+    return zip(teacher.parameters(), student.parameters(), strict=True)
+
+
 class EMATeacher(Teacher):
     trainable = True
 
-    def __init__(self, student: torch.nn.Module, copy_weights: bool = True):
+    def __init__(self, student: torch.nn.Module, copy_weights: bool = True, pairs=None):
         """Algorithm 1, line 1: theta-bar <- theta (copy_weights=False adopts a loaded teacher as is; a
-        sharded model cannot be deep-copied: give a separately built one and call `copy_from`)."""
+        sharded model cannot be deep-copied: give a separately built one and call `copy_from`). `pairs`
+        (teacher, student) -> the tensor pairs line 13 moves: None, every parameter in order; a sharded teacher's
+        `opd.models.sharding.local_pairs` (each rank's local shards)."""
         super().__init__(copy.deepcopy(student) if copy_weights else student)
+        self.pairs = pairs
 
     @no_grad
     def copy_from(self, student: torch.nn.Module) -> None:
@@ -137,11 +145,8 @@ class EMATeacher(Teacher):
     @no_grad
     def update(self, student: torch.nn.Module, tau: float) -> None:
         """Algorithm 1, line 13: theta-bar <- (1 - tau) theta-bar + tau theta (parameters; buffers copied).
-        Sharded models: on each rank's local shards (the two are sharded alike). tau = 1 copies the
-        student (DAPD's snapshot refresh)."""
-        from opd.models.sharding import local_pairs
-
-        ema_(local_pairs(self.model, student), tau)
+        Sharded models: on each rank's local shards (`pairs`). tau = 1 copies the student (DAPD's snapshot refresh)."""
+        ema_((self.pairs or parameter_pairs)(self.model, student), tau)
         for t, s in zip(self.model.buffers(), student.buffers(), strict=True):
             t.copy_(s)
 
