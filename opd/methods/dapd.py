@@ -64,7 +64,7 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
 from opd.cli import Section
-from opd.models.external_teachers import TeacherSet
+from opd.models.ema_teacher import TeacherSet
 from opd.maths.loss import global_denominator
 from opd.methods.objective import ObjectiveResult, Objective, ObjectiveContext, StepBatch
 from opd.data.views import View, get_view, reference_prompt

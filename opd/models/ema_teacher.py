@@ -7,19 +7,17 @@ the adapter updated the same way (`opd.models.lora`). Either scores the student'
 privileged prompt, only for selected rows, detached. `rows_scored` and `batches` count every row and batch it
 has been asked about, so the budget can be audited.
 
-`Teacher` is a fixed one (an external checkpoint, DAPD's `base` anchor): the same scoring and counting, no
-update.
-
-Under `--fsdp` the teacher is sharded exactly like the policy (`opd.models.sharding.shard_model`), and both
-line 1 and line 13 run on each rank's own float32 shards, with no communication; forwards that only
-keep the ranks in step (`opd.methods.distill`'s zero-weighted micro-batches) are not counted (`uncounted`).
+`Teacher` is a fixed one (an external checkpoint, DAPD's `base` anchor): the same scoring and counting, no update.
+`TeacherSet` is the run's teachers in a fixed order (the EMA teacher alone by default; routes:
+`opd.models.external_teachers`). Under `--fsdp` the teacher is sharded like the policy and lines 1 and 13 run on each
+rank's own shards; forwards that only keep the ranks in step are not counted (`uncounted`).
 """
 
 from __future__ import annotations
 
 import contextlib
 import copy
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
 from opd.cli import Section
@@ -201,3 +199,30 @@ class AdapterTeacher(Teacher):
             with torch.no_grad():
                 ema_(adapter_pairs(self.model, self.adapter), tau)  # the adapters' parameters (tau = 1: a copy)
 
+
+@dataclass
+class TeacherSet:
+    """The run's teachers by name, in a fixed order (every rank the same), and the route of each record."""
+
+    teachers: dict = field(default_factory=dict)
+    """name -> `Teacher` (or `EMATeacher`)."""
+    routes: object = None
+    """The routing table (`opd.models.external_teachers.Routes`); None: every record goes to the first (and only)
+    teacher."""
+
+    @property
+    def single(self) -> bool:
+        return len(self.teachers) == 1
+
+    @property
+    def names(self) -> list[str]:
+        return list(self.teachers)
+
+    def route(self, record) -> str | None:
+        """The name of the teacher of a record's rows (None: none, the record is not a candidate)."""
+        return self.routes.route(record) if self.routes is not None else self.names[0]
+
+    def label(self, name: str, view: str) -> str:
+        """The ledger label of one teacher's forwards in one view: the view with one teacher, `<teacher>:<view>` with
+        several (routes, DAPD's anchors)."""
+        return view if self.single else f"{name}:{view}"

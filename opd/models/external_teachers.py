@@ -4,8 +4,8 @@
 - `--teachers route.json`: a table from one record field's value to checkpoints, e.g.
   {"field": "task", "teachers": {"colour": "teachers/colour", "count": "teachers/count"}, "default": "colour"}.
 
-`TeacherSet` is the run's teachers in a fixed order (the EMA self-teacher alone by default), each selected row
-routed to one; each teacher is loaded once, frozen, run only on its rows, and must have the policy's tokenizer
+The run's `TeacherSet` (`opd.models.ema_teacher`) then holds them in a fixed order, each selected row routed to one
+by `Routes`; each teacher is loaded once, frozen, run only on its rows, and must have the policy's tokenizer
 (`check_same_tokenizer`). Ledger labels: a view with one teacher, `<teacher>:<view>` with several. Checkpoint
 forms, routes and refusals: docs/MODULES.md#opdmodelsexternal_teachers.
 """
@@ -13,12 +13,13 @@ forms, routes and refusals: docs/MODULES.md#opdmodelsexternal_teachers.
 from __future__ import annotations
 
 import json
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from pathlib import Path
 
 from opd.cli import Section, UserError
 from opd.data.records import KNOWN_FIELDS
 from opd.data.views import VIEWS
+from opd.models.ema_teacher import TeacherSet  # noqa: F401 (the run's teacher set; imported from here too)
 
 
 @dataclass
@@ -163,32 +164,6 @@ def load_teacher(path: str, what: str, policy_processor, policy_vocab: int, load
     model = load_model(path)
     check_same_tokenizer(policy_processor, processor, what, policy_vocab, lm_head_weight(model).shape[0])
     return Teacher(model, processor)
-
-
-@dataclass
-class TeacherSet:
-    """The run's teachers by name, in a fixed order (every rank the same), and the route of each record."""
-
-    teachers: dict = field(default_factory=dict)
-    """name -> opd.models.ema_teacher.Teacher (or EMATeacher)."""
-    routes: Routes | None = None
-    """None: every record goes to the first (and only) teacher."""
-
-    @property
-    def single(self) -> bool:
-        return len(self.teachers) == 1
-
-    @property
-    def names(self) -> list[str]:
-        return list(self.teachers)
-
-    def route(self, record) -> str | None:
-        """The name of the teacher of a record's rows (None: none, the record is not a candidate)."""
-        return self.routes.route(record) if self.routes is not None else self.names[0]
-
-    def label(self, name: str, view: str) -> str:
-        """The ledger label of one teacher's forwards in one view (see the module docstring)."""
-        return view if self.single else f"{name}:{view}"
 
 
 def build_routed(routes: Routes, policy_processor, policy_vocab: int, load_model, load_processor) -> TeacherSet:
