@@ -188,7 +188,7 @@ def run_strategy(strategy: str, model_dir: Path, data: Path, a, out: Path) -> di
 
     import opd.config
     import opd.loop.run
-    import opd.engine.sampler
+    import opd.engine.rollout
     from opd.models.sharding import full_state_dict
     from opd.engine.synthetic import fixed_rollouts
 
@@ -207,7 +207,7 @@ def run_strategy(strategy: str, model_dir: Path, data: Path, a, out: Path) -> di
     selected, select = [], run.selector.select
     run.selector.select = lambda *args, **kw: selected.append(select(*args, **kw)) or selected[-1]
     generated = []
-    real_generate = opd.engine.sampler.generate_rollouts
+    real_generate = opd.engine.rollout.generate_rollouts
 
     def spy(*args, **kw):
         generated.append(real_generate(*args, **kw))
@@ -217,7 +217,7 @@ def run_strategy(strategy: str, model_dir: Path, data: Path, a, out: Path) -> di
     match_row = run.step(0, fixed_rollouts(run, 0, max_len=min(a.response_len, 32)))
     params = {k: v.float().clone() for k, v in full_state_dict(run.model).items()}  # kept while training goes on
     rows = []
-    opd.engine.sampler.generate_rollouts = spy
+    opd.engine.rollout.generate_rollouts = spy
     try:
         for step in range(1, a.steps + 1):
             before = flops.flops
@@ -227,7 +227,7 @@ def run_strategy(strategy: str, model_dir: Path, data: Path, a, out: Path) -> di
             row["generated_tokens"] = int(generated[-1].response_mask.sum())
             rows.append(row)
     finally:
-        opd.engine.sampler.generate_rollouts = real_generate
+        opd.engine.rollout.generate_rollouts = real_generate
     peak = torch.cuda.max_memory_allocated() if cuda else None
     result = {"strategy": strategy, "load_s": load_s, "match_row": match_row, "match_selected": selected[0][0].tolist(),
               "rows": rows, "peak_bytes": peak, "params_after_match": params}  # fmt: skip

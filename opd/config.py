@@ -189,7 +189,7 @@ def method_problems(cfg: TrainConfig) -> list[str]:
 
 PAPER = dict(
     data=None, prompts_per_step=28, rollouts_per_prompt=8, max_prompt_len=8192, max_response_len=1024,
-    steps=0, lr=2e-6, micro_batch=4, mixed_precision="bf16", grad_checkpointing=True, save_every=10,
+    steps=0, lr=2e-6, micro_batch=4, mixed_precision="bf16", grad_checkpointing=True, save_every=10, fused_kernel=True,
 )  # fmt: skip
 PRESETS: dict[str, dict] = {
     # The default (opd/toy/default.py): the toy world's base, which reads crops well and the full image poorly, on

@@ -16,7 +16,7 @@ from opd.maths.chunked import (
 )
 from opd.maths.divergence import clamped_forward_kl, generalized_jsd, topk_divergence, topk_support
 from opd.loop.run import Run
-from opd.methods.schedule import plan_micro_batches
+from opd.methods.lockstep import plan_micro_batches
 from opd.engine.synthetic import fixed_rollouts
 from opd.maths.utility import utility_terms
 from opd.maths.weights import TokenWeight, importance_ratio, teacher_gate, token_weight
@@ -218,24 +218,34 @@ def test_plan_groups_by_length_under_both_limits():
     assert [g.tolist() for g in plan_micro_batches(lengths, max_rows=4)] == [[6, 1, 4, 3], [7, 2, 5, 0]]
 
 
-def test_training_step_is_the_same_on_both_paths(tmp_path, tiny, float64_model):
-    """Whole-micro-batch logits against the chunked hidden-state path: the same formula summed in another order. In
-    float64 (tests/float64.py) that is ~1e-15 relative; in float32 it was ~1e-7 to 1e-5 here, CPU-dependent.
-    utility_mean is a float32 mean (the labels are stored as float32) of float64 labels: one float32 rounding each."""
+def test_the_fused_kernel_trains_as_the_plain_path(tmp_path, tiny, float64_model):
+    """The default plain path (autograd through `divergence.topk_divergence` + `utility_terms` on a micro-batch's logits)
+    against the opt-in fused kernel (--fused-kernel, `chunked.budgeted_loss_from_hidden`, 5 positions a chunk) on one
+    training step in float64 (tests/float64.py): the same loss, every parameter's gradient and every utility label, up to
+    float64 rounding of sums taken in another order (~1e-15 relative; float32 gave ~1e-7 to 1e-5, CPU-dependent).
+    utility_mean is a float32 mean (labels are stored as float32): one float32 rounding per label."""
     from float64 import F32_EPS
 
-    rows = []
-    for chunk in (0, 5):
-        run = Run(small_config(tmp_path / f"c{chunk}", policy="full", rho=1.0, loss_chunk=chunk, micro_batch_tokens=150,
-                               dtype="float64"))  # fmt: skip
+    rows, grads = [], []
+    for fused in (False, True):
+        run = Run(small_config(tmp_path / f"fused-{fused}", policy="full", rho=1.0, fused_kernel=fused, loss_chunk=5,
+                               micro_batch_tokens=150, dtype="float64", lr=0.0))  # fmt: skip
+        assert run.context.loss.kernel is fused
         perturb(run.teacher.model)
+        run.optimizer.zero_grad = lambda set_to_none=True: None  # keep the step's gradients (lr 0: AdamW moves nothing)
         rows.append(run.step(0, fixed_rollouts(run, 0)))
-    assert rows[0]["loss"] > 1e-3
-    assert rows[0]["loss"] == pytest.approx(rows[1]["loss"], rel=1e-9)
-    assert rows[0]["grad_norm"] == pytest.approx(rows[1]["grad_norm"], rel=1e-9)
-    n = rows[0]["selected"]  # labels >= 0: torch's float32 mean of n of them rounds n + 1 times at most
-    assert rows[0]["utility_mean"] == pytest.approx(rows[1]["utility_mean"], rel=2 * (n + 1) * F32_EPS)
-    assert rows[1]["teacher_padded_tokens"] >= rows[1]["teacher_tokens"] > 0
+        grads.append({k: p.grad.clone() for k, p in run.model.named_parameters() if p.grad is not None})
+        run.folder.release()
+    plain, fused = rows
+    assert plain["loss"] > 1e-3 and plain["selected"] > 0
+    assert plain["loss"] == pytest.approx(fused["loss"], rel=1e-12)
+    assert set(grads[0]) == set(grads[1]) and grads[0]
+    for name, g in grads[0].items():
+        scale = float(g.abs().max()) or 1.0
+        assert float((g - grads[1][name]).abs().max()) <= 1e-11 * scale, name
+    n = plain["selected"]  # labels >= 0: torch's float32 mean of n of them rounds n + 1 times at most
+    assert plain["utility_mean"] == pytest.approx(fused["utility_mean"], rel=2 * (n + 1) * F32_EPS)
+    assert fused["teacher_padded_tokens"] >= fused["teacher_tokens"] > 0
 
 
 # ----------------------------------------------------------------------------- the seed family's supports, divergences
@@ -573,3 +583,21 @@ def test_a_frozen_lm_head_gets_no_weight_gradient_and_the_same_hidden_gradient(m
         (l0, o0, g0, w0, n0), (l1, o1, g1, w1, n1) = results[False], results[True]
         assert n0 > 0 and w0 is not None and n1 == 0 and w1 is None, name
         assert torch.equal(l0, l1) and torch.equal(o0, o1) and torch.equal(g0, g1), name
+
+
+def test_the_kernel_is_opt_in_turned_on_by_the_paper_presets_and_by_a_plain_path_too_large():
+    """The plain path by default; the fused kernel with --fused-kernel, under --preset paper-4b / paper-9b, and on its
+    own (one line naming why) when micro_batch x max_response_len x vocabulary logits exceed PLAIN_LOGITS_LIMIT."""
+    from opd.config import resolve
+    from opd.maths.loss import PLAIN_LOGITS_LIMIT, LossConfig
+
+    assert not resolve({}).loss.kernel and not resolve({"preset": "tiny"}).loss.kernel
+    assert resolve({"preset": "tiny", "fused_kernel": True}).loss.kernel
+    for preset in ("paper-4b", "paper-9b"):
+        assert resolve({"preset": preset, "data": "x.jsonl"}).loss.kernel
+    cfg = LossConfig(micro_batch=4)
+    assert cfg.for_vocabulary(1000, 32) == (cfg, None)  # 128,000 logits: plain
+    big, note = cfg.for_vocabulary(248_320, 1024)  # Qwen3.5's vocabulary: 1,017,118,720 logits per side
+    assert big.kernel and 4 * 1024 * 248_320 > PLAIN_LOGITS_LIMIT
+    assert note.count("\n") == 0 and "--fused-kernel on" in note and "1,017,118,720" in note
+    assert LossConfig(fused_kernel=True, chunk=0).kernel is False  # --loss-chunk 0: whole logits, the plain path

@@ -106,7 +106,7 @@ def test_a_gkd_step_is_trls_batch_mean_over_the_queried_rows(tmp_path, tiny, gkd
 
     float64_model()
     cfg = small_config(tmp_path, method="gkd", teacher_model=str(gkd_teacher), policy="full", rho=1.0, alpha=0.7,
-                       dtype="float64", lr=0.0, loss_chunk=4)  # fmt: skip
+                       dtype="float64", lr=0.0, loss_chunk=4, fused_kernel=True)  # fmt: skip
     run = Run(cfg)
     assert run.teachers.names == ["teacher"] and not run.teacher.trainable and run.teacher_views == ("full",)
     rollouts = fixed_rollouts(run, 0)

@@ -3,7 +3,8 @@
 - the layers are folders: at most 20 modules directly in opd/, no module over 600 lines;
 - train.py is the command line (at most 300 lines); Algorithm 1's step is its own small stepper (`opd.loop.step`:
   step and update, apart from the run's lifecycle in `opd.loop.run`), and a step reaches the function each equation's
-  line runs in at most 4 calls (tests/reader_path.py, measured while a step runs);
+  line runs in at most 4 calls, Eq. 3 in 2, through the plain functions (tests/core_trace.py, measured while a step
+  runs), and the files it runs only shrink towards issue 45's core of 8 files and 1,500 lines;
 - no function in train.py, eval.py or opd/ is over 80 lines;
 - the library never imports a script (train.py, eval.py);
 - no import cycle among opd's modules;
@@ -76,24 +77,78 @@ def test_train_py_is_the_command_line_and_the_step_is_its_own_small_stepper():
     assert step.end_lineno - step.lineno + 1 <= 5  # the run hands the step to the stepper
 
 
-def test_a_step_reaches_each_equation_in_at_most_4_calls(tmp_path, tiny):
-    from reader_path import TARGETS, depths
+CORE_FILES, CORE_LINES = 8, 1500
+"""The issue-45 goal for the core: the files of opd/ whose code runs inside the default's steps, and their lines."""
+RATCHET_FILES, RATCHET_LINES = 23, 3689
+"""What the default's steps run today (tests/core_trace.py): it may only shrink, towards CORE_FILES and CORE_LINES."""
+
+
+@pytest.fixture(scope="module")
+def default_step(tmp_path_factory, tiny):
+    """What one step of the default (BAS-OPD, Learned-25) runs, on the tiny model after the selector's first update so
+    that every line of Algorithm 1 runs (sampling, the predictor, the teacher, the replay update, the EMA)."""
+    from core_trace import Tracer
 
     from opd.config import TrainConfig
-    from opd.engine.synthetic import fixed_rollouts
     from opd.loop.run import Run
 
     model, data = tiny
-    run = Run(TrainConfig(model=str(model), data=str(data), out=str(tmp_path / "run"), prompts_per_step=4,
-                          rollouts_per_prompt=4, max_response_len=8, steps=2, micro_batch=4, replay_start=2,
-                          replay_batch=16, report_to="none", save_every=0))  # fmt: skip
+    out = tmp_path_factory.mktemp("core") / "run"
+    run = Run(TrainConfig(model=str(model), data=str(data), out=str(out), prompts_per_step=4, rollouts_per_prompt=4,
+                          max_response_len=8, steps=2, micro_batch=4, replay_start=2, replay_batch=16, report_to="none",
+                          save_every=0, policy="learned", rho=0.25))  # fmt: skip
     try:
-        run.step(0, fixed_rollouts(run, 0))  # the selector's first update: step 1 ranks by f_psi
-        found = depths(run, fixed_rollouts(run, 1))
+        run.step(0)  # the selector's first update: step 1 ranks by f_psi
+        with Tracer() as trace:
+            run.step(1)
     finally:
         run.folder.release()
-    assert set(found) == set(TARGETS), (found, set(TARGETS) - set(found))  # every line of Algorithm 1 ran
+    return trace
+
+
+def test_the_default_step_runs_every_equation_through_the_plain_functions(default_step):
+    """Every equation's function runs (docs/EQUATIONS.md), the plain Eq. 3 (no custom autograd.Function) at most 2 calls
+    below Stepper.step, every other within 4."""
+    from core_trace import EQUATIONS
+
+    found = default_step.depths
+    assert set(found) == set(EQUATIONS), set(EQUATIONS) - set(found)  # every line of Algorithm 1 ran
+    assert not default_step.autograd_functions, default_step.autograd_functions
+    assert found["Eq. 3"] <= 2, found
     assert max(found.values()) <= 4, found
+
+
+def test_the_default_step_runs_a_small_core(default_step):
+    files, lines = len(default_step.files), default_step.lines
+    assert files <= RATCHET_FILES and lines <= RATCHET_LINES, default_step.files
+
+
+def test_the_cores_module_docstrings_are_at_most_15_lines(default_step):
+    """Each file the default step runs opens with a docstring of at most 15 lines (derivations and details: docs/)."""
+    long = {}
+    for name in default_step.files:
+        doc = ast.get_docstring(ast.parse((ROOT / name).read_text()), clean=False)
+        if doc is None or len(doc.splitlines()) > 15:
+            long[name] = None if doc is None else len(doc.splitlines())
+    assert not long, long
+
+
+def test_the_readmes_reading_order_is_the_core(default_step):
+    """README's "Read in this order" names exactly the files the default step runs, each once."""
+    import re
+
+    text = (ROOT / "README.md").read_text()
+    section = text[text.index("## Read in this order") :]
+    section = section[: section.index("\n## ", 3)]
+    named = re.findall(r"`(opd/[\w/]+\.py)`", section)
+    named = [n for n in named if n != "opd/maths/chunked.py"]  # the kernel, named as what --fused-kernel runs instead
+    assert len(named) == len(set(named)), named
+    assert set(named) == set(default_step.files), (set(named) ^ set(default_step.files))
+
+
+@pytest.mark.xfail(strict=True, reason="issue 45: the core is not yet 8 files and 1,500 lines (RATCHET_*)")
+def test_the_default_step_runs_at_most_8_files_and_1500_lines(default_step):
+    assert len(default_step.files) <= CORE_FILES and default_step.lines <= CORE_LINES, default_step.files
 
 
 def test_no_function_over_80_lines():

@@ -21,7 +21,8 @@ from opd.maths.chunked import budgeted_loss_from_hidden
 from opd.cli import UserError
 from opd.methods.distill import aggregation_weights
 from opd.maths.divergence import budgeted_loss, topk_divergence
-from opd.models.ema_teacher import AdapterTeacher, response_logits
+from opd.models.ema_teacher import AdapterTeacher
+from opd.models.chat import response_logits
 from opd.loop.ledger import read_ledger
 from opd.models.lora import LoRAConfig, adapter_state, base_parameters, wrap
 from opd.models.loading import load_model, load_processor, special_ids

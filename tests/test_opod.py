@@ -103,7 +103,7 @@ def test_opods_kl_is_a_hajek_token_mean_under_unbiased_selection(tmp_path, tiny,
     from float64 import float64_model
 
     from opd.models.chat import collate
-    from opd.models.ema_teacher import response_logits
+    from opd.models.chat import response_logits
 
     float64_model()
     run = Run(opod_config(tmp_path, teacher_model=str(teacher_models[0]), policy="entropy", unbiased=True, rho=0.5,

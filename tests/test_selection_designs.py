@@ -13,8 +13,7 @@ import opd.loop.run
 import train
 from opd.config import TrainConfig
 from opd.maths.loss import aggregation_weights, loss_denominator
-from opd.selection.selectors import (
-    Selector,
+from opd.selection.designs import (
     inclusion_probabilities,
     inclusion_sizes,
     sample_stratified,
@@ -22,6 +21,7 @@ from opd.selection.selectors import (
     stratified_probabilities,
     stratum_allocation,
 )
+from opd.selection.designs import selector as Selector  # a Selector with the design its flags name
 from opd.engine.synthetic import fixed_rollouts
 
 F64 = torch.float64

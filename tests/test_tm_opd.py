@@ -16,7 +16,7 @@ from float64 import float64_model
 
 from opd.models.chat import micro_batch_inputs
 from opd.config import resolve
-from opd.models.ema_teacher import response_logits
+from opd.models.chat import response_logits
 from opd.loop.run import Run
 from opd.engine.synthetic import fixed_rollouts
 from opd.tiny import build_tiny_model

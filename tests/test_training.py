@@ -11,11 +11,12 @@ import pytest
 import torch
 
 import opd.maths.chunked
+import opd.methods.distill
 import opd.config
 import opd.loop.run
 import opd.methods.table
-import opd.engine.sampler
-import opd.methods.schedule
+import opd.engine.rollout
+import opd.methods.lockstep
 import opd.data.views
 import train
 from opd.models.chat import collate, encode_prompt
@@ -23,7 +24,7 @@ from opd.cli import UserError
 from opd.config import TrainConfig
 from opd.data.sources import load_records
 from opd.data.prompts import step_prompt_indices
-from opd.models.ema_teacher import response_logits
+from opd.models.chat import response_logits
 from opd.loop.ledger import read_ledger
 from opd.loop.run import Run
 from opd.models.loading import load_model, load_processor, special_ids
@@ -62,7 +63,7 @@ def divergence_before_update(run, rollouts, records) -> torch.Tensor:
     independent side of the tests that write a step's loss out."""
     from opd.models.chat import collate
     from opd.maths.divergence import topk_divergence
-    from opd.models.ema_teacher import response_logits
+    from opd.models.chat import response_logits
 
     index = rollouts.prompt_index.tolist()
     s_in = collate([run.prompts.student(records)[j] for j in index], run.ids["pad"], rollouts.response_ids,
@@ -155,8 +156,8 @@ def test_response_mask_keeps_tokens_up_to_the_first_eos():
 
 
 def test_teacher_sees_exactly_the_selected_rows(tmp_path, tiny, monkeypatch):
-    plan = Spy(opd.methods.schedule.plan_micro_batches)
-    monkeypatch.setattr(opd.methods.schedule, "plan_micro_batches", plan)
+    plan = Spy(opd.methods.lockstep.plan_micro_batches)
+    monkeypatch.setattr(opd.methods.lockstep, "plan_micro_batches", plan)
     run = Run(small_config(tmp_path, policy="random", rho=0.5, micro_batch=2))
     select = Spy(run.selector.select)
     run.selector.select = select
@@ -189,8 +190,8 @@ def test_teacher_sees_exactly_the_selected_rows(tmp_path, tiny, monkeypatch):
 
 @pytest.mark.parametrize("policy,rho", [("full", 1.0), ("random", 0.25), ("entropy", 0.25), ("learned", 0.25)])
 def test_two_steps_of_each_policy(tmp_path, tiny, monkeypatch, policy, rho):
-    gen = Spy(opd.engine.sampler.generate_rollouts)
-    monkeypatch.setattr(opd.engine.sampler, "generate_rollouts", gen)
+    gen = Spy(opd.engine.rollout.generate_rollouts)
+    monkeypatch.setattr(opd.engine.rollout, "generate_rollouts", gen)
     run = Run(small_config(tmp_path, policy=policy, rho=rho, replay_start=4, replay_batch=8))
     select = Spy(run.selector.select)
     run.selector.select = select
@@ -265,7 +266,8 @@ def test_importance_ratio_scales_each_token_up_to_the_clip(tmp_path, tiny):
     for chunk in (512, 0):
         losses = []
         for is_clip in (0.0, 2.0):
-            run = Run(small_config(tmp_path / f"{chunk}-{is_clip}", policy="full", rho=1.0, is_clip=is_clip, loss_chunk=chunk))
+            run = Run(small_config(tmp_path / f"{chunk}-{is_clip}", policy="full", rho=1.0, is_clip=is_clip, loss_chunk=chunk,
+                                      fused_kernel=True))
             ro = fixed_rollouts(run, 0)
             ro.logp = torch.where(ro.response_mask, torch.full_like(ro.logp, -100.0), ro.logp)
             losses.append(run.step(0, ro)["loss"])
@@ -311,7 +313,8 @@ def test_empty_selection_is_a_valid_step_without_teacher(tmp_path, tiny):
 def test_non_finite_loss_skips_update_and_ema(tmp_path, tiny, monkeypatch):
     run = Run(small_config(tmp_path, policy="full", rho=1.0))
     nan_jsd = lambda s, t, a: (s * float("nan")).sum(-1)  # noqa: E731
-    monkeypatch.setattr(opd.maths.chunked, "generalized_jsd", nan_jsd)  # both loss paths compute Eq. 3 there
+    monkeypatch.setattr(opd.methods.distill, "generalized_jsd", nan_jsd)  # Eq. 3 on the plain path
+    monkeypatch.setattr(opd.maths.chunked, "generalized_jsd", nan_jsd)  # and in the fused kernel
     student_before, teacher_before = params_of(run.model), params_of(run.teacher.model)
     with pytest.warns(UserWarning, match="non-finite"):
         row = run.step(0, fixed_rollouts(run, 0))
@@ -597,7 +600,7 @@ def test_the_teachers_lm_head_inside_the_fused_loss_is_teacher_time(tmp_path, ti
         return out
 
     monkeypatch.setattr(opd.methods.distill, "budgeted_loss_from_hidden", slow_teacher_head)
-    run = Run(small_config(tmp_path, policy="full", rho=1.0, micro_batch=64))
+    run = Run(small_config(tmp_path, policy="full", rho=1.0, micro_batch=64, fused_kernel=True))
     row = run.step(0, fixed_rollouts(run, 0))
     assert row["teacher_forward_s"] >= 7.0 and row["teacher_forward_s_crop"] >= 7.0
     assert row["student_s"] < 7.0

@@ -14,7 +14,9 @@ import train
 from opd.maths.divergence import budgeted_loss
 from opd.loop.ledger import read_ledger
 from opd.seeding import seeded_generator
-from opd.selection.selectors import Selector, capped, inclusion_probabilities, query_budget, sample_with_probabilities
+from opd.selection.designs import capped, inclusion_probabilities, sample_with_probabilities
+from opd.selection.designs import selector as Selector  # a Selector with the design its flags name
+from opd.selection.selectors import query_budget
 from opd.engine.synthetic import fixed_rollouts
 
 F64 = torch.float64
@@ -128,7 +130,7 @@ def test_the_budget_is_checked_without_assert(monkeypatch):
         if policy == "learned":
             selector.model.updates = 1
         assert selector.select(phi, eligible, budget, 0, prompt_of=prompts)[0].numel() <= budget
-    monkeypatch.setattr(opd.selection.selectors, "capped", lambda order, n, prompt_of, cap: order)  # a broken policy
+    monkeypatch.setattr(opd.selection.selectors, "uniform_subset", lambda candidates, n, generator: candidates)  # broken
     with pytest.raises(RuntimeError, match=r"the query budget was exceeded: \|S\| = 6 > K = 2"):
         Selector("random").select(phi, eligible, 2, 0)[0]
 
@@ -227,7 +229,7 @@ def test_unbiased_training_weighs_each_selected_row_by_one_over_pi(tmp_path, tin
 
     from opd.models.chat import collate
     from opd.maths.divergence import topk_divergence
-    from opd.models.ema_teacher import response_logits
+    from opd.models.chat import response_logits
 
     float64_model()
     run = opd.loop.run.Run(small_config(tmp_path, policy="entropy", unbiased=True, rho=0.5, dtype="float64"))

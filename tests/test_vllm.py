@@ -336,13 +336,13 @@ def test_death_mid_run_quotes_the_last_log_line(tmp_path, vllm_model_dir):
 
 
 def test_a_started_server_says_so_with_its_log(tmp_path, vllm_model_dir, monkeypatch, capsys):
-    """`--rollout-engine vllm` (rank 0's `opd.engine.sampler.Sampler.start`) prints that its server is starting, with the
+    """`--rollout-engine vllm` (rank 0's `opd.engine.vllm_sampler.VLLMSampler.start`) prints that its server is starting, with the
     log it writes, and that it answers; the stand-in server of `fake_venv` serves /health."""
     from types import SimpleNamespace
 
     from opd.engine.vllm_server import EngineConfig
     from opd.engine.rollout import SamplingConfig
-    from opd.engine.sampler import Sampler
+    from opd.engine.vllm_sampler import VLLMSampler as Sampler
 
     monkeypatch.setenv("BAS_OPD_VLLM_VENV", str(fake_venv(tmp_path)))
     monkeypatch.setenv("FAKE_MODE", "serve")
@@ -525,13 +525,13 @@ def test_a_lora_run_pushes_the_merged_weights_and_trains_with_the_engine(vllm_en
 
     from safetensors.torch import load_file
 
-    import opd.engine.sampler
+    import opd.engine.vllm_sampler
     import train
     from opd.engine.vllm_server import VLLMServer
     from opd.loop.ledger import read_ledger
 
     checked = []
-    real = opd.engine.sampler.Sampler._push_merged
+    real = opd.engine.vllm_sampler.VLLMSampler._push_merged
 
     def push_and_check(self):
         real(self)
@@ -542,7 +542,7 @@ def test_a_lora_run_pushes_the_merged_weights_and_trains_with_the_engine(vllm_en
         assert set(got) == set(want)
         checked.append(max(float((got[k].double() - want[k].double()).abs().max()) for k in want))
 
-    monkeypatch.setattr(opd.engine.sampler.Sampler, "_push_merged", push_and_check)
+    monkeypatch.setattr(opd.engine.vllm_sampler.VLLMSampler, "_push_merged", push_and_check)
     out = tmp_path / "lora-vllm"
     try:
         train.main(["--preset", "tiny", "--rollout-engine", "vllm", "--vllm-url", vllm_engine.server.url, "--model", str(vllm_engine.model_a),

@@ -82,7 +82,7 @@ def test_opd_vs_trust_region_reads_both_teachers_at_the_loss_temperature(loss_ch
     mask[2, 4:] = False
     prompts = [torch.randint(0, V, (n, 4), generator=g) for _ in range(3)]  # the student's, the crop's, the masked's
     s_in, pos_in, neg_in = ({"input_ids": torch.cat([p, response], 1)} for p in prompts)
-    cfg = LossConfig(topk=5, chunk=loss_chunk, support="student_tail", token_weight="trust_region", temperature=temp)
+    cfg = LossConfig(topk=5, chunk=loss_chunk, fused_kernel=True, support="student_tail", token_weight="trust_region", temperature=temp)
     weights = budgeted_weights(torch.ones(n, dtype=F64), mask, dtype=F64)
     extras: dict = {}
     micro_batch_loss(student, teacher, s_in, [pos_in, neg_in], mask, T, weights, cfg, response, torch.zeros(n, T, dtype=F64),

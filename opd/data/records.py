@@ -1,42 +1,14 @@
 """Training records: the record forms, their images and crops, and eligibility (the set C of Eq. 4).
 
-Where the rows come from (JSONL, parquet, datasets folders, the hub) and the column mapping is
-`opd.data.sources` (`load_records`); each row, whatever its source, becomes a `Record` here (`parse_record`).
-
-Two record forms are read, one JSON object per line or one table row each:
+Two forms, one JSON object per line or one table row each (sources: `opd.data.sources.load_records`):
 
 - Vision-OPD form: {"images": ["full.jpg"], "teacher_images": ["crop.jpg"], "problem": "<image>Q", "answer": "B"}
 - bbox form:       {"image": "full.jpg", "bbox": [x1, y1, x2, y2], "problem": "<image>Q", "answer": "B"}
-  (the crop is cut from the full image; `images` + `bbox` is accepted too)
 
-Image paths are relative to the JSONL file's folder unless absolute. An optional `solution` string
-is OPSD's privileged text (`opd.data.views`). Any other scalar field (e.g. `task`, `modality`) is kept as
-text in `Record.extra`, where a teacher routing table (`--teachers`) reads it. A row with a crop (either form) belongs to the crop-eligible
-set C of the crop-teacher methods; a row with neither is trained on without a teacher there (methods
-whose teacher needs no crop, RP-OPSD and OPSD, take every row).
-
-Embedded images (bytes in the row, no file) are written once each into a content-addressed folder,
-`opd.tiny.cache_dir()/data-images/<sha256[:2]>/<sha256>.<format>` (or `image_cache`), and the record points
-at that file, rather than keeping the bytes on the Record: `Record.image` / `Record.crop` stay paths, so every
-other module (views, chat, teachers, eval) reads them as it reads a JSONL's images, and memory stays bounded:
-the load holds the bytes of one parquet row group or `opd.data.sources.BATCH_ROWS` rows at a time, where a bytes
-field would hold every image of 3,000+ 1-4 MP ones in each process (in each rank under DDP) for the whole run. The same
-bytes map to the same file, so a reload, a second rank or a second run writes nothing; each file is written
-under a temporary name and renamed into place, so ranks loading at once never see half a file. The folder
-can be deleted at any time (the next load writes it again). The bytes are the image file as stored: like a
-JSONL's files, and unlike datasets' own decoding, no EXIF rotation is applied.
-
-The crop-to-full area ratio a_i (the last feature of Eq. 5) comes from the bbox when there is one,
-else from the crop file's and the full image's sizes, assuming the crop was cut from the full image at
-its native resolution (as Vision-OPD's crops are); a crop file larger than the full image (an
-upscaled crop) gives a_i = 1, the most a cut can cover. A row without a crop has a_i = 0.
-
-Every image is decoded once when the data is read (JPEGs at reduced scale, which still reads every
-byte of the compressed stream; embedded ones from memory, before they are written), so a damaged one stops
-the run at once instead of steps later. Every problem is reported as a `DataError` naming the row and the
-record's own field. `Record.source` names the row: 'file:line' (1-based) for JSONL, 'file row N' for parquet,
-'folder row N' / 'folder[split] row N' for save_to_disk and 'org/name[split] row N' for the hub (N 0-based,
-as `ds[N]` and pyarrow count rows; per file for parquet shards).
+A row with a crop (either form) belongs to the crop teacher's candidate set C; other scalar fields are kept in
+`Record.extra` (teacher routing). The crop-to-full area ratio a_i (Eq. 5's last feature) comes from the bbox, else
+from the two images' sizes. Every image is decoded once when read, so a damaged one stops the run at once, as a
+`DataError` naming the row. Embedded images, paths, `Record.source` and the rest: docs/MODULES.md#opddatarecords.
 """
 
 import hashlib

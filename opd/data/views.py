@@ -1,25 +1,15 @@
 """Views: what the student (Eq. 1) and the teacher (Eq. 2) see of a training record.
 
-A view maps a record to the images and question text of a prompt. The response tokens are always
-the student's own: every view must keep their meaning, since the teacher scores them after its own
-prompt. The methods of the family (`opd.methods.table`) differ in which views they pair:
+A view maps a record to the images and question text of a prompt; the response tokens are always the student's own.
 
-- `full`: the full image x_i and the question q_i (the student of every method but RP-OPSD; RP-OPSD's teacher).
-- `crop`: the evidence-centred crop x~_i and q_i (BAS-OPD's and Vision-OPD's teacher, Eq. 2; OPD-V's
-  positive teacher).
-- `half_resolution`: x_i with width and height halved (Lanczos): RP-OPSD's student, whose teacher sees
-  the original. Evaluation still asks the full image.
-- `masked`: the crop with one black rectangle of area W H / 3, aspect ratio w / h ~ U(0.5, 2), at a
-  uniform position (OPD-V's negative teacher). Drawn from a seed of (training seed, step, record id),
-  so it changes between steps and records and agrees across ranks and resumes. Departure: OPD-V's code
-  seeds every mask with rng(0), the same rectangle for every image of a size; the issue asks for a
-  fresh one per (step, row).
-- `reference_answer`: the full image and q_i followed by the record's reference (its `solution`
-  field when present, else its `answer`) in `REFERENCE_TEMPLATE` (OPSD's privileged text; the
-  student's prompt is unchanged).
+- `full`: the full image x_i and the question q_i (the student of every method but RP-OPSD).
+- `crop`: the evidence-centred crop x~_i and q_i (BAS-OPD's and Vision-OPD's teacher, Eq. 2).
+- `half_resolution`: x_i at half width and height (RP-OPSD's student).
+- `masked`: the crop with a black rectangle of area W H / 3, seeded by (seed, step, record id) (OPD-V's negative).
+- `reference_answer`: the full image, q_i and the record's reference (OPSD's privileged text).
 
-A view is eligible for a record when it can be built: `crop` and `masked` need a crop (a crop file or
-a bbox); the others need nothing. A method's candidate set C is the rows eligible for all its views.
+A view is eligible for a record when it can be built (`crop`, `masked`: a crop or bbox); a method's candidate set C
+is the rows eligible for all its views. Details and departures: docs/MODULES.md#opddataviews.
 """
 
 from collections.abc import Callable

@@ -6,11 +6,13 @@ DAPD: 1.1, 20, 0.95): `RolloutStats` then applies them itself (HF's order: tempe
 log-probs and entropies it records are those of the distribution actually sampled from. The sampled-token log-probs log p_old(y_{i,t} | ...) and the
 token entropies H_{i,t} that Eq. 5 needs are computed step by step inside `generate` by a logits
 processor that keeps one step of (rows, V) log-probs at a time: storing every step's full-vocabulary
-scores (1,024 steps x 224 rows x 248,320 ids) does not fit. Everything returned is detached.
+scores (1,024 steps x 224 rows x 248,320 ids) does not fit. Everything returned is detached. `Sampler` is the
+step's line 3 on one rank (its draws seeded by (seed, step, rank)); vLLM's is `opd.engine.vllm_sampler`.
 """
 
 from __future__ import annotations
 
+from contextlib import nullcontext
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
@@ -244,3 +246,32 @@ def generate_rollouts(
         prompt_len=torch.tensor([len(prompts[j]) for j in rows]),
         valid=~vision.any(-1),
     )
+
+
+class Sampler:
+    """Algorithm 1, line 3 on one rank with Hugging Face `generate`: this rank's rollouts of a step, its draws seeded by
+    (seed, step, rank). `gather`: the context a generation runs in (a sharded policy gathered for the call,
+    `opd.models.sharding.generation`; nothing otherwise)."""
+
+    def __init__(self, sampling: SamplingConfig, acc, model, autocast, seed: int, gather=nullcontext):
+        self.cfg, self.acc, self.model, self.autocast = sampling, acc, model, autocast
+        self.seed, self.gather = seed, gather
+
+    def __call__(self, step: int, records: list, prompts: list) -> tuple[Rollouts, bool]:
+        """(this rank's rollouts of step `step`, whether their token entropies are known: yes)."""
+        import torch
+
+        from opd.seeding import mix_seed
+
+        cfg = self.cfg
+        torch.manual_seed(mix_seed(self.seed, step, self.acc.process_index))
+        with self.autocast(), self.gather():
+            rollouts = generate_rollouts(self.model(), prompts, cfg.rollouts_per_prompt, cfg.max_response_len,
+                                         cfg.rollout_batch, cfg.share_prefill, **cfg.distribution)  # fmt: skip
+        return rollouts, True
+
+    def updated(self) -> None:
+        """After a valid update: the policy itself samples next, nothing to refresh."""
+
+    def stop(self) -> None:
+        """Nothing to stop."""

@@ -25,8 +25,9 @@ from opd.models import lora as lora_mod
 from opd.builtin import builtin_path, is_builtin
 from opd.loop.checkpoint import load_sharded, load_state, model_source
 from opd.cli import Section, UserError, resumable
-from opd.models.ema_teacher import AdapterTeacher, EMATeacher, Teacher, lm_head_weight
-from opd.models.external_teachers import TeacherSet, build_routed, load_routes, load_teacher, teacher_source
+from opd.models.ema_teacher import AdapterTeacher, EMATeacher, Teacher, TeacherSet
+from opd.models.chat import lm_head_weight
+from opd.models.external_teachers import build_routed, load_routes, load_teacher, teacher_source
 
 if TYPE_CHECKING:
     import torch
@@ -214,13 +215,13 @@ class ModelBuilder:
 
     def _sharded(self, model_path: str):
         """Full fine-tuning, FSDP2: every rank holds 1/world of the policy, its optimizer state and the teacher."""
-        from opd.models.sharding import load_sharded_model
+        from opd.models.sharding import load_sharded_model, local_pairs
 
         cfg = self.cfg
         student = load_sharded_model(model_path, grad_checkpointing=cfg.model.grad_checkpointing, **self.shard)
         teacher = None
         if not cfg.teacher.external:
-            teacher = EMATeacher(load_sharded_model(model_path, **self.shard), copy_weights=False)
+            teacher = EMATeacher(load_sharded_model(model_path, **self.shard), copy_weights=False, pairs=local_pairs)
             teacher.copy_from(student)  # Algorithm 1, line 1, shard by shard
         return student, cfg.optim.adamw(student.parameters()), teacher
 

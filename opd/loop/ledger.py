@@ -18,12 +18,7 @@ pass over the same rollouts would have scored).
 
 import json
 import os
-import time
-from collections import defaultdict
-from contextlib import contextmanager
 from pathlib import Path
-
-import torch
 
 from opd.storage import write_atomic  # noqa: F401 (the run's summary files are written through it)
 
@@ -33,28 +28,6 @@ REQUIRED = ("step", "candidates", "budget", "selected", "scored_tokens", "teache
 PHASES = ("prompt", "generation", "select", "teacher_forward", "student", "optimizer", "ema", "selector", "wait")
 """Table 8's breakdown: prompt encoding, rollout generation, selection, teacher forward, student
 forward + backward, optimizer step, EMA, selector update, and waiting on other ranks (collectives)."""
-
-
-class PhaseTimer:
-    """Seconds per phase of one step; on CUDA the device is synchronised at each phase boundary."""
-
-    def __init__(self, device: torch.device):
-        self.device = torch.device(device)
-        self.seconds: dict[str, float] = defaultdict(float)
-
-    def _sync(self) -> None:
-        if self.device.type == "cuda":
-            torch.cuda.synchronize(self.device)
-
-    @contextmanager
-    def __call__(self, phase: str):
-        self._sync()
-        t0 = time.perf_counter()
-        try:
-            yield
-        finally:
-            self._sync()
-            self.seconds[phase] += time.perf_counter() - t0
 
 
 def read_ledger(path: str | Path) -> list[dict]:

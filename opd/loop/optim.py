@@ -78,14 +78,12 @@ def clip_gradients(accelerator, student, max_norm: float) -> float:
     without a gradient (an empty S) gets a zero one, so that AdamW still steps (weight decay, momentum)."""
     import torch
 
-    from opd.models.sharding import full_tensor
-
     trained = [p for p in student.parameters() if p.requires_grad]  # LoRA: the adapter only
     for p in trained:
         if p.grad is None:
             p.grad = torch.zeros_like(p)
     norm = accelerator.clip_grad_norm_(trained, max_norm or math.inf)
-    return float(full_tensor(norm))  # sharded gradients: the global norm
+    return float(norm.full_tensor() if hasattr(norm, "full_tensor") else norm)  # sharded: a DTensor, the global norm
 
 
 def lr_scheduler(optimizer: torch.optim.Optimizer, schedule: str, warmup_steps: int, span: int):

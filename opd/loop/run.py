@@ -5,14 +5,16 @@ it builds and checks everything before anything is replaced (`_build`: the setti
 records, models, teachers, prompts, selector, objective, schedule and sampler), resumes a checkpoint, starts the
 trackers, runs the steps with live evaluation and checkpoints (`train`), and writes the summary (Tables 7/8). The rest
 of the run lives elsewhere: its settings in `opd.config`, its folder (lock, resume, overwrite, identities) in
-`opd.loop.folder`, its models and teachers in `opd.loop.build`, its prompts in `opd.data.prompts`, its rollouts in `opd.engine.sampler`,
-the objectives behind `opd.methods.objective`.
+`opd.loop.folder`, its models and teachers in `opd.loop.build`, its prompts in `opd.data.prompts`, its rollouts in
+`opd.engine.rollout` (vLLM: `opd.engine.vllm_sampler`), the objectives behind `opd.methods.objective`.
 """
 
 from __future__ import annotations
 
 import json
 import time
+from contextlib import nullcontext
+from functools import partial
 from pathlib import Path
 
 import torch
@@ -32,9 +34,10 @@ from opd.loop.optim import lr_scheduler, restore_group_lr
 from opd.data.prompts import Prompts, check_records
 from opd.engine.rollout import Rollouts
 from opd.loop.folder import RunFolder, checkpoint_of, eval_command, launch_info
-from opd.engine.sampler import Sampler
-from opd.selection.selectors import Selector
-from opd.models.sharding import generation
+from opd.engine.rollout import Sampler
+from opd.engine.vllm_sampler import VLLMSampler
+from opd.selection.designs import selector_from_config
+from opd.models.sharding import generation, is_sharded
 from opd.loop.step import Stepper
 from opd.storage import DiskFullError, drop_temporaries
 from opd.loop.tracking import Trackers, parse_report_to
@@ -89,14 +92,19 @@ class Run:
         self.student, self.optimizer, self.processor = models.student, models.optimizer, models.processor
         self.models, self.teachers, self.teacher = models, models.teachers, models.teacher  # the first: with routes
         self.ids = special_ids(self.model)
-        self.selector = Selector.from_config(cfg.selection, cfg.selector)
+        self.selector = selector_from_config(cfg.selection, cfg.selector)
         self.prompts = Prompts(self.records, self.processor, self.method, self.teacher_views, self.teachers, cfg.data,
                                cfg.run.seed, acc.process_index, acc.num_processes)  # fmt: skip
+        vocab = self.model.get_output_embeddings().weight.shape[0]  # the plain path's logits: micro-batch x T x vocab
+        loss, note = cfg.loss.for_method(self.method).for_vocabulary(vocab, cfg.sampling.max_response_len)
+        if note:
+            acc.print(note)
         self.context = ObjectiveContext(
-            accelerator=acc, student=self.student, model=lambda: self.model, teachers=self.teachers,
+            accelerator=acc, student=self.student, model=partial(acc.unwrap_model, self.student),
+            teachers=self.teachers,
             encode=self.prompts.encode, processor=self.processor, ids=self.ids, autocast=self.autocast,
             student_view=self.method.student_view, teacher_views=self.teacher_views,
-            loss=cfg.loss.for_method(self.method), max_response_len=cfg.sampling.max_response_len, ema=cfg.ema,
+            loss=loss, max_response_len=cfg.sampling.max_response_len, ema=cfg.ema, sharded=is_sharded(self.student),
         )  # fmt: skip
         self.objective = self.method.objective(self.context, cfg.objective(), models.initial_teacher)
         state = resume.state if resume is not None else {}
@@ -105,12 +113,16 @@ class Run:
         self.scheduler = lr_scheduler(self.optimizer, cfg.optim.lr_schedule, cfg.optim.warmup_steps, self.schedule_span)
         self.prompts.check()
         self.live = LiveEval(cfg.eval, self.steps) if cfg.eval.every else None  # the held items, loaded once
-        self.sampler = Sampler(cfg.sampling, cfg.engine, acc, lambda: self.model, self.autocast,
-                               cfg.model.fsdp_generation, cfg.run.seed, get_view(self.method.student_view),
-                               self.out, models.lora_scaling)  # fmt: skip
-        if cfg.engine.vllm:
+        policy = partial(acc.unwrap_model, self.student)
+        if cfg.engine.vllm:  # the vLLM engine's sampler (an extension), else the policy's own HF generate
+            self.sampler = VLLMSampler(cfg.sampling, cfg.engine, acc, policy, self.autocast, cfg.model.fsdp_generation,
+                                       cfg.run.seed, get_view(self.method.student_view), self.out,
+                                       models.lora_scaling)  # fmt: skip
             length = cfg.data.max_prompt_len + cfg.sampling.max_response_len + 16
             self.sampler.start(self.initial_model, length, cfg.model.fsdp)
+        else:
+            gather = partial(generation, self.model, cfg.model.fsdp_generation) if cfg.model.fsdp else nullcontext
+            self.sampler = Sampler(cfg.sampling, acc, policy, self.autocast, cfg.run.seed, gather)
         self.stepper = Stepper(acc, cfg.selection.rho, cfg.optim.grad_clip, self.records, self.prompts, self.sampler,
                                self.selector, self.objective, self.student, self.optimizer, self.scheduler,
                                self.teachers)  # fmt: skip

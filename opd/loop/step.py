@@ -1,22 +1,17 @@
 """Algorithm 1 of the paper, one step at a time, on every rank in lockstep: `Stepper.step` (lines 3-14).
 
-    line 3       y_i ~ p_theta(. | x_i, q_i) for every prompt of this rank       `Sampler` (opd.engine.sampler)
+    line 3       y_i ~ p_theta(. | x_i, q_i) for every prompt of this rank       `Sampler` (opd.engine.rollout)
     line 4       phi_i (Eq. 5), all-gathered; K = floor(rho |C|) (Eq. 4)         `rollout_features`, `query_budget`
-    lines 5-9    S from the global candidates, before any teacher computation   `Selector.select` (opd.selection.selectors)
-    lines 11-12  the teacher on this rank's rows of S only; the method's loss   the method's objective (opd.methods.objective)
-                 (Eq. 11) backpropagated; the labels u_i of S (Eq. 9)
-    line 13      AdamW, then theta-bar <- (1 - tau) theta-bar + tau theta after   `Stepper.update`, `Objective.after_update`
-                 a valid update
+    lines 5-9    S from the global candidates, before any teacher computation   `Selector.select` (opd.selection)
+    lines 11-12  the teacher on this rank's rows of S only; Eq. 11 backpropagated; the method's objective
+                 the labels u_i of S (Eq. 9)                                     (opd.methods.distill by default)
+    line 13      AdamW, then theta-bar <- (1 - tau) theta-bar + tau theta        `Stepper.update`, `after_update`
     line 14      the labels of S gathered, (phi_i, u_i) into replay, psi updated  `Selector.observe`
 
-Every rank makes the same selection from the all-gathered features (the selector's draws come from a seed shared by
-the ranks), so every rank runs the same collectives in the same order. The step's loss is the sum of the ranks'
-shares (one all-reduce here); `StepRecord` gathers the rest of the step's ledger row (its counts and seconds).
-
-Notation: C is the step's set of candidates (the rows whose views can be built: a crop for the crop teacher), S the
-selected subset, K = floor(rho |C|) its budget (Eq. 4), pi_i a row's inclusion probability under unbiased selection
-and 1 / pi_i its weight in the loss (Eq. 11's Hajek form). The run around the steps (its folder, models, checkpoints,
-trackers, live evaluation, summary) is `opd.loop.run.Run`.
+Every rank makes the same selection from the all-gathered features (a seed shared by the ranks), so every rank runs
+the same collectives in the same order. Notation: C the step's candidates (rows whose views can be built), S the
+selected subset, K = floor(rho |C|) its budget, pi_i a sampled row's inclusion probability (1 / pi_i its weight in
+Eq. 11). `LedgerRow` gathers the step's ledger row; the run around the steps is `opd.loop.run.Run`.
 """
 
 from __future__ import annotations
@@ -32,7 +27,7 @@ from opd.selection.features import rollout_features
 from opd.loop.optim import clip_gradients
 from opd.engine.rollout import Rollouts
 from opd.selection.selectors import query_budget
-from opd.loop.record import StepRecord
+from opd.loop.ledger_row import LedgerRow
 
 
 @dataclass
@@ -88,7 +83,7 @@ class Stepper:
     prompts: object
     """The run's prompts (`opd.data.prompts.Prompts`): each step's records, the student's and the teachers' inputs, C."""
     sampler: object
-    """Line 3 (`opd.engine.sampler.Sampler`)."""
+    """Line 3 (`opd.engine.rollout.Sampler`; vLLM's: `opd.engine.vllm_sampler`)."""
     selector: object
     """Lines 4-10 and 14 (`opd.selection.selectors.Selector`)."""
     objective: object
@@ -106,26 +101,26 @@ class Stepper:
     def step(self, step: int, rollouts: Rollouts | None = None) -> dict:
         """One iteration of Algorithm 1 on every rank; `rollouts` may stand in for sampling (tests). Returns the
         ledger row."""
-        rec, acc = StepRecord(self.acc, step), self.acc
-        with rec.phase("prompt"):
+        ledger, acc = LedgerRow(self.acc, step), self.acc
+        with ledger.phase("prompt"):
             ids = self.prompts.ids(step)
             records = [self.records[i] for i in ids]
             student_prompts = self.prompts.student(records)
         has_entropy = True  # Line 3: y_i ~ p_theta(. | x_i, q_i) for every prompt of this rank.
-        with rec.phase("generation"):
+        with ledger.phase("generation"):
             if rollouts is None:
                 rollouts, has_entropy = self.sampler(step, records, student_prompts)
         # Line 4: detached features phi_i (Eq. 5), all-gathered so that every rank sees the global candidates C.
         area = torch.tensor([records[j].area_ratio for j in rollouts.prompt_index.tolist()])
         phi = rollout_features(rollouts.logp, rollouts.entropy, rollouts.response_mask, rollouts.prompt_len, area)
-        with rec.phase("wait"):
+        with ledger.phase("wait"):
             cand = gather_candidates(acc, phi, self.prompts.candidates(records, rollouts), rollouts,
                                      torch.tensor([ids[j] for j in rollouts.prompt_index.tolist()]))  # fmt: skip
         budget = query_budget(self.rho, cand.size)  # Eq. 4: K = floor(rho |C|)
         self._warn_if_empty(step, cand)
-        with rec.phase("select"):  # Lines 5-9: S from the global candidates, before any teacher computation.
+        with ledger.phase("select"):  # Lines 5-9: S from the global candidates, before any teacher computation.
             selected, pi = self.selector.select(cand.phi, cand.eligible, budget, step, has_entropy, cand.prompt_of)
-        rec.candidates(cand, budget, selected, pi)
+        ledger.candidates(cand, budget, selected, pi)
         local, weights = local_rows(selected, pi, acc.process_index, len(rollouts))
         # Lines 11-12: the teacher on this rank's rows of S only; the method's objective backpropagated.
         batch = self.prompts.batch(step, ids, rollouts, student_prompts, local, weights,
@@ -133,29 +128,29 @@ class Stepper:
         before, t0 = self.rows_scored(), time.perf_counter()
         res = self.objective(batch)
         seconds = time.perf_counter() - t0
-        with rec.phase("wait"):
+        with ledger.phase("wait"):
             loss = float(acc.reduce(torch.tensor(res.share, device=acc.device, dtype=torch.float64), "sum"))
-        with rec.phase("optimizer"):
+        with ledger.phase("optimizer"):
             grad_norm = clip_gradients(acc, self.student, self.grad_clip)
-        rec.objective(res, loss, seconds, self.rows_scored() - before)
-        self.update(step, rec, loss, grad_norm)  # Line 13: AdamW, then the teachers' update, after a valid step only.
+        ledger.objective(res, loss, seconds, self.rows_scored() - before)
+        self.update(step, ledger, loss, grad_norm)  # Line 13: AdamW, then the teachers' update, after a valid step only.
         # Line 14: the labels of S (gathered), replay and the selector's update, on every rank alike.
-        with rec.phase("wait"):
+        with ledger.phase("wait"):
             utility = acc.gather(res.utility.to(acc.device)).cpu()  # (N,) NaN outside S
-        with rec.phase("selector"):
+        with ledger.phase("selector"):
             metrics = self.selector.observe(cand.phi[selected], utility[selected], step)
-        rec.selector(float(utility[selected].nanmean()) if selected.numel() else float("nan"), metrics)
+        ledger.selector(float(utility[selected].nanmean()) if selected.numel() else float("nan"), metrics)
         self.objective_keys = tuple(res.metrics)
-        return rec.row()
+        return ledger.row()
 
-    def update(self, step: int, rec: StepRecord, loss: float, grad_norm: float) -> None:
+    def update(self, step: int, ledger: LedgerRow, loss: float, grad_norm: float) -> None:
         """Algorithm 1, line 13: AdamW and the teachers' update (`Objective.after_update`) when the loss and the gradient
         are finite; the schedule moves either way."""
         valid = math.isfinite(loss) and math.isfinite(grad_norm)
         if valid:
-            with rec.phase("optimizer"):
+            with ledger.phase("optimizer"):
                 self.optimizer.step()
-            with rec.phase("ema"):
+            with ledger.phase("ema"):
                 self.objective.after_update(step)
             self.sampler.updated()  # the vLLM engine gets the new weights before its next generation
         else:
@@ -163,7 +158,7 @@ class Stepper:
         self.optimizer.zero_grad(set_to_none=True)
         lr = self.scheduler.get_last_lr()[0]  # the rate this step's update used
         self.scheduler.step()
-        rec.update(grad_norm, lr, valid)
+        ledger.update(grad_norm, lr, valid)
 
     def rows_scored(self) -> int:
         """The teachers' forward rows so far on this rank (a shared teacher once)."""

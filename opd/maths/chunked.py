@@ -72,7 +72,7 @@ peaked logits) and with gradcheck.
 import torch
 
 from opd.maths.divergence import bias_corrected_reverse_kl, check_loss, generalized_jsd, upcast
-from opd.methods.schedule import Stopwatch
+from opd.methods.lockstep import Stopwatch
 from opd.maths.utility import utility_terms
 from opd.maths.weights import TokenWeight
 
@@ -188,7 +188,7 @@ def _owned(x: torch.Tensor) -> torch.Tensor:
 
 def _teacher_logits(h_t: torch.Tensor, w_t: torch.Tensor, timing: dict | None, temperature: float = 1.0):
     """The teacher's logits z_t = h_t W_t^T / T (C, V) and lse(z_t) (C, 1); with `timing`, their seconds are
-    added to timing['teacher_s'] (`schedule.Stopwatch`: the device synchronised before and after)."""
+    added to timing['teacher_s'] (`lockstep.Stopwatch`: the device synchronised before and after)."""
     watch = Stopwatch(h_t.device) if timing is not None else None
     z_t = upcast(h_t @ w_t.T)  # (C, V)
     if temperature != 1.0:

@@ -1,21 +1,14 @@
 """Distillation divergence: Eq. 3 (generalized JSD over a top-k support) and Eq. 11 (budgeted loss).
 
-Pure functions on tensors; no model is needed to call them. Besides BAS-OPD's own loss, the supports
-and divergences of its siblings (the seed family): the teacher's top-k support, full softmax and no
-tail (RP-OPSD) or renormalised (OPSD), and the bias-corrected reverse KL (RP-OPSD). `topk_divergence`
-is the plain per-position loss of every combination on full logits (the reference for opd/maths/chunked.py).
+Pure functions on tensors, differentiable by autograd: what the default step runs on a micro-batch's logits
+(`opd.methods.distill`). Besides BAS-OPD's own loss, the seed family's supports (the teacher's top-k, full softmax
+or renormalised; the full vocabulary) and divergences (the bias-corrected reverse KL, DAPD's clamped forward KL).
+`topk_divergence` is every combination's per-position loss on full logits.
 
-Where this departs from / interprets the paper:
-- The support is the student's top-k ids at each position plus one tail bucket holding the remaining
-  probability mass on both sides (as in Vision-OPD, which BAS-OPD extends). The paper says "top-100
-  distillation" without fixing the support; this is the peer's convention. The tail is computed
-  exactly, log q = logsumexp(z outside the top-k) - logsumexp(z), not as log(1 - sum_topk p): the
-  latter cancels to rounding noise when the top-k hold nearly all the mass (Vision-OPD clamps it at
-  1e-7 instead). Without a tail the support is renormalised over the top-k (as the peers do).
-- At the endpoints alpha = 0 and alpha = 1 the mixture formula degenerates to 0. We return the limits
-  that the peers use instead (TRL's generalized_jsd_loss): alpha = 0 gives KL(T || S) and alpha = 1
-  gives KL(S || T), i.e. lim D_alpha / alpha and lim D_alpha / (1 - alpha). A silent zero loss at the
-  endpoints is a known peer bug.
+Departures: the support is the student's top-k ids plus one tail bucket per side (Vision-OPD's convention; the paper
+says "top-100"), the tail computed exactly as logsumexp(z outside the top-k) - logsumexp(z); at alpha = 0 and 1
+`generalized_jsd` returns the limits KL(T || S) and KL(S || T), not a silent 0.
+Details: docs/MODULES.md#opdmathsdivergence.
 """
 
 import math
@@ -274,7 +267,7 @@ def budgeted_weights(
 ) -> torch.Tensor:
     """Eq. 11's weight of each token: z_i m_{i,t} / max(1, sum_i sum_t z_i m_{i,t}), shape (N, T).
 
-    With sample weights w_i (unbiased selection's 1 / pi_i, `opd.selection.selectors`) the Hajek form of the full-query token
+    With sample weights w_i (unbiased selection's 1 / pi_i, `opd.selection.designs`) the Hajek form of the full-query token
     mean: w_i z_i m_{i,t} / sum_i w_i z_i sum_t m_{i,t}, w_i in the numerator *and* the denominator (clamped at 1
     only without weights). (A weight of the numerator alone, such as OPOD's beta, is `selected`'s value z_i, or
     `opd.methods.distill`'s `row_weights`.) `denominator` replaces the sum when the batch is split: the training loop
@@ -308,7 +301,7 @@ def budgeted_loss(
         L = sum_i w_i z_i sum_t m_{i,t} D_{i,t} / sum_i w_i z_i sum_t m_{i,t},
 
     with w_i = 1 / pi_i a consistent estimate of the full-query token mean whatever the inclusion probabilities
-    pi of a sampled S (unbiased selection, `opd.selection.selectors.sample_with_probabilities`); w = 1 is today's Eq. 11.
+    pi of a sampled S (unbiased selection, `opd.selection.designs.sample_with_probabilities`); w = 1 is today's Eq. 11.
     """
     return weighted_sum(per_token, budgeted_weights(selected, mask, denominator, per_token.dtype, sample_weights))
 

@@ -1,19 +1,16 @@
 """The loss every objective shares: its settings (`LossConfig`) and Eq. 11's aggregation over S.
 
-Every objective (`opd.methods.objective`) receives one `LossConfig`, resolved for the run's method (`for_method`: the
-method's support unless --support names one, its divergence and token weight). The aggregation is the one place
-that turns per-token divergences into the step's loss:
+Every objective receives one `LossConfig`, resolved for the run's method (`for_method`) and the policy's vocabulary
+(`for_vocabulary`: the fused kernel past `PLAIN_LOGITS_LIMIT`). The aggregation turns per-token divergences into
+the step's loss:
 
-    token-mean     sum_{i,t} z_i m_it D_it / sum_{i,t} z_i m_it                          (Eq. 11; BAS-OPD)
-    sequence-mean  (1 / |S|) sum_{i in S} (1 / T_i) sum_t m_it D_it                        (OPSD's per-sequence mean)
-    micro-batch    sum_b (n_b / |S|) sum_{i in b, t} m_it D_it / sum_{i in b, t} m_it      (verl: a token mean per
-                                                                                          micro-batch b, weighted by rows)
-    token-sum      sum_{i,t} z_i m_it D_it                                                 (tinker's losses: a sum over
-                                                                                          tokens, no normalisation)
+    token-mean     sum_{i,t} z_i m_it D_it / sum_{i,t} z_i m_it                       (Eq. 11; BAS-OPD)
+    sequence-mean  (1 / |S|) sum_{i in S} (1 / T_i) sum_t m_it D_it                     (OPSD)
+    micro-batch    sum_b (n_b / |S|) sum_{i in b, t} m_it D_it / sum_{i in b, t} m_it   (verl)
+    token-sum      sum_{i,t} z_i m_it D_it                                              (tinker)
 
-|S| counts the selected rows with at least one valid token, over all ranks; the micro-batches are this loop's
-(grouped by length, `opd.methods.schedule.plan_micro_batches`), not verl's. The denominators are global: one all-reduce,
-run by every rank (`global_denominator`), so that the ranks' and micro-batches' parts add up to the step's loss.
+The denominators are global (one all-reduce, run by every rank: `loss_denominator`), so that the ranks' and
+micro-batches' parts add up to the step's loss. Details: docs/MODULES.md#opdmathsloss.
 """
 
 from __future__ import annotations
@@ -26,6 +23,10 @@ from opd.cli import Section, resumable
 
 if TYPE_CHECKING:
     import torch
+
+PLAIN_LOGITS_LIMIT = 2**28
+"""The most logits (rows x positions x vocabulary) the plain path holds per micro-batch and side before a run turns
+the fused kernel on: 2^28 float32 values, 1 GiB (the plain path's peak is about five such tensors, docs/EQUATIONS.md)."""
 
 AGGREGATIONS = ("token-mean", "sequence-mean", "micro-batch", "token-sum")
 """How Eq. 11 averages over S (`LossConfig.aggregation`, `--loss-agg`): see the module docstring."""
@@ -53,8 +54,13 @@ class LossConfig(Section):
     """Most rows per student/teacher forward."""
     micro_batch_tokens: int = resumable(0, unless=("loss_agg", "micro-batch"))
     """Most padded teacher tokens per forward (rows grouped by length under it); 0 = rows only."""
+    fused_kernel: bool = resumable(False)
+    """The fused hidden-state kernel (opd/maths/chunked.py, the TRL/Liger use_liger_kernel convention): the LM head
+    and the loss chunk by chunk, never a micro-batch's logits; off, the plain path (autograd through
+    opd/maths/divergence.py on one micro-batch's logits). The paper-4b/-9b presets turn it on; a run whose plain
+    path would hold more than PLAIN_LOGITS_LIMIT logits turns it on itself, saying so in one line."""
     chunk: int = resumable(512)
-    """Response positions per LM-head chunk in the loss (logits never held beyond it); 0 = whole micro-batch logits."""
+    """Response positions per LM-head chunk of the fused kernel (--fused-kernel; 0: the plain path)."""
     no_overlap: bool = False
     """Ablation: utility without the top-k overlap factor (o = 1)."""
     no_confidence: bool = False
@@ -72,6 +78,22 @@ class LossConfig(Section):
         and token weight."""
         return dataclasses.replace(self, support=self.support or method.support, divergence=method.divergence,
                                    token_weight=method.token_weight)  # fmt: skip
+
+    @property
+    def kernel(self) -> bool:
+        """Whether the family's distillation runs the fused kernel (on, with a chunk) or the plain path."""
+        return self.fused_kernel and self.chunk > 0
+
+    def for_vocabulary(self, vocab: int, max_response_len: int) -> tuple[LossConfig, str | None]:
+        """These settings for a policy of `vocab` ids: the fused kernel turned on, with a one-line message, when the
+        plain path's micro-batch logits (micro_batch x max_response_len x vocab, per side) exceed PLAIN_LOGITS_LIMIT."""
+        held = self.micro_batch * max_response_len * vocab
+        if self.kernel or held <= PLAIN_LOGITS_LIMIT:
+            return self, None
+        note = (f"--fused-kernel on: the plain path would hold {held:,} logits per micro-batch and side "
+                f"(--micro-batch {self.micro_batch} x {max_response_len} positions x {vocab:,} ids > "
+                f"{PLAIN_LOGITS_LIMIT:,}); the loss runs --loss-chunk {self.chunk or 512} positions at a time")
+        return dataclasses.replace(self, fused_kernel=True, chunk=self.chunk or 512), note
 
     def check(self) -> list[str]:
         problems = []

@@ -58,7 +58,7 @@ def teacher_gate(teacher_logp: torch.Tensor, student_logp: torch.Tensor) -> torc
 
     pi_T the teacher the response is routed to, pi_theta the student. Guidance only where the teacher
     gives the sampled token more probability than the student. (...) -> (...). Source: OPOD (arXiv
-    2607.20918), as transcribed in ../shared/notes/seed-family.md (no public code; medium confidence).
+    2607.20918), as transcribed in the project's notes on the family (docs/FAMILY.md; no public code; medium confidence).
     """
     import torch
 

@@ -64,15 +64,15 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
 from opd.cli import Section
-from opd.models.external_teachers import TeacherSet
+from opd.models.ema_teacher import TeacherSet
 from opd.maths.loss import global_denominator
-from opd.methods.objective import DistillResult, Objective, ObjectiveContext, StepBatch
+from opd.methods.objective import ObjectiveResult, Objective, ObjectiveContext, StepBatch
 from opd.data.views import View, get_view, reference_prompt
 
 if TYPE_CHECKING:
     import torch
 
-    from opd.methods.schedule import MicroBatch
+    from opd.methods.lockstep import MicroBatch
 
 
 @dataclass(frozen=True)
@@ -186,10 +186,10 @@ class DAPD(Objective):
     def labels(self) -> list[str]:
         return [f"{p.anchor}:{p.name}" for p in PAIRS]
 
-    def __call__(self, batch: StepBatch) -> DistillResult:
+    def __call__(self, batch: StepBatch) -> ObjectiveResult:
         import torch
 
-        from opd.methods.schedule import lockstep, plan_micro_batches
+        from opd.methods.lockstep import lockstep, plan_micro_batches
 
         ctx = self.ctx
         acc, dc, device = ctx.accelerator, ctx.loss, ctx.device
@@ -197,7 +197,7 @@ class DAPD(Objective):
         eos = ctx.ids["eos"][0]
         # Each completion's token count over all ranks (Hajek: sum_i w_i T_i), as the family's Eq. 11 denominator:
         # the rollouts' is the result's (`begin`), the references' one more all-reduce.
-        res = DistillResult.begin(ctx, batch, self.labels)
+        res = ObjectiveResult.begin(ctx, batch, self.labels)
         refs = {j: reference_completion(ctx.tokenizer, batch.records[j].reference, eos, ctx.max_response_len)
                 for j in {*ro.prompt_index[sel].tolist(), int(ro.prompt_index[0])}}  # fmt: skip (row 0: padding)
         w = batch.weights  # unbiased selection's 1 / pi_i (None: 1): every pair's token mean in its Hajek form
@@ -274,8 +274,8 @@ class DAPD(Objective):
         import torch
 
         from opd.maths.chunked import clamped_kl_from_hidden
-        from opd.models.ema_teacher import lm_head_weight, response_hidden
-        from opd.methods.schedule import Stopwatch, record_forward
+        from opd.models.chat import lm_head_weight, response_hidden
+        from opd.methods.lockstep import Stopwatch, record_forward
 
         ctx, rows = self.ctx, mb.rows
         dc, device = ctx.loss, ctx.device

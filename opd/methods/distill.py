@@ -1,72 +1,30 @@
-"""The family's distillation pass of one step (Algorithm 1, lines 11-12): Eq. 1, 2, 3, 9 and 11 on the selected rows.
+"""The family's distillation pass of one step (Algorithm 1, lines 11-12): Eq. 1, 2, 3, 9 and 11 on S only.
 
-A shared piece, not an objective: `opd.methods.distillation.Distillation` (every method that is a loss and a view) runs it
-alone, OPOD (`opd.methods.opod`) runs it for its gated term before its policy gradient.
+`distill` is the default objective's call (`opd.methods.distillation.Distillation`; OPOD runs it for its gated term).
+A rank's rows of S are grouped by length into micro-batches (`--micro-batch` rows); for each, the teacher's detached
+logits on the crop prompt (Eq. 2), the student's on the full-image prompt (Eq. 1), Eq. 3 on the support
+(`divergence.support_logp` + `generalized_jsd`, through autograd), its share of Eq. 11 (the global denominator:
+`opd.maths.loss.loss_denominator`) backpropagated at once, and the labels u_i (Eq. 7-9) from the same logits.
 
-A rank's selected rows are grouped by length into micro-batches (at most `micro_batch` rows and, when
-set, `micro_batch_tokens` padded teacher tokens), so the teacher computes little padding. For each
-micro-batch: the teacher's detached final hidden states on the crop prompt (Eq. 2) and the student's on
-the full-image prompt (Eq. 1), both over the same sampled response tokens; then, one chunk of
-`loss_chunk` valid positions at a time, both sides' logits through the LM head, the method's per-token
-divergence (Eq. 3 by default) and the utility terms (Eq. 7-8), without ever holding (positions x vocabulary)
-logits beyond a chunk (`opd.maths.chunked.budgeted_loss_from_hidden`); its share of the loss (Eq. 11) is
-backpropagated at once, and the utility labels (Eq. 9) come from the same chunks. `loss_chunk = 0` computes
-whole micro-batch logits instead (`opd.maths.chunked.topk_divergence_from_logits`); tests check both against
-`divergence.topk_divergence` + `utility_labels` on full logits.
-
-Distributed: the loss's denominator is global (one all-reduce, run by every rank, `opd.maths.loss.loss_denominator`):
-Eq. 11's count of selected valid tokens (token-mean; with unbiased selection its Hajek form sum_i w_i T_i), or the
-count |S| of selected rows with a valid token (sequence-mean, micro-batch; `opd.maths.loss.AGGREGATIONS`). DDP averages gradients over
-ranks, so each rank's loss is scaled by the world size.
-Gradients are synchronised on each rank's last backward only. A rank holding no selected row while
-others do runs one zero-weighted forward/backward on one of its rows so that the gradient all-reduce
-still happens on every rank; when S is empty everywhere, no rank runs a forward.
-
-Sharded (FSDP2, `opd.models.sharding`): every forward and backward of the student and the teacher gathers
-parameters collectively, so the ranks run in lockstep: every rank runs as many micro-batches as the
-rank with the most (one all-gather of the counts), padding with zero-weighted micro-batches on one of
-its own rows (teacher forwards on the student's prompt, not counted as teacher calls), and gradients
-are reduce-scattered after every backward (FSDP keeps no unsharded gradient between micro-batches). The
-LM-head weights are read after their model's forward, when FSDP has gathered them (the root group), and
-the teacher is resharded after each micro-batch's loss, before the student's backward.
-
-The family (`opd.methods.table`): the teacher runs once per selected row and teacher view (OPD-V: the
-crop and the masked crop); the support and divergence are the method's (`opd.maths.loss.LossConfig.support`,
-`.divergence`), and a per-token weight w_t (OPD-V's trust region from the two teachers' sampled-token
-log-probs; Vision-OPD's importance ratio with `is_clip`; OPOD's gate) multiplies Eq. 11's weights, whose
-denominator still counts every selected valid token. The token weights are a table of functions of the
-sampled tokens' log-probs (`opd.maths.weights.TOKEN_WEIGHTS`), applied in one place on either path.
-
-Teachers (`opd.models.external_teachers`): one teacher (the EMA self-teacher or a fixed `--teacher-model`) or several,
-each row routed to one (`route`, OPOD's and `--teachers`' routing by a record field). S's rows are planned
-into micro-batches per teacher, in the teachers' fixed order, so each teacher runs only on the selected
-rows routed to it; sharded, every rank runs as many micro-batches per teacher as the busiest rank.
-`row_weights` multiplies a row's Eq. 11 weights in the numerator only (OPOD's per-teacher strength beta; unbiased
-selection's 1 / pi_i, in numerator and denominator, are the batch's `weights`); with a token weight the per-row
-sums of w_t and of log pi_T(y_t) can come back (`token_sums`: OPOD's controller and reward).
-
-The lockstep order of micro-batches over ranks and their padding rules are `opd.methods.schedule.lockstep`'s, shared by
-every objective.
-
-Cost accounting: each teacher view's forward, and the teacher-side LM-head work of the loss (its
-logits, log-softmax and gathers inside the chunked loss; the sampled-token log-probs of OPD-V), are
-teacher time, per view (`TeacherCost`).
-
-Where this departs from the paper: the student forward runs on selected rows only. Rows with z_i = 0
-contribute nothing to Eq. 11 or its gradient, so their forward would be discarded work.
+Memory per micro-batch (the plain path): n rows x T response positions x V ids of float32 logits per side; the
+student's logits, its tail's masked copy and the teacher's logits are held, about five (n, T, V) tensors at the peak
+(20 n T V bytes: the toy's 64 x 4 x 105 is 0.5 MB; Qwen3.5's 4 x 1,024 x 248,320 would be 20 GB). Past
+`opd.maths.loss.PLAIN_LOGITS_LIMIT` a run takes the fused kernel instead (--fused-kernel: `micro_batch_loss`,
+`opd.maths.chunked`), as do token weights and OPD-V's second teacher view. Lockstep and padding over ranks:
+`opd.methods.lockstep.lockstep`; details, teachers and cost accounting: docs/TRAINING.md#the-distillation-pass.
 """
 
 
 import torch
 
-from opd.models.chat import micro_batch_inputs
-from opd.maths.chunked import budgeted_loss_from_hidden, sampled_logp, sampled_logp_from_hidden, topk_divergence_from_logits
-from opd.maths.divergence import upcast, weighted_sum
-from opd.models.ema_teacher import Teacher, lm_head_weight, response_hidden, response_logits
+from opd.maths.chunked import budgeted_loss_from_hidden, sampled_logp, sampled_logp_from_hidden
+from opd.maths.divergence import bias_corrected_reverse_kl, generalized_jsd, support_logp, topk_divergence, upcast, weighted_sum
+from opd.models.ema_teacher import Teacher
+from opd.models.chat import lm_head_weight, micro_batch_inputs, response_hidden, response_logits
 from opd.maths.loss import LossConfig, aggregation_weights
-from opd.methods.objective import DistillResult, StepBatch, teacher_inputs, teacher_plans
-from opd.methods.schedule import TeacherCost, lockstep, timed
-from opd.maths.utility import labels_from_terms
+from opd.methods.objective import ObjectiveResult, StepBatch, teacher_inputs, teacher_plans
+from opd.methods.lockstep import Stopwatch, TeacherCost, lockstep, timed
+from opd.maths.utility import labels_from_terms, utility_terms
 from opd.maths.weights import SampledLogp, TokenWeight, token_weight
 
 
@@ -81,11 +39,11 @@ def micro_batch_loss(student, teacher: Teacher, s_inputs, t_inputs: list, mask, 
     'token_weight' (w_t) and 'teacher_logp' (log pi_T(y_t)), (n, T), 0 outside the mask.
     """
     device = mask.device
-    costs = [TeacherCost() for _ in t_inputs]  # the teacher seconds per view (`schedule.timed`)
+    costs = [TeacherCost() for _ in t_inputs]  # the teacher seconds per view (`lockstep.timed`)
     weight_fn = token_weight(cfg.token_weight, cfg.is_clip)  # w_t (opd.maths.weights), None when 1
 
     temp = cfg.temperature
-    if cfg.chunk == 0:  # whole micro-batch logits: the reference path
+    if not cfg.kernel:  # the plain path: one micro-batch's logits, autograd through opd.maths.divergence
         with timed(costs[0], device):
             t_logits = teacher.logits(t_inputs[0], width)  # (n, T, V) Eq. 2
         if temp != 1.0:  # the loss temperature: both sides' logits divided
@@ -101,9 +59,9 @@ def micro_batch_loss(student, teacher: Teacher, s_inputs, t_inputs: list, mask, 
         s_logits = response_logits(student, s_inputs, width)  # (n, T, V) Eq. 1
         if temp != 1.0:
             s_logits = upcast(s_logits) / temp
-        per_token, terms = topk_divergence_from_logits(
-            s_logits, t_logits, cfg.topk, cfg.alpha, support=cfg.support, divergence=cfg.divergence
-        )  # (n, T) Eq. 3 (or the method's D), (n, T, 3)
+        per_token = topk_divergence(s_logits, t_logits, cfg.topk, cfg.alpha, support=cfg.support,
+                                    divergence=cfg.divergence)  # (n, T) Eq. 3 (or the method's D)
+        terms = torch.stack(utility_terms(s_logits.detach(), t_logits, cfg.topk), dim=-1)  # (n, T, 3) Eq. 7-8
         if weight_fn is not None:
             sampled = SampledLogp(sampled_logp(s_logits.detach(), response), sampled_logp(t_logits, response), old_logp,
                                   negative)  # fmt: skip
@@ -144,22 +102,20 @@ def micro_batch_loss(student, teacher: Teacher, s_inputs, t_inputs: list, mask, 
     return loss, per_token, u, [cost.seconds for cost in costs]
 
 
-def distill(ctx, batch: StepBatch, row_weights: torch.Tensor | None = None, sync: bool = True,
-            token_sums: dict | None = None, labels: list[str] | None = None) -> DistillResult:  # fmt: skip
-    """Backpropagates this rank's share of Eq. 11 on S against the run's teacher(s) and returns its sums and the
-    utility labels of S.
+def distill(objective, batch: StepBatch, row_weights: torch.Tensor | None = None, sync: bool = True,
+            token_sums: dict | None = None, labels: list[str] | None = None) -> ObjectiveResult:  # fmt: skip
+    """Eq. 11 on S against the run's teacher(s), backpropagated micro-batch by micro-batch; returns its sums and the
+    labels u_i of S (Eq. 9). The default objective's call (`Distillation.__call__`), so each micro-batch's Eq. 1, 2, 3
+    and 11 run right here; the fused kernel, token weights and OPD-V's second view run `micro_batch_loss`.
 
-    `ctx` the run's `opd.methods.objective.ObjectiveContext` (its teachers in a fixed order, each row routed to one by
-    `batch.route`; the teacher views, the positive one first, then OPD-V's negative one); `batch.teacher_prompt` is
-    called only for prompts with a selected row. row_weights (N_local,): multiplies each row's Eq. 11 weights,
-    numerator only (OPOD's beta). `batch.weights` (N_local,): unbiased selection's w_i = 1 / pi_i, Eq. 11 in its
-    Hajek form (numerator and the global denominator weighted, `divergence.budgeted_weights`). sync=False: no
-    backward synchronises DDP gradients (a later pass of the caller does). token_sums (a dict), with a token weight:
-    receives per row (N_local,) the sums over its valid tokens of w_t ('token_weight') and of log pi_T(y_t)
-    ('teacher_logp'), 0 outside S (OPOD's controller and reward). labels: the result's teacher labels, in the
-    caller's order (default: every teacher in every teacher view, `distill_labels`)."""
+    `objective.ctx`: the run's `ObjectiveContext` (teachers in a fixed order, each row routed to one by `batch.route`).
+    row_weights (N_local,): each row's Eq. 11 weights, numerator only (OPOD's beta); `batch.weights`: unbiased
+    selection's 1 / pi_i (Eq. 11's Hajek form). sync=False: no backward synchronises DDP (the caller's later pass
+    does). token_sums (a dict), with a token weight: per row sums of w_t and log pi_T(y_t) (OPOD). labels: the
+    result's teacher labels (default `distill_labels`). Memory: module docstring."""
+    ctx = objective.ctx
     cfg, ro, teachers = ctx.loss, batch.rollouts, ctx.teachers
-    res = DistillResult.begin(ctx, batch, labels or distill_labels(ctx))
+    res = ObjectiveResult.begin(ctx, batch, labels or distill_labels(ctx))
     sums: dict = {}
     if token_sums is not None and (cfg.token_weight != "none" or cfg.is_clip):
         sums = token_sums
@@ -169,13 +125,12 @@ def distill(ctx, batch: StepBatch, row_weights: torch.Tensor | None = None, sync
     row_w = torch.ones(len(ro)) if row_weights is None else row_weights.float().cpu()  # (N_local,) OPOD's beta
     float64 = next(ctx.student.parameters()).dtype == torch.float64  # Eq. 11's weights in float64 for a float64 policy
     dtype, scale = torch.float64 if float64 else torch.float32, ctx.accelerator.num_processes  # DDP averages ranks
-    for mb in lockstep(ctx, batch, teacher_plans(ctx, batch, ctx.teacher_views[0]), sync,
-                       release=ctx.teacher_models):  # fmt: skip
-        # One micro-batch of `mb.rows` scored by teacher `mb.group` (padding: the same forwards and backward with zero
-        # weights on the student's prompts, nothing counted or labelled): the teacher's inputs in every view (booked),
-        # the student's, Eq. 11's weights (with unbiased selection's 1 / pi_i), the loss backpropagated at once.
-        teacher, rows = teachers.teachers[mb.group], mb.rows
-        views = [teacher_inputs(ctx, batch, mb, view, res) for view in ctx.teacher_views]
+    weighted = cfg.token_weight != "none" or bool(cfg.is_clip)  # a token weight w_t (`opd.maths.weights`)
+    plain = not (cfg.kernel or weighted or len(ctx.teacher_views) > 1)
+    temp, k = cfg.temperature, cfg.topk
+    for mb in lockstep(ctx, batch, teacher_plans(ctx, batch, ctx.teacher_views[0]), sync, release=ctx.teacher_models):
+        teacher, rows = teachers.teachers[mb.group], mb.rows  # padding: zero weights, nothing counted or labelled
+        views = [teacher_inputs(ctx, batch, mb, view, res) for view in ctx.teacher_views]  # booked
         mask, width = views[0][1], views[0][2]
         s_inputs, _, _ = micro_batch_inputs([batch.student_prompts[p] for p in ro.prompt_index[rows].tolist()], ro,
                                             rows, ctx.ids["pad"], ctx.device)  # fmt: skip
@@ -185,10 +140,22 @@ def distill(ctx, batch: StepBatch, row_weights: torch.Tensor | None = None, sync
         extras: dict = {}
         with mb.synced():
             with ctx.autocast(), mb.teacher(teacher):
-                loss, _, u, seconds = micro_batch_loss(
-                    ctx.student, teacher, s_inputs, [v[0] for v in views], mask, width, weights, cfg,
-                    ro.response_ids[rows, :width].to(ctx.device), ro.logp[rows, :width].to(ctx.device), extras,
-                )  # fmt: skip
+                if plain:  # one micro-batch's logits (n, T, V), autograd through opd.maths.divergence
+                    watch = Stopwatch(ctx.device)
+                    t_logits = tempered(teacher.logits(views[0][0], width), temp)  # (n, T, V) Eq. 2, detached
+                    seconds = [watch.seconds()]
+                    s_logits = tempered(response_logits(ctx.student, s_inputs, width), temp)  # (n, T, V) Eq. 1
+                    s_logp, t_logp = support_logp(s_logits, t_logits, k, cfg.support)  # (n, T, k + 1) Eq. 3's support
+                    d = (generalized_jsd(s_logp, t_logp, cfg.alpha) if cfg.divergence == "jsd"  # (n, T) Eq. 3
+                         else bias_corrected_reverse_kl(s_logp, t_logp))  # fmt: skip
+                    loss = weighted_sum(d, weights)  # this micro-batch's share of Eq. 11
+                    terms = torch.stack(utility_terms(s_logits.detach(), t_logits, k), -1)  # (n, T, 3) Eq. 7-8
+                    u = labels_from_terms(terms, mask, not cfg.no_overlap, not cfg.no_confidence)  # (n,) Eq. 9
+                else:
+                    loss, _, u, seconds = micro_batch_loss(
+                        ctx.student, teacher, s_inputs, [v[0] for v in views], mask, width, weights, cfg,
+                        ro.response_ids[rows, :width].to(ctx.device), ro.logp[rows, :width].to(ctx.device), extras,
+                    )  # fmt: skip
             mb.backward(loss)  # sharded: the teacher's gathered root (LM head) is freed before the student's backward
         if not mb.real:
             continue
@@ -199,6 +166,11 @@ def distill(ctx, batch: StepBatch, row_weights: torch.Tensor | None = None, sync
         for (_, _, _, cost), sec in zip(views, seconds):
             cost.seconds += sec
     return res
+
+
+def tempered(logits: torch.Tensor, temperature: float) -> torch.Tensor:
+    """Logits divided by the loss temperature (OPSD's 1.1; float64 stays float64); at 1 the logits themselves."""
+    return logits if temperature == 1.0 else upcast(logits) / temperature
 
 
 def distill_labels(ctx) -> list[str]:

@@ -8,7 +8,10 @@ teachers (Algorithm 1, line 13: the EMA, every --ema-every steps; a frozen teach
 
 from __future__ import annotations
 
-from opd.methods.objective import DistillResult, Objective, StepBatch
+from collections.abc import Callable
+from types import MethodType
+
+from opd.methods.objective import ObjectiveResult, Objective, StepBatch
 
 
 class Distillation(Objective):
@@ -23,22 +26,21 @@ class Distillation(Objective):
 
         return distill_labels(self.ctx)
 
-    def __call__(self, batch: StepBatch) -> DistillResult:
+    @property
+    def __call__(self) -> Callable[[StepBatch], ObjectiveResult]:
+        """The pass itself, bound to this objective: `objective(batch)` is `distill(objective, batch)`, so the step's
+        call lands in the micro-batch loop where Eq. 1-3 and 11 run (imported here: `opd.lazy`)."""
         from opd.methods.distill import distill
 
-        return distill(self.ctx, batch)
+        return MethodType(distill, self)
 
     def after_update(self, step: int) -> None:
-        """Algorithm 1, line 13 after a valid update, every `ema.every` steps (DAPD's snapshot: tau = 1)."""
-        update_teachers(self.ctx, step)
+        """Algorithm 1, line 13 after a valid update: theta-bar <- (1 - tau) theta-bar + tau theta for each of the run's
+        teachers once (a shared one once), every `ema.every` steps (DAPD's snapshot: tau = 1); frozen ones stay."""
+        import torch
 
-
-def update_teachers(ctx, step: int) -> None:
-    """theta-bar <- (1 - tau) theta-bar + tau theta for each of the run's teachers once (a shared one once), when the
-    EMA is due after step `step`; frozen teachers do not move."""
-    import torch
-
-    if ctx.ema.due(step):
-        with torch.no_grad():
-            for t in dict.fromkeys(ctx.teachers.teachers.values()):
-                t.update(ctx.model(), ctx.ema.tau)
+        ctx = self.ctx
+        if ctx.ema.due(step):
+            with torch.no_grad():
+                for t in dict.fromkeys(ctx.teachers.teachers.values()):
+                    t.update(ctx.model(), ctx.ema.tau)

@@ -1,25 +1,13 @@
 """The objective boundary: what the loop hands a method's objective, and what the objective gives back.
 
-The loop (`opd.loop.run.Run.step`) samples rollouts, selects S (Eq. 4, Algorithm 1 lines 4-9), then calls the method's
-objective once with the step's `StepBatch`; the objective runs the teacher(s) on S only, backpropagates its share of the
-loss and returns a `DistillResult` (its sums, the utility labels of S, its teacher costs, its metrics). After a
-valid optimizer step the loop calls `after_update` (the teachers' update: the EMA, DAPD's snapshot). That is the
-whole seam: an objective never sees the run, only
-
-- `ObjectiveContext`, built once per run: the accelerator, the policy being trained, the teacher set, the prompt
-  encoder, the mixed-precision context, the views and the shared loss settings (`opd.maths.loss.LossConfig`);
-- its own config dataclass (`Objective.Config`, flags `--<name>-<field>`, e.g. DAPD's `--dapd-clip`), with
-  field docstrings and its own `check()`;
-- `initial_teacher()`, a frozen teacher of the run's initial weights (a separate copy; with LoRA the policy's own
-  base with its adapter disabled), for objectives that anchor on them.
-
-An objective with teachers of its own (DAPD's `snapshot` and `base` anchors) says so in `build_teachers`, which
-returns the run's teacher set before the context is built: nothing changes the run from outside.
-
-The method table (`opd.methods.table.METHODS`) names each method's objective class: one registry. The pieces objectives
-share are modules of their own, never another objective: the family's distillation pass (`opd.methods.distill`), the
-policy-gradient pass (`opd.methods.policy_gradient`), the lockstep schedule and its padding rules (`opd.methods.schedule`), the
-loss's aggregation (`opd.maths.loss`). docs/EXTENDING.md walks through adding a method.
+The step (`opd.loop.step.Stepper.step`) selects S, then calls the method's objective once with the step's
+`StepBatch`; the objective runs the teacher(s) on S only, backpropagates its share of the loss and returns an
+`ObjectiveResult` (its sums, the labels of S, its teacher costs, its metrics). After a valid optimizer step the loop
+calls `after_update` (the EMA, DAPD's snapshot). An objective sees only `ObjectiveContext` (built once per run), its
+own config dataclass (`Objective.Config`, flags `--<name>-<field>`) and `initial_teacher()`; one with teachers of its
+own says so in `build_teachers`. The method table (`opd.methods.table.METHODS`) names each method's objective class;
+shared pieces are modules of their own (`opd.methods.distill`, `policy_gradient`, `lockstep`, `opd.maths.loss`).
+Details: docs/MODULES.md#opdmethodsobjective; adding a method: docs/EXTENDING.md.
 """
 
 from __future__ import annotations
@@ -32,11 +20,11 @@ if TYPE_CHECKING:
     import torch
 
     from opd.engine.rollout import Rollouts
-    from opd.methods.schedule import MicroBatch, TeacherCost
+    from opd.methods.lockstep import MicroBatch, TeacherCost
 
 
 def _no_labels() -> torch.Tensor:
-    """DistillResult.utility's default: no row (torch imported when a result is made: `opd.lazy`)."""
+    """ObjectiveResult.utility's default: no row (torch imported when a result is made: `opd.lazy`)."""
     import torch
 
     return torch.zeros(0)
@@ -61,11 +49,11 @@ class StepBatch:
     route: list
     """Per local row: the name of its teacher (None outside C)."""
     weights: torch.Tensor | None = None
-    """(N_local,) unbiased selection's w_i = 1 / pi_i for the rows of S (`opd.selection.selectors`), which every objective
+    """(N_local,) unbiased selection's w_i = 1 / pi_i for the rows of S (`opd.selection.designs`), which every objective
     applies to its per-row terms (Eq. 11's Hajek form); None: every row 1 (top-K, uniform, full)."""
     full_tokens: float | None = None
     """Unbiased selection with --estimator ht: T_C, the valid response tokens of every candidate in C over all ranks
-    (`opd.selection.selectors.Selector.full_query_tokens`), the token mean's Horvitz-Thompson denominator in place of the
+    (`opd.selection.designs.Unbiased.full_query_tokens`), the token mean's Horvitz-Thompson denominator in place of the
     Hajek form's sum_S w_i T_i (`opd.maths.loss.loss_denominator`); None: the Hajek form, or no weights."""
 
     def routed(self, teacher: str) -> torch.Tensor:
@@ -83,7 +71,7 @@ class StepBatch:
 
 
 @dataclass
-class DistillResult:
+class ObjectiveResult:
     """What an objective returns for one step on this rank."""
 
     loss_sum: float = 0.0
@@ -108,14 +96,14 @@ class DistillResult:
     """Extra ledger fields of the objective (already the same on every rank)."""
 
     @classmethod
-    def begin(cls, ctx: ObjectiveContext, batch: StepBatch, labels: list[str]) -> DistillResult:
+    def begin(cls, ctx: ObjectiveContext, batch: StepBatch, labels: list[str]) -> ObjectiveResult:
         """The step's result before any teacher forward: no row labelled (NaN), every label's cost zero, and the
         loss's global denominator (`opd.maths.loss.loss_denominator`: one all-reduce, run by every rank). `empty`: S holds
         no token on any rank, so no teacher runs and the distillation term is zero (Appendix A.3)."""
         import torch
 
         from opd.maths.loss import loss_denominator
-        from opd.methods.schedule import TeacherCost
+        from opd.methods.lockstep import TeacherCost
 
         ro = batch.rollouts
         res = cls(utility=torch.full((len(ro),), float("nan")), teachers={lab: TeacherCost() for lab in labels})
@@ -177,6 +165,8 @@ class ObjectiveContext:
     ema: object
     """The teachers' update (`opd.models.ema_teacher.EMAConfig`): rate tau after a valid step (0: fixed; 1: a copy), every
     `every` steps."""
+    sharded: bool = False
+    """The policy and teachers are FSDP2-sharded (`--fsdp`): `opd.methods.lockstep` pads and frees for it."""
 
     @property
     def device(self) -> torch.device:
@@ -195,20 +185,20 @@ class ObjectiveContext:
 
 def teacher_plans(ctx: ObjectiveContext, batch: StepBatch, view: str) -> dict[str, list[torch.Tensor]]:
     """S's rows routed to each teacher ({name: micro-batches of local row ids}, in the teachers' fixed order), each
-    teacher's rows grouped by their length in `view` (prompt + response; `opd.methods.schedule.plan_rows`)."""
-    from opd.methods.schedule import plan_rows
+    teacher's rows grouped by their length in `view` (prompt + response; `opd.methods.lockstep.plan_rows`)."""
+    from opd.methods.lockstep import plan_rows
 
     cfg = ctx.loss
     return {n: plan_rows(batch.rollouts, lambda v, j, n=n: batch.teacher_prompt(n, v, j), batch.routed(n),
                          cfg.micro_batch, cfg.micro_batch_tokens, view) for n in ctx.teachers.names}  # fmt: skip
 
 
-def teacher_inputs(ctx: ObjectiveContext, batch: StepBatch, mb: MicroBatch, view: str, res: DistillResult):
+def teacher_inputs(ctx: ObjectiveContext, batch: StepBatch, mb: MicroBatch, view: str, res: ObjectiveResult):
     """The micro-batch's inputs for its teacher (`mb.group`) in `view`: (inputs, mask (n, T), width, cost). A real
     slot's forward is booked (rows, tokens) under its ledger label and `cost` is that label's `TeacherCost` (for its
     seconds); a padding slot runs on the student's prompts, booked nowhere (cost None)."""
     from opd.models.chat import micro_batch_inputs
-    from opd.methods.schedule import record_forward
+    from opd.methods.lockstep import record_forward
 
     ro, pids = batch.rollouts, batch.rollouts.prompt_index[mb.rows].tolist()
     prompts = [batch.teacher_prompt(mb.group, view, p) if mb.real else batch.student_prompts[p] for p in pids]
@@ -250,7 +240,7 @@ class Objective:
         """The ledger labels of every teacher forward this objective can run, in a fixed order."""
         raise NotImplementedError
 
-    def __call__(self, batch: StepBatch) -> DistillResult:
+    def __call__(self, batch: StepBatch) -> ObjectiveResult:
         raise NotImplementedError
 
     def after_update(self, step: int) -> None:

@@ -1,7 +1,7 @@
 """OPOD: on-policy omni distillation (arXiv 2607.20918), on Algorithm 1's loop. Medium confidence.
 
 There is no public code; the formulas come from a third-party transcription
-(`../shared/notes/seed-family.md`). Every constant the transcription does not give is a flag of
+(summarised in docs/FAMILY.md). Every constant the transcription does not give is a flag of
 `train.py` with a stated default (marked "guess" below).
 
 Each response is routed to the teacher of its kind (`--teachers route.json`: a record field such as `task`
@@ -68,13 +68,13 @@ from opd.answers.options import split_options
 from opd.answers.yes_no import parse_yes_no
 from opd.cli import Section
 from opd.lazy import no_grad
-from opd.methods.objective import DistillResult, Objective, ObjectiveContext, StepBatch
+from opd.methods.objective import ObjectiveResult, Objective, ObjectiveContext, StepBatch
 from opd.data.views import View, get_view, reference_prompt
 
 if TYPE_CHECKING:
     import torch
 
-    from opd.methods.schedule import MicroBatch
+    from opd.methods.lockstep import MicroBatch
 
 
 def task_reward(reply: str, problem: str, answer: str) -> float:
@@ -227,7 +227,7 @@ class OPOD(Objective):
         extra = ("verify", "answer") if self.config.reward_b else ()
         return distill_labels(self.ctx) + [t.label(n, v) for n in t.names for v in extra]  # the pass's, then B's
 
-    def __call__(self, batch: StepBatch) -> DistillResult:
+    def __call__(self, batch: StepBatch) -> ObjectiveResult:
         import torch
 
         from opd.methods.distill import distill
@@ -238,7 +238,7 @@ class OPOD(Objective):
         ro, sel, names = batch.rollouts, batch.selected, ctx.teachers.names
         beta = torch.tensor([self.controller.beta.get(r, 0.0) if r is not None else 0.0 for r in batch.route])
         token_sums: dict = {}  # per row: sum of the gate c_t and of log pi_T(y_t)
-        res = distill(ctx, batch, row_weights=beta, sync=False, token_sums=token_sums, labels=self.labels)  # 1. L_tc
+        res = distill(self, batch, row_weights=beta, sync=False, token_sums=token_sums, labels=self.labels)  # 1. L_tc
         res.metrics = {f"beta_{n}": self.controller.beta[n] for n in names}
         self.pending = {}
         if res.empty:  # S is empty everywhere: nothing more to do (every rank alike)
@@ -276,13 +276,13 @@ class OPOD(Objective):
         res.loss_share = res.loss_sum / res.global_tokens + pg_value + kl_value
         return res
 
-    def _verification(self, batch: StepBatch, res: DistillResult, replies: dict) -> torch.Tensor:
+    def _verification(self, batch: StepBatch, res: ObjectiveResult, replies: dict) -> torch.Tensor:
         """B of every row of S: the routed teacher's log-prob of the answer after the response (in the reference slot)
         minus without it; two forward kinds, counted under the views 'verify' and 'answer'. Sharded: every rank runs
         as many forwards per teacher as the busiest one (the rest on row 0, uncounted)."""
         import torch
 
-        from opd.methods.schedule import lockstep
+        from opd.methods.lockstep import lockstep
 
         ctx = self.ctx
         ro, tok = batch.rollouts, ctx.tokenizer
@@ -321,15 +321,15 @@ class OPOD(Objective):
         return out
 
     @no_grad
-    def _answer_logp(self, mb: MicroBatch, teacher, view: str, prompts, completions, res: DistillResult) -> list[float]:
+    def _answer_logp(self, mb: MicroBatch, teacher, view: str, prompts, completions, res: ObjectiveResult) -> list[float]:
         """sum over the completion's tokens of log pi_T, for each prompt + completion (one teacher forward of
         teacher `mb.group`; padding: uncounted, nothing returned)."""
         import torch
 
         from opd.models.chat import completion_inputs
         from opd.maths.chunked import sampled_logp_from_hidden
-        from opd.models.ema_teacher import lm_head_weight
-        from opd.methods.schedule import Stopwatch, record_forward
+        from opd.models.chat import lm_head_weight
+        from opd.methods.lockstep import Stopwatch, record_forward
 
         ctx = self.ctx
         device = ctx.device

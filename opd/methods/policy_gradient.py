@@ -17,7 +17,7 @@ The advantage comes from a hook `advantage(mb, mask, h, w) -> (P,)`, run in the 
 forward (h, w: its detached final hidden states at the valid positions and its LM head): a precomputed table (OPOD:
 one A_i per row) or a teacher forward of its own (TM-OPD: the teacher's log-prob of each sampled token, and the
 selector's labels from both sides' hidden states), so that a teacher never runs outside the lockstep. Every rank runs
-as many micro-batches as the busiest one (`opd.methods.schedule.lockstep`); the last backward synchronises DDP (a rank
+as many micro-batches as the busiest one (`opd.methods.lockstep.lockstep`); the last backward synchronises DDP (a rank
 without rows: a zero-weighted one).
 """
 
@@ -30,9 +30,9 @@ import torch
 
 from opd.models.chat import micro_batch_inputs
 from opd.maths.chunked import sampled_logp_from_hidden, weighted_logp_from_hidden
-from opd.models.ema_teacher import lm_head_weight, response_hidden
+from opd.models.chat import lm_head_weight, response_hidden
 from opd.methods.objective import StepBatch
-from opd.methods.schedule import MicroBatch, lockstep, plan_micro_batches
+from opd.methods.lockstep import MicroBatch, lockstep, plan_micro_batches
 
 
 def k3(ref_logp: torch.Tensor, old_logp: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:

@@ -36,12 +36,12 @@ from typing import TYPE_CHECKING
 
 from opd.cli import Section
 from opd.lazy import no_grad
-from opd.methods.objective import DistillResult, Objective, ObjectiveContext, StepBatch, teacher_inputs, teacher_plans
+from opd.methods.objective import ObjectiveResult, Objective, ObjectiveContext, StepBatch, teacher_inputs, teacher_plans
 
 if TYPE_CHECKING:
     import torch
 
-    from opd.methods.schedule import MicroBatch
+    from opd.methods.lockstep import MicroBatch
 
 
 def token_advantages(old_logp: torch.Tensor, teacher_logp: torch.Tensor, coef: float = 1.0) -> torch.Tensor:
@@ -107,11 +107,11 @@ class TMOPD(Objective):
         t = self.ctx.teachers
         return [t.label(n, v) for n in t.names for v in self.ctx.teacher_views[:1]]
 
-    def __call__(self, batch: StepBatch) -> DistillResult:
+    def __call__(self, batch: StepBatch) -> ObjectiveResult:
         import torch
 
         ctx = self.ctx
-        res = DistillResult.begin(ctx, batch, self.labels)
+        res = ObjectiveResult.begin(ctx, batch, self.labels)
         if res.empty:  # S is empty everywhere: no teacher call, zero loss (every rank alike)
             res.loss_share, res.metrics = 0.0, {"teacher_kl": 0.0}
             return res
@@ -125,14 +125,14 @@ class TMOPD(Objective):
         return res
 
     @no_grad
-    def _advantages(self, batch: StepBatch, mb: MicroBatch, mask, h_s, w_s, res: DistillResult, kl) -> torch.Tensor:
+    def _advantages(self, batch: StepBatch, mb: MicroBatch, mask, h_s, w_s, res: ObjectiveResult, kl) -> torch.Tensor:
         """The teacher `mb.group` on the micro-batch's rows (booked unless padding): A_t (P,), and the rows' labels
         u_i (Eq. 9) into `res.utility`."""
         import torch
 
         from opd.maths.chunked import budgeted_loss_from_hidden
-        from opd.models.ema_teacher import lm_head_weight
-        from opd.methods.schedule import timed
+        from opd.models.chat import lm_head_weight
+        from opd.methods.lockstep import timed
         from opd.maths.weights import TokenWeight
 
         ctx, ro, rows, cfg = self.ctx, batch.rollouts, mb.rows, self.ctx.loss

@@ -1,4 +1,5 @@
-"""Prompts: chat messages, the processor's encoding of one prompt, and batches of prompt + response.
+"""Prompts: chat messages, the processor's encoding of one prompt, batches of prompt + response, and the forwards that
+score a response (`response_logits`: the student's Eq. 1 and, through `opd.models.ema_teacher.Teacher`, Eq. 2).
 
 The student and the teacher see the same question and the same response tokens; only the images
 differ (Eq. 1 vs Eq. 2). Every model input of this project is built here: prompts are encoded one at
@@ -158,3 +159,30 @@ def completion_inputs(
         mask[i, : len(c)] = True
     inputs = collate(prompts, pad_id, ids, mask)
     return {k: v.to(device) for k, v in inputs.items()}, mask.to(device), ids.to(device), width
+
+
+def response_logits(model, inputs: dict[str, torch.Tensor], n_response: int, **kwargs) -> torch.Tensor:
+    """Logits of the n_response positions that predict the response block at the end of `inputs`.
+
+    With a left-padded prompt and a (n, T) response appended (`opd.models.chat.collate`), position P + t - 1
+    predicts response token t, so the last T + 1 positions minus the final one are kept. The model
+    computes its own multimodal (M-RoPE) positions from input_ids, mm_token_type_ids and the image
+    grid. Returns (n, T, V).
+    """
+    out = model(**inputs, logits_to_keep=n_response + 1, use_cache=False, **kwargs)
+    return out.logits[:, :-1]
+
+
+def response_hidden(model, inputs: dict[str, torch.Tensor], n_response: int) -> torch.Tensor:
+    """The final (normed) hidden states at the same positions as `response_logits`: (n, T, H).
+
+    logits = hidden @ W_lm_head^T; the LM head itself is left to `opd.maths.chunked`, which never builds
+    the (n, T, V) logits. Only one position's logits are computed here (logits_to_keep=1).
+    """
+    out = model(**inputs, logits_to_keep=1, output_hidden_states=True, use_cache=False)
+    return out.hidden_states[-1][:, -(n_response + 1) : -1]
+
+
+def lm_head_weight(model) -> torch.Tensor:
+    """W of logits = h W^T (the output embedding; tied to the input embedding in some checkpoints)."""
+    return model.get_output_embeddings().weight

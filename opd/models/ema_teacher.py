@@ -7,23 +7,22 @@ the adapter updated the same way (`opd.models.lora`). Either scores the student'
 privileged prompt, only for selected rows, detached. `rows_scored` and `batches` count every row and batch it
 has been asked about, so the budget can be audited.
 
-`Teacher` is a fixed one (an external checkpoint, DAPD's `base` anchor): the same scoring and counting, no
-update.
-
-Under `--fsdp` the teacher is sharded exactly like the policy (`opd.models.sharding.shard_model`), and both
-line 1 and line 13 run on each rank's own float32 shards, with no communication; forwards that only
-keep the ranks in step (`opd.methods.distill`'s zero-weighted micro-batches) are not counted (`uncounted`).
+`Teacher` is a fixed one (an external checkpoint, DAPD's `base` anchor): the same scoring and counting, no update.
+`TeacherSet` is the run's teachers in a fixed order (the EMA teacher alone by default; routes:
+`opd.models.external_teachers`). Under `--fsdp` the teacher is sharded like the policy and lines 1 and 13 run on each
+rank's own shards; forwards that only keep the ranks in step are not counted (`uncounted`).
 """
 
 from __future__ import annotations
 
 import contextlib
 import copy
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
 from opd.cli import Section
 from opd.lazy import no_grad
+from opd.models.chat import lm_head_weight, response_hidden, response_logits  # noqa: F401 (also for opd.toy, experiments)
 
 if TYPE_CHECKING:
     import torch
@@ -51,33 +50,6 @@ class EMAConfig(Section):
         if self.every < 1:
             problems.append(f"--ema-every {self.every}: must be at least 1")
         return problems
-
-
-def response_logits(model, inputs: dict[str, torch.Tensor], n_response: int, **kwargs) -> torch.Tensor:
-    """Logits of the n_response positions that predict the response block at the end of `inputs`.
-
-    With a left-padded prompt and a (n, T) response appended (`opd.models.chat.collate`), position P + t - 1
-    predicts response token t, so the last T + 1 positions minus the final one are kept. The model
-    computes its own multimodal (M-RoPE) positions from input_ids, mm_token_type_ids and the image
-    grid. Returns (n, T, V).
-    """
-    out = model(**inputs, logits_to_keep=n_response + 1, use_cache=False, **kwargs)
-    return out.logits[:, :-1]
-
-
-def response_hidden(model, inputs: dict[str, torch.Tensor], n_response: int) -> torch.Tensor:
-    """The final (normed) hidden states at the same positions as `response_logits`: (n, T, H).
-
-    logits = hidden @ W_lm_head^T; the LM head itself is left to `opd.maths.chunked`, which never builds
-    the (n, T, V) logits. Only one position's logits are computed here (logits_to_keep=1).
-    """
-    out = model(**inputs, logits_to_keep=1, output_hidden_states=True, use_cache=False)
-    return out.hidden_states[-1][:, -(n_response + 1) : -1]
-
-
-def lm_head_weight(model) -> torch.Tensor:
-    """W of logits = h W^T (the output embedding; tied to the input embedding in some checkpoints)."""
-    return model.get_output_embeddings().weight
 
 
 class Teacher:
@@ -142,13 +114,21 @@ def ema_(pairs, tau: float) -> None:
             t.lerp_(s.detach().to(t.dtype), tau)
 
 
+def parameter_pairs(teacher: torch.nn.Module, student: torch.nn.Module):
+    """(teacher, student) parameter pairs, in order: what line 13 moves in an unsharded teacher."""
+    return zip(teacher.parameters(), student.parameters(), strict=True)
+
+
 class EMATeacher(Teacher):
     trainable = True
 
-    def __init__(self, student: torch.nn.Module, copy_weights: bool = True):
+    def __init__(self, student: torch.nn.Module, copy_weights: bool = True, pairs=None):
         """Algorithm 1, line 1: theta-bar <- theta (copy_weights=False adopts a loaded teacher as is; a
-        sharded model cannot be deep-copied: give a separately built one and call `copy_from`)."""
+        sharded model cannot be deep-copied: give a separately built one and call `copy_from`). `pairs`
+        (teacher, student) -> the tensor pairs line 13 moves: None, every parameter in order; a sharded teacher's
+        `opd.models.sharding.local_pairs` (each rank's local shards)."""
         super().__init__(copy.deepcopy(student) if copy_weights else student)
+        self.pairs = pairs
 
     @no_grad
     def copy_from(self, student: torch.nn.Module) -> None:
@@ -163,11 +143,8 @@ class EMATeacher(Teacher):
     @no_grad
     def update(self, student: torch.nn.Module, tau: float) -> None:
         """Algorithm 1, line 13: theta-bar <- (1 - tau) theta-bar + tau theta (parameters; buffers copied).
-        Sharded models: on each rank's local shards (the two are sharded alike). tau = 1 copies the
-        student (DAPD's snapshot refresh)."""
-        from opd.models.sharding import local_pairs
-
-        ema_(local_pairs(self.model, student), tau)
+        Sharded models: on each rank's local shards (`pairs`). tau = 1 copies the student (DAPD's snapshot refresh)."""
+        ema_((self.pairs or parameter_pairs)(self.model, student), tau)
         for t, s in zip(self.model.buffers(), student.buffers(), strict=True):
             t.copy_(s)
 
@@ -222,3 +199,30 @@ class AdapterTeacher(Teacher):
             with torch.no_grad():
                 ema_(adapter_pairs(self.model, self.adapter), tau)  # the adapters' parameters (tau = 1: a copy)
 
+
+@dataclass
+class TeacherSet:
+    """The run's teachers by name, in a fixed order (every rank the same), and the route of each record."""
+
+    teachers: dict = field(default_factory=dict)
+    """name -> `Teacher` (or `EMATeacher`)."""
+    routes: object = None
+    """The routing table (`opd.models.external_teachers.Routes`); None: every record goes to the first (and only)
+    teacher."""
+
+    @property
+    def single(self) -> bool:
+        return len(self.teachers) == 1
+
+    @property
+    def names(self) -> list[str]:
+        return list(self.teachers)
+
+    def route(self, record) -> str | None:
+        """The name of the teacher of a record's rows (None: none, the record is not a candidate)."""
+        return self.routes.route(record) if self.routes is not None else self.names[0]
+
+    def label(self, name: str, view: str) -> str:
+        """The ledger label of one teacher's forwards in one view: the view with one teacher, `<teacher>:<view>` with
+        several (routes, DAPD's anchors)."""
+        return view if self.single else f"{name}:{view}"

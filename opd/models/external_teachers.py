@@ -1,47 +1,25 @@
 """External teachers: a fixed checkpoint in place of the EMA self-teacher, and teachers routed by a record field.
 
-- `--teacher-model PATH`: one frozen checkpoint scores the selected rows in the method's teacher view(s)
-  instead of the crop-conditioned EMA copy of the policy (any method of the family; OPOD's single teacher).
-- `--teachers route.json`: a routing table from the value of one record field to teacher checkpoints:
+- `--teacher-model PATH`: one frozen checkpoint scores the selected rows in the method's teacher view(s).
+- `--teachers route.json`: a table from one record field's value to checkpoints, e.g.
+  {"field": "task", "teachers": {"colour": "teachers/colour", "count": "teachers/count"}, "default": "colour"}.
 
-      {"field": "task", "teachers": {"colour": "teachers/colour", "count": "teachers/count"}, "default": "colour"}
-
-  `field` names a field of the training records (`opd.data.records.Record.field`: any scalar field besides the
-  image, crop, problem, answer and solution ones); `teachers` maps each value to a checkpoint folder (or
-  hub id), relative paths from the route file's folder; `default` (optional) names the route of values
-  that have none. The teacher's name in the ledger is its route (the field's value). A checkpoint named by
-  several routes is loaded once and shared.
-
-A teacher checkpoint (`--teacher-model`, or a value of `teachers`) is a checkpoint folder, a hub id, a `train.py`
-run folder (its last checkpoint's exported policy, e.g. `runs/tiny` after the default command) or `tiny` (the
-built-in tiny model, the tiny default's initial policy), as `eval.py --model` takes them (`teacher_source`). The
-tiny default's data has no field to route by: a table with one route and `"default"` sends every record to it,
-
-      {"field": "task", "teachers": {"colour": "tiny"}, "default": "colour"}
-
-Each teacher is loaded once, frozen (`opd.models.ema_teacher.Teacher`: no update, no gradient), and run only on the
-selected rows routed to it (`opd.methods.distill` plans micro-batches per teacher). A record whose value has no
-route and no default is refused before training, in one line naming the file, line, field and value.
-
-A teacher scores the student's own token ids, so it must have the policy's tokenizer (the same vocabulary,
-special tokens and LM-head rows): anything else is refused in one line (`check_same_tokenizer`). Its prompts
-are encoded with its own processor (its image resolution and chat template), the response ids are the
-student's.
-
-Ledger labels (`label`): with one teacher (the EMA self-teacher or `--teacher-model`) a teacher forward is
-labelled by its view (`teacher_rows_crop`, as before); with several (routes, DAPD's anchors) by
-`<teacher>:<view>`, e.g. `teacher_rows_colour:full`; `opd.loop.ledger.summarize` also adds them up per teacher.
+The run's `TeacherSet` (`opd.models.ema_teacher`) then holds them in a fixed order, each selected row routed to one
+by `Routes`; each teacher is loaded once, frozen, run only on its rows, and must have the policy's tokenizer
+(`check_same_tokenizer`). Ledger labels: a view with one teacher, `<teacher>:<view>` with several. Checkpoint
+forms, routes and refusals: docs/MODULES.md#opdmodelsexternal_teachers.
 """
 
 from __future__ import annotations
 
 import json
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from pathlib import Path
 
 from opd.cli import Section, UserError
 from opd.data.records import KNOWN_FIELDS
 from opd.data.views import VIEWS
+from opd.models.ema_teacher import TeacherSet  # noqa: F401 (the run's teacher set; imported from here too)
 
 
 @dataclass
@@ -173,7 +151,8 @@ def teacher_source(path: str) -> str:
 def load_teacher(path: str, what: str, policy_processor, policy_vocab: int, load_model, load_processor):
     """A frozen `Teacher` from a checkpoint (any name `teacher_source` takes): its processor (checked against the
     policy's tokenizer first, so a wrong teacher is refused before its weights load), then `load_model(path)`."""
-    from opd.models.ema_teacher import Teacher, lm_head_weight
+    from opd.models.ema_teacher import Teacher
+    from opd.models.chat import lm_head_weight
 
     path = teacher_source(path)
     try:
@@ -185,32 +164,6 @@ def load_teacher(path: str, what: str, policy_processor, policy_vocab: int, load
     model = load_model(path)
     check_same_tokenizer(policy_processor, processor, what, policy_vocab, lm_head_weight(model).shape[0])
     return Teacher(model, processor)
-
-
-@dataclass
-class TeacherSet:
-    """The run's teachers by name, in a fixed order (every rank the same), and the route of each record."""
-
-    teachers: dict = field(default_factory=dict)
-    """name -> opd.models.ema_teacher.Teacher (or EMATeacher)."""
-    routes: Routes | None = None
-    """None: every record goes to the first (and only) teacher."""
-
-    @property
-    def single(self) -> bool:
-        return len(self.teachers) == 1
-
-    @property
-    def names(self) -> list[str]:
-        return list(self.teachers)
-
-    def route(self, record) -> str | None:
-        """The name of the teacher of a record's rows (None: none, the record is not a candidate)."""
-        return self.routes.route(record) if self.routes is not None else self.names[0]
-
-    def label(self, name: str, view: str) -> str:
-        """The ledger label of one teacher's forwards in one view (see the module docstring)."""
-        return view if self.single else f"{name}:{view}"
 
 
 def build_routed(routes: Routes, policy_processor, policy_vocab: int, load_model, load_processor) -> TeacherSet:

@@ -1,31 +1,12 @@
 """FSDP2 for the policy and the EMA teacher (`--fsdp`): torch's `fully_shard`, applied in one place.
 
-`shard_model` gives every repeated block of the model (Qwen3.5: each text decoder layer and each vision
-block, the model's own `_no_split_modules`) its own FSDP group and puts the rest (embeddings, LM head,
-final norm, vision patch embedding and merger) in the root group, on a 1-D device mesh over every
-process: NCCL on GPUs, gloo on CPUs, the same code. Parameters keep `--dtype` (float32: the master
-weights; the optimizer and the EMA update run on the shards); under `--mixed-precision bf16` the gathered
-copies are bfloat16 (compute) and gradients are reduce-scattered in float32.
-
-What the rest of the loop relies on, all torch's own FSDP2 behaviour:
-
-- The root group is not resharded after its forward, so after a forward its parameters (the LM head's
-  weight included) are the gathered, plain tensors until its backward (student) or `reshard` (teacher):
-  `opd.maths.chunked` multiplies the student's and teacher's final hidden states by the gathered LM-head
-  weight chunk by chunk, and the student's dL/dW, handed to autograd, is reduce-scattered by FSDP with
-  the root's other gradients. The full (V, H) weight is gathered once per micro-batch for each of the two
-  (the teacher's is freed before the student's backward); full-vocabulary logits are never formed.
-- Every forward and backward gathers and reduce-scatters collectively, so every rank must run the same
-  number of them: `opd.methods.distill` pads a rank's micro-batches with zero-weighted ones (`lockstep`), and
-  generation either gathers the whole model first (`generation`, the default) or lets HF
-  `generate` keep finished ranks stepping (its `synced_gpus`, on by itself for an FSDP model).
-- FSDP2 picks its root at the first forward of any sharded module; HF `generate` runs the vision tower before
-  the model's forward, so `generation` initialises the root itself first (`init_root`) and gathers the root
-  group for the whole of `generate` in either mode.
-- The EMA teacher is sharded exactly like the student, so theta-bar <- (1 - tau) theta-bar + tau theta
-  runs on each rank's local shards (`local_pairs`), with no communication.
-
-Checkpoints of sharded models are in `opd.loop.checkpoint` (torch.distributed.checkpoint).
+`shard_model` gives every repeated block (Qwen3.5: each decoder layer and vision block) its own FSDP group and the
+rest (embeddings, LM head, norms, the vision patch embedding and merger) the root group, on a 1-D mesh over every
+process (NCCL on GPUs, gloo on CPUs). Parameters keep `--dtype`; under `--mixed-precision bf16` gathered copies are
+bfloat16 and gradients are reduce-scattered in float32. The loop relies on FSDP2's own behaviour: the root's
+gathered LM head after a forward (`reshard` frees a teacher's), collectives in lockstep (`opd.methods.lockstep`),
+`generation` gathering the policy for HF `generate`, and the EMA update on local shards (`local_pairs`).
+Details: docs/MODULES.md#opdmodelssharding. Checkpoints of sharded models: `opd.loop.checkpoint`.
 """
 
 import contextlib

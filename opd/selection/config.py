@@ -34,7 +34,7 @@ class SelectionConfig(Section):
     inclusion probabilities."""
     unbiased: bool = False
     """Sample S with inclusion probabilities that grow with the score (learned: predicted utility; entropy: mean
-    entropy) instead of taking the top K, and weigh each row's loss by 1 / pi (Eq. 11's Hajek form; opd/selection/selectors.py)."""
+    entropy) instead of taking the top K, and weigh each row's loss by 1 / pi (Eq. 11's Hajek form; opd/selection/designs.py)."""
     estimator: str = "hajek"
     """With --unbiased, how the 1 / pi-weighted token sum of Eq. 11 is normalised: hajek (by sum_S w_i T_i:
     consistent, biased O(1/K); today's runs) or ht (Horvitz-Thompson: by the tokens of every candidate in C, known

@@ -13,6 +13,12 @@ Interpretations of the paper:
 import torch
 
 FEATURE_NAMES = ("mean_nll", "q90_nll", "mean_entropy", "response_len", "prompt_len", "crop_area")
+"""phi's columns (Eq. 5), in order: read one by name with `feature`."""
+
+
+def feature(phi: torch.Tensor, name: str) -> torch.Tensor:
+    """phi's column `name` (one of FEATURE_NAMES): (..., 6) -> (...)."""
+    return phi[..., FEATURE_NAMES.index(name)]
 
 
 def masked_quantile(values: torch.Tensor, mask: torch.Tensor, q: float) -> torch.Tensor:

@@ -33,6 +33,7 @@ class OnlineUtilityModel:
 
     def __init__(self, cfg: PredictorConfig, dim: int = 6):
         self.cfg = cfg
+        self.rank_weight = cfg.rank_loss_weight  # lambda_rank of Eq. 10 (0 under --no-rank-loss)
         with torch.random.fork_rng(devices=[]):  # psi's init from the selector seed, same on every rank
             torch.manual_seed(cfg.seed)
             self.net = UtilityPredictor(dim, cfg.hidden)
@@ -65,7 +66,7 @@ class OnlineUtilityModel:
         for j in range(self.cfg.updates_per_step):
             phi_b, u_b, s_b = self.replay.sample(self.cfg.replay_batch, seeded_generator(self.cfg.seed, step, j))
             w = recency_weights(s_b, step, self.cfg.half_life)
-            loss = selector_loss(self.net(self.normalizer(phi_b)), u_b, w, self.cfg.rank_loss_weight, self.cfg.min_gap)
+            loss = selector_loss(self.net(self.normalizer(phi_b)), u_b, w, self.rank_weight, self.cfg.min_gap)
             self.optimizer.zero_grad(set_to_none=True)
             loss.backward()
             self.optimizer.step()

@@ -1,6 +1,6 @@
 """The ledger row of one step (DIR/ledger.jsonl, Appendix C's cost ledger), gathered as the step runs.
 
-The step (`opd.loop.step.Stepper`) hands `StepRecord` what each line of Algorithm 1 produced; the record times the
+The step (`opd.loop.step.Stepper`) hands `LedgerRow` what each line of Algorithm 1 produced; the row times the
 phases (`phase`), sums the teacher's cost over ranks and keeps the slowest rank's seconds. Every method here runs the
 same collectives on every rank, in the same order (`objective`: one all-reduce of the counts, one all-gather of the
 teacher seconds; `row`: one all-gather of the phases).
@@ -17,14 +17,37 @@ the objective's own metrics, world_size and step_s.
 from __future__ import annotations
 
 import time
+from collections import defaultdict
 from contextlib import contextmanager
 
 import torch
 
-from opd.loop.ledger import PHASES, PhaseTimer
+from opd.loop.ledger import PHASES
 
 
-class StepRecord:
+class PhaseTimer:
+    """Seconds per phase of one step; on CUDA the device is synchronised at each phase boundary."""
+
+    def __init__(self, device: torch.device):
+        self.device = torch.device(device)
+        self.seconds: dict[str, float] = defaultdict(float)
+
+    def _sync(self) -> None:
+        if self.device.type == "cuda":
+            torch.cuda.synchronize(self.device)
+
+    @contextmanager
+    def __call__(self, phase: str):
+        self._sync()
+        t0 = time.perf_counter()
+        try:
+            yield
+        finally:
+            self._sync()
+            self.seconds[phase] += time.perf_counter() - t0
+
+
+class LedgerRow:
     """One step's ledger row on this rank (the same row on every rank once gathered)."""
 
     def __init__(self, accelerator, step: int):

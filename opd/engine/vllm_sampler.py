@@ -1,8 +1,6 @@
-"""Algorithm 1, line 3 on one rank: y_i ~ p_theta(. | x_i, q_i), by Hugging Face `generate` or by the vLLM engine.
+"""Algorithm 1, line 3 on one rank by the vLLM engine (`--rollout-engine vllm`), in place of `opd.engine.rollout.Sampler`.
 
-With `--rollout-engine hf` (the reference) each rank samples its prompts with the policy itself (a sharded policy
-gathered for the call, `opd.models.sharding.generation`), its draws seeded by (seed, step, rank). With `--rollout-engine
-vllm` rank 0 starts a vLLM server for the run's initial weights (or connects to --vllm-url) and hands its URL to every
+Rank 0 starts a vLLM server for the run's initial weights (or connects to --vllm-url) and hands its URL to every
 rank; after every valid update the policy's weights are pushed to it before the next generation (a sharded policy:
 gathered by every rank into DIR/.vllm-push first); the token entropy is then unavailable (Eq. 5's entropy feature is
 0 and Entropy-25 ranks by the mean NLL).
@@ -15,17 +13,13 @@ import shutil
 import tempfile
 from pathlib import Path
 
-import torch
-
 from opd.models.loading import special_ids
-from opd.engine.rollout import Rollouts, SamplingConfig, generate_rollouts
+from opd.engine.rollout import Rollouts, SamplingConfig
 from opd.loop.folder import VLLM_PUSH
-from opd.seeding import mix_seed
-from opd.models.sharding import generation
 
 
-class Sampler:
-    """The rollouts of each step for this rank, from the engine the run names."""
+class VLLMSampler:
+    """The rollouts of each step for this rank, from a vLLM server (`start` first)."""
 
     def __init__(self, sampling: SamplingConfig, engine, acc, model, autocast, fsdp_generation: str, seed: int,
                  student_view, out: Path, lora_scaling: float | None = None):  # fmt: skip
@@ -62,24 +56,18 @@ class Sampler:
         self.server = self.own if self.acc.is_main_process else VLLMServer.connect(url[0])
 
     def __call__(self, step: int, records: list, prompts: list) -> tuple[Rollouts, bool]:
-        """(this rank's rollouts of step `step`, whether their token entropies are known)."""
-        cfg = self.cfg
-        if self.server is not None:  # vLLM: the policy's weights, then the engine samples
-            from opd.engine.vllm_rollouts import generate_rollouts_vllm
+        """(this rank's rollouts of step `step`, whether their token entropies are known: no)."""
+        from opd.engine.vllm_rollouts import generate_rollouts_vllm
 
-            if self.stale:
-                self.push()
-            images = [self.student_view(r)[0] for r in records]
-            rollouts = generate_rollouts_vllm(
-                self.server, prompts, images, cfg.rollouts_per_prompt, cfg.max_response_len, **special_ids(self.model()),
-                **cfg.distribution, seed=self.seed, step=step, rank=self.acc.process_index,
-            )  # fmt: skip
-            return rollouts, False  # Eq. 5's entropy feature is 0 (unavailable); Entropy-25 ranks by the mean NLL
-        torch.manual_seed(mix_seed(self.seed, step, self.acc.process_index))
-        with self.autocast(), generation(self.model(), self.fsdp_generation):  # a sharded policy: gathered
-            rollouts = generate_rollouts(self.model(), prompts, cfg.rollouts_per_prompt, cfg.max_response_len,
-                                         cfg.rollout_batch, cfg.share_prefill, **cfg.distribution)  # fmt: skip
-        return rollouts, True
+        cfg = self.cfg
+        if self.stale:  # the policy's weights, then the engine samples
+            self.push()
+        images = [self.student_view(r)[0] for r in records]
+        rollouts = generate_rollouts_vllm(
+            self.server, prompts, images, cfg.rollouts_per_prompt, cfg.max_response_len, **special_ids(self.model()),
+            **cfg.distribution, seed=self.seed, step=step, rank=self.acc.process_index,
+        )  # fmt: skip
+        return rollouts, False  # Eq. 5's entropy feature is 0 (unavailable); Entropy-25 ranks by the mean NLL
 
     def updated(self) -> None:
         """After a valid update: the next generation pushes the new weights first."""
