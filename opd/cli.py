@@ -13,8 +13,10 @@ import inspect
 import math
 import os
 import re
+import signal
 import sys
 import textwrap
+import threading
 import types
 import typing
 from collections.abc import Callable
@@ -49,25 +51,44 @@ def _peer_lost(exc: BaseException) -> bool:
                 (isinstance(exc, RuntimeError) and PEER_LOST.search(str(exc))))  # fmt: skip
 
 
+class _Terminated(BaseException):
+    """SIGTERM under a launcher with several processes: torchrun / accelerate launch send it to every other
+    rank when one ends, often before that rank's collective has noticed (a BaseException: no handler keeps it)."""
+
+
+def _raise_terminated(signum, frame):
+    raise _Terminated()
+
+
 def _quiet_when_a_peer_ends(main: Callable, argv: list[str], prog: str):
+    several = int(os.environ.get("WORLD_SIZE", "1") or 1) >= 2
+    catch = several and threading.current_thread() is threading.main_thread()
+    before = signal.signal(signal.SIGTERM, _raise_terminated) if catch else None
     try:
         return main(argv)
     except UserError:
         raise
-    except Exception as exc:
-        if not _peer_lost(exc):
+    except (Exception, _Terminated) as exc:
+        if isinstance(exc, _Terminated):
+            why = "another process of the run ended, or the launcher was stopped (SIGTERM)"
+        elif _peer_lost(exc):
+            why = "another process of the run ended (its error is above)"
+        else:
             raise
-        print(f"{prog}: [rank {_rank()}] stopped: another process of the run ended (its error is above)",
-              file=sys.stderr, flush=True)  # fmt: skip
+        print(f"{prog}: [rank {_rank()}] stopped: {why}", file=sys.stderr, flush=True)
         sys.exit(1)
+    finally:
+        if catch:
+            signal.signal(signal.SIGTERM, before)
 
 
 def run_cli(main: Callable, argv: list[str], prog: str):
     """Calls main(argv); a UserError becomes one line 'prog: error: ...' on stderr and exit code 2 (printed once
     under a launcher: by rank 0, unless only this rank met it), Ctrl-C one line 'prog: interrupted ...' (the
     KeyboardInterrupt's message, if any) and exit code 130; a rank whose collective failed because another rank
-    ended (that rank prints its own error) one line 'prog: [rank r] stopped: ...' and exit code 1, not gloo's
-    traceback. A launcher reports a failed process with its own exit code (torchrun and accelerate launch: 1)."""
+    ended (that rank prints its own error), or that its launcher ended with SIGTERM, one line
+    'prog: [rank r] stopped: ...' and exit code 1, not gloo's traceback. A launcher reports a failed process
+    with its own exit code (torchrun and accelerate launch: 1)."""
     try:
         return _quiet_when_a_peer_ends(main, argv, prog)
     except UserError as exc:

@@ -198,6 +198,31 @@ def test_the_tracker_hints_run_as_printed(tmp_path, tiny, monkeypatch, capsys):
         server.wait(timeout=30)
 
 
+def test_a_rank_the_launcher_terminates_says_one_line(monkeypatch, capsys):
+    """torchrun sends SIGTERM to the other ranks when one ends, often before their collective notices (CI saw
+    rank 0 die silently that way): under a launcher with 2 processes it is one line and exit code 1; the
+    process's own SIGTERM handler is back afterwards. Deterministic: the process signals itself."""
+    from opd.cli import run_cli
+
+    monkeypatch.setenv("WORLD_SIZE", "2")
+    monkeypatch.setenv("RANK", "0")
+    before = signal.getsignal(signal.SIGTERM)
+    reached = []
+
+    def main(argv):
+        os.kill(os.getpid(), signal.SIGTERM)
+        for _ in range(10**7):  # the handler runs at the next bytecode; never reached in full
+            pass
+        reached.append("end")
+
+    with pytest.raises(SystemExit) as stop:
+        run_cli(main, [], "train.py")
+    assert stop.value.code == 1 and reached == []
+    assert "train.py: [rank 0] stopped: another process of the run ended, or the launcher was stopped (SIGTERM)" in (
+        capsys.readouterr().err)
+    assert signal.getsignal(signal.SIGTERM) is before
+
+
 def test_the_rank_whose_peer_failed_says_one_line(tmp_path, tiny):
     """Two ranks, rank 1 failing with its own error: rank 0, waiting in a collective, printed gloo's traceback
     ('Connection closed by peer'); now one line."""

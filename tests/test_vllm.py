@@ -198,8 +198,9 @@ def test_prompts_beyond_one_scheduler_step_are_sampled(vllm_engine, ref):
 
 def test_push_weights_a_b_a(vllm_engine, ref):
     """A -> B (the trainer's in-memory model) -> A (a folder): after the push the engine's greedy tokens are
-    HF model B's argmax (teacher-forced, every disagreement a bf16 near-tie), and A's greedy output comes back
-    exactly."""
+    HF model B's argmax (teacher-forced, every disagreement a bf16 near-tie), and A's greedy output comes back:
+    each sequence equal to A's first one, or parting from it only at a bf16 near-tie of HF model A (two bf16
+    runs of one model, batched differently on a CPU, may round a near-tie either way: CI saw one part at token 18)."""
     ids, prompts, images = ref.ids, ref.prompts, ref.images
     server = vllm_engine.server
     greedy_a = generate_greedy_ids(server, prompts, images, MAX_NEW, **ids)
@@ -221,7 +222,26 @@ def test_push_weights_a_b_a(vllm_engine, ref):
     assert greedy_b != greedy_a
     assert agree_b >= 0.9 and agree_a < agree_b - 0.3
     assert (margins <= tie).all()
-    assert back == greedy_a
+    assert_same_up_to_near_ties(ref, vllm_engine.model_a, back, greedy_a)
+
+
+def assert_same_up_to_near_ties(ref, model_dir: Path, seqs: list[list[int]], first: list[list[int]]) -> None:
+    """Each of `seqs` equals its `first` sequence, or parts from it at a position where HF model A's logits of the
+    two tokens (same prefix) lie closer than twice bf16's largest logit error there: a near-tie, not a stale
+    weight (a stale weight or cache parts them at tokens far apart)."""
+    _, _, logits = teacher_forced_argmax(ref.model, ref.prompts, first, ref.ids)  # (N, T, V), HF A in float32
+    tie = 2 * bf16_logit_error(model_dir, ref.prompts, first, ref.ids)
+    parted = []
+    for i, (s, f) in enumerate(zip(seqs, first)):
+        k = common_prefix(s, f)
+        if s == f:
+            continue
+        assert k < min(len(s), len(f)), f"sequence {i}: one is a prefix of the other ({len(s)} vs {len(f)} tokens)"
+        gap = float((logits[i, k, f[k]] - logits[i, k, s[k]]).abs())
+        parted.append((i, k, round(gap, 3)))
+        assert gap <= tie, f"sequence {i} parts at token {k} with a logit gap {gap:.3f} > near-tie bound {tie:.3f}"
+    say(f"A's greedy output again: {len(seqs) - len(parted)} of {len(seqs)} identical; parted (seq, token, gap): "
+        f"{parted} (near-tie bound {tie:.3f})")
 
 
 def test_greedy_tokens_are_hf_argmax(vllm_engine, ref):
