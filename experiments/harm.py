@@ -38,7 +38,7 @@ from harm_world import HarmConfig, base_world  # noqa: E402
 from opd.loop.ledger import write_atomic  # noqa: E402
 from opd.toy.entry import Entry  # noqa: E402
 from opd.toy.experiment import evaluate, machine, read_run, run_folder, say, train_one  # noqa: E402
-from opd.toy.regime import PROMPTS, ROLLOUTS  # noqa: E402
+from opd.toy.regime import PROMPTS, ROLLOUTS, RegimeConfig, accuracy_by  # noqa: E402
 
 __all__ = ["HarmExperimentConfig", "main"]
 
@@ -160,17 +160,11 @@ def job(cfg: HarmExperimentConfig, spec: dict, root: Path) -> dict:
 def accuracy_by_kind(eval_dir: Path) -> dict:
     """eval.py's accuracy (%) per kind of item in both views: {"full": {"large", "small", "harmful"}, "crop": {...}},
     from the predictions' meta (target side, harm); a kind with no item is NaN."""
-    out = {}
-    for view, folder in (("full", "zoombench"), ("crop", "zoombench@crop")):
-        hits: dict[str, list[bool]] = {"large": [], "small": [], "harmful": []}
-        for line in (Path(eval_dir) / folder / "predictions.jsonl").read_text().splitlines():
-            if line.strip():
-                row = json.loads(line)
-                meta = row["meta"]
-                k = "harmful" if int(meta.get("harm", 0)) else "large" if int(meta["target"]) >= 24 else "small"
-                hits[k].append(bool(row["correct"]))
-        out[view] = {k: 100.0 * float(np.mean(v)) if v else float("nan") for k, v in hits.items()}
-    return out
+    def kind_of(meta):
+        large = int(meta["target"]) >= RegimeConfig.large_min  # the study's worlds keep the regime's 24 px
+        return "harmful" if int(meta.get("harm", 0)) else "large" if large else "small"
+
+    return accuracy_by(eval_dir, kind_of, ("large", "small", "harmful"))
 
 
 def compact(root: Path, spec: dict) -> dict | None:

@@ -15,7 +15,8 @@ from pathlib import Path
 
 import numpy as np
 
-from harm import LABELS, NOISE, POLICIES, WORLDS
+from harm import LABELS, NOISE, POLICIES, WORLDS, HarmExperimentConfig, world_config
+from opd.toy.regime import small_area_bound
 from opd.toy.report import save_figure, write_report
 
 T975 = {1: 12.706, 2: 4.303, 3: 3.182, 4: 2.776, 5: 2.571, 6: 2.447, 7: 2.365, 8: 2.306, 9: 2.262, 10: 2.228,
@@ -115,11 +116,16 @@ def contrast_table(by: dict) -> list[str]:
     return lines
 
 
+SMALL_AREA = small_area_bound(world_config(HarmExperimentConfig(), "h0")) + 1e-4
+"""A healthy row's kind from its a_i: a small item's crop area is at most this (0.1914; a large one's at least
+0.5625), the same split as the target side `harm_policies.row_kind` uses."""
+
+
 def factor_rows(rows: list[dict], label: str) -> list[str]:
     """One line per factor (d, o, c, u) and kind of row: quantiles over the rows of C."""
     out = []
     for kind in ("large", "small", "harmful"):
-        pick = [r for r in rows if (("harmful" if r["harm"] else "large" if r["area"] > 0.3 else "small") == kind)]
+        pick = [r for r in rows if (("harmful" if r["harm"] else "large" if r["area"] > SMALL_AREA else "small") == kind)]
         if not pick:
             continue
         cells = []

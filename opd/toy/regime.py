@@ -25,6 +25,7 @@ sweep over s shares one base (`base_world`).
 
 from __future__ import annotations
 
+import json
 from dataclasses import dataclass, replace
 from functools import lru_cache
 from pathlib import Path
@@ -114,14 +115,18 @@ def accuracy_by_kind(eval_dir: Path, cfg: RegimeConfig) -> dict:
     """eval.py's accuracy (%) on the large and the small items, in both views: {"full": {"large", "small"}, "crop":
     {...}}, from `eval_dir`/zoombench[@crop]/predictions.jsonl (each row's meta holds the item's target side). A kind
     with no item is NaN."""
-    import json
+    return accuracy_by(eval_dir, lambda meta: kind(cfg, int(meta["target"])), ("large", "small"))
 
+
+def accuracy_by(eval_dir: Path, kind_of, kinds: tuple[str, ...]) -> dict:
+    """eval.py's accuracy (%) per kind in both views, {"full": {kind: %}, "crop": {...}}; `kind_of(meta)` names an
+    item's kind from its predictions row's meta; a kind with no item is NaN."""
     out = {}
     for view, folder in (("full", "zoombench"), ("crop", "zoombench@crop")):
-        hits: dict[str, list[bool]] = {"large": [], "small": []}
+        hits: dict[str, list[bool]] = {k: [] for k in kinds}
         for line in (Path(eval_dir) / folder / "predictions.jsonl").read_text().splitlines():
             if line.strip():
                 row = json.loads(line)
-                hits[kind(cfg, int(row["meta"]["target"]))].append(bool(row["correct"]))
+                hits[kind_of(row["meta"])].append(bool(row["correct"]))
         out[view] = {k: 100.0 * float(np.mean(v)) if v else float("nan") for k, v in hits.items()}
     return out
