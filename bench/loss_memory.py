@@ -175,7 +175,7 @@ def case(
     peer = load_peer() if method == "peer" else None
 
     def plain_loss(z_s, z_t):
-        """This project's loss on whole logits (opd.methods.distill.micro_batch_loss with loss_chunk 0): Eq. 3 + Eq. 7-8."""
+        """This project's loss on whole logits (opd.methods.micro_batch.micro_batch_loss, loss_chunk 0): Eq. 3, 7-8."""
         d_alpha, terms = topk_jsd_from_logits(z_s, z_t, topk, alpha)  # (P,), (P, 3)
         return d_alpha.mean(), terms
 

@@ -22,7 +22,7 @@ import numpy as np
 import torch
 
 from opd.maths.utility import utility_terms
-from opd.models.ema_teacher import response_logits
+from opd.models.chat import response_logits
 from opd.seeding import seeded_generator
 from opd.selection.selectors import exploration_count, top_subset, uniform_subset
 from opd.toy.audit import AuditContext, HeldBatch, _micro_batches, _preserved, held_records, sample_batch, score_utility

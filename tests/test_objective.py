@@ -13,9 +13,8 @@ from opd.methods.dapd import DAPD, DAPDConfig
 from opd.data.sources import load_records
 from opd.methods.distillation import Distillation
 from opd.maths.divergence import budgeted_loss, topk_divergence
-from opd.models.ema_teacher import EMAConfig, EMATeacher, Teacher
+from opd.models.ema_teacher import EMAConfig, EMATeacher, Teacher, TeacherSet
 from opd.models.chat import response_logits
-from opd.models.external_teachers import TeacherSet
 from opd.maths.loss import LossConfig
 from opd.methods.table import METHODS
 from opd.models.loading import load_model, load_processor, special_ids

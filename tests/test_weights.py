@@ -68,7 +68,7 @@ def test_opd_vs_trust_region_reads_both_teachers_at_the_loss_temperature(loss_ch
     of log-probs of size <= max|z| / T + log V."""
     from float64 import F64_EPS
 
-    from opd.methods.distill import micro_batch_loss
+    from opd.methods.micro_batch import micro_batch_loss
     from opd.maths.divergence import budgeted_weights
     from opd.models.ema_teacher import Teacher
     from opd.maths.loss import LossConfig

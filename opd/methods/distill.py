@@ -9,97 +9,21 @@ logits on the crop prompt (Eq. 2), the student's on the full-image prompt (Eq. 1
 Memory per micro-batch (the plain path): n rows x T response positions x V ids of float32 logits per side; the
 student's logits, its tail's masked copy and the teacher's logits are held, about five (n, T, V) tensors at the peak
 (20 n T V bytes: the toy's 64 x 4 x 105 is 0.5 MB; Qwen3.5's 4 x 1,024 x 248,320 would be 20 GB). Past
-`opd.maths.loss.PLAIN_LOGITS_LIMIT` a run takes the fused kernel instead (--fused-kernel: `micro_batch_loss`,
-`opd.maths.chunked`), as do token weights and OPD-V's second teacher view. Lockstep and padding over ranks:
+`opd.maths.loss.PLAIN_LOGITS_LIMIT` a run takes the fused kernel instead, as do token weights and OPD-V's second
+teacher view (`opd.methods.micro_batch.micro_batch_loss`). Lockstep and padding over ranks:
 `opd.methods.lockstep.lockstep`; details, teachers and cost accounting: docs/TRAINING.md#the-distillation-pass.
 """
 
 
 import torch
 
-from opd.maths.chunked import budgeted_loss_from_hidden, sampled_logp, sampled_logp_from_hidden
-from opd.maths.divergence import bias_corrected_reverse_kl, generalized_jsd, support_logp, topk_divergence, upcast, weighted_sum
-from opd.models.ema_teacher import Teacher
-from opd.models.chat import lm_head_weight, micro_batch_inputs, response_hidden, response_logits
-from opd.maths.loss import LossConfig, aggregation_weights
-from opd.methods.objective import ObjectiveResult, StepBatch, teacher_inputs, teacher_plans
-from opd.methods.lockstep import Stopwatch, TeacherCost, lockstep, timed
+from opd.maths.divergence import bias_corrected_reverse_kl, generalized_jsd, support_logp, upcast, weighted_sum
+from opd.maths.loss import aggregation_weights
 from opd.maths.utility import labels_from_terms, utility_terms
-from opd.maths.weights import SampledLogp, TokenWeight, token_weight
-
-
-def micro_batch_loss(student, teacher: Teacher, s_inputs, t_inputs: list, mask, width: int, weights, cfg: LossConfig,
-                     response=None, old_logp=None, extras: dict | None = None):
-    """This micro-batch's share of Eq. 11 (differentiable), its per-token D (detached, (n, T)), the utility
-    labels u_i (Eq. 9, (n,)), and the teacher seconds per teacher view (list, in t_inputs' order).
-
-    t_inputs: the positive teacher's inputs, then the negative teacher's (OPD-V); weights (n, T): Eq. 11's
-    per-token weights (times the DDP world size); response, old_logp (n, T): the sampled tokens and their
-    log-probs at sampling (for the method's token weight). With a token weight `extras` (a dict) receives
-    'token_weight' (w_t) and 'teacher_logp' (log pi_T(y_t)), (n, T), 0 outside the mask.
-    """
-    device = mask.device
-    costs = [TeacherCost() for _ in t_inputs]  # the teacher seconds per view (`lockstep.timed`)
-    weight_fn = token_weight(cfg.token_weight, cfg.is_clip)  # w_t (opd.maths.weights), None when 1
-
-    temp = cfg.temperature
-    if not cfg.kernel:  # the plain path: one micro-batch's logits, autograd through opd.maths.divergence
-        with timed(costs[0], device):
-            t_logits = teacher.logits(t_inputs[0], width)  # (n, T, V) Eq. 2
-        if temp != 1.0:  # the loss temperature: both sides' logits divided
-            t_logits = upcast(t_logits) / temp  # (float64 stays float64)
-        negative = None
-        if len(t_inputs) > 1:  # OPD-V's negative teacher: its sampled-token log-probs only, at the same temperature
-            with timed(costs[1], device):
-                n_logits = teacher.logits(t_inputs[1], width)  # (n, T, V)
-                if temp != 1.0:
-                    n_logits = upcast(n_logits) / temp
-                negative = sampled_logp(n_logits, response)  # (n, T)
-                del n_logits
-        s_logits = response_logits(student, s_inputs, width)  # (n, T, V) Eq. 1
-        if temp != 1.0:
-            s_logits = upcast(s_logits) / temp
-        per_token = topk_divergence(s_logits, t_logits, cfg.topk, cfg.alpha, support=cfg.support,
-                                    divergence=cfg.divergence)  # (n, T) Eq. 3 (or the method's D)
-        terms = torch.stack(utility_terms(s_logits.detach(), t_logits, cfg.topk), dim=-1)  # (n, T, 3) Eq. 7-8
-        if weight_fn is not None:
-            sampled = SampledLogp(sampled_logp(s_logits.detach(), response), sampled_logp(t_logits, response), old_logp,
-                                  negative)  # fmt: skip
-            w_tok = weight_fn(sampled)  # (n, T)
-            weights = weights * w_tok
-            if extras is not None:
-                extras["token_weight"], extras["teacher_logp"] = w_tok * mask, sampled.teacher * mask
-        loss = weighted_sum(per_token, weights)  # Eq. 11's share of this micro-batch
-        per_token = per_token.detach()
-    else:  # final hidden states, LM head chunk by chunk
-        with timed(costs[0], device):
-            h_t = teacher.hidden(t_inputs[0], width)[mask]  # (P, H) Eq. 2, valid positions
-        w_t = lm_head_weight(teacher.model)  # after the forward: gathered there when sharded
-        tokens = None
-        if weight_fn is not None:
-            y = response[mask]  # (P,)
-            negative = None
-            if len(t_inputs) > 1:  # OPD-V's negative teacher: its sampled-token log-probs only, at the same temperature
-                with timed(costs[1], device):
-                    negative = sampled_logp_from_hidden(teacher.hidden(t_inputs[1], width)[mask], w_t, y,
-                                                        cfg.chunk, temperature=temp)  # (P,)  # fmt: skip
-            tokens = TokenWeight(weight_fn, y, old_logp[mask] if old_logp is not None else None, negative)
-        h_s = response_hidden(student, s_inputs, width)[mask]  # (P, H) Eq. 1
-        w_s = lm_head_weight(getattr(student, "module", student))  # DDP: .module
-        timing: dict[str, float] = {}
-        flat: dict = {}
-        loss, d_alpha, flat_terms = budgeted_loss_from_hidden(
-            h_s, w_s, h_t, w_t, weights[mask], cfg.topk, cfg.alpha, cfg.chunk, support=cfg.support,
-            divergence=cfg.divergence, tokens=tokens, timing=timing, extras=flat, temperature=temp,
-        )  # Eq. 11 of Eq. 3 (or the method's D)
-        costs[0].seconds += timing.get("teacher_s", 0.0)  # the teacher's LM head inside the fused loss
-        if tokens is not None and extras is not None:
-            for key, values in flat.items():
-                extras[key] = torch.zeros(mask.shape, dtype=values.dtype, device=device).masked_scatter(mask, values)
-        per_token = torch.zeros(mask.shape, dtype=d_alpha.dtype, device=device).masked_scatter(mask, d_alpha)
-        terms = flat_terms  # (P, 3) at the valid positions
-    u = labels_from_terms(terms, mask, not cfg.no_overlap, not cfg.no_confidence)  # (n,) Eq. 9 from Eq. 7-8's terms
-    return loss, per_token, u, [cost.seconds for cost in costs]
+from opd.methods.lockstep import Stopwatch, lockstep
+from opd.methods.micro_batch import micro_batch_loss
+from opd.methods.objective import ObjectiveResult, StepBatch, teacher_inputs, teacher_plans
+from opd.models.chat import micro_batch_inputs, response_logits
 
 
 def distill(objective, batch: StepBatch, row_weights: torch.Tensor | None = None, sync: bool = True,

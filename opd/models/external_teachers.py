@@ -19,7 +19,7 @@ from pathlib import Path
 from opd.cli import Section, UserError
 from opd.data.records import KNOWN_FIELDS
 from opd.data.views import VIEWS
-from opd.models.ema_teacher import TeacherSet  # noqa: F401 (the run's teacher set; imported from here too)
+from opd.models.ema_teacher import TeacherSet
 
 
 @dataclass

@@ -40,7 +40,7 @@ import numpy as np
 import torch
 
 from opd.models.chat import collate, encode_prompt
-from opd.models.ema_teacher import response_logits
+from opd.models.chat import response_logits
 from opd.models.loading import quiet_kernel_warnings
 from opd.tiny import tiny_config, tiny_processor
 from opd.toy.world import WorldConfig, sample
