@@ -1,4 +1,4 @@
-"""The policy's optimizer (Algorithm 1, line 13): AdamW on the trained parameters, the gradient-norm clip, and the
+"""The policy's optimizer (Algorithm 1, line 13): AdamW on the trained parameters and the
 learning-rate schedule (--lr-schedule, --warmup-steps, --schedule-steps): transformers' schedulers (the peers' own:
 verl's and TRL's warm-up, DAPD's linear decay), held at their end value after their span.
 
@@ -7,12 +7,11 @@ p = (s - w) / (T - w) unclamped, so past T steps its rate climbs back toward the
 A run longer than its schedule (--schedule-steps below --steps, or a resume with a larger --steps: the span is
 fixed when the run starts) would then train at a rising rate. Here every schedule is evaluated at min(s, T), so
 linear and cosine stay at 0 after T, and constant stays constant (docs/TRAINING.md, "LoRA and the siblings'
-recipes").
+recipes"). The gradient-norm clip is the step's own (`opd.loop.step.clip_gradients`).
 """
 
 from __future__ import annotations
 
-import math
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
@@ -73,19 +72,6 @@ class OptimConfig(Section):
                                  weight_decay=self.weight_decay)  # fmt: skip
 
 
-def clip_gradients(accelerator, student, max_norm: float) -> float:
-    """The global gradient norm of the trained parameters, clipped to `max_norm` (0: not clipped). A parameter
-    without a gradient (an empty S) gets a zero one, so that AdamW still steps (weight decay, momentum)."""
-    import torch
-
-    trained = [p for p in student.parameters() if p.requires_grad]  # LoRA: the adapter only
-    for p in trained:
-        if p.grad is None:
-            p.grad = torch.zeros_like(p)
-    norm = accelerator.clip_grad_norm_(trained, max_norm or math.inf)
-    return float(norm.full_tensor() if hasattr(norm, "full_tensor") else norm)  # sharded: a DTensor, the global norm
-
-
 def lr_scheduler(optimizer: torch.optim.Optimizer, schedule: str, warmup_steps: int, span: int):
     """The LambdaLR of `schedule` over `span` steps with `warmup_steps` of linear warm-up from 0, held at its
     value of step `span` from there on: lr(s) = lr_peak * f(min(s, T))."""
@@ -94,6 +80,8 @@ def lr_scheduler(optimizer: torch.optim.Optimizer, schedule: str, warmup_steps: 
     name = "constant_with_warmup" if schedule == "constant" and warmup_steps else schedule
     span = max(1, span)
     scheduler = get_scheduler(name, optimizer, num_warmup_steps=warmup_steps, num_training_steps=span)
+    if name == "constant":  # f = 1 at every step: nothing to hold
+        return scheduler
     inner = list(scheduler.lr_lambdas)  # transformers' f, one per parameter group
     # closures, so that LambdaLR.state_dict() stores none of them (transformers' partials are rebuilt here)
     scheduler.lr_lambdas = [lambda s, f=f: f(min(s, span)) for f in inner]

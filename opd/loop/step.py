@@ -24,7 +24,6 @@ from dataclasses import dataclass
 import torch
 
 from opd.selection.features import rollout_features
-from opd.loop.optim import clip_gradients
 from opd.engine.rollout import Rollouts
 from opd.selection.selectors import query_budget
 from opd.loop.ledger_row import LedgerRow
@@ -67,6 +66,17 @@ def local_rows(selected: torch.Tensor, pi: torch.Tensor | None, rank: int, n_loc
         weights = torch.ones(n_local, dtype=torch.float64)
         weights[local] = 1.0 / pi[mine]
     return local, weights
+
+
+def clip_gradients(accelerator, student, max_norm: float) -> float:
+    """The global gradient norm of the trained parameters, clipped to `max_norm` (0: not clipped). A parameter
+    without a gradient (an empty S) gets a zero one, so that AdamW still steps (weight decay, momentum)."""
+    trained = [p for p in student.parameters() if p.requires_grad]  # LoRA: the adapter only
+    for p in trained:
+        if p.grad is None:
+            p.grad = torch.zeros_like(p)
+    norm = accelerator.clip_grad_norm_(trained, max_norm or math.inf)
+    return float(norm.full_tensor() if hasattr(norm, "full_tensor") else norm)  # sharded: a DTensor, the global norm
 
 
 @dataclass
