@@ -3,7 +3,7 @@
 `distill` is the default objective's call (`opd.methods.distillation.Distillation`; OPOD runs it for its gated term).
 A rank's rows of S are grouped by length into micro-batches (`--micro-batch` rows); for each, the teacher's detached
 logits on the crop prompt (Eq. 2), the student's on the full-image prompt (Eq. 1), Eq. 3 on the support
-(`divergence.support_logp` + `generalized_jsd`, through autograd), its share of Eq. 11 (the global denominator:
+(`loss.support_logp` + `generalized_jsd`, through autograd), its share of Eq. 11 (the global denominator:
 `opd.maths.loss.loss_denominator`) backpropagated at once, and the labels u_i (Eq. 7-9) from the same logits.
 
 Memory per micro-batch (the plain path): n rows x T response positions x V ids of float32 logits per side; the
@@ -18,10 +18,11 @@ student's logits, its tail's masked copy and the teacher's logits are held, abou
 import torch
 
 from opd.maths.chunked import budgeted_loss_from_hidden, sampled_logp, sampled_logp_from_hidden
-from opd.maths.divergence import bias_corrected_reverse_kl, generalized_jsd, support_logp, topk_divergence, upcast, weighted_sum
+from opd.maths.divergence import generalized_jsd, upcast, weighted_sum
+from opd.maths.family import bias_corrected_reverse_kl, topk_divergence
 from opd.models.ema_teacher import Teacher
 from opd.models.chat import lm_head_weight, micro_batch_inputs, response_hidden, response_logits
-from opd.maths.loss import LossConfig, aggregation_weights
+from opd.maths.loss import LossConfig, aggregation_weights, support_logp
 from opd.methods.objective import ObjectiveResult, StepBatch, teacher_inputs, teacher_plans
 from opd.methods.lockstep import Stopwatch, TeacherCost, lockstep, timed
 from opd.maths.utility import labels_from_terms, utility_terms
