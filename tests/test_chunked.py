@@ -14,7 +14,8 @@ from opd.maths.chunked import (
     topk_jsd_from_logits,
     weighted_logp_from_hidden,
 )
-from opd.maths.divergence import clamped_forward_kl, generalized_jsd, topk_divergence, topk_support
+from opd.maths.divergence import generalized_jsd, topk_support
+from opd.maths.family import clamped_forward_kl, topk_divergence
 from opd.loop.run import Run
 from opd.methods.lockstep import plan_micro_batches
 from opd.engine.synthetic import fixed_rollouts
@@ -219,7 +220,7 @@ def test_plan_groups_by_length_under_both_limits():
 
 
 def test_the_fused_kernel_trains_as_the_plain_path(tmp_path, tiny, float64_model):
-    """The default plain path (autograd through `divergence.topk_divergence` + `utility_terms` on a micro-batch's logits)
+    """The default plain path (autograd through `family.topk_divergence` + `utility_terms` on a micro-batch's logits)
     against the opt-in fused kernel (--fused-kernel, `chunked.budgeted_loss_from_hidden`, 5 positions a chunk) on one
     training step in float64 (tests/float64.py): the same loss, every parameter's gradient and every utility label, up to
     float64 rounding of sums taken in another order (~1e-15 relative; float32 gave ~1e-7 to 1e-5, CPU-dependent).
@@ -438,7 +439,7 @@ def test_no_tensor_larger_than_one_chunk_of_logits(support, divergence):
 @pytest.mark.parametrize("chunk", [1, 4, 64])
 @pytest.mark.parametrize("temperature,clip", [(1.1, 0.05), (1.0, 1000.0), (0.8, 0.002)])
 def test_clamped_kl_from_hidden_equals_the_plain_function(chunk, temperature, clip):
-    """Values and gradients (to h and W) equal autograd through `divergence.clamped_forward_kl` on full logits,
+    """Values and gradients (to h and W) equal autograd through `family.clamped_forward_kl` on full logits,
     in float64; the utility terms are Eq. 7-8 between the student and the anchor."""
     h_s, w_s, h_a, w_a = inputs(P=11, seed=20)
     weights = torch.linspace(0.2, 1.5, 11, dtype=F64)

@@ -14,7 +14,7 @@ import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 
 from opd.maths.chunked import budgeted_loss_from_hidden
-from opd.maths.divergence import topk_divergence
+from opd.maths.family import topk_divergence
 
 F64 = torch.float64
 

@@ -1,4 +1,5 @@
-"""Tests of opd/maths/divergence.py: Eq. 3 (generalized JSD on a top-k support) and Eq. 11 (budgeted loss).
+"""Tests of opd/maths/divergence.py and opd/maths/family.py: Eq. 3 (generalized JSD on a top-k support), Eq. 11
+(budgeted loss), the family's supports, divergences and aggregations, and their tables by name.
 
 Every equation is compared with an independent computation: explicit Python loops in float64
 (math.log / math.exp), the full-vocabulary value at k = V, or torch.autograd.gradcheck.
@@ -11,18 +12,15 @@ import pytest
 import torch
 from torch.testing import assert_close
 
-from opd.maths.divergence import (
+from opd.maths.divergence import generalized_jsd, kl_divergence, tail_logp, topk_support
+from opd.maths.family import (
     bias_corrected_reverse_kl,
     budgeted_loss,
     check_loss,
     clamped_forward_kl,
-    generalized_jsd,
-    kl_divergence,
     opd_loss,
-    tail_logp,
     teacher_topk_support,
     topk_divergence,
-    topk_support,
 )
 
 F64 = torch.float64
@@ -657,3 +655,27 @@ def test_clamped_forward_kl_past_the_clamp_pushes_the_student_off_the_anchors_mo
     plain = torch.tensor([[1.0, 0.0, 0.0, 0.0, 0.0]], dtype=torch.float64, requires_grad=True)
     clamped_forward_kl(anchor, plain, 1.1, 1e3).sum().backward()  # without the clamp: toward the mode
     assert float(plain.grad[0, 0]) < 0
+
+
+def test_the_tables_name_what_the_settings_name_and_the_default_is_bas_opds():
+    """The family's tables hold exactly the names the settings accept (`opd.maths.loss.AGGREGATIONS`, `SUPPORTS`), and
+    the step's dispatch (`opd.maths.loss`) reaches BAS-OPD's own functions for the default names."""
+    from opd.maths.divergence import budgeted_weights
+    from opd.maths.family import AGGREGATION_WEIGHTS, SUPPORTS
+    from opd.maths.loss import AGGREGATIONS, LossConfig, aggregation_weights, support_logp
+
+    assert tuple(AGGREGATION_WEIGHTS) == AGGREGATIONS and AGGREGATION_WEIGHTS["token-mean"] is budgeted_weights
+    assert set(SUPPORTS) == {"student_tail", "teacher", "teacher_renorm", "full"}
+    assert SUPPORTS["student_tail"] is topk_support
+    assert LossConfig().aggregation == "token-mean"
+    g = torch.Generator().manual_seed(0)
+    s_logits, t_logits = torch.randn(2, 3, 9, generator=g, dtype=F64), torch.randn(2, 3, 9, generator=g, dtype=F64)
+    for got, want in zip(support_logp(s_logits, t_logits, 4), topk_support(s_logits, t_logits, 4, tail=True)):
+        assert torch.equal(got, want)
+    for got, want in zip(support_logp(s_logits, t_logits, 4, "teacher_renorm"),
+                         teacher_topk_support(s_logits, t_logits, 4, renormalize=True)):  # fmt: skip
+        assert torch.equal(got, want)
+    mask = torch.tensor([[1, 1, 0], [1, 0, 0]], dtype=torch.bool)
+    z = torch.tensor([1.0, 0.5], dtype=F64)
+    assert torch.equal(aggregation_weights("token-mean", z, mask, 7, F64), budgeted_weights(z, mask, 7, F64))
+    assert torch.equal(aggregation_weights("token-sum", z, mask, 7, F64), z[:, None] * mask)

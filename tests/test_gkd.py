@@ -12,7 +12,7 @@ from test_training import small_config
 import opd.cli
 import train
 from opd.maths.chunked import budgeted_loss_from_hidden, topk_divergence_from_logits
-from opd.maths.divergence import topk_divergence
+from opd.maths.family import topk_divergence
 from opd.loop.ledger import read_ledger
 from opd.loop.run import Run
 from opd.methods.table import get_method

@@ -20,7 +20,7 @@ from opd.models.chat import collate, encode_prompt
 from opd.maths.chunked import budgeted_loss_from_hidden
 from opd.cli import UserError
 from opd.methods.distill import aggregation_weights
-from opd.maths.divergence import budgeted_loss, topk_divergence
+from opd.maths.family import budgeted_loss, topk_divergence
 from opd.models.ema_teacher import AdapterTeacher
 from opd.models.chat import response_logits
 from opd.loop.ledger import read_ledger

@@ -12,7 +12,7 @@ from opd.models.chat import collate, encode_prompt
 from opd.methods.dapd import DAPD, DAPDConfig
 from opd.data.sources import load_records
 from opd.methods.distillation import Distillation
-from opd.maths.divergence import budgeted_loss, topk_divergence
+from opd.maths.family import budgeted_loss, topk_divergence
 from opd.models.ema_teacher import EMAConfig, EMATeacher, Teacher, TeacherSet
 from opd.models.chat import response_logits
 from opd.maths.loss import LossConfig

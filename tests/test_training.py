@@ -62,7 +62,7 @@ def divergence_before_update(run, rollouts, records) -> torch.Tensor:
     each record's crop (the full image where it has none), with the run's top-k and alpha, before any update: the
     independent side of the tests that write a step's loss out."""
     from opd.models.chat import collate
-    from opd.maths.divergence import topk_divergence
+    from opd.maths.family import topk_divergence
     from opd.models.chat import response_logits
 
     index = rollouts.prompt_index.tolist()

@@ -11,7 +11,7 @@ from test_training import _run_worker, small_config
 import opd.cli
 import opd.loop.run
 import train
-from opd.maths.divergence import budgeted_loss
+from opd.maths.family import budgeted_loss
 from opd.loop.ledger import read_ledger
 from opd.seeding import seeded_generator
 from opd.selection.designs import capped, inclusion_probabilities, sample_with_probabilities
@@ -228,7 +228,7 @@ def test_unbiased_training_weighs_each_selected_row_by_one_over_pi(tmp_path, tin
     from test_training import perturb
 
     from opd.models.chat import collate
-    from opd.maths.divergence import topk_divergence
+    from opd.maths.family import topk_divergence
     from opd.models.chat import response_logits
 
     float64_model()

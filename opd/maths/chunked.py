@@ -2,7 +2,7 @@
 
 With Qwen3.5's 248,320-token vocabulary one position's fp32 logits take about 1 MB, so logits over a
 micro-batch of responses do not fit. Two functions compute a method's per-position divergence D on
-its top-k support (`divergence.topk_divergence`: BAS-OPD's student top-k + tail bucket with the JSD
+its top-k support (`family.topk_divergence`: BAS-OPD's student top-k + tail bucket with the JSD
 of Eq. 3 by default, or the seed family's teacher top-k supports and the bias-corrected reverse KL)
 and the detached utility terms d, o, c of Eq. 7-8, with an analytic gradient instead of autograd's
 stored intermediates:
@@ -26,7 +26,7 @@ stored intermediates:
   chunk by chunk (OPD-V's negative teacher at the loss temperature; OPOD's answer log-probs and KL reference);
   `sampled_logp` the same from given logits.
 - `clamped_kl_from_hidden`: DAPD's full-vocabulary clamped forward KL(anchor || student) at a temperature
-  (`divergence.clamped_forward_kl`), one or several anchors against one student forward, with its own
+  (`family.clamped_forward_kl`), one or several anchors against one student forward, with its own
   analytic chunk-local gradient (in its docstring).
 - `weighted_logp_from_hidden`: sum_p a_p log p(y_p) with gradient (OPOD's policy-gradient term), chunk by chunk.
 
@@ -71,7 +71,8 @@ peaked logits) and with gradcheck.
 
 import torch
 
-from opd.maths.divergence import bias_corrected_reverse_kl, check_loss, generalized_jsd, upcast
+from opd.maths.divergence import generalized_jsd, upcast
+from opd.maths.family import bias_corrected_reverse_kl, check_loss
 from opd.methods.lockstep import Stopwatch
 from opd.maths.utility import utility_terms
 from opd.maths.weights import TokenWeight
@@ -238,7 +239,7 @@ def topk_divergence_from_logits(
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Per-position D (...) with gradient to the student logits (..., V), and detached (d, o, c) (..., 3).
 
-    Same values as divergence.topk_divergence(student_logits, teacher_logits, k, alpha, support=...,
+    Same values as family.topk_divergence(student_logits, teacher_logits, k, alpha, support=...,
     divergence=...) (defaults: Eq. 3 on the student's top-k + tail). Positions are processed `chunk`
     at a time (the forward's working copies are O(chunk V)); the backward holds one (N, V) buffer
     (the gradient itself) instead of autograd's log-softmax copies.
@@ -327,7 +328,7 @@ def budgeted_loss_from_hidden(
     temperature: float = 1.0,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """Eq. 11 from hidden states: sum_p weights_p w_p D(p) (`divergence.weighted_sum` of `divergence.budgeted_weights`
-    times the method's token weights; D per position as `divergence.topk_divergence` with this support and
+    times the method's token weights; D per position as `family.topk_divergence` with this support and
     divergence, Eq. 3 by default), differentiable to h_s and w_s; plus the detached per-position D (P,) and
     (d, o, c) (P, 3).
 
@@ -479,7 +480,7 @@ def clamped_kl_from_hidden(
     utility_k: int = 0,
     timing: dict | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
-    """DAPD's weighted sum sum_p weights_p D_p of `divergence.clamped_forward_kl`(anchor, student) from
+    """DAPD's weighted sum sum_p weights_p D_p of `family.clamped_forward_kl`(anchor, student) from
     final hidden states, `chunk` positions' full-vocabulary logits at a time, differentiable to h_s and w_s
     (the anchor is detached); plus the detached per-position D (P,), and, with `utility_k`, the utility
     terms (d, o, c) of Eq. 7-8 (P, 3) between the student and the (first) anchor at temperature 1, else None.

@@ -10,7 +10,9 @@ the step's loss:
     token-sum      sum_{i,t} z_i m_it D_it                                              (tinker)
 
 The denominators are global (one all-reduce, run by every rank: `loss_denominator`), so that the ranks' and
-micro-batches' parts add up to the step's loss. Details: docs/MODULES.md#opdmathsloss.
+micro-batches' parts add up to the step's loss. `support_logp` and `aggregation_weights` look the names up in
+`opd.maths.family`'s tables, imported where they run (the settings load without torch). Details:
+docs/MODULES.md#opdmathsloss.
 """
 
 from __future__ import annotations
@@ -41,7 +43,7 @@ class LossConfig(Section):
     alpha: float = 0.5
     """Generalized JSD mixture weight (0.5: symmetric JSD); unused by rp-opsd's reverse KL."""
     support: str | None = None
-    """The divergence's support (opd/maths/divergence.py: student_tail, teacher, teacher_renorm, full); none = the method's."""
+    """The divergence's support (opd/maths/family.py: student_tail, teacher, teacher_renorm, full); none = the method's."""
     temperature: float = 1.0
     """Both sides' logits divided by it before the divergence (OPSD: 1.1); the utility labels use it too."""
     aggregation: str = "token-mean"
@@ -117,7 +119,7 @@ class LossConfig(Section):
         """--support against the method's divergence (an unnormalised support only with 'bc_rkl')."""
         if self.support is None:
             return []
-        from opd.maths.divergence import check_loss
+        from opd.maths.family import check_loss
 
         try:
             check_loss(self.support, divergence)
@@ -126,25 +128,25 @@ class LossConfig(Section):
         return []
 
 
+def support_logp(student_logits: torch.Tensor, teacher_logits: torch.Tensor, k: int = 100,
+                 support: str = "student_tail") -> tuple[torch.Tensor, torch.Tensor]:  # fmt: skip
+    """(student_logp, teacher_logp) on the named support (`opd.maths.family.SUPPORTS`): BAS-OPD's 'student_tail' is
+    `opd.maths.divergence.topk_support` with its tail (..., k + 1), the family's the teacher's top-k (..., k) or the
+    full vocabulary (..., V)."""
+    from opd.maths.family import SUPPORTS
+
+    return SUPPORTS[support](student_logits, teacher_logits, k)
+
+
 def aggregation_weights(aggregation: str, row_weights: torch.Tensor, mask: torch.Tensor, denominator, dtype,
                         sample_weights: torch.Tensor | None = None) -> torch.Tensor:  # fmt: skip
-    """One micro-batch's per-token weights (n, T) of the loss's aggregation (`AGGREGATIONS`): Eq. 11's
-    `budgeted_weights` with the global token count (token-mean; with `sample_weights` its Hajek form), each row's
-    1 / T_i over the global |S| (sequence-mean), or the micro-batch's own token mean times its rows / |S|
-    (micro-batch), or 1 per token (token-sum; with `sample_weights`, the Horvitz-Thompson sum). `row_weights` (n,)
-    multiplies each row's (OPOD's beta)."""
-    from opd.maths.divergence import budgeted_weights
+    """One micro-batch's per-token weights (n, T) of the named aggregation (`opd.maths.family.AGGREGATION_WEIGHTS`):
+    token-mean is Eq. 11's `opd.maths.divergence.budgeted_weights` with the global token count `denominator` (with
+    `sample_weights`, its Hajek form); the family's are OPSD's sequence mean, verl's micro-batch mean and tinker's
+    token sum. `row_weights` (n,) multiplies each row's (OPOD's beta)."""
+    from opd.maths.family import AGGREGATION_WEIGHTS
 
-    if aggregation == "token-mean":
-        return budgeted_weights(row_weights, mask, denominator, dtype, sample_weights)
-    if aggregation == "token-sum":
-        return budgeted_weights(row_weights, mask, 1.0, dtype, sample_weights)
-    lengths = mask.sum(-1).to(dtype).clamp(min=1)  # (n,) T_i
-    if aggregation == "sequence-mean":
-        return budgeted_weights(row_weights.to(dtype) / lengths, mask, denominator, dtype)
-    rows = float((mask.sum(-1) > 0).sum())  # micro-batch: n_b / |S| times the micro-batch's token mean
-    tokens = float(mask.sum())
-    return budgeted_weights(row_weights, mask, max(1.0, tokens), dtype) * (rows / max(1, denominator))
+    return AGGREGATION_WEIGHTS[aggregation](row_weights, mask, denominator, dtype, sample_weights)
 
 
 def global_denominator(accelerator, lengths: torch.Tensor, selected: torch.Tensor, sample_weights=None) -> float | int:
@@ -158,14 +160,6 @@ def global_denominator(accelerator, lengths: torch.Tensor, selected: torch.Tenso
         return int(accelerator.reduce(torch.tensor(tokens, device=device), "sum").item())
     local = (lengths[selected].double() * sample_weights[selected].double()).sum() if selected.numel() else 0.0
     return float(accelerator.reduce(torch.tensor(float(local), device=device, dtype=torch.float64), "sum").item())
-
-
-def selected_rows(accelerator, lengths: torch.Tensor, selected: torch.Tensor) -> int:
-    """|S| over all ranks: the selected rows with at least one valid token (one all-reduce, run by every rank)."""
-    import torch
-
-    rows = int((lengths[selected] > 0).sum()) if selected.numel() else 0
-    return int(accelerator.reduce(torch.tensor(rows, device=accelerator.device), "sum").item())
 
 
 def loss_denominator(accelerator, aggregation: str, lengths: torch.Tensor, selected: torch.Tensor,
@@ -183,4 +177,6 @@ def loss_denominator(accelerator, aggregation: str, lengths: torch.Tensor, selec
         if full_tokens is not None and aggregation == "token-mean" and tokens:
             return float(full_tokens)
         return tokens
+    from opd.maths.family import selected_rows
+
     return selected_rows(accelerator, lengths, selected)

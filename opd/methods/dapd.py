@@ -16,7 +16,7 @@ views, the clamped KL, the snapshot), dapd/data.py (the prompts).
 | inference_rollout | rollout | none | rollout | base | 2/5 |
 | privileged_reference | reference | rollout | reference | base | 4/5 |
 
-Weights sum to 2. Each term is `divergence.clamped_forward_kl` at temperature 1.1 with each vocabulary
+Weights sum to 2. Each term is `family.clamped_forward_kl` at temperature 1.1 with each vocabulary
 entry's contribution clamped at 0.05 (`--dapd-temperature`, `--dapd-clip`), a token mean over the pair's
 completion tokens, computed chunk by chunk from hidden states (`chunked.clamped_kl_from_hidden`; pairs that
 share the student's context share its forward). The loss is sum_p w_p L_p.

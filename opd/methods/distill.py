@@ -3,7 +3,7 @@
 `distill` is the default objective's call (`opd.methods.distillation.Distillation`; OPOD runs it for its gated term).
 A rank's rows of S are grouped by length into micro-batches (`--micro-batch` rows); for each, the teacher's detached
 logits on the crop prompt (Eq. 2), the student's on the full-image prompt (Eq. 1), Eq. 3 on the support
-(`divergence.support_logp` + `generalized_jsd`, through autograd), its share of Eq. 11 (the global denominator:
+(`loss.support_logp` + `generalized_jsd`, through autograd), its share of Eq. 11 (the global denominator:
 `opd.maths.loss.loss_denominator`) backpropagated at once, and the labels u_i (Eq. 7-9) from the same logits.
 
 Memory per micro-batch (the plain path): n rows x T response positions x V ids of float32 logits per side; the
@@ -17,8 +17,9 @@ teacher view (`opd.methods.micro_batch.micro_batch_loss`). Lockstep and padding 
 
 import torch
 
-from opd.maths.divergence import bias_corrected_reverse_kl, generalized_jsd, support_logp, upcast, weighted_sum
-from opd.maths.loss import aggregation_weights
+from opd.maths.divergence import generalized_jsd, upcast, weighted_sum
+from opd.maths.family import bias_corrected_reverse_kl
+from opd.maths.loss import aggregation_weights, support_logp
 from opd.maths.utility import labels_from_terms, utility_terms
 from opd.methods.lockstep import Stopwatch, lockstep
 from opd.methods.micro_batch import micro_batch_loss

@@ -12,7 +12,8 @@ to the plain path in float64 by tests/test_chunked.py).
 import torch
 
 from opd.maths.chunked import budgeted_loss_from_hidden, sampled_logp, sampled_logp_from_hidden
-from opd.maths.divergence import topk_divergence, upcast, weighted_sum
+from opd.maths.divergence import upcast, weighted_sum
+from opd.maths.family import topk_divergence
 from opd.maths.loss import LossConfig
 from opd.maths.utility import labels_from_terms, utility_terms
 from opd.maths.weights import SampledLogp, TokenWeight, token_weight

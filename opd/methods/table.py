@@ -50,7 +50,7 @@ class Method:
     negative_view: str | None = None
     """A second teacher view whose sampled-token log-probs only weight tokens (OPD-V's masked teacher)."""
     support: str = "student_tail"
-    """The divergence's support (opd.maths.divergence.SUPPORTS): the student's top-k + tail bucket (Eq. 3), or the teacher's top-k
+    """The divergence's support (opd.maths.family.SUPPORTS): the student's top-k + tail bucket (Eq. 3), or the teacher's top-k
     without tail ('teacher') or renormalised over it ('teacher_renorm')."""
     divergence: str = "jsd"
     """'jsd': the generalized JSD of Eq. 3 with --alpha; 'bc_rkl': the bias-corrected reverse KL."""
@@ -80,7 +80,7 @@ class Method:
 
     def check(self) -> None:
         """Refuses an inconsistent table entry (a programming error, not a user error)."""
-        from opd.maths.divergence import check_loss
+        from opd.maths.family import check_loss
 
         for view in (self.student_view, *self.teacher_views):
             assert view in VIEWS, f"{self.name}: unknown view {view!r}"
