@@ -67,7 +67,8 @@ from opd.cli import Section
 from opd.models.ema_teacher import TeacherSet
 from opd.maths.loss import global_denominator
 from opd.methods.objective import ObjectiveResult, Objective, ObjectiveContext, StepBatch
-from opd.data.views import View, get_view, reference_prompt
+from opd.data.family_views import reference_prompt
+from opd.data.views import View, get_view
 
 if TYPE_CHECKING:
     import torch

@@ -69,7 +69,8 @@ from opd.answers.yes_no import parse_yes_no
 from opd.cli import Section
 from opd.lazy import no_grad
 from opd.methods.objective import ObjectiveResult, Objective, ObjectiveContext, StepBatch
-from opd.data.views import View, get_view, reference_prompt
+from opd.data.family_views import reference_prompt
+from opd.data.views import View, get_view
 
 if TYPE_CHECKING:
     import torch
