@@ -14,7 +14,7 @@ from opd.loop.ledger import read_ledger
 from opd.loop.run import Run
 from opd.engine.rollout import Rollouts
 from opd.engine.synthetic import fixed_rollouts
-from opd.data.views import reference_prompt
+from opd.data.family_views import reference_prompt
 
 
 def dapd_config(tmp_path, **kw):

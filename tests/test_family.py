@@ -11,7 +11,7 @@ from opd.data.sources import load_records
 from opd.loop.ledger import read_ledger
 from opd.toy.family import HINT, write_eval_records
 from opd.toy.world import WorldConfig, export_world, sample
-from opd.data.views import reference_prompt
+from opd.data.family_views import reference_prompt
 
 ROOT = Path(__file__).resolve().parents[1]
 

@@ -8,7 +8,8 @@ from PIL import Image
 
 from opd.data.sources import load_records
 from opd.methods.table import METHODS, get_method
-from opd.data.views import REFERENCE_TEMPLATE, VIEWS, get_view, half_resolution, mask_box, masked
+from opd.data.family_views import REFERENCE_TEMPLATE, half_resolution, mask_box, masked
+from opd.data.views import VIEWS, get_view
 
 
 @pytest.fixture

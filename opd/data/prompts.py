@@ -3,8 +3,8 @@ candidates (the set C of Algorithm 1).
 
 A record's rows are candidates when every view of the method can be built for it (the crop views need a crop) and,
 with routed teachers, the record has a teacher. Every prompt of every view a record is used in must fit
---max-prompt-len: `check` says so before step 0 without decoding an image (`opd.models.chat.prompt_length`). Each step's
-prompts come from a seeded permutation per epoch (`step_prompt_indices`), sharded over the ranks (`shard`); a view's
+--max-prompt-len: `check` says so before step 0 (`opd.data.checks`, the data's start-up checks). Each step's prompts
+come from a seeded permutation per epoch (`step_prompt_indices`), sharded over the ranks (`shard`); a view's
 randomness (OPD-V's mask) is seeded by (seed, step, record id), so every rank encodes alike.
 """
 
@@ -13,14 +13,15 @@ from __future__ import annotations
 import numpy as np
 import torch
 
-from opd.models.chat import encode_prompt, prompt_length
+from opd.models.chat import encode_prompt
 from opd.cli import UserError
+from opd.data.checks import check_lengths
 from opd.data.records import Record
 from opd.data.sources import DataConfig
 from opd.methods.objective import StepBatch
 from opd.engine.rollout import Rollouts
 from opd.seeding import mix_seed
-from opd.data.views import VIEWS, get_view
+from opd.data.views import get_view, views_eligible
 
 
 def step_prompt_indices(n_records: int, prompts_per_step: int, step: int, seed: int) -> list[int]:
@@ -45,24 +46,6 @@ def shard(items: list, rank: int, world: int) -> list:
     return items[rank * per : (rank + 1) * per]
 
 
-def views_eligible(record: Record, views) -> bool:
-    """Whether every one of `views` can be built for the record (the crop views need a crop)."""
-    return all(VIEWS[v].eligible(record) for v in views)
-
-
-def check_records(records: list[Record], views, data_path, prompts_per_step: int, method_name: str) -> None:
-    """Refuses data on which the run would do nothing: too few records for a step, or no crop at all (checked as
-    soon as the records load, before any model)."""
-    n = len(records)
-    if n < prompts_per_step:
-        raise UserError(f"{data_path}: {n} records cannot fill one step of --prompts-per-step {prompts_per_step}")
-    if not any(views_eligible(r, views) for r in records):
-        raise UserError(
-            f"{data_path}: no record has a crop ('teacher_images' or 'bbox'), which the {method_name} teacher "
-            f"views {', '.join(views[1:])} need: every step would train with zero distillation"
-        )
-
-
 class Prompts:
     """The run's records, views and teachers: the prompts each step encodes, and the candidates C."""
 
@@ -83,30 +66,10 @@ class Prompts:
         return views_eligible(record, self.views) and self.teachers.route(record) is not None
 
     def check(self) -> None:
-        """Refuses a record without a route (routed teachers) and a prompt over --max-prompt-len."""
+        """Refuses a record without a route (routed teachers) and a prompt over --max-prompt-len (`check_lengths`)."""
         if self.teachers.routes is not None:
             self.teachers.routes.check_records(self.records)
-        self.check_lengths()
-
-    def check_lengths(self) -> None:
-        """Every record's prompt in every view it is used in (the student's, and each teacher view with its
-        teacher's processor) fits --max-prompt-len: one line naming the file:line, view and length otherwise."""
-        cache: dict[tuple, int] = {}
-        limit = self.data.max_prompt_len
-        for record in self.records:
-            uses = [(self.student_view, self.processor)]
-            if self.eligible(record):
-                teacher = self.teachers.teachers.get(self.teachers.route(record))
-                processor = getattr(teacher, "processor", None) or self.processor
-                uses += [(v, processor) for v in self.teacher_views]
-            for view, processor in uses:
-                sizes, question = VIEWS[view].layout(record)
-                key = (id(processor), tuple(sizes), question)
-                if key not in cache:
-                    cache[key] = prompt_length(processor, sizes, question, self.data.enable_thinking)
-                if cache[key] > limit:
-                    raise UserError(f"{record.source}: its '{view}' prompt has {cache[key]} tokens, over "
-                                    f"--max-prompt-len {limit} (raise it, or lower the processor's max_pixels)")  # fmt: skip
+        check_lengths(self)
 
     def ids(self, step: int) -> list[int]:
         """This rank's record ids of step `step`."""

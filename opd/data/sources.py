@@ -30,7 +30,7 @@ alone or in a list of one; raw bytes are an embedded image too. A table without 
 `columns` maps a source's column (or JSONL key) to a record field, e.g. {"question": "problem",
 "img": "images"}; `parse_columns` reads the command line's "question=problem,img=images". A mapped column the
 table lacks, or a mapped key no JSONL row has, is refused in one line. Errors name the row's own column.
-Images (paths, embedded bytes, the image cache), the record forms and their checks are `opd.data.records`'.
+Images (paths, embedded bytes, the image cache), the record forms and their checks are `opd.data.parse`'.
 """
 
 import json
@@ -42,7 +42,8 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from opd.cli import Section, UserError
-from opd.data.records import DataError, Record, one_line, parse_record
+from opd.data.parse import one_line, parse_record
+from opd.data.records import DataError, Record
 
 NOT_JSONL = (".arrow", ".csv", ".tsv", ".zip", ".gz", ".tar")
 """File suffixes `load_records` refuses by name (a JSONL file is read line by line; parquet is read as a table)."""

@@ -31,7 +31,8 @@ from opd.loop.ledger import Ledger, format_summary, summarize, write_atomic
 from opd.models.loading import autocast, special_ids
 from opd.methods.objective import ObjectiveContext
 from opd.loop.optim import lr_scheduler, restore_group_lr
-from opd.data.prompts import Prompts, check_records
+from opd.data.checks import check_records
+from opd.data.prompts import Prompts
 from opd.engine.rollout import Rollouts
 from opd.loop.folder import RunFolder, checkpoint_of, eval_command, launch_info
 from opd.engine.rollout import Sampler

@@ -24,7 +24,7 @@ share the student's context share its forward). The loss is sum_p w_p L_p.
 Contexts, in this project (`context_text`): the student's own view (the full image) with
 - none: the plain question (the student's prompt);
 - reference: the question and the record's reference (its `solution`, else its `answer`) in OPSD's
-  template `views.REFERENCE_TEMPLATE` (the `reference_answer` view);
+  template `family_views.REFERENCE_TEMPLATE` (the `reference_answer` view);
 - rollout: the same template with the row's own rollout (decoded, special tokens dropped) in the
   reference's slot (DAPD's "self-conditioned bridge").
 Completions: rollout = the row's sampled response (its valid tokens, EOS included); reference = the
@@ -67,7 +67,8 @@ from opd.cli import Section
 from opd.models.ema_teacher import TeacherSet
 from opd.maths.loss import global_denominator
 from opd.methods.objective import ObjectiveResult, Objective, ObjectiveContext, StepBatch
-from opd.data.views import View, get_view, reference_prompt
+from opd.data.family_views import reference_prompt
+from opd.data.views import View, get_view
 
 if TYPE_CHECKING:
     import torch
@@ -115,7 +116,7 @@ def student_groups(pairs=PAIRS) -> dict[tuple[str, str], list[Pair]]:
 
 def context_text(problem: str, context: str, reference: str, rollout_text: str) -> str:
     """The question text of a context: 'none' the plain question; 'reference' the question with the
-    reference in `views.REFERENCE_TEMPLATE`; 'rollout' the same template with the rollout's text."""
+    reference in `family_views.REFERENCE_TEMPLATE`; 'rollout' the same template with the rollout's text."""
     if context == "none":
         return problem
     if context == "reference":

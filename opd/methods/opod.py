@@ -34,7 +34,7 @@ forward; OPOD queries every row: its settings are --policy full --rho 1):
    r_task = 1 when the project's answer parser (`opd.answers`, `task_reward`) finds the record's
    answer in the decoded response, else 0. Guesses: A's "answer tokens" are all of the response's valid
    tokens (our responses are the answer); "x, z" is the teacher's view with the response z in the reference
-   slot of `views.REFERENCE_TEMPLATE` (DAPD's bridge), "x" the teacher's own prompt, a* the answer's tokens
+   slot of `family_views.REFERENCE_TEMPLATE` (DAPD's bridge), "x" the teacher's own prompt, a* the answer's tokens
    (no EOS), log-probs summed over a*. B costs two more teacher forwards per row: the ledger counts them
    under the views 'verify' (one per row) and 'answer' (one per prompt with a selected row);
    `--opod-reward-b 0` skips them.
@@ -69,7 +69,8 @@ from opd.answers.yes_no import parse_yes_no
 from opd.cli import Section
 from opd.lazy import no_grad
 from opd.methods.objective import ObjectiveResult, Objective, ObjectiveContext, StepBatch
-from opd.data.views import View, get_view, reference_prompt
+from opd.data.family_views import reference_prompt
+from opd.data.views import View, get_view
 
 if TYPE_CHECKING:
     import torch

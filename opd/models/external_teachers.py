@@ -17,7 +17,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from opd.cli import Section, UserError
-from opd.data.records import KNOWN_FIELDS
+from opd.data.parse import KNOWN_FIELDS
 from opd.data.views import VIEWS
 from opd.models.ema_teacher import TeacherSet
 

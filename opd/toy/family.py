@@ -4,14 +4,14 @@ The family's methods differ in what their teacher sees, so each needs a base mod
 signal is privileged (its teacher view answers better than the student's):
 
 - crop (BAS-OPD, Vision-OPD, OPD-V): the toy experiment's base, trained on crops only. OPD-V's
-  negative teacher sees the crop with a black rectangle of a third of its area (`opd.data.views.masked`).
+  negative teacher sees the crop with a black rectangle of a third of its area (`opd.data.family_views.masked`).
 - resolution (RP-OPSD): a base whose processor keeps an image's own size between `resolution` and
   `max_resolution` (`SFTConfig.max_resolution`), trained on full canvases at their native 64 x 64
   pixels (4 visual tokens). The student's half-resolution view is 32 x 32 pixels, one visual token.
 - text (OPSD): a base that has learned to read a hint. A base trained on crops never saw one, so the
   hint base is trained on two kinds of samples (`HINT`): the crop with the plain question, and the full
   image with the question followed by the reference answer in OPSD's teacher template
-  (`opd.data.views.reference_prompt`), the exact text the teacher sees in training. The student's prompt
+  (`opd.data.family_views.reference_prompt`), the exact text the teacher sees in training. The student's prompt
   (the full image and the plain question) is never in the hint base's training data, and it never
   holds the answer: the answer reaches the student only through the teacher's distributions.
 
@@ -30,7 +30,8 @@ import torch
 from opd.answers.choice import parse_choice
 from opd.models.chat import collate, encode_prompt
 from opd.loop.ledger import write_atomic
-from opd.data.views import get_view, reference_prompt
+from opd.data.family_views import reference_prompt
+from opd.data.views import get_view
 
 
 @dataclass(frozen=True)

@@ -1,0 +1,45 @@
+"""The start-up checks of the run's data, before step 0 (none runs inside a step): enough records for a step and at
+least one crop (`check_records`, as soon as the records load), and every prompt of every view a record is used in
+within --max-prompt-len (`check_lengths`, from `opd.data.prompts.Prompts.check`, without decoding an image:
+`opd.models.chat.prompt_length` of each view's `layout`).
+"""
+
+from opd.cli import UserError
+from opd.data.records import Record
+from opd.data.views import VIEWS, views_eligible
+from opd.models.chat import prompt_length
+
+
+def check_records(records: list[Record], views, data_path, prompts_per_step: int, method_name: str) -> None:
+    """Refuses data on which the run would do nothing: too few records for a step, or no crop at all (checked as
+    soon as the records load, before any model)."""
+    n = len(records)
+    if n < prompts_per_step:
+        raise UserError(f"{data_path}: {n} records cannot fill one step of --prompts-per-step {prompts_per_step}")
+    if not any(views_eligible(r, views) for r in records):
+        raise UserError(
+            f"{data_path}: no record has a crop ('teacher_images' or 'bbox'), which the {method_name} teacher "
+            f"views {', '.join(views[1:])} need: every step would train with zero distillation"
+        )
+
+
+def check_lengths(prompts) -> None:
+    """Every record's prompt in every view it is used in (the student's, and each teacher view with its teacher's
+    processor) fits --max-prompt-len: one line naming the file:line, view and length otherwise. `prompts`: the run's
+    `opd.data.prompts.Prompts`."""
+    cache: dict[tuple, int] = {}
+    limit = prompts.data.max_prompt_len
+    for record in prompts.records:
+        uses = [(prompts.student_view, prompts.processor)]
+        if prompts.eligible(record):
+            teacher = prompts.teachers.teachers.get(prompts.teachers.route(record))
+            processor = getattr(teacher, "processor", None) or prompts.processor
+            uses += [(v, processor) for v in prompts.teacher_views]
+        for view, processor in uses:
+            sizes, question = VIEWS[view].layout(record)
+            key = (id(processor), tuple(sizes), question)
+            if key not in cache:
+                cache[key] = prompt_length(processor, sizes, question, prompts.data.enable_thinking)
+            if cache[key] > limit:
+                raise UserError(f"{record.source}: its '{view}' prompt has {cache[key]} tokens, over "
+                                f"--max-prompt-len {limit} (raise it, or lower the processor's max_pixels)")  # fmt: skip
