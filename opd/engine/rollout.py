@@ -17,7 +17,6 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
 from opd.cli import Section, resumable
-from opd.lazy import no_grad
 
 if TYPE_CHECKING:
     import torch
@@ -177,56 +176,41 @@ def prefill_shared_cache(model, batch: dict[str, torch.Tensor], n: int):
     return cache
 
 
-@no_grad
-def generate_rollouts(
-    model,
-    prompts: list[EncodedPrompt],
-    n_per_prompt: int,
-    max_new_tokens: int,
-    batch_rows: int = 0,
-    share_prefill: bool = True,
-    temperature: float = 1.0,
-    top_k: int = 0,
-    top_p: float = 1.0,
-) -> Rollouts:
+def generate_rollouts(model, prompts: list[EncodedPrompt], n_per_prompt: int, max_new_tokens: int, batch_rows: int = 0,
+                      share_prefill: bool = True, temperature: float = 1.0, top_k: int = 0, top_p: float = 1.0,
+                      ids: dict | None = None, generation_config=None) -> Rollouts:  # fmt: skip
     """Samples `n_per_prompt` responses to each prompt; about `batch_rows` rows per generate() call (0: all).
 
     With `share_prefill`, each prompt (and its image) is encoded and prefilled once for its n rollouts
     (`prefill_shared_cache`); the sampled tokens are the same as without it (a test checks it).
     Randomness comes from the global torch generator: the caller seeds it per step and rank, which
     makes a resumed run sample the same responses as an uninterrupted one. `temperature`, `top_k`, `top_p`: the
-    sampling distribution (`RolloutStats`); the defaults are the paper's (plain sampling).
+    sampling distribution (`RolloutStats`); the defaults are the paper's (plain sampling). `ids`, `generation_config`:
+    the model's `opd.models.loading.special_ids` and `neutral_generation_config`, which replaces model.generation_config
+    while generating (no checkpoint sampling defaults leak in); None: computed here (`Sampler` computes them once).
     """
     import torch
-    from transformers import LogitsProcessorList
 
-    from opd.models.chat import collate
-    from opd.models.loading import neutral_generation_defaults, special_ids
+    if ids is None or generation_config is None:
+        from opd.models.loading import neutral_generation_config, special_ids
 
-    ids = special_ids(model)
-    device = next(model.parameters()).device
+        ids = special_ids(model) if ids is None else ids
+        generation_config = neutral_generation_config(model) if generation_config is None else generation_config
     n = n_per_prompt
     rows = [j for j in range(len(prompts)) for _ in range(n)]
     per_call = max(1, (batch_rows or len(rows)) // n)  # prompts per generate() call
-    chunks = []
-    was_training = model.training
-    model.eval()
     sampling = dict(do_sample=True, temperature=1.0, top_k=0, top_p=1.0, max_new_tokens=max_new_tokens, suppress_tokens=ids["vision"])
-    with neutral_generation_defaults(model):
-        for start in range(0, len(prompts), per_call):
-            group = prompts[start : start + per_call]
-            unique = {k: v.to(device) for k, v in collate(group, ids["pad"]).items()}
-            cache = prefill_shared_cache(model, unique, n) if share_prefill else None
-            if cache is not None:
-                batch = {k: unique[k].repeat_interleave(n, dim=0) for k in ("input_ids", "attention_mask", "mm_token_type_ids")}
-                batch["cache"] = cache
-            else:
-                batch = {k: v.to(device) for k, v in collate([p for p in group for _ in range(n)], ids["pad"]).items()}
-            stats = RolloutStats(temperature, top_k, top_p)
-            out = model.generate(**batch, **sampling, logits_processor=LogitsProcessorList([stats]))
-            response = out[:, unique["input_ids"].shape[1] :]  # (rows, T)
-            logp, entropy = stats.finish(response[:, -1])
-            chunks.append((response.cpu(), logp.cpu(), entropy.cpu()))
+    was_training, saved = model.training, model.generation_config
+    model.eval()
+    model.generation_config = generation_config  # generate() fills unset fields from it: no shipped defaults leak
+    chunks = []
+    try:
+        with torch.no_grad():
+            for start in range(0, len(prompts), per_call):
+                group, stats = prompts[start : start + per_call], RolloutStats(temperature, top_k, top_p)
+                chunks.append(_generate(model, group, n, ids["pad"], share_prefill, sampling, stats))
+    finally:
+        model.generation_config = saved
     model.train(was_training)
     width = max(c[0].shape[1] for c in chunks)
 
@@ -248,14 +232,40 @@ def generate_rollouts(
     )
 
 
+def _generate(model, group: list[EncodedPrompt], n: int, pad: int, share_prefill: bool, sampling: dict,
+              stats: RolloutStats) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """One generate() call: n rollouts of each prompt of `group` -> (response ids, logp, entropy) on the CPU."""
+    from transformers import LogitsProcessorList
+
+    from opd.models.chat import collate
+
+    device = next(model.parameters()).device
+    unique = {k: v.to(device) for k, v in collate(group, pad).items()}
+    cache = prefill_shared_cache(model, unique, n) if share_prefill else None
+    if cache is not None:
+        batch = {k: unique[k].repeat_interleave(n, dim=0) for k in ("input_ids", "attention_mask", "mm_token_type_ids")}
+        batch["cache"] = cache
+    else:
+        batch = {k: v.to(device) for k, v in collate([p for p in group for _ in range(n)], pad).items()}
+    out = model.generate(**batch, **sampling, logits_processor=LogitsProcessorList([stats]))
+    response = out[:, unique["input_ids"].shape[1] :]  # (rows, T)
+    logp, entropy = stats.finish(response[:, -1])
+    return response.cpu(), logp.cpu(), entropy.cpu()
+
+
 class Sampler:
     """Algorithm 1, line 3 on one rank with Hugging Face `generate`: this rank's rollouts of a step, its draws seeded by
     (seed, step, rank). `gather`: the context a generation runs in (a sharded policy gathered for the call,
-    `opd.models.sharding.generation`; nothing otherwise)."""
+    `opd.models.sharding.generation`; nothing otherwise). The policy's special ids and neutral generation config
+    (`generate_rollouts`) are computed once, here."""
 
     def __init__(self, sampling: SamplingConfig, acc, model, autocast, seed: int, gather=nullcontext):
+        from opd.models.loading import neutral_generation_config, special_ids
+
         self.cfg, self.acc, self.model, self.autocast = sampling, acc, model, autocast
         self.seed, self.gather = seed, gather
+        policy = model()
+        self.ids, self.generation_config = special_ids(policy), neutral_generation_config(policy)
 
     def __call__(self, step: int, records: list, prompts: list) -> tuple[Rollouts, bool]:
         """(this rank's rollouts of step `step`, whether their token entropies are known: yes)."""
@@ -267,7 +277,8 @@ class Sampler:
         torch.manual_seed(mix_seed(self.seed, step, self.acc.process_index))
         with self.autocast(), self.gather():
             rollouts = generate_rollouts(self.model(), prompts, cfg.rollouts_per_prompt, cfg.max_response_len,
-                                         cfg.rollout_batch, cfg.share_prefill, **cfg.distribution)  # fmt: skip
+                                         cfg.rollout_batch, cfg.share_prefill, **cfg.distribution, ids=self.ids,
+                                         generation_config=self.generation_config)  # fmt: skip
         return rollouts, True
 
     def updated(self) -> None:

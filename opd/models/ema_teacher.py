@@ -21,8 +21,7 @@ from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
 from opd.cli import Section
-from opd.lazy import no_grad
-from opd.models.chat import lm_head_weight, response_hidden, response_logits  # noqa: F401 (also for opd.toy, experiments)
+from opd.models.chat import response_hidden, response_logits
 
 if TYPE_CHECKING:
     import torch
@@ -90,28 +89,34 @@ class Teacher:
     def update(self, student: torch.nn.Module, tau: float) -> None:
         """A frozen teacher does not follow the student."""
 
-    @no_grad
     def logits(self, inputs: dict[str, torch.Tensor], n_response: int) -> torch.Tensor:
         """Eq. 2 of the paper: p^T_{i,t} = p_theta-bar(. | x~_i, q_i, y_{i,<t}) as detached logits (n, T, V)."""
-        self._record(inputs)
-        return response_logits(self.model, inputs, n_response).detach()
+        import torch
 
-    @no_grad
+        self._record(inputs)
+        with torch.no_grad():
+            return response_logits(self.model, inputs, n_response).detach()
+
     def hidden(self, inputs: dict[str, torch.Tensor], n_response: int) -> torch.Tensor:
         """Eq. 2 as final hidden states (n, T, H): logits = hidden @ lm_head_weight(model)^T."""
+        import torch
+
         self._record(inputs)
-        return response_hidden(self.model, inputs, n_response).detach()
+        with torch.no_grad():
+            return response_hidden(self.model, inputs, n_response).detach()
 
 
-@no_grad
 def ema_(pairs, tau: float) -> None:
     """Algorithm 1, line 13 on (teacher tensor, student tensor) pairs, in place: theta-bar <- (1 - tau) theta-bar +
     tau theta (`lerp_`, the student cast to the teacher's dtype); tau = 1 copies (DAPD's snapshot refresh)."""
-    for t, s in pairs:
-        if tau == 1.0:
-            t.copy_(s.detach())
-        else:
-            t.lerp_(s.detach().to(t.dtype), tau)
+    import torch
+
+    with torch.no_grad():
+        for t, s in pairs:
+            if tau == 1.0:
+                t.copy_(s.detach())
+            else:
+                t.lerp_(s.detach().to(t.dtype), tau)
 
 
 def parameter_pairs(teacher: torch.nn.Module, student: torch.nn.Module):
@@ -130,23 +135,27 @@ class EMATeacher(Teacher):
         super().__init__(copy.deepcopy(student) if copy_weights else student)
         self.pairs = pairs
 
-    @no_grad
     def copy_from(self, student: torch.nn.Module) -> None:
         """Algorithm 1, line 1 for a teacher built separately: theta-bar <- theta, shard by shard."""
+        import torch
+
         from opd.models.sharding import local_pairs
 
-        for t, s in local_pairs(self.model, student):
-            t.copy_(s)
-        for t, s in zip(self.model.buffers(), student.buffers(), strict=True):
-            t.copy_(s)
+        with torch.no_grad():
+            for t, s in local_pairs(self.model, student):
+                t.copy_(s)
+            for t, s in zip(self.model.buffers(), student.buffers(), strict=True):
+                t.copy_(s)
 
-    @no_grad
     def update(self, student: torch.nn.Module, tau: float) -> None:
         """Algorithm 1, line 13: theta-bar <- (1 - tau) theta-bar + tau theta (parameters; buffers copied).
         Sharded models: on each rank's local shards (`pairs`). tau = 1 copies the student (DAPD's snapshot refresh)."""
-        ema_((self.pairs or parameter_pairs)(self.model, student), tau)
-        for t, s in zip(self.model.buffers(), student.buffers(), strict=True):
-            t.copy_(s)
+        import torch
+
+        with torch.no_grad():
+            ema_((self.pairs or parameter_pairs)(self.model, student), tau)
+            for t, s in zip(self.model.buffers(), student.buffers(), strict=True):
+                t.copy_(s)
 
 
 class AdapterTeacher(Teacher):
@@ -177,13 +186,11 @@ class AdapterTeacher(Teacher):
         finally:
             self.model.train(was_training)
 
-    @no_grad
     def logits(self, inputs: dict[str, torch.Tensor], n_response: int) -> torch.Tensor:
         self._record(inputs)
-        with self._active():
+        with self._active():  # no gradient inside
             return response_logits(self.model, inputs, n_response).detach()
 
-    @no_grad
     def hidden(self, inputs: dict[str, torch.Tensor], n_response: int) -> torch.Tensor:
         self._record(inputs)
         with self._active():

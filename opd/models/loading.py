@@ -24,6 +24,7 @@ import torch
 from transformers import AutoModelForImageTextToText, AutoProcessor, GenerationConfig
 
 from opd.cli import UserError
+from opd.models.kernel_warnings import KERNEL_FALLBACK, KernelFallbackFilter
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16, "float64": torch.float64}
 
@@ -32,9 +33,6 @@ HUB_ID = re.compile(r"^(?:[\w.-]+/)?[\w.-]+$")  # "name" or "org/name"
 WEIGHT_FILE = re.compile(r"\.(safetensors|bin)$|\.index\.json$")
 
 GPU_KERNELS = {"flash_attn": "flash-attn", "fla": "flash-linear-attention", "causal_conv1d": "causal-conv1d"}
-KERNEL_FALLBACK = re.compile(  # transformers' warnings about a missing kernel (5.x; the 4.x wording)
-    r"falling back to its reference PyTorch implementation because|fast path is not available"
-)
 KERNEL_LOGGERS = (  # where transformers emits them: the kernel hub, Qwen3.5's and Qwen3-Next's modules
     "transformers.integrations.hub_kernels",
     "transformers.models.qwen3_5.modeling_qwen3_5",
@@ -156,24 +154,17 @@ def check_model_type(config_path: str) -> None:
                         f"{transformers.__version__} knows (a newer transformers, or another checkpoint)")
 
 
-class _KernelFallbackFilter(logging.Filter):
-    """Drops transformers' "falling back to PyTorch because <kernel> is not installed" records."""
-
-    def filter(self, record: logging.LogRecord) -> bool:
-        return not KERNEL_FALLBACK.search(record.getMessage())
-
-
 def quiet_kernel_warnings(device: torch.device | str, module: str | None = None) -> None:
     """Silences transformers' warnings about missing optional GPU kernels; on CUDA prints one line
     naming the missing ones and the install line instead (once per process, rank 0 only).
 
-    Only those messages are filtered, on the loggers that emit them (plus `module`'s, the loaded
-    model's modeling module) and in `warnings`; every other warning stays.
+    Only those messages are filtered (`opd.models.kernel_warnings`), on the loggers that emit them (plus `module`'s,
+    the loaded model's modeling module) and in `warnings`; every other warning stays.
     """
     for name in KERNEL_LOGGERS + ((module,) if module else ()):
         logger = logging.getLogger(name)
-        if not any(isinstance(f, _KernelFallbackFilter) for f in logger.filters):
-            logger.addFilter(_KernelFallbackFilter())
+        if not any(isinstance(f, KernelFallbackFilter) for f in logger.filters):
+            logger.addFilter(KernelFallbackFilter())
     warnings.filterwarnings("ignore", message=".*(" + KERNEL_FALLBACK.pattern + ")")
     if torch.device(device).type != "cuda" or os.environ.get("RANK", "0") != "0":
         return
