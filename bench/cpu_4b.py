@@ -226,28 +226,30 @@ def instrument(windows: Windows, runs: list) -> None:
     seconds are split into teacher_forward and student) the teacher's and student's forwards, the loss and the
     backward. Every Run built is appended to `runs`."""
     import opd.methods.distill
+    import opd.methods.micro_batch
     import opd.models.ema_teacher
-    import opd.loop.ledger_row
+    import opd.loop.step
     import opd.loop.run
     import opd.methods.lockstep
 
     init = opd.loop.run.Run.__init__
     opd.loop.run.Run.__init__ = lambda self, *args, **kw: runs.append(self) or init(self, *args, **kw)
     windows.wrap(opd.loop.run.Run, "__init__", "load")
-    timer_call = opd.loop.ledger_row.PhaseTimer.__call__
+    timer_call = opd.loop.step.PhaseTimer.__call__
 
     @contextmanager
     def phase(self, name):
         with timer_call(self, name), windows.window(name):
             yield
 
-    opd.loop.ledger_row.PhaseTimer.__call__ = phase
+    opd.loop.step.PhaseTimer.__call__ = phase
     for cls in (opd.models.ema_teacher.Teacher, opd.models.ema_teacher.AdapterTeacher):
         windows.wrap(cls, "hidden", "objective: teacher forward")
         windows.wrap(cls, "logits", "objective: teacher forward")
-    windows.wrap(opd.methods.distill, "response_hidden", "objective: student forward")
     windows.wrap(opd.methods.distill, "response_logits", "objective: student forward")
-    windows.wrap(opd.methods.distill, "budgeted_loss_from_hidden", "objective: chunked loss")
+    windows.wrap(opd.methods.micro_batch, "response_hidden", "objective: student forward")
+    windows.wrap(opd.methods.micro_batch, "response_logits", "objective: student forward")
+    windows.wrap(opd.methods.micro_batch, "budgeted_loss_from_hidden", "objective: chunked loss")
     windows.wrap(opd.methods.lockstep.MicroBatch, "backward", "objective: backward")
     windows.wrap(opd.loop.run.Run, "step", "step (outside phases)")
 

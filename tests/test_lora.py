@@ -250,7 +250,7 @@ def test_the_loss_temperature_divides_both_sides_logits(support):
 
 def test_each_aggregation_against_an_explicit_loop():
     """aggregation_weights per micro-batch, summed over micro-batches (each with its own token count), against the
-    formulas of opd.methods.distill.AGGREGATIONS written as loops."""
+    formulas of opd.maths.family.AGGREGATION_WEIGHTS written as loops."""
     g = torch.Generator().manual_seed(3)
     D = torch.rand(7, 5, generator=g, dtype=F64)
     mask = torch.rand(7, 5, generator=g) > 0.35

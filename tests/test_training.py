@@ -12,6 +12,7 @@ import torch
 
 import opd.maths.chunked
 import opd.methods.distill
+import opd.methods.micro_batch
 import opd.config
 import opd.loop.run
 import opd.methods.table
@@ -591,7 +592,7 @@ def test_help_lists_ablation_switches_once(capsys):
 
 def test_the_teachers_lm_head_inside_the_fused_loss_is_teacher_time(tmp_path, tiny, monkeypatch):
     """Table 8's teacher-forward time includes the teacher's LM-head work done inside the chunked loss."""
-    fused = opd.methods.distill.budgeted_loss_from_hidden
+    fused = opd.methods.micro_batch.budgeted_loss_from_hidden
 
     def slow_teacher_head(*args, timing=None, **kwargs):
         out = fused(*args, timing=timing, **kwargs)
@@ -599,7 +600,7 @@ def test_the_teachers_lm_head_inside_the_fused_loss_is_teacher_time(tmp_path, ti
             timing["teacher_s"] = timing.get("teacher_s", 0.0) + 7.0  # as if the teacher's logits took 7 s
         return out
 
-    monkeypatch.setattr(opd.methods.distill, "budgeted_loss_from_hidden", slow_teacher_head)
+    monkeypatch.setattr(opd.methods.micro_batch, "budgeted_loss_from_hidden", slow_teacher_head)
     run = Run(small_config(tmp_path, policy="full", rho=1.0, micro_batch=64, fused_kernel=True))
     row = run.step(0, fixed_rollouts(run, 0))
     assert row["teacher_forward_s"] >= 7.0 and row["teacher_forward_s_crop"] >= 7.0
