@@ -30,14 +30,14 @@ EQUATIONS = {
     "Eq. 2 (teacher)": ("opd.models.ema_teacher", "Teacher.logits"),
     "Eq. 3": ("opd.maths.divergence", "generalized_jsd"),
     "Eq. 4": ("opd.selection.selectors", "query_budget"),
-    "Eq. 5": ("opd.selection.features", "rollout_features"),
-    "Eq. 6": ("opd.selection.predictor", "OnlineUtilityModel.predict"),
+    "Eq. 5": ("opd.selection.selectors", "rollout_features"),
+    "Eq. 6": ("opd.selection.selectors", "OnlineUtilityModel.predict"),
     "Eq. 7": ("opd.maths.utility", "token_jsd"),
     "Eq. 8": ("opd.maths.utility", "teacher_confidence"),
     "Eq. 9": ("opd.maths.utility", "sample_utility"),
-    "Eq. 10": ("opd.maths.utility", "selector_loss"),
+    "Eq. 10": ("opd.selection.selectors", "selector_loss"),
     "Eq. 11": ("opd.maths.divergence", "budgeted_weights"),
-    "Eq. 12": ("opd.maths.utility", "weighted_huber"),
+    "Eq. 12": ("opd.selection.selectors", "weighted_huber"),
     "line 13 (EMA)": ("opd.models.ema_teacher", "EMATeacher.update"),
 }
 """What a reader looks for -> (module, qualified name) of the function the default step runs for it."""

@@ -1,11 +1,11 @@
-"""Tests of opd/selection/features.py: Eq. 5 selector features and the running normalizer of Appendix A.2."""
+"""Tests of opd/selection/selectors.py's Eq. 5 selector features and the running normalizer of Appendix A.2."""
 
 import numpy as np
 import pytest
 import torch
 from torch.testing import assert_close
 
-from opd.selection.features import FEATURE_NAMES, RunningNormalizer, masked_quantile, rollout_features
+from opd.selection.selectors import FEATURE_NAMES, RunningNormalizer, masked_quantile, rollout_features
 
 F64 = torch.float64
 

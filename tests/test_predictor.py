@@ -1,5 +1,5 @@
-"""Tests of opd/selection/replay.py and opd/selection/predictor.py: the replay buffer, f_psi (Eq. 6) and its online training
-(Algorithm 1, line 14; Appendix A.3, Table 5)."""
+"""Tests of opd/selection/selectors.py's replay buffer, f_psi (Eq. 6) and its online training (Algorithm 1, line 14;
+Appendix A.3, Table 5)."""
 
 import copy
 import io
@@ -10,8 +10,7 @@ from torch import nn
 from torch.testing import assert_close
 
 from opd.selection.config import PredictorConfig
-from opd.selection.predictor import OnlineUtilityModel, UtilityPredictor
-from opd.selection.replay import ReplayBuffer
+from opd.selection.selectors import OnlineUtilityModel, ReplayBuffer, UtilityPredictor
 from opd.seeding import seeded_generator
 
 # ----------------------------------------------------------------------------- replay buffer
@@ -304,7 +303,7 @@ def test_update_reproduced_by_hand_from_appendix_a3():
     """Each update j of step s draws from replay with seeded_generator(seed, s, j), normalizes with the
     current statistics, weights items by 2^(-(s - s_i)/h) and takes one Adam step on Eq. 10.
     Reproduce two updates by hand (items from two steps, so the recency weights differ)."""
-    from opd.maths.utility import recency_weights, selector_loss
+    from opd.selection.selectors import recency_weights, selector_loss
 
     cfg = PredictorConfig(seed=0, replay_start=20, updates_per_step=2, replay_batch=16)
     m = OnlineUtilityModel(cfg)

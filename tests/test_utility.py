@@ -1,4 +1,5 @@
-"""Tests of opd/maths/utility.py: utility labels (Eq. 7-9), recency weights (A.3) and the selector loss (Eq. 10, 12).
+"""Tests of the utility labels (Eq. 7-9, opd/maths/utility.py) and of the selector loss they train (recency weights
+A.3, Eq. 10, 12: opd/selection/selectors.py).
 
 References are hand-worked numbers (plain Python math) and explicit float64 loops.
 """
@@ -10,17 +11,8 @@ import pytest
 import torch
 from torch.testing import assert_close
 
-from opd.maths.utility import (
-    pairwise_rank_loss,
-    recency_weights,
-    sample_utility,
-    selector_loss,
-    teacher_confidence,
-    token_jsd,
-    topk_overlap,
-    utility_labels,
-    utility_terms,
-)
+from opd.maths.utility import sample_utility, teacher_confidence, token_jsd, topk_overlap, utility_labels, utility_terms
+from opd.selection.selectors import pairwise_rank_loss, recency_weights, selector_loss
 
 F64 = torch.float64
 LN2 = math.log(2.0)
@@ -269,7 +261,7 @@ def ref_rank(pred, target, w, min_gap=1e-6) -> float:
 
 
 def test_weighted_huber_piecewise():
-    from opd.maths.utility import weighted_huber
+    from opd.selection.selectors import weighted_huber
 
     pred = torch.tensor([0.0, 0.5, -2.0, 3.0, 1.0, -0.2], dtype=F64)
     target = torch.tensor([0.3, -0.5, 0.0, 0.5, 1.0, 0.9], dtype=F64)  # errors -0.3, 1.0, -2, 2.5, 0, -1.1

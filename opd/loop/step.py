@@ -26,9 +26,8 @@ from dataclasses import dataclass
 
 import torch
 
-from opd.selection.features import rollout_features
 from opd.engine.rollout import Rollouts
-from opd.selection.selectors import query_budget
+from opd.selection.selectors import query_budget, rollout_features
 from opd.loop.ledger import PHASES
 
 

@@ -1,4 +1,4 @@
-"""Utility labels (Eq. 7-9) and the selector's loss (Eq. 10, 12).
+"""Utility labels (Eq. 7-9); the selector learns from them (its loss, Eq. 10 and 12: `opd.selection.selectors`).
 
 u_i is high when the crop teacher makes a large (d), support-consistent (o) and confident (c)
 correction to the full-image policy. Labels exist only for queried rows (Algorithm 1, line 12).
@@ -10,14 +10,11 @@ Interpretations of the paper:
   with `use_overlap=False` (an ablation, and the paper's fallback when teacher top-k ids are
   unavailable) o = 1. With `use_confidence=False` c = 1.
 - k is capped at the vocabulary size; k must be at least 2 (c divides by log k).
-- The ranking term of Eq. 10 is the w_i w_j-weighted mean over unordered pairs with
-  |u_i - u_j| > min_gap, and 0 when there is no such pair.
 """
 
 import math
 
 import torch
-import torch.nn.functional as F
 
 from opd.maths.divergence import generalized_jsd, upcast
 
@@ -107,48 +104,3 @@ def utility_labels(
     """
     terms = torch.stack(utility_terms(student_logits.detach(), teacher_logits.detach(), k), -1)  # (N, T, 3)
     return labels_from_terms(terms, mask, use_overlap, use_confidence)
-
-
-def recency_weights(collected_at: torch.Tensor, step: int, half_life: float = 10.0) -> torch.Tensor:
-    """Appendix A.3: w_i = 2^(-(s - s_i) / h) for an item collected at step s_i, read at step s."""
-    return torch.pow(2.0, -(step - collected_at.double()) / half_life).float()
-
-
-def weighted_huber(pred: torch.Tensor, target: torch.Tensor, weights: torch.Tensor, delta: float = 1.0) -> torch.Tensor:
-    """Eq. 12 of the paper: L_reg = sum_i w_i Huber(u^_i - u_i) / sum_i w_i (Huber with delta 1)."""
-    per_item = F.huber_loss(pred, target, reduction="none", delta=delta)  # (B,)
-    return (weights * per_item).sum() / weights.sum().clamp(min=torch.finfo(weights.dtype).tiny)
-
-
-def pairwise_rank_loss(
-    pred: torch.Tensor, target: torch.Tensor, weights: torch.Tensor, min_gap: float = 1e-6
-) -> torch.Tensor:
-    """L_rank of Eq. 10 (Appendix A.3): the w_i w_j-weighted mean over pairs with |u_i - u_j| > min_gap of
-
-        softplus(-sgn(u_i - u_j) (u^_i - u^_j)).
-
-    Unordered pairs i < j (the term is symmetric in i, j); 0 when no pair qualifies.
-    """
-    du = target.unsqueeze(1) - target.unsqueeze(0)  # (B, B) u_i - u_j
-    dp = pred.unsqueeze(1) - pred.unsqueeze(0)  # (B, B) u^_i - u^_j
-    ww = weights.unsqueeze(1) * weights.unsqueeze(0)  # (B, B) w_i w_j
-    upper = torch.ones_like(du, dtype=torch.bool).triu(diagonal=1)
-    pairs = upper & (du.abs() > min_gap)
-    if not pairs.any():
-        return pred.sum() * 0.0
-    terms = F.softplus(-torch.sign(du) * dp)  # (B, B)
-    return (ww * terms)[pairs].sum() / ww[pairs].sum()
-
-
-def selector_loss(
-    pred: torch.Tensor,
-    target: torch.Tensor,
-    weights: torch.Tensor,
-    rank_weight: float = 0.2,
-    min_gap: float = 1e-6,
-) -> torch.Tensor:
-    """Eq. 10 of the paper: L_sel = L_reg + lambda_rank L_rank (L_reg is Eq. 12)."""
-    loss = weighted_huber(pred, target, weights)
-    if rank_weight:
-        loss = loss + rank_weight * pairwise_rank_loss(pred, target, weights, min_gap)
-    return loss

@@ -15,8 +15,7 @@
 import torch
 
 from opd.selection.config import ESTIMATORS, INCLUSION_SIZES, STRATA, PredictorConfig, SelectionConfig
-from opd.selection.features import feature
-from opd.selection.selectors import Selector, entropy_scores, exploration_count, top_subset
+from opd.selection.selectors import Selector, entropy_scores, exploration_count, feature, top_subset
 
 
 def selector(policy: str, epsilon: float = 0.10, predictor: PredictorConfig | None = None, unbiased: bool = False,

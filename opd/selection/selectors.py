@@ -1,28 +1,29 @@
-"""Choosing S before any teacher computation: Eq. 4 and the paper's policies (Algorithm 1, lines 4-9).
+"""Choosing S before any teacher computation (Algorithm 1, lines 4-10 and 14), in the paper's order: Eq. 4's budget,
+the policies (lines 5-9), Eq. 5's features phi_i and their running normalizer, Eq. 6's predictor f_psi, its loss
+(Eq. 10, 12) and the FIFO replay it learns from (line 14). (Not top-level: it would shadow the stdlib's selectors.)
 
-Every selector sees the *global* candidates (features all-gathered from every rank) and returns global row ids; its
-draws come from a seed shared by the ranks, so all ranks make the same selection. |S| <= K always holds; `select`
-checks it (a RuntimeError otherwise). (Not a top-level selectors.py: it would shadow the standard library's.)
+Every selector sees the *global* candidates (features all-gathered from every rank) and returns global row ids; every
+draw (the selection, psi's initialisation, the replay's minibatches) comes from a seed shared by the ranks, so every
+rank holds the same selector and makes the same selection. |S| <= K always holds (`select` checks it).
 
-- full: S = C (rho must be 1).
-- random (Appendix A.1): K uniform picks without replacement (a CPU permutation seeded by the seed and the step).
-- entropy (Appendix A.1): the K rows of highest mean token entropy (mean sampled-token NLL when entropy is
-  unavailable); ties go to the lower row index.
-- learned (Algorithm 1, lines 5-9): uniform until f_psi's first update; then the top K - K_e rows by predicted
-  utility plus K_e = ceil(eps K) uniform picks from the remaining candidates.
+- full: S = C (rho must be 1). random (Appendix A.1): K uniform picks without replacement.
+- entropy (Appendix A.1): the K rows of highest mean token entropy (mean sampled-token NLL without entropies).
+- learned (lines 5-9): uniform until f_psi's first update; then the top K - K_e rows by predicted utility plus
+  K_e = ceil(eps K) uniform picks from the rest. Ties in a top-K go to the lower row index.
 
-Other designs (a per-prompt cap, unbiased sampling with 1 / pi weights) are `opd.selection.designs`, called in place
-of the policy's choice through `Selector.design`."""
+Other designs (a per-prompt cap, unbiased sampling): `opd.selection.designs`. Where the paper leaves a gap (the
+normalizer's start, Q_0.9, the ranking loss's mean, the budget's floor, Huber's delta): docs/DEPARTURES.md 8-10, 24."""
 
 import math
 import numbers
 
+import numpy as np
 import torch
+import torch.nn.functional as F
+from torch import nn
 
-from opd.selection.predictor import OnlineUtilityModel
 from opd.seeding import seeded_generator
 from opd.selection.config import POLICIES, PredictorConfig
-from opd.selection.features import feature
 
 
 def query_budget(rho: float, n_eligible: int) -> int:
@@ -126,3 +127,252 @@ class Selector:
             raise ValueError(f"checkpoint selector is {state['policy']!r}, this run uses {self.policy!r}")
         if self.model is not None:
             self.model.load_state_dict(state["model"])
+
+
+FEATURE_NAMES = ("mean_nll", "q90_nll", "mean_entropy", "response_len", "prompt_len", "crop_area")
+"""phi's columns (Eq. 5), in order: read one by name with `feature`."""
+
+
+def feature(phi: torch.Tensor, name: str) -> torch.Tensor:
+    """phi's column `name` (one of FEATURE_NAMES): (..., 6) -> (...)."""
+    return phi[..., FEATURE_NAMES.index(name)]
+
+
+def masked_quantile(values: torch.Tensor, mask: torch.Tensor, q: float) -> torch.Tensor:
+    """Per-row q-quantile over the masked entries, linear interpolation; 0 for an empty row.
+
+    values, mask: (N, T) -> (N,).
+    """
+    n = mask.sum(-1)  # (N,)
+    ordered = torch.where(mask, values, torch.full_like(values, float("inf"))).sort(-1).values  # (N, T)
+    pos = q * (n - 1).clamp(min=0).to(values.dtype)  # (N,)
+    lo = pos.floor().long()
+    hi = pos.ceil().long()
+    v_lo = ordered.gather(-1, lo.unsqueeze(-1)).squeeze(-1)
+    v_hi = ordered.gather(-1, hi.unsqueeze(-1)).squeeze(-1)
+    out = v_lo + (v_hi - v_lo) * (pos - lo.to(values.dtype))
+    return torch.where(n > 0, out, torch.zeros_like(out))
+
+
+def rollout_features(
+    logp: torch.Tensor,
+    entropy: torch.Tensor | None,
+    mask: torch.Tensor,
+    prompt_len: torch.Tensor | None,
+    area: torch.Tensor | None,
+) -> torch.Tensor:
+    """Eq. 5 of the paper: phi_i = [mean l_i, Q_0.9(l_i), mean H_i, T_i, L_i, a_i].
+
+    l_{i,t} = -log p_old(y_{i,t} | x_i, q_i, y_{i,<t}) is the sampled-token NLL, H_{i,t} the token
+    entropy, T_i the response length, L_i the prompt length and a_i the crop-to-full area ratio.
+    logp, entropy, mask: (N, T); prompt_len, area: (N,). Unavailable entropy, prompt length or crop
+    area is represented by zero (Appendix A.2). Returns (N, 6) float32, from the detached rollout statistics (no
+    extra model forward pass).
+    """
+    mask = mask.bool()
+    m = mask.to(torch.float32)
+    t_i = m.sum(-1)  # (N,)
+    denom = t_i.clamp(min=1.0)
+    nll = -logp.float()  # (N, T)
+    mean_nll = (nll * m).sum(-1) / denom
+    q90 = masked_quantile(nll, mask, 0.9)
+    zeros = torch.zeros_like(t_i)
+    mean_h = (entropy.float() * m).sum(-1) / denom if entropy is not None else zeros
+    l_i = prompt_len.float() if prompt_len is not None else zeros
+    a_i = area.float() if area is not None else zeros
+    return torch.stack([mean_nll, q90, mean_h, t_i, l_i, a_i], dim=-1)  # (N, 6)
+
+
+class RunningNormalizer:
+    """Normalize(phi) of Eq. 6: (phi - mu) / sqrt(var + eps) with exponential running statistics.
+
+    Updated on crop-eligible candidates during feature extraction (Algorithm 1, line 4) and held
+    fixed during replay updates (Appendix A.3).
+    """
+
+    def __init__(self, dim: int = 6, momentum: float = 0.99, eps: float = 1e-6):
+        self.momentum = momentum
+        self.eps = eps
+        self.mean = torch.zeros(dim)
+        self.var = torch.ones(dim)
+        self.count = 0
+
+    def update(self, phi: torch.Tensor) -> None:
+        """mu <- m mu + (1 - m) mean(phi);  var <- m var + (1 - m) var(phi); the first batch sets both."""
+        if phi.numel() == 0:
+            return
+        phi = phi.float()
+        batch_mean = phi.mean(0)
+        batch_var = phi.var(0, unbiased=False)
+        if self.count == 0:
+            self.mean, self.var = batch_mean, batch_var
+        else:
+            self.mean = self.momentum * self.mean + (1 - self.momentum) * batch_mean
+            self.var = self.momentum * self.var + (1 - self.momentum) * batch_var
+        self.count += 1
+
+    def __call__(self, phi: torch.Tensor) -> torch.Tensor:
+        return (phi.float() - self.mean) / torch.sqrt(self.var + self.eps)
+
+    def state_dict(self) -> dict:
+        return {"mean": self.mean.clone(), "var": self.var.clone(), "count": self.count}
+
+    def load_state_dict(self, state: dict) -> None:
+        self.mean, self.var, self.count = state["mean"].clone(), state["var"].clone(), int(state["count"])
+
+
+class UtilityPredictor(nn.Module):
+    """Eq. 6 of the paper: u^_i = f_psi(Normalize(phi_i)), a LayerNorm + one SiLU hidden layer MLP."""
+
+    def __init__(self, dim: int = 6, hidden: int = 32):
+        super().__init__()
+        self.net = nn.Sequential(nn.LayerNorm(dim), nn.Linear(dim, hidden), nn.SiLU(), nn.Linear(hidden, 1))
+
+    def forward(self, phi_normalized: torch.Tensor) -> torch.Tensor:
+        return self.net(phi_normalized).squeeze(-1)  # (N,)
+
+
+class OnlineUtilityModel:
+    """f_psi with its normalizer, replay buffer and optimizer: LayerNorm -> Linear(6, 32) -> SiLU -> Linear(32, 1) on
+    the CPU (Appendix A.2, Table 5), trained on Eq. 10 by its own Adam (lr 1e-3), separately from the MLLM."""
+
+    def __init__(self, cfg: PredictorConfig, dim: int = 6):
+        self.cfg = cfg
+        self.rank_weight = cfg.rank_loss_weight  # lambda_rank of Eq. 10 (0 under --no-rank-loss)
+        with torch.random.fork_rng(devices=[]):  # psi's init from the selector seed, same on every rank
+            torch.manual_seed(cfg.seed)
+            self.net = UtilityPredictor(dim, cfg.hidden)
+        self.normalizer = RunningNormalizer(dim, cfg.norm_momentum, cfg.norm_eps)
+        self.replay = ReplayBuffer(cfg.replay_capacity, dim)
+        self.optimizer = torch.optim.Adam(self.net.parameters(), lr=cfg.lr)
+        self.updates = 0
+
+    @property
+    def trained(self) -> bool:
+        """Whether f_psi has had at least one update (Algorithm 1, line 5)."""
+        return self.updates > 0
+
+    @torch.no_grad()
+    def predict(self, phi: torch.Tensor) -> torch.Tensor:
+        """u^ for raw features phi (N, 6) with the current normalizer."""
+        return self.net(self.normalizer(phi))
+
+    def observe(self, phi: torch.Tensor, u: torch.Tensor, step: int) -> dict[str, float]:
+        """Algorithm 1, line 14: add the labelled pairs; if new pairs came and |R| >= M, update psi.
+
+        Each update draws a replay minibatch, normalizes it with the current (frozen) statistics,
+        weights items by recency and takes one Adam step on Eq. 10. Returns metrics.
+        """
+        added = self.replay.add(phi, u, step)
+        metrics = {"select/replay_size": float(len(self.replay)), "select/labels_added": float(added)}
+        if added == 0 or len(self.replay) < self.cfg.replay_start:
+            return metrics
+        losses = []
+        for j in range(self.cfg.updates_per_step):
+            phi_b, u_b, s_b = self.replay.sample(self.cfg.replay_batch, seeded_generator(self.cfg.seed, step, j))
+            w = recency_weights(s_b, step, self.cfg.half_life)
+            loss = selector_loss(self.net(self.normalizer(phi_b)), u_b, w, self.rank_weight, self.cfg.min_gap)
+            self.optimizer.zero_grad(set_to_none=True)
+            loss.backward()
+            self.optimizer.step()
+            self.updates += 1
+            losses.append(loss.item())
+        metrics["loss/selector"] = float(np.mean(losses))
+        return metrics
+
+    def state_dict(self) -> dict:
+        return {
+            "net": self.net.state_dict(),
+            "normalizer": self.normalizer.state_dict(),
+            "replay": self.replay.state_dict(),
+            "optimizer": self.optimizer.state_dict(),
+            "updates": self.updates,
+        }
+
+    def load_state_dict(self, state: dict) -> None:
+        self.net.load_state_dict(state["net"])
+        self.normalizer.load_state_dict(state["normalizer"])
+        self.replay.load_state_dict(state["replay"])
+        self.optimizer.load_state_dict(state["optimizer"])
+        self.updates = int(state["updates"])
+
+
+def recency_weights(collected_at: torch.Tensor, step: int, half_life: float = 10.0) -> torch.Tensor:
+    """Appendix A.3: w_i = 2^(-(s - s_i) / h) for an item collected at step s_i, read at step s."""
+    return torch.pow(2.0, -(step - collected_at.double()) / half_life).float()
+
+
+def weighted_huber(pred: torch.Tensor, target: torch.Tensor, weights: torch.Tensor, delta: float = 1.0) -> torch.Tensor:
+    """Eq. 12 of the paper: L_reg = sum_i w_i Huber(u^_i - u_i) / sum_i w_i (Huber with delta 1)."""
+    per_item = F.huber_loss(pred, target, reduction="none", delta=delta)  # (B,)
+    return (weights * per_item).sum() / weights.sum().clamp(min=torch.finfo(weights.dtype).tiny)
+
+
+def pairwise_rank_loss(
+    pred: torch.Tensor, target: torch.Tensor, weights: torch.Tensor, min_gap: float = 1e-6
+) -> torch.Tensor:
+    """L_rank of Eq. 10 (Appendix A.3): the w_i w_j-weighted mean over pairs with |u_i - u_j| > min_gap of
+
+        softplus(-sgn(u_i - u_j) (u^_i - u^_j)).
+
+    Unordered pairs i < j (the term is symmetric in i, j); 0 when no pair qualifies.
+    """
+    du = target.unsqueeze(1) - target.unsqueeze(0)  # (B, B) u_i - u_j
+    dp = pred.unsqueeze(1) - pred.unsqueeze(0)  # (B, B) u^_i - u^_j
+    ww = weights.unsqueeze(1) * weights.unsqueeze(0)  # (B, B) w_i w_j
+    upper = torch.ones_like(du, dtype=torch.bool).triu(diagonal=1)
+    pairs = upper & (du.abs() > min_gap)
+    if not pairs.any():
+        return pred.sum() * 0.0
+    terms = F.softplus(-torch.sign(du) * dp)  # (B, B)
+    return (ww * terms)[pairs].sum() / ww[pairs].sum()
+
+
+def selector_loss(
+    pred: torch.Tensor,
+    target: torch.Tensor,
+    weights: torch.Tensor,
+    rank_weight: float = 0.2,
+    min_gap: float = 1e-6,
+) -> torch.Tensor:
+    """Eq. 10 of the paper: L_sel = L_reg + lambda_rank L_rank (L_reg is Eq. 12)."""
+    loss = weighted_huber(pred, target, weights)
+    if rank_weight:
+        loss = loss + rank_weight * pairwise_rank_loss(pred, target, weights, min_gap)
+    return loss
+
+
+class ReplayBuffer:
+    """The selector's replay R (Algorithm 1, line 14; Appendix A.3, Table 5): a bounded first-in, first-out buffer of
+    detached (phi_i, u_i, s_i): raw features (normalized at update time with the current statistics), the utility
+    label and the step it was collected at."""
+
+    def __init__(self, capacity: int = 512, dim: int = 6):
+        self.capacity = capacity
+        self.phi = torch.zeros(0, dim)
+        self.u = torch.zeros(0)
+        self.step = torch.zeros(0, dtype=torch.long)
+
+    def __len__(self) -> int:
+        return self.u.numel()
+
+    def add(self, phi: torch.Tensor, u: torch.Tensor, step: int) -> int:
+        """Appends the finite pairs, drops the oldest beyond capacity; returns how many were added."""
+        keep = torch.isfinite(u) & torch.isfinite(phi).all(-1)
+        phi, u = phi[keep].float(), u[keep].float()
+        self.phi = torch.cat([self.phi, phi])[-self.capacity :]
+        self.u = torch.cat([self.u, u])[-self.capacity :]
+        self.step = torch.cat([self.step, torch.full((u.numel(),), step, dtype=torch.long)])[-self.capacity :]
+        return int(u.numel())
+
+    def sample(self, size: int, generator: torch.Generator) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """A uniform minibatch without replacement of min(size, len) items: (phi, u, s)."""
+        idx = torch.randperm(len(self), generator=generator)[: min(size, len(self))]
+        return self.phi[idx], self.u[idx], self.step[idx]
+
+    def state_dict(self) -> dict:
+        return {"phi": self.phi.clone(), "u": self.u.clone(), "step": self.step.clone(), "capacity": self.capacity}
+
+    def load_state_dict(self, state: dict) -> None:
+        self.phi, self.u, self.step = state["phi"].clone(), state["u"].clone(), state["step"].clone()
+        self.capacity = int(state["capacity"])

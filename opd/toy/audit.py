@@ -47,12 +47,11 @@ from opd.data.records import Record
 from opd.data.prompts import step_prompt_indices
 from opd.methods.micro_batch import micro_batch_loss
 from opd.maths.divergence import budgeted_weights
-from opd.selection.features import rollout_features
 from opd.maths.loss import aggregation_weights
 from opd.engine.rollout import Rollouts, SamplingConfig, generate_rollouts
 from opd.methods.lockstep import plan_rows
 from opd.seeding import mix_seed
-from opd.selection.selectors import entropy_scores, query_budget, top_subset
+from opd.selection.selectors import entropy_scores, query_budget, rollout_features, top_subset
 
 # ----------------------------------------------------------------------------- statistics
 

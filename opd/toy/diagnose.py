@@ -25,10 +25,9 @@ import torch
 
 from opd.toy.audit import AuditContext, HeldBatch, score_utility
 from opd.models.chat import collate
-from opd.selection.features import rollout_features
 from opd.engine.rollout import generate_rollouts
 from opd.seeding import mix_seed
-from opd.selection.selectors import query_budget, top_subset
+from opd.selection.selectors import query_budget, rollout_features, top_subset
 from opd.toy.world import OPTIONS
 
 
