@@ -21,7 +21,7 @@ from pathlib import Path
 import numpy as np
 import torch
 
-from opd.maths.utility import utility_terms
+from opd.maths.divergence import utility_terms
 from opd.models.chat import response_logits
 from opd.seeding import seeded_generator
 from opd.selection.selectors import exploration_count, top_subset, uniform_subset
@@ -148,7 +148,7 @@ def diminishing_top(scores: torch.Tensor, candidates: torch.Tensor, prompt_of: t
 @torch.no_grad()
 def factors(ctx: AuditContext, selector, records, n_batches: int, k: int, seed: int = 4343) -> list[dict]:
     """Per candidate row of `n_batches` held batches: mean d, o, c over its valid tokens on the support k
-    (`opd.maths.utility.utility_terms`: the student's top-k, Eq. 7-8), its u_i = mean d o c (Eq. 9), a_i, and d, o,
+    (`opd.maths.divergence.utility_terms`: the student's top-k, Eq. 7-8), its u_i = mean d o c (Eq. 9), a_i, and d, o,
     c at its most divergent token ("*_peak": a response's template tokens agree, so the means are diluted)."""
     out = []
     for b, recs in enumerate(held_records(records, ctx.prompts_per_step, n_batches, seed)):

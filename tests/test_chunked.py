@@ -14,12 +14,11 @@ from opd.maths.chunked import (
     topk_jsd_from_logits,
     weighted_logp_from_hidden,
 )
-from opd.maths.divergence import generalized_jsd, topk_support
+from opd.maths.divergence import generalized_jsd, topk_support, utility_terms
 from opd.maths.family import clamped_forward_kl, topk_divergence
 from opd.loop.run import Run
 from opd.methods.lockstep import plan_micro_batches
 from opd.engine.synthetic import fixed_rollouts
-from opd.maths.utility import utility_terms
 from opd.maths.weights import TokenWeight, importance_ratio, teacher_gate, token_weight
 
 F64 = torch.float64

@@ -659,12 +659,13 @@ def test_clamped_forward_kl_past_the_clamp_pushes_the_student_off_the_anchors_mo
 
 def test_the_tables_name_what_the_settings_name_and_the_default_is_bas_opds():
     """The family's tables hold exactly the names the settings accept (`opd.maths.loss.AGGREGATIONS`, `SUPPORTS`), and
-    the step's dispatch (`opd.maths.loss`) reaches BAS-OPD's own functions for the default names."""
-    from opd.maths.divergence import budgeted_weights
-    from opd.maths.family import AGGREGATION_WEIGHTS, SUPPORTS
-    from opd.maths.loss import AGGREGATIONS, LossConfig, aggregation_weights, support_logp
+    the step's lookups reach BAS-OPD's own functions for the default names."""
+    from opd.maths.divergence import budgeted_weights, global_denominator
+    from opd.maths.family import AGGREGATION_WEIGHTS, DENOMINATORS, SUPPORTS, aggregation_weights, support_logp
+    from opd.maths.loss import AGGREGATIONS, LossConfig
 
     assert tuple(AGGREGATION_WEIGHTS) == AGGREGATIONS and AGGREGATION_WEIGHTS["token-mean"] is budgeted_weights
+    assert tuple(DENOMINATORS) == AGGREGATIONS and DENOMINATORS["token-mean"] is global_denominator
     assert set(SUPPORTS) == {"student_tail", "teacher", "teacher_renorm", "full"}
     assert SUPPORTS["student_tail"] is topk_support
     assert LossConfig().aggregation == "token-mean"

@@ -12,7 +12,7 @@ import opd.cli
 import opd.loop.run
 import train
 from opd.config import TrainConfig
-from opd.maths.loss import aggregation_weights, loss_denominator
+from opd.maths.family import aggregation_weights, loss_denominator
 from opd.selection.designs import (
     inclusion_probabilities,
     inclusion_sizes,

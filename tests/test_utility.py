@@ -1,4 +1,4 @@
-"""Tests of the utility labels (Eq. 7-9, opd/maths/utility.py) and of the selector loss they train (recency weights
+"""Tests of the utility labels (Eq. 7-9, opd/maths/divergence.py) and of the selector loss they train (recency weights
 A.3, Eq. 10, 12: opd/selection/selectors.py).
 
 References are hand-worked numbers (plain Python math) and explicit float64 loops.
@@ -11,7 +11,7 @@ import pytest
 import torch
 from torch.testing import assert_close
 
-from opd.maths.utility import sample_utility, teacher_confidence, token_jsd, topk_overlap, utility_labels, utility_terms
+from opd.maths.divergence import sample_utility, teacher_confidence, token_jsd, topk_overlap, utility_labels, utility_terms
 from opd.selection.selectors import pairwise_rank_loss, recency_weights, selector_loss
 
 F64 = torch.float64

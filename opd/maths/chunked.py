@@ -71,10 +71,9 @@ peaked logits) and with gradcheck.
 
 import torch
 
-from opd.maths.divergence import generalized_jsd, upcast
+from opd.maths.divergence import generalized_jsd, upcast, utility_terms
 from opd.maths.family import bias_corrected_reverse_kl, check_loss
 from opd.methods.lockstep import Stopwatch
-from opd.maths.utility import utility_terms
 from opd.maths.weights import TokenWeight
 
 

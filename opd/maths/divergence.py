@@ -1,13 +1,16 @@
-"""BAS-OPD's distillation loss: Eq. 3 (generalized JSD on the student's top-k plus a tail) and Eq. 11's weights.
+"""BAS-OPD's losses: Eq. 3 (generalized JSD on the student's top-k plus a tail), Eq. 11's weights and denominator,
+and Eq. 7-9's utility labels u_i.
 
 Pure functions on tensors, differentiable by autograd: what the default step runs on a micro-batch's logits
-(`opd.methods.distill`). The seed family's other supports, divergences and aggregations, and `topk_divergence`
-(every combination's per-position loss on full logits, the plain reference) are `opd.maths.family`'s.
+(`opd.methods.distill`). The family's other supports, divergences and aggregations, and `topk_divergence` (the
+plain reference on full logits) are `opd.maths.family`'s; the selector's loss (Eq. 10, 12) `opd.selection.selectors`'.
 
 Departures: the support is the student's top-k ids plus one tail bucket per side (Vision-OPD's convention; the paper
 says "top-100"), the tail computed exactly as logsumexp(z outside the top-k) - logsumexp(z); at alpha = 0 and 1
-`generalized_jsd` returns the limits KL(T || S) and KL(S || T), not a silent 0.
-Details: docs/MODULES.md#opdmathsdivergence.
+`generalized_jsd` returns the limits KL(T || S) and KL(S || T). Eq. 7-8's P^S and P^T are renormalised over the
+student's top-k ids (no tail); Eq. 7's JSD is the symmetric one; o uses the teacher's own top-k over the full
+vocabulary (`use_overlap=False`, the paper's fallback, sets o = 1; `use_confidence=False` c = 1); k is capped at the
+vocabulary and must be at least 2 (c divides by log k). Details: docs/MODULES.md#opdmathsdivergence.
 """
 
 import math
@@ -131,6 +134,22 @@ def budgeted_weights(
     return zm / torch.clamp(torch.as_tensor(denominator, dtype=zm.dtype, device=zm.device), min=floor)
 
 
+def global_denominator(accelerator, lengths: torch.Tensor, selected: torch.Tensor, sample_weights=None,
+                       full_tokens: float | None = None) -> float | int:  # fmt: skip
+    """Eq. 11's denominator over all ranks (one all-reduce, run by every rank): the selected valid tokens, or with
+    unbiased selection's weights the Hajek form's sum_i w_i T_i (a float). `full_tokens` (--estimator ht,
+    `StepBatch.full_tokens`): the Horvitz-Thompson denominator T_C, the tokens of every candidate, returned instead
+    when S holds a token anywhere (0 otherwise), so that E[L_HT] = sum_{i in C} sum_t m_it D_it / T_C exactly."""
+    device = accelerator.device
+    if sample_weights is None:
+        tokens = int(lengths[selected].sum()) if selected.numel() else 0
+        tokens = int(accelerator.reduce(torch.tensor(tokens, device=device), "sum").item())
+    else:
+        local = (lengths[selected].double() * sample_weights[selected].double()).sum() if selected.numel() else 0.0
+        tokens = float(accelerator.reduce(torch.tensor(float(local), device=device, dtype=torch.float64), "sum").item())
+    return float(full_tokens) if full_tokens is not None and tokens else tokens
+
+
 def weighted_sum(per_token: torch.Tensor, weights: torch.Tensor) -> torch.Tensor:
     """sum_{i,t} w_{i,t} D_{i,t}, the sum of Eq. 11 for given weights (Eq. 11's, times any token weight).
 
@@ -138,3 +157,90 @@ def weighted_sum(per_token: torch.Tensor, weights: torch.Tensor) -> torch.Tensor
     computed), and they must not leak into the sum. Training's whole-logits path calls it per micro-batch;
     the chunked path (`opd.maths.chunked.budgeted_loss_from_hidden`) sums the same terms chunk by chunk."""
     return torch.where(weights > 0, per_token * weights, torch.zeros_like(per_token)).sum()
+
+
+def topk_overlap(student_ids: torch.Tensor, teacher_ids: torch.Tensor) -> torch.Tensor:
+    """o_{i,t}: the fraction of the student's top-k ids that are also in the teacher's top-k. (..., k) -> (...)."""
+    t_sorted = teacher_ids.sort(-1).values  # (..., k)
+    pos = torch.searchsorted(t_sorted.contiguous(), student_ids.contiguous()).clamp(max=t_sorted.shape[-1] - 1)
+    found = t_sorted.gather(-1, pos) == student_ids  # (..., k)
+    return found.float().mean(-1)
+
+
+def token_jsd(student_logp_k: torch.Tensor, teacher_logp_k: torch.Tensor) -> torch.Tensor:
+    """Eq. 7 of the paper: d_{i,t} = JSD(P^S_{i,t}, P^T_{i,t}) on the renormalized top-k support."""
+    return generalized_jsd(student_logp_k, teacher_logp_k, alpha=0.5)
+
+
+def teacher_confidence(teacher_logp_k: torch.Tensor) -> torch.Tensor:
+    """Eq. 8 of the paper: c_{i,t} = 1 - H(P^T_{i,t}) / log k, with P^T renormalized over k ids."""
+    k = teacher_logp_k.shape[-1]
+    p = teacher_logp_k.exp()
+    entropy = -torch.where(p > 0, p * teacher_logp_k, torch.zeros_like(p)).sum(-1)  # (...)
+    return 1.0 - entropy / math.log(k)
+
+
+def utility_terms(
+    student_logits: torch.Tensor,
+    teacher_logits: torch.Tensor,
+    k: int = 100,
+    student_topk: tuple[torch.Tensor, torch.Tensor] | None = None,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """(d, o, c) per position from full-vocabulary logits (..., V); each (...).
+
+    `student_topk` = (values, ids) of the student's top-k logits, when the caller has them already.
+    """
+    k = min(k, student_logits.shape[-1])
+    if k < 2:
+        raise ValueError(f"the utility needs k >= 2 (c divides by log k), got k = {k}")
+    s_values, s_ids = student_topk if student_topk is not None else upcast(student_logits).topk(k, dim=-1)
+    s_logp_k = torch.log_softmax(upcast(s_values), dim=-1)  # (..., k) P^S renormalized
+    t_logp_k = torch.log_softmax(upcast(teacher_logits.gather(-1, s_ids)), dim=-1)  # (..., k) P^T
+    t_ids = teacher_logits.topk(k, dim=-1).indices  # (..., k)
+    d = token_jsd(s_logp_k, t_logp_k)
+    o = topk_overlap(s_ids, t_ids)
+    c = teacher_confidence(t_logp_k)
+    return d, o, c
+
+
+def sample_utility(d: torch.Tensor, o: torch.Tensor, c: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
+    """Eq. 9 of the paper: u_i = sum_t m_{i,t} d_{i,t} o_{i,t} c_{i,t} / sum_t m_{i,t}.
+
+    d, o, c, mask: (N, T) -> (N,). A row with no valid token gets 0.
+    """
+    m = mask.to(d.dtype)
+    return (m * d * o * c).sum(-1) / m.sum(-1).clamp(min=1.0)
+
+
+def labels_from_terms(terms: torch.Tensor, mask: torch.Tensor, use_overlap: bool = True,
+                      use_confidence: bool = True) -> torch.Tensor:
+    """Eq. 9 from a loss pass's per-position terms (d, o, c) of Eq. 7-8: u_i per row, detached.
+
+    terms: (P, 3) at mask's valid positions (row-major, as `terms[mask]`) or (n, T, 3); mask: (n, T) -> (n,).
+    `use_overlap` / `use_confidence` False set o / c to 1 (the ablations of Table 4)."""
+    if terms.dim() == 2:  # the valid positions only: back onto the (n, T) grid
+        grid = torch.zeros((*mask.shape, 3), dtype=terms.dtype, device=terms.device)
+        grid[mask] = terms
+        terms = grid
+    d, o, c = terms.detach().unbind(-1)  # (n, T) each
+    o = o if use_overlap else torch.ones_like(o)
+    c = c if use_confidence else torch.ones_like(c)
+    return sample_utility(d, o, c, mask)
+
+
+@torch.no_grad()
+def utility_labels(
+    student_logits: torch.Tensor,
+    teacher_logits: torch.Tensor,
+    mask: torch.Tensor,
+    k: int = 100,
+    use_overlap: bool = True,
+    use_confidence: bool = True,
+) -> torch.Tensor:
+    """Eq. 7-9 of the paper: one detached utility label u_i per row.
+
+    student_logits, teacher_logits: (N, T, V) over the same response tokens; mask: (N, T).
+    `use_overlap` / `use_confidence` False set o / c to 1 (the ablations of Table 4).
+    """
+    terms = torch.stack(utility_terms(student_logits.detach(), teacher_logits.detach(), k), -1)  # (N, T, 3)
+    return labels_from_terms(terms, mask, use_overlap, use_confidence)

@@ -1,8 +1,8 @@
 """The seed family's supports, divergences and aggregations beside BAS-OPD's (`opd.maths.divergence`, the default's).
 
 The tables by name (`LossConfig.support`, `.aggregation`), whose BAS-OPD entries are the default's functions, and
-through which `opd.maths.loss` dispatches the step's calls: `SUPPORTS` (the student's top-k + tail; the teacher's
-top-k, full softmax or renormalised; the full vocabulary) and `AGGREGATION_WEIGHTS` (Eq. 11's token mean, OPSD's
+in which the distillation pass looks its calls up: `SUPPORTS` (the student's top-k + tail; the teacher's top-k, full
+softmax or renormalised; the full vocabulary), `AGGREGATION_WEIGHTS` and `DENOMINATORS` (Eq. 11's token mean, OPSD's
 sequence mean, verl's micro-batch mean, tinker's token sum). The divergences (`DIVERGENCES`, `check_loss`): the
 generalized JSD and RP-OPSD's bias-corrected reverse KL; DAPD's clamped forward KL; the per-sequence L_OPD of Eq. 3;
 the plain references `topk_divergence` (a method's per-position loss on full logits, for opd/maths/chunked.py) and
@@ -14,7 +14,8 @@ from functools import partial
 
 import torch
 
-from opd.maths.divergence import budgeted_weights, generalized_jsd, kl_divergence, topk_support, upcast, weighted_sum
+from opd.maths.divergence import (budgeted_weights, generalized_jsd, global_denominator, kl_divergence, topk_support,
+                                  upcast, weighted_sum)
 
 
 def teacher_topk_support(
@@ -71,8 +72,8 @@ SUPPORTS = {
     "teacher_renorm": partial(teacher_topk_support, renormalize=True),  # OPSD: renormalised over it, (..., k)
     "full": full_support,  # GKD: the whole vocabulary, (..., V)
 }
-"""Support name -> f(student_logits, teacher_logits, k) = (student_logp, teacher_logp), called by
-`opd.maths.loss.support_logp`."""
+"""Support name -> f(student_logits, teacher_logits, k) = (student_logp, teacher_logp): the distillation pass looks
+`LossConfig.support` up here (`opd.methods.distill`), so BAS-OPD's step runs `divergence.topk_support` itself."""
 DIVERGENCES = ("jsd", "bc_rkl")  # generalized_jsd (Eq. 3), bias_corrected_reverse_kl (`token_divergence`)
 
 
@@ -196,7 +197,7 @@ def budgeted_loss(
 def sequence_mean_weights(row_weights: torch.Tensor, mask: torch.Tensor, denominator, dtype: torch.dtype,
                           sample_weights: torch.Tensor | None = None) -> torch.Tensor:  # fmt: skip
     """OPSD's sequence mean: z_i m_{i,t} / (T_i |S|), each row's token mean averaged over |S| = `denominator` (the
-    global count of selected rows with a token, `opd.maths.loss.loss_denominator`); sample weights are not used."""
+    global count of selected rows with a token, `opd.maths.family.loss_denominator`); sample weights are not used."""
     lengths = mask.sum(-1).to(dtype).clamp(min=1)  # (n,) T_i
     return budgeted_weights(row_weights.to(dtype) / lengths, mask, denominator, dtype)
 
@@ -224,11 +225,47 @@ AGGREGATION_WEIGHTS = {
     "token-sum": token_sum_weights,  # tinker
 }
 """Aggregation name (`opd.maths.loss.AGGREGATIONS`) -> f(row_weights, mask, denominator, dtype, sample_weights), one
-micro-batch's per-token weights (n, T) (`opd.maths.loss.aggregation_weights`)."""
+micro-batch's per-token weights (n, T); the token mean is Eq. 11's `divergence.budgeted_weights` itself."""
 
 
-def selected_rows(accelerator, lengths: torch.Tensor, selected: torch.Tensor) -> int:
+def selected_rows(accelerator, lengths: torch.Tensor, selected: torch.Tensor, sample_weights=None,
+                  full_tokens: float | None = None) -> int:  # fmt: skip
     """|S| over all ranks: the selected rows with at least one valid token (one all-reduce, run by every rank), the
-    denominator of the sequence-mean and micro-batch aggregations (`opd.maths.loss.loss_denominator`)."""
+    denominator of the sequence-mean and micro-batch aggregations (sample weights and T_C are not used)."""
     rows = int((lengths[selected] > 0).sum()) if selected.numel() else 0
     return int(accelerator.reduce(torch.tensor(rows, device=accelerator.device), "sum").item())
+
+
+def token_sum_denominator(accelerator, lengths: torch.Tensor, selected: torch.Tensor, sample_weights=None,
+                          full_tokens: float | None = None) -> float | int:  # fmt: skip
+    """tinker's token sum divides by nothing: its denominator (Eq. 11's token count, no Horvitz-Thompson T_C) only says
+    whether S holds a token anywhere."""
+    return global_denominator(accelerator, lengths, selected, sample_weights)
+
+
+DENOMINATORS = {
+    "token-mean": global_denominator,  # Eq. 11 (BAS-OPD): the selected tokens over all ranks (Hajek, or T_C for HT)
+    "sequence-mean": selected_rows,  # OPSD: |S|
+    "micro-batch": selected_rows,  # verl: |S|
+    "token-sum": token_sum_denominator,  # tinker
+}
+"""Aggregation name -> f(accelerator, lengths, selected, sample_weights, full_tokens), the step's global denominator
+(one all-reduce, run by every rank); `ObjectiveResult.begin` looks it up (`opd.methods.objective`)."""
+
+
+def support_logp(student_logits: torch.Tensor, teacher_logits: torch.Tensor, k: int = 100,
+                 support: str = "student_tail") -> tuple[torch.Tensor, torch.Tensor]:  # fmt: skip
+    """(student_logp, teacher_logp) on the named support (`SUPPORTS`)."""
+    return SUPPORTS[support](student_logits, teacher_logits, k)
+
+
+def aggregation_weights(aggregation: str, row_weights: torch.Tensor, mask: torch.Tensor, denominator, dtype,
+                        sample_weights: torch.Tensor | None = None) -> torch.Tensor:  # fmt: skip
+    """One micro-batch's per-token weights (n, T) of the named aggregation (`AGGREGATION_WEIGHTS`)."""
+    return AGGREGATION_WEIGHTS[aggregation](row_weights, mask, denominator, dtype, sample_weights)
+
+
+def loss_denominator(accelerator, aggregation: str, lengths: torch.Tensor, selected: torch.Tensor,
+                     sample_weights=None, full_tokens: float | None = None) -> float | int:  # fmt: skip
+    """The step's denominator of the named aggregation (`DENOMINATORS`)."""
+    return DENOMINATORS[aggregation](accelerator, lengths, selected, sample_weights, full_tokens)

@@ -9,22 +9,18 @@ the step's loss:
     micro-batch    sum_b (n_b / |S|) sum_{i in b, t} m_it D_it / sum_{i in b, t} m_it   (verl)
     token-sum      sum_{i,t} z_i m_it D_it                                              (tinker)
 
-The denominators are global (one all-reduce, run by every rank: `loss_denominator`), so that the ranks' and
-micro-batches' parts add up to the step's loss. `support_logp` and `aggregation_weights` look the names up in
-`opd.maths.family`'s tables, imported where they run (the settings load without torch). Details:
-docs/MODULES.md#opdmathsloss.
+The denominators are global (one all-reduce, run by every rank), so that the ranks' and micro-batches' parts add up
+to the step's loss. The functions are `opd.maths.divergence`'s (Eq. 11) and, by name, `opd.maths.family`'s tables
+(`SUPPORTS`, `AGGREGATION_WEIGHTS`, `DENOMINATORS`); this module holds only settings, so it loads without torch.
+Details: docs/MODULES.md#opdmathsloss.
 """
 
 from __future__ import annotations
 
 import dataclasses
 from dataclasses import dataclass
-from typing import TYPE_CHECKING
 
 from opd.cli import Section, resumable
-
-if TYPE_CHECKING:
-    import torch
 
 PLAIN_LOGITS_LIMIT = 2**28
 """The most logits (rows x positions x vocabulary) the plain path holds per micro-batch and side before a run turns
@@ -72,19 +68,21 @@ class LossConfig(Section):
     token_weight: str = "none"
     """The method's per-token weight (a name of `opd.maths.weights.TOKEN_WEIGHTS`): set by the method table."""
 
+    kernel: bool = dataclasses.field(default=False, init=False)
+    """Whether the family's distillation runs the fused kernel (on, with a chunk) or the plain path: set from
+    fused_kernel and chunk when the settings are made (not a flag)."""
+
     FLAGS = {"temperature": "loss_temperature", "aggregation": "loss_agg", "chunk": "loss_chunk"}
-    INTERNAL = ("divergence", "token_weight")
+    INTERNAL = ("divergence", "token_weight", "kernel")
+
+    def __post_init__(self):
+        self.kernel = self.fused_kernel and self.chunk > 0
 
     def for_method(self, method) -> LossConfig:
         """These settings for `method` (`opd.methods.table.Method`): its support unless --support names one, its divergence
         and token weight."""
         return dataclasses.replace(self, support=self.support or method.support, divergence=method.divergence,
                                    token_weight=method.token_weight)  # fmt: skip
-
-    @property
-    def kernel(self) -> bool:
-        """Whether the family's distillation runs the fused kernel (on, with a chunk) or the plain path."""
-        return self.fused_kernel and self.chunk > 0
 
     def for_vocabulary(self, vocab: int, max_response_len: int) -> tuple[LossConfig, str | None]:
         """These settings for a policy of `vocab` ids: the fused kernel turned on, with a one-line message, when the
@@ -126,57 +124,3 @@ class LossConfig(Section):
         except ValueError as exc:
             return [f"--support {self.support!r}: {exc}"]
         return []
-
-
-def support_logp(student_logits: torch.Tensor, teacher_logits: torch.Tensor, k: int = 100,
-                 support: str = "student_tail") -> tuple[torch.Tensor, torch.Tensor]:  # fmt: skip
-    """(student_logp, teacher_logp) on the named support (`opd.maths.family.SUPPORTS`): BAS-OPD's 'student_tail' is
-    `opd.maths.divergence.topk_support` with its tail (..., k + 1), the family's the teacher's top-k (..., k) or the
-    full vocabulary (..., V)."""
-    from opd.maths.family import SUPPORTS
-
-    return SUPPORTS[support](student_logits, teacher_logits, k)
-
-
-def aggregation_weights(aggregation: str, row_weights: torch.Tensor, mask: torch.Tensor, denominator, dtype,
-                        sample_weights: torch.Tensor | None = None) -> torch.Tensor:  # fmt: skip
-    """One micro-batch's per-token weights (n, T) of the named aggregation (`opd.maths.family.AGGREGATION_WEIGHTS`):
-    token-mean is Eq. 11's `opd.maths.divergence.budgeted_weights` with the global token count `denominator` (with
-    `sample_weights`, its Hajek form); the family's are OPSD's sequence mean, verl's micro-batch mean and tinker's
-    token sum. `row_weights` (n,) multiplies each row's (OPOD's beta)."""
-    from opd.maths.family import AGGREGATION_WEIGHTS
-
-    return AGGREGATION_WEIGHTS[aggregation](row_weights, mask, denominator, dtype, sample_weights)
-
-
-def global_denominator(accelerator, lengths: torch.Tensor, selected: torch.Tensor, sample_weights=None) -> float | int:
-    """Eq. 11's denominator over all ranks (one all-reduce, run by every rank): the selected valid tokens, or with
-    unbiased selection's weights the Hajek form's sum_i w_i T_i (a float)."""
-    import torch
-
-    device = accelerator.device
-    if sample_weights is None:
-        tokens = int(lengths[selected].sum()) if selected.numel() else 0
-        return int(accelerator.reduce(torch.tensor(tokens, device=device), "sum").item())
-    local = (lengths[selected].double() * sample_weights[selected].double()).sum() if selected.numel() else 0.0
-    return float(accelerator.reduce(torch.tensor(float(local), device=device, dtype=torch.float64), "sum").item())
-
-
-def loss_denominator(accelerator, aggregation: str, lengths: torch.Tensor, selected: torch.Tensor,
-                     sample_weights=None, full_tokens: float | None = None) -> float | int:  # fmt: skip
-    """The step's denominator of the aggregation: Eq. 11's token count (token-mean, and token-sum, whose weights do
-    not divide by it: there it only says whether S holds a token) or |S| (the others). `full_tokens` (unbiased
-    selection's --estimator ht, `StepBatch.full_tokens`): the token mean's Horvitz-Thompson denominator T_C, the
-    tokens of every candidate, in place of the Hajek form's sum_S w_i T_i,
-
-        L_HT = sum_{i in S} w_i sum_t m_it D_it / T_C,    E[L_HT] = sum_{i in C} sum_t m_it D_it / T_C exactly,
-
-    returned when S holds a token anywhere (0 otherwise: the same all-reduce runs first, on every rank)."""
-    if aggregation in ("token-mean", "token-sum"):
-        tokens = global_denominator(accelerator, lengths, selected, sample_weights)
-        if full_tokens is not None and aggregation == "token-mean" and tokens:
-            return float(full_tokens)
-        return tokens
-    from opd.maths.family import selected_rows
-
-    return selected_rows(accelerator, lengths, selected)

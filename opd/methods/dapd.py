@@ -65,7 +65,6 @@ from typing import TYPE_CHECKING
 
 from opd.cli import Section
 from opd.models.ema_teacher import TeacherSet
-from opd.maths.loss import global_denominator
 from opd.methods.objective import ObjectiveResult, Objective, ObjectiveContext, StepBatch
 from opd.data.family_views import reference_prompt
 from opd.data.views import View, get_view
@@ -190,6 +189,7 @@ class DAPD(Objective):
     def __call__(self, batch: StepBatch) -> ObjectiveResult:
         import torch
 
+        from opd.maths.divergence import global_denominator
         from opd.methods.lockstep import lockstep, plan_micro_batches
 
         ctx = self.ctx

@@ -3,8 +3,8 @@
 `distill` is the default objective's call (`opd.methods.distillation.Distillation`; OPOD runs it for its gated term).
 A rank's rows of S are grouped by length into micro-batches (`--micro-batch` rows); for each, the teacher's detached
 logits on the crop prompt (Eq. 2), the student's on the full-image prompt (Eq. 1), Eq. 3 on the support
-(`loss.support_logp` + `generalized_jsd`, through autograd), its share of Eq. 11 (the global denominator:
-`opd.maths.loss.loss_denominator`) backpropagated at once, and the labels u_i (Eq. 7-9) from the same logits.
+(`divergence.topk_support` + `generalized_jsd`, through autograd), its share of Eq. 11 (the global denominator:
+`divergence.global_denominator`) backpropagated at once, and the labels u_i (Eq. 7-9) from the same logits.
 
 Memory per micro-batch (the plain path): n rows x T response positions x V ids of float32 logits per side; the
 student's logits, its tail's masked copy and the teacher's logits are held, about five (n, T, V) tensors at the peak
@@ -17,10 +17,8 @@ teacher view (`opd.methods.micro_batch.micro_batch_loss`). Lockstep and padding 
 
 import torch
 
-from opd.maths.divergence import generalized_jsd, upcast, weighted_sum
-from opd.maths.family import bias_corrected_reverse_kl
-from opd.maths.loss import aggregation_weights, support_logp
-from opd.maths.utility import labels_from_terms, utility_terms
+from opd.maths.divergence import generalized_jsd, labels_from_terms, upcast, utility_terms, weighted_sum
+from opd.maths.family import AGGREGATION_WEIGHTS, SUPPORTS, bias_corrected_reverse_kl
 from opd.methods.lockstep import Stopwatch, lockstep
 from opd.methods.micro_batch import micro_batch_loss
 from opd.methods.objective import ObjectiveResult, StepBatch, teacher_inputs, teacher_plans
@@ -60,8 +58,8 @@ def distill(objective, batch: StepBatch, row_weights: torch.Tensor | None = None
         s_inputs, _, _ = micro_batch_inputs([batch.student_prompts[p] for p in ro.prompt_index[rows].tolist()], ro,
                                             rows, ctx.ids["pad"], ctx.device)  # fmt: skip
         w_i = None if batch.weights is None else batch.weights[rows].to(ctx.device)  # (n,) 1 / pi_i
-        weights = mb.weight(aggregation_weights(cfg.aggregation, row_w[rows].to(ctx.device), mask, res.global_tokens,
-                                                dtype, w_i) * scale)  # (n, T) Eq. 11's (or the method's aggregation)
+        aggregate = AGGREGATION_WEIGHTS[cfg.aggregation]  # Eq. 11's budgeted_weights (or the method's aggregation)
+        weights = mb.weight(aggregate(row_w[rows].to(ctx.device), mask, res.global_tokens, dtype, w_i) * scale)  # (n, T)
         extras: dict = {}
         with mb.synced():
             with ctx.autocast(), mb.teacher(teacher):
@@ -70,7 +68,7 @@ def distill(objective, batch: StepBatch, row_weights: torch.Tensor | None = None
                     t_logits = tempered(teacher.logits(views[0][0], width), temp)  # (n, T, V) Eq. 2, detached
                     seconds = [watch.seconds()]
                     s_logits = tempered(response_logits(ctx.student, s_inputs, width), temp)  # (n, T, V) Eq. 1
-                    s_logp, t_logp = support_logp(s_logits, t_logits, k, cfg.support)  # (n, T, k + 1) Eq. 3's support
+                    s_logp, t_logp = SUPPORTS[cfg.support](s_logits, t_logits, k)  # (n, T, k + 1) Eq. 3's support
                     d = (generalized_jsd(s_logp, t_logp, cfg.alpha) if cfg.divergence == "jsd"  # (n, T) Eq. 3
                          else bias_corrected_reverse_kl(s_logp, t_logp))  # fmt: skip
                     loss = weighted_sum(d, weights)  # this micro-batch's share of Eq. 11

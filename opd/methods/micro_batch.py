@@ -12,10 +12,9 @@ to the plain path in float64 by tests/test_chunked.py).
 import torch
 
 from opd.maths.chunked import budgeted_loss_from_hidden, sampled_logp, sampled_logp_from_hidden
-from opd.maths.divergence import upcast, weighted_sum
+from opd.maths.divergence import labels_from_terms, upcast, utility_terms, weighted_sum
 from opd.maths.family import topk_divergence
 from opd.maths.loss import LossConfig
-from opd.maths.utility import labels_from_terms, utility_terms
 from opd.maths.weights import SampledLogp, TokenWeight, token_weight
 from opd.methods.lockstep import TeacherCost, timed
 from opd.models.chat import lm_head_weight, response_hidden, response_logits

@@ -54,7 +54,7 @@ class StepBatch:
     full_tokens: float | None = None
     """Unbiased selection with --estimator ht: T_C, the valid response tokens of every candidate in C over all ranks
     (`opd.selection.designs.Unbiased.full_query_tokens`), the token mean's Horvitz-Thompson denominator in place of the
-    Hajek form's sum_S w_i T_i (`opd.maths.loss.loss_denominator`); None: the Hajek form, or no weights."""
+    Hajek form's sum_S w_i T_i (`opd.maths.family.loss_denominator`); None: the Hajek form, or no weights."""
 
     def routed(self, teacher: str) -> torch.Tensor:
         """Local row ids of S routed to `teacher` (a name of the run's teacher set), in S's order."""
@@ -81,7 +81,7 @@ class ObjectiveResult:
     micro-batches of n_b times the micro-batch's token mean. OPOD: of its gated distillation term only (its
     `loss_share` adds the policy gradient and the KL)."""
     global_tokens: float = 0
-    """The loss's denominator over all ranks (`opd.maths.loss.loss_denominator`): token-mean, the selected valid tokens
+    """The loss's denominator over all ranks (`opd.maths.family.loss_denominator`): token-mean, the selected valid tokens
     (an int), or sum_i w_i T_i with unbiased selection's weights (a float); sequence-mean and micro-batch, the
     number |S| of selected rows with a valid token; DAPD, the rollout completions' tokens (weighted alike). 0: S is
     empty everywhere."""
@@ -98,17 +98,18 @@ class ObjectiveResult:
     @classmethod
     def begin(cls, ctx: ObjectiveContext, batch: StepBatch, labels: list[str]) -> ObjectiveResult:
         """The step's result before any teacher forward: no row labelled (NaN), every label's cost zero, and the
-        loss's global denominator (`opd.maths.loss.loss_denominator`: one all-reduce, run by every rank). `empty`: S holds
-        no token on any rank, so no teacher runs and the distillation term is zero (Appendix A.3)."""
+        loss's global denominator (`opd.maths.family.DENOMINATORS`, Eq. 11's `divergence.global_denominator`: one
+        all-reduce, run by every rank). `empty`: S holds no token on any rank, so no teacher runs and the distillation
+        term is zero (Appendix A.3)."""
         import torch
 
-        from opd.maths.loss import loss_denominator
+        from opd.maths.family import DENOMINATORS
         from opd.methods.lockstep import TeacherCost
 
         ro = batch.rollouts
         res = cls(utility=torch.full((len(ro),), float("nan")), teachers={lab: TeacherCost() for lab in labels})
-        res.global_tokens = loss_denominator(ctx.accelerator, ctx.loss.aggregation, ro.lengths, batch.selected,
-                                             batch.weights, batch.full_tokens)  # fmt: skip
+        denominator = DENOMINATORS[ctx.loss.aggregation]
+        res.global_tokens = denominator(ctx.accelerator, ro.lengths, batch.selected, batch.weights, batch.full_tokens)
         return res
 
     @property
@@ -118,8 +119,8 @@ class ObjectiveResult:
 
     def label(self, rows: torch.Tensor, terms: torch.Tensor, mask: torch.Tensor, loss) -> None:
         """Eq. 9's labels u_i of `rows` from their per-position terms (d, o, c) ((P, 3) or (n, T, 3);
-        `opd.maths.utility.labels_from_terms`), with the run's ablations (`loss`: the `opd.maths.loss.LossConfig`)."""
-        from opd.maths.utility import labels_from_terms
+        `opd.maths.divergence.labels_from_terms`), with the run's ablations (`loss`: the `opd.maths.loss.LossConfig`)."""
+        from opd.maths.divergence import labels_from_terms
 
         u = labels_from_terms(terms, mask, not loss.no_overlap, not loss.no_confidence)
         self.utility[rows] = u.float().cpu()

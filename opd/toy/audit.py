@@ -47,7 +47,7 @@ from opd.data.records import Record
 from opd.data.prompts import step_prompt_indices
 from opd.methods.micro_batch import micro_batch_loss
 from opd.maths.divergence import budgeted_weights
-from opd.maths.loss import aggregation_weights
+from opd.maths.family import aggregation_weights
 from opd.engine.rollout import Rollouts, SamplingConfig, generate_rollouts
 from opd.methods.lockstep import plan_rows
 from opd.seeding import mix_seed
@@ -411,13 +411,13 @@ def prompt_coverage(batches: list[HeldBatch], fraction: float = 0.25, seed: int 
 def opd_gradient(ctx: AuditContext, batch: HeldBatch, rows: torch.Tensor,
                  sample_weights: torch.Tensor | None = None, full_tokens: float | None = None) -> torch.Tensor:  # fmt: skip
     """Flat gradient of the run's loss over `rows` (global row ids of the batch) w.r.t. the policy: Eq. 11's token
-    mean, or the run's --loss-agg (`opd.maths.loss.aggregation_weights`, its denominator over `rows`).
+    mean, or the run's --loss-agg (`opd.maths.family.aggregation_weights`, its denominator over `rows`).
 
     Uses the training path (`opd.methods.micro_batch.micro_batch_loss` with the aggregation's weights, the run's
     micro-batches: the teacher on its privileged view, the student on its own, the method's divergence); nothing is
     stepped and no .grad is written. `sample_weights` (len(rows),): Eq. 11's Hajek form with these w_i (unbiased
     selection's 1 / pi_i; token-mean only, as train.py requires); with `full_tokens` (T_C) its Horvitz-Thompson form
-    instead (--estimator ht, `opd.maths.loss.loss_denominator`).
+    instead (--estimator ht, `opd.maths.family.loss_denominator`).
     """
     cfg, device, ro, model = ctx.objective.loss, ctx.objective.device, batch.rollouts, ctx.model
     params = [p for p in model.parameters() if p.requires_grad]
