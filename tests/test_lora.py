@@ -28,7 +28,7 @@ from opd.models.lora import LoRAConfig, adapter_state, base_parameters, wrap
 from opd.models.loading import load_model, load_processor, special_ids
 from opd.engine.rollout import generate_rollouts
 from opd.engine.synthetic import fixed_rollouts
-from opd.data.views import student_view
+from opd.data.records import student_view
 
 ROOT = Path(__file__).resolve().parents[1]
 F64 = torch.float64
