@@ -321,7 +321,7 @@ def prompt_tokens(model: Path, data: Path) -> tuple[int, int]:
     from opd.models.chat import encode_prompt
     from opd.data.sources import load_records
     from opd.models.loading import load_processor
-    from opd.data.views import get_view
+    from opd.data.records import get_view
 
     processor, view = load_processor(str(model)), get_view("full")
     longest, image = 0, 0

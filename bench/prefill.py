@@ -118,7 +118,7 @@ def measure(
     from opd.data.sources import load_records
     from opd.models.loading import load_model, load_processor
     from opd.engine.rollout import generate_rollouts
-    from opd.data.views import student_view
+    from opd.data.records import student_view
 
     device = "cuda" if torch.cuda.is_available() else "cpu"
     model_dir, data = model_and_data(model)

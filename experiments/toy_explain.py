@@ -189,7 +189,7 @@ def base_samples(root: Path, cfg: ExplainConfig) -> list[dict]:
     from opd.models.loading import load_model, load_processor, special_ids
     from opd.engine.rollout import generate_rollouts
     from opd.toy.explain import style_of
-    from opd.data.views import get_view
+    from opd.data.records import get_view
 
     path = root / "base_samples.json"
     if path.exists():

@@ -19,7 +19,7 @@ import train
 from opd.models.chat import collate, encode_prompt
 from opd.maths.chunked import budgeted_loss_from_hidden
 from opd.cli import UserError
-from opd.methods.distill import aggregation_weights
+from opd.maths.family import aggregation_weights
 from opd.maths.family import budgeted_loss, topk_divergence
 from opd.models.ema_teacher import AdapterTeacher
 from opd.models.chat import response_logits
@@ -28,7 +28,7 @@ from opd.models.lora import LoRAConfig, adapter_state, base_parameters, wrap
 from opd.models.loading import load_model, load_processor, special_ids
 from opd.engine.rollout import generate_rollouts
 from opd.engine.synthetic import fixed_rollouts
-from opd.data.views import student_view
+from opd.data.records import student_view
 
 ROOT = Path(__file__).resolve().parents[1]
 F64 = torch.float64

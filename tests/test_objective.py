@@ -20,7 +20,7 @@ from opd.methods.table import METHODS
 from opd.models.loading import load_model, load_processor, special_ids
 from opd.methods.objective import Objective, ObjectiveContext, StepBatch
 from opd.engine.rollout import Rollouts, response_mask
-from opd.data.views import get_view
+from opd.data.records import get_view
 
 F64 = torch.float64
 

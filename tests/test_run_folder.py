@@ -23,7 +23,7 @@ from opd.data.sources import load_records
 from opd.loop.ledger import read_ledger
 from opd.models.loading import load_processor
 from opd.tiny import build_tiny_model
-from opd.data.views import VIEWS
+from opd.data.records import VIEWS
 
 ROOT = Path(__file__).resolve().parents[1]
 

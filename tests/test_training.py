@@ -18,20 +18,19 @@ import opd.loop.run
 import opd.methods.table
 import opd.engine.rollout
 import opd.methods.lockstep
-import opd.data.views
+import opd.data.records
 import train
 from opd.models.chat import collate, encode_prompt
 from opd.cli import UserError
 from opd.config import TrainConfig
 from opd.data.sources import load_records
-from opd.data.prompts import step_prompt_indices
+from opd.data.records import step_prompt_indices, student_view
 from opd.models.chat import response_logits
 from opd.loop.ledger import read_ledger
 from opd.loop.run import Run
 from opd.models.loading import load_model, load_processor, special_ids
 from opd.engine.rollout import generate_rollouts, response_mask
 from opd.engine.synthetic import fixed_rollouts
-from opd.data.views import student_view
 
 ROOT = Path(__file__).resolve().parents[1]
 TIMING = {"prompt_s", "generation_s", "select_s", "teacher_forward_s", "student_s", "optimizer_s", "ema_s", "selector_s", "wait_s", "step_s"}
@@ -256,8 +255,8 @@ def test_two_steps_of_each_method(tmp_path, tiny, method):
 def test_rp_opsd_student_sees_half_the_resolution(tmp_path, tiny):
     run = Run(small_config(tmp_path, method="rp-opsd", policy="full", rho=1.0))
     record = run.records[0]
-    (image,), _ = opd.data.views.get_view(run.method.student_view)(record)
-    (full,), _ = opd.data.views.get_view("full")(record)
+    (image,), _ = opd.data.records.get_view(run.method.student_view)(record)
+    (full,), _ = opd.data.records.get_view("full")(record)
     assert image.size == (full.width // 2, full.height // 2)
 
 

@@ -9,7 +9,7 @@ from PIL import Image
 from opd.data.sources import load_records
 from opd.methods.table import METHODS, get_method
 from opd.data.family_views import REFERENCE_TEMPLATE, half_resolution, mask_box, masked
-from opd.data.views import VIEWS, get_view
+from opd.data.records import VIEWS, get_view
 
 
 @pytest.fixture

@@ -1,12 +1,11 @@
 """The start-up checks of the run's data, before step 0 (none runs inside a step): enough records for a step and at
-least one crop (`check_records`, as soon as the records load), and every prompt of every view a record is used in
-within --max-prompt-len (`check_lengths`, from `opd.data.prompts.Prompts.check`, without decoding an image:
-`opd.models.chat.prompt_length` of each view's `layout`).
+least one crop (`check_records`, as soon as the records load), and once the models load, a route for every record
+(routed teachers) and every prompt of every view a record is used in within --max-prompt-len (`check_prompts`,
+without decoding an image: `opd.models.chat.prompt_length` of each view's `layout`).
 """
 
 from opd.cli import UserError
-from opd.data.records import Record
-from opd.data.views import VIEWS, views_eligible
+from opd.data.records import VIEWS, Record, views_eligible
 from opd.models.chat import prompt_length
 
 
@@ -23,10 +22,12 @@ def check_records(records: list[Record], views, data_path, prompts_per_step: int
         )
 
 
-def check_lengths(prompts) -> None:
-    """Every record's prompt in every view it is used in (the student's, and each teacher view with its teacher's
-    processor) fits --max-prompt-len: one line naming the file:line, view and length otherwise. `prompts`: the run's
-    `opd.data.prompts.Prompts`."""
+def check_prompts(prompts) -> None:
+    """Refuses a record without a route (routed teachers), then checks that every record's prompt in every view it is
+    used in (the student's, and each teacher view with its teacher's processor) fits --max-prompt-len: one line naming
+    the file:line, view and length otherwise. `prompts`: the run's `opd.data.records.Prompts`."""
+    if prompts.teachers.routes is not None:
+        prompts.teachers.routes.check_records(prompts.records)
     cache: dict[tuple, int] = {}
     limit = prompts.data.max_prompt_len
     for record in prompts.records:

@@ -1,25 +1,28 @@
-"""The other methods' views of a training record (the table of views and the default's `full` and `crop`:
-`opd.data.views`):
+"""The other methods' views of a training record: their image and text transforms (the views themselves, with the
+default's `full` and `crop`, are the table `VIEWS` of `opd.data.records`):
 
 - `half_resolution`: x_i at half width and height, Lanczos (RP-OPSD's student).
 - `masked`: the crop with a black rectangle of area W H / 3, seeded by (seed, step, record id) (OPD-V's negative).
 - `reference_answer`: the full image, q_i and the record's reference (OPSD's privileged text, `REFERENCE_TEMPLATE`).
 
-Details and departures: docs/MODULES.md#opddataviews.
+Details and departures: docs/MODULES.md#opddatarecords (its views).
 """
 
 import numpy as np
 from PIL import Image, ImageDraw
 
-from opd.data.records import Record, crop_image, full_image
-
 REFERENCE_TEMPLATE = "{problem}\n\nReference answer (visible to you only): {reference}\nAnswer the question above."
 """OPSD's privileged prompt in this project: the question, then the reference, then the instruction."""
 
 
+def half_size(width: int, height: int) -> tuple[int, int]:
+    """Width and height halved, at least 1 pixel each (the `half_resolution` view's image size)."""
+    return max(1, width // 2), max(1, height // 2)
+
+
 def half_resolution(image: Image.Image) -> Image.Image:
-    """x^L of RP-OPSD: width and height halved (at least 1 pixel each), Lanczos."""
-    return image.resize((max(1, image.width // 2), max(1, image.height // 2)), Image.LANCZOS)
+    """x^L of RP-OPSD: width and height halved (`half_size`), Lanczos."""
+    return image.resize(half_size(image.width, image.height), Image.LANCZOS)
 
 
 def mask_box(width: int, height: int, seed: int) -> tuple[int, int, int, int]:
@@ -53,28 +56,3 @@ def masked(image: Image.Image, seed: int) -> Image.Image:
 def reference_prompt(problem: str, reference: str) -> str:
     """OPSD's teacher question: `REFERENCE_TEMPLATE` with the record's question and reference."""
     return REFERENCE_TEMPLATE.format(problem=problem, reference=reference)
-
-
-def half_view(r: Record, seed: int) -> tuple[list[Image.Image], str]:
-    """The `half_resolution` view: `half_resolution` of the full image, and q_i."""
-    return [half_resolution(full_image(r))], r.problem
-
-
-def half_layout(r: Record) -> tuple[list[tuple[int, int]], str]:
-    """The `half_resolution` view's layout: the halved size, and q_i."""
-    return [(max(1, r.image_size[0] // 2), max(1, r.image_size[1] // 2))], r.problem
-
-
-def masked_view(r: Record, seed: int) -> tuple[list[Image.Image], str]:
-    """The `masked` view: the crop with the mask of `seed`, and q_i (its layout is the crop's)."""
-    return [masked(crop_image(r), seed)], r.problem
-
-
-def reference_view(r: Record, seed: int) -> tuple[list[Image.Image], str]:
-    """The `reference_answer` view: the full image, and q_i with the record's reference (`reference_prompt`)."""
-    return [full_image(r)], reference_prompt(r.problem, r.reference)
-
-
-def reference_layout(r: Record) -> tuple[list[tuple[int, int]], str]:
-    """The `reference_answer` view's layout: the full image's size, and its question."""
-    return [r.image_size], reference_prompt(r.problem, r.reference)

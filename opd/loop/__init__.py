@@ -1,3 +1,3 @@
-"""The run's machinery: Algorithm 1's step (`opd.loop.run.step`), the run around it (`opd.loop.run.run`), its models
-and optimizer, folder, checkpoints, ledger and trackers.
+"""The run's machinery: Algorithm 1's step (`opd.loop.step.Stepper.step`), the run around it (`opd.loop.run.Run`), its
+models and optimizer, folder, checkpoints, ledger and trackers.
 """

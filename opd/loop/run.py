@@ -5,7 +5,7 @@ it builds and checks everything before anything is replaced (`_build`: the setti
 records, models, teachers, prompts, selector, objective, schedule and sampler), resumes a checkpoint, starts the
 trackers, runs the steps with live evaluation and checkpoints (`train`), and writes the summary (Tables 7/8). The rest
 of the run lives elsewhere: its settings in `opd.config`, its folder (lock, resume, overwrite, identities) in
-`opd.loop.folder`, its models and teachers in `opd.loop.build`, its prompts in `opd.data.prompts`, its rollouts in
+`opd.loop.folder`, its models and teachers in `opd.loop.build`, its prompts in `opd.data.records`, its rollouts in
 `opd.engine.rollout` (vLLM: `opd.engine.vllm_sampler`), the objectives behind `opd.methods.objective`.
 """
 
@@ -31,8 +31,8 @@ from opd.loop.ledger import Ledger, format_summary, summarize, write_atomic
 from opd.models.loading import autocast, special_ids
 from opd.methods.objective import ObjectiveContext
 from opd.loop.optim import lr_scheduler, restore_group_lr
-from opd.data.checks import check_records
-from opd.data.prompts import Prompts
+from opd.data.checks import check_prompts, check_records
+from opd.data.records import Prompts, get_view
 from opd.engine.rollout import Rollouts
 from opd.loop.folder import RunFolder, checkpoint_of, eval_command, launch_info
 from opd.engine.rollout import Sampler
@@ -42,7 +42,6 @@ from opd.models.sharding import generation, is_sharded
 from opd.loop.step import Stepper
 from opd.storage import DiskFullError, drop_temporaries
 from opd.loop.tracking import Trackers, parse_report_to
-from opd.data.views import get_view
 
 
 def end_processes() -> None:
@@ -112,7 +111,7 @@ class Run:
         # the schedule's span is fixed when the run starts (--schedule-steps, else its --steps); a resume keeps it
         self.schedule_span = state.get("schedule_span") or cfg.optim.schedule_steps or self.steps
         self.scheduler = lr_scheduler(self.optimizer, cfg.optim.lr_schedule, cfg.optim.warmup_steps, self.schedule_span)
-        self.prompts.check()
+        check_prompts(self.prompts)
         self.live = LiveEval(cfg.eval, self.steps) if cfg.eval.every else None  # the held items, loaded once
         policy = partial(acc.unwrap_model, self.student)
         if cfg.engine.vllm:  # the vLLM engine's sampler (an extension), else the policy's own HF generate

@@ -201,7 +201,7 @@ class Stepper:
     """The gradient-norm clip before AdamW (0: none)."""
     records: list
     prompts: object
-    """The run's prompts (`opd.data.prompts.Prompts`): each step's records, the student's and the teachers' inputs, C."""
+    """The run's prompts (`opd.data.records.Prompts`): each step's records, the student's and the teachers' inputs, C."""
     sampler: object
     """Line 3 (`opd.engine.rollout.Sampler`; vLLM's: `opd.engine.vllm_sampler`)."""
     selector: object

@@ -67,7 +67,7 @@ from opd.cli import Section
 from opd.models.ema_teacher import TeacherSet
 from opd.methods.objective import ObjectiveResult, Objective, ObjectiveContext, StepBatch
 from opd.data.family_views import reference_prompt
-from opd.data.views import View, get_view
+from opd.data.records import View, get_view
 
 if TYPE_CHECKING:
     import torch

@@ -149,7 +149,7 @@ class ObjectiveContext:
     encode: Callable
     """(view or View, record, seed=0, processor=None, thinking=None) -> EncodedPrompt, with the run's thinking flag
     (unless `thinking` says otherwise) and --max-prompt-len; a prompt that does not fit is a one-line error naming
-    its record (`opd.data.prompts.Prompts.encode`)."""
+    its record (`opd.data.records.Prompts.encode`)."""
     processor: object
     """The policy's processor (its tokenizer decodes rollouts)."""
     ids: dict

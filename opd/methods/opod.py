@@ -70,7 +70,7 @@ from opd.cli import Section
 from opd.lazy import no_grad
 from opd.methods.objective import ObjectiveResult, Objective, ObjectiveContext, StepBatch
 from opd.data.family_views import reference_prompt
-from opd.data.views import View, get_view
+from opd.data.records import View, get_view
 
 if TYPE_CHECKING:
     import torch

@@ -34,7 +34,7 @@ from opd.methods.distillation import Distillation
 from opd.methods.objective import Objective
 from opd.methods.opod import OPOD
 from opd.methods.tm_opd import TMOPD
-from opd.data.views import VIEWS
+from opd.data.records import VIEWS
 from opd.maths.weights import NEGATIVE_VIEW, TOKEN_WEIGHTS
 
 
@@ -44,7 +44,7 @@ class Method:
     paper: str
     """Where the method comes from (paper and public code)."""
     student_view: str = "full"
-    """The view the student samples and is trained on (opd.data.views)."""
+    """The view the student samples and is trained on (opd.data.records.VIEWS)."""
     teacher_view: str = "crop"
     """The (positive) teacher's privileged view: its distributions are the target of the divergence."""
     negative_view: str | None = None

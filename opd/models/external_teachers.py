@@ -18,7 +18,7 @@ from pathlib import Path
 
 from opd.cli import Section, UserError
 from opd.data.parse import KNOWN_FIELDS
-from opd.data.views import VIEWS
+from opd.data.records import VIEWS
 from opd.models.ema_teacher import TeacherSet
 
 
@@ -27,7 +27,7 @@ class TeacherConfig(Section):
     """Who teaches: the method's teacher view over the EMA self-teacher, or fixed external checkpoints."""
 
     teacher_view: str | None = None
-    """The teacher's privileged view (opd/data/views.py); none = the method's (crop for bas-opd)."""
+    """The teacher's privileged view (opd/data/records.py:VIEWS); none = the method's (crop for bas-opd)."""
     teacher_model: str | None = None
     """A fixed teacher checkpoint (folder or hub id, the policy's tokenizer) in place of the EMA self-teacher;
     frozen, run only on the selected rows (opd/models/external_teachers.py)."""

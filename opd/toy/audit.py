@@ -43,8 +43,7 @@ import torch
 
 from opd.models.chat import micro_batch_inputs
 from opd.cli import UserError
-from opd.data.records import Record
-from opd.data.prompts import step_prompt_indices
+from opd.data.records import Record, step_prompt_indices
 from opd.methods.micro_batch import micro_batch_loss
 from opd.maths.divergence import budgeted_weights
 from opd.maths.family import aggregation_weights
@@ -204,7 +203,7 @@ class AuditContext:
     objective: object
     """The run's `opd.methods.objective.ObjectiveContext`: the policy, its teachers (the first scores), ids, autocast, loss."""
     prompts: object
-    """The run's `opd.data.prompts.Prompts`: the student's prompts, the teachers' views, the candidates C."""
+    """The run's `opd.data.records.Prompts`: the student's prompts, the teachers' views, the candidates C."""
     sampling: SamplingConfig
     rho: float
     prompts_per_step: int

@@ -15,7 +15,7 @@ signal is privileged (its teacher view answers better than the student's):
   (the full image and the plain question) is never in the hint base's training data, and it never
   holds the answer: the answer reaches the student only through the teacher's distributions.
 
-`view_accuracy` answers a set of records greedily in any view of `opd.data.views`, as training builds it
+`view_accuracy` answers a set of records greedily in any view of `opd.data.records.VIEWS`, as training builds it
 (the teacher's privileged accuracy); the students are scored by eval.py on the benchmark.
 """
 
@@ -31,7 +31,7 @@ from opd.answers.choice import parse_choice
 from opd.models.chat import collate, encode_prompt
 from opd.loop.ledger import write_atomic
 from opd.data.family_views import reference_prompt
-from opd.data.views import get_view
+from opd.data.records import get_view
 
 
 @dataclass(frozen=True)
@@ -57,7 +57,7 @@ HINT = HintTask()
 
 
 def write_eval_records(world_dir: Path, world, out: Path) -> Path:
-    """The benchmark's items as training-format records (image + bbox), so any view of opd.data.views can be
+    """The benchmark's items as training-format records (image + bbox), so any view of opd.data.records.VIEWS can be
     built for them; the images are the benchmark's own files. Returns the JSONL path."""
     from opd.toy.world import sample
 
@@ -73,7 +73,7 @@ def write_eval_records(world_dir: Path, world, out: Path) -> Path:
 
 @torch.no_grad()
 def view_accuracy(model, processor, records, view: str, batch: int = 100) -> float:
-    """Greedy accuracy (%) on `records` asked in `view` (opd.data.views; the masked view seeded by the record's
+    """Greedy accuracy (%) on `records` asked in `view` (opd.data.records.VIEWS; the masked view seeded by the record's
     index), answers parsed as eval.py parses them."""
     from opd.eval.inference import generate_replies
     from opd.toy.world import OPTIONS
