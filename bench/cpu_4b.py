@@ -228,6 +228,7 @@ def instrument(windows: Windows, runs: list) -> None:
     import opd.methods.distill
     import opd.methods.micro_batch
     import opd.models.ema_teacher
+    import opd.models.adapter_teacher
     import opd.loop.step
     import opd.loop.run
     import opd.methods.lockstep
@@ -243,7 +244,7 @@ def instrument(windows: Windows, runs: list) -> None:
             yield
 
     opd.loop.step.PhaseTimer.__call__ = phase
-    for cls in (opd.models.ema_teacher.Teacher, opd.models.ema_teacher.AdapterTeacher):
+    for cls in (opd.models.ema_teacher.Teacher, opd.models.adapter_teacher.AdapterTeacher):
         windows.wrap(cls, "hidden", "objective: teacher forward")
         windows.wrap(cls, "logits", "objective: teacher forward")
     windows.wrap(opd.methods.distill, "response_logits", "objective: student forward")

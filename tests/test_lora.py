@@ -21,7 +21,7 @@ from opd.maths.chunked import budgeted_loss_from_hidden
 from opd.cli import UserError
 from opd.maths.family import aggregation_weights
 from opd.maths.family import budgeted_loss, topk_divergence
-from opd.models.ema_teacher import AdapterTeacher
+from opd.models.adapter_teacher import AdapterTeacher
 from opd.models.chat import response_logits
 from opd.loop.ledger import read_ledger
 from opd.models.lora import LoRAConfig, adapter_state, base_parameters, wrap

@@ -25,7 +25,8 @@ from opd.models import lora as lora_mod
 from opd.builtin import builtin_path, is_builtin
 from opd.loop.checkpoint import load_sharded, load_state, model_source
 from opd.cli import Section, UserError, resumable
-from opd.models.ema_teacher import AdapterTeacher, EMATeacher, Teacher, TeacherSet
+from opd.models.adapter_teacher import AdapterTeacher
+from opd.models.ema_teacher import EMATeacher, Teacher, TeacherSet
 from opd.models.chat import lm_head_weight
 from opd.models.external_teachers import build_routed, load_routes, load_teacher, teacher_source
 

@@ -2,8 +2,8 @@
 
 `EMATeacher` (full fine-tuning): a separate copy of the policy initialised from the same weights, without
 gradients (no optimizer moves it), updated only by theta-bar <- (1 - tau) theta-bar + tau theta after a valid
-student update. With LoRA (`AdapterTeacher`) it is no copy: the policy's own base with the adapter `teacher`,
-the adapter updated the same way (`opd.models.lora`). Either scores the student's own response tokens after its
+student update. With LoRA (`opd.models.adapter_teacher`) it is no copy: the policy's own base with the adapter
+`teacher`, the adapter updated the same way. Either scores the student's own response tokens after its
 privileged prompt, only for selected rows, detached. `rows_scored` and `batches` count every row and batch it
 has been asked about, so the budget can be audited.
 
@@ -59,7 +59,8 @@ class Teacher:
     anchor. `processor` encodes its prompts (None: the policy's)."""
 
     def __init__(self, model: torch.nn.Module, processor=None, *, freeze: bool = True):
-        """freeze=False (`AdapterTeacher`): `model` is the policy itself, left in its mode and trainable."""
+        """freeze=False (`opd.models.adapter_teacher.AdapterTeacher`): `model` is the policy itself, left in its mode
+        and trainable."""
         self.model = model.eval().requires_grad_(False) if freeze else model
         self.processor = processor
         self.rows_scored = 0
@@ -156,55 +157,6 @@ class EMATeacher(Teacher):
             ema_((self.pairs or parameter_pairs)(self.model, student), tau)
             for t, s in zip(self.model.buffers(), student.buffers(), strict=True):
                 t.copy_(s)
-
-
-class AdapterTeacher(Teacher):
-    """A teacher that is the policy's own base with one of its adapters, or with none (`opd.models.lora`): one base in
-    memory. `adapter` None: the base alone (a fixed teacher; DAPD's `base` anchor), frozen; else that adapter (the
-    EMA teacher, DAPD's snapshot), updated by `update` on the adapters' parameters only. Forwards run in eval mode
-    (no LoRA dropout) with the adapter active and no gradient, then the policy's own adapter and mode come back."""
-
-    def __init__(self, model: torch.nn.Module, adapter: str | None, processor=None):
-        super().__init__(model, processor, freeze=False)  # the policy's peft model, unwrapped: nothing frozen or copied
-        self.adapter = adapter
-
-    @property
-    def trainable(self) -> bool:
-        return self.adapter is not None
-
-    @contextlib.contextmanager
-    def _active(self):
-        import torch
-
-        from opd.models.lora import active_adapter
-
-        was_training = self.model.training
-        self.model.eval()
-        try:
-            with active_adapter(self.model, self.adapter), torch.no_grad():
-                yield
-        finally:
-            self.model.train(was_training)
-
-    def logits(self, inputs: dict[str, torch.Tensor], n_response: int) -> torch.Tensor:
-        self._record(inputs)
-        with self._active():  # no gradient inside
-            return response_logits(self.model, inputs, n_response).detach()
-
-    def hidden(self, inputs: dict[str, torch.Tensor], n_response: int) -> torch.Tensor:
-        self._record(inputs)
-        with self._active():
-            return response_hidden(self.model, inputs, n_response).detach()
-
-    def update(self, student: torch.nn.Module, tau: float) -> None:
-        """Algorithm 1, line 13 on the adapter: theta-bar <- (1 - tau) theta-bar + tau theta (the base is shared)."""
-        if self.adapter is not None:
-            import torch
-
-            from opd.models.lora import adapter_pairs
-
-            with torch.no_grad():
-                ema_(adapter_pairs(self.model, self.adapter), tau)  # the adapters' parameters (tau = 1: a copy)
 
 
 @dataclass
