@@ -33,7 +33,7 @@ from opd.models.lora import LoRAConfig
 from opd.maths.loss import LossConfig
 from opd.methods.table import METHODS
 from opd.loop.optim import OptimConfig
-from opd.engine.rollout import SamplingConfig
+from opd.engine.sampling import SamplingConfig
 from opd.loop.folder import FolderConfig, checkpoint_of, run_files
 from opd.selection.config import PredictorConfig, SelectionConfig
 from opd.loop.tracking import TrackerConfig

@@ -361,7 +361,7 @@ def test_a_started_server_says_so_with_its_log(tmp_path, vllm_model_dir, monkeyp
     from types import SimpleNamespace
 
     from opd.engine.vllm_server import EngineConfig
-    from opd.engine.rollout import SamplingConfig
+    from opd.engine.sampling import SamplingConfig
     from opd.engine.vllm_sampler import VLLMSampler as Sampler
 
     monkeypatch.setenv("BAS_OPD_VLLM_VENV", str(fake_venv(tmp_path)))

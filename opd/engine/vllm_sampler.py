@@ -14,7 +14,8 @@ import tempfile
 from pathlib import Path
 
 from opd.models.loading import special_ids
-from opd.engine.rollout import Rollouts, SamplingConfig
+from opd.engine.rollout import Rollouts
+from opd.engine.sampling import SamplingConfig
 from opd.loop.folder import VLLM_PUSH
 
 
