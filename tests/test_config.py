@@ -49,6 +49,7 @@ def test_every_stored_flag_of_an_old_run_is_a_flag_today(tmp_path, tiny):
     assert stored == TrainConfig(**stored).flags()
 
 
+@pytest.mark.slow  # an end-to-end run (train, resume or export): -m slow
 def test_a_yaml_file_and_a_runs_train_config_reproduce_the_ledger_and_flags_beside_win(tmp_path, tiny):
     train.main([*FLAGS, "--out", str(tmp_path / "flags")])
     want = results(tmp_path / "flags")

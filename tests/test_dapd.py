@@ -59,6 +59,7 @@ def test_the_six_pairs_see_the_specified_contexts_and_completions(tmp_path, tiny
     assert math.isfinite(res.share) and res.utility[0] >= 0
 
 
+@pytest.mark.slow  # an end-to-end run (train, resume or export): -m slow
 def test_snapshot_is_refreshed_every_n_steps_and_base_stays(tmp_path, tiny):
     run = Run(dapd_config(tmp_path, policy="full", rho=1.0, ema_every=2, steps=3))
     initial = params_of(run.model)

@@ -358,6 +358,7 @@ def test_jsonl_and_parquet_do_not_import_datasets(folder):
     assert proc.returncode == 0, proc.stderr[-2000:]
 
 
+@pytest.mark.slow  # an end-to-end run (train, resume or export): -m slow
 def test_training_from_parquet_and_save_to_disk_gives_the_jsonl_ledger(tmp_path, tiny):
     """train.py --data X.parquet (the Image feature's embedded bytes) and --data DIR (save_to_disk), built from the
     tiny default's JSONL: the same records, so the same ledger as the JSONL run (timings aside), same seed."""

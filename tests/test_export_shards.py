@@ -54,6 +54,7 @@ def one_line(proc: subprocess.CompletedProcess, prog: str) -> str:
     return lines[0]
 
 
+@pytest.mark.slow  # an end-to-end run (train, resume or export): -m slow
 def test_a_missing_or_truncated_shard_is_one_line_naming_it(tiny, tmp_path):
     ckpt = two_shard_checkpoint(tmp_path / "run", tiny[0])
     need = policy_files(ckpt)

@@ -268,6 +268,7 @@ def test_python_train_py_runs_one_thread_per_process_as_the_launchers_do():
     assert run.stdout.split() == ["2", "2"], run.stderr[-2000:]
 
 
+@pytest.mark.slow  # an end-to-end run (train, resume or export): -m slow
 def test_a_sigkill_while_overwrite_starts_loses_nothing(tmp_path, tiny):
     """The kill itself: --overwrite has set the old run aside and is starting its trackers when it is SIGKILLed; the
     same command without --overwrite then finds the old run, byte for byte, and is refused as before."""

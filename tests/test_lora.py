@@ -126,6 +126,7 @@ def test_the_adapters_gradient_is_autograd_on_the_merged_weights(tiny):
         torch.testing.assert_close(B.grad, scale * w.grad @ A.detach().T, rtol=1e-9, atol=1e-13, msg=name)
 
 
+@pytest.mark.slow  # an end-to-end run (train, resume or export): -m slow
 def test_a_lora_run_checkpoints_adapters_eval_scores_it_and_resume_is_exact(tmp_path, tiny):
     """`train.py --lora-r 8`: its checkpoint holds adapters (no base), eval.py --model RUN scores it (the adapter
     merged into its base), and 2 + 2 resumed steps equal 4 uninterrupted ones (ledger and adapters)."""
@@ -166,6 +167,7 @@ def lr_formula(name: str, step: int, peak: float, warmup: int, total: int) -> fl
     return peak * max(0.0, 0.5 * (1 + math.cos(math.pi * progress)))
 
 
+@pytest.mark.slow  # an end-to-end run (train, resume or export): -m slow
 @pytest.mark.parametrize("name,warmup,span", [("constant", 3, 0), ("linear", 2, 0), ("cosine", 1, 12), ("cosine", 1, 4)])
 def test_the_learning_rate_per_step_follows_its_schedule(tmp_path, tiny, name, warmup, span):
     """The ledger's lr of each step (the rate its update used) against the formula; a resume continues the schedule

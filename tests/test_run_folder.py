@@ -70,6 +70,7 @@ def other_models(tmp_path_factory, tiny):
     return {"same": same, "other": other, "unknown": unknown}
 
 
+@pytest.mark.slow  # an end-to-end run (train, resume or export): -m slow
 def test_overwrite_deletes_nothing_until_every_input_is_built(tmp_path, tiny, other_models, monkeypatch):
     """Each bad input of the audit stops `--overwrite` with one UserError and the old run byte for byte intact; so
     does a tracker that fails to start (after it began writing DIR/tb)."""
@@ -178,6 +179,7 @@ def test_in_one_process_the_lock_is_reentrant_and_released_by_the_last_holder(tm
     assert other() == 0
 
 
+@pytest.mark.slow  # an end-to-end run (train, resume or export): -m slow
 def test_resume_refuses_a_teacher_whose_weights_changed(tmp_path, tiny, other_models):
     """Retraining (here: one changed weight byte) the folder --teacher-model names, then --resume: refused by name;
     with the original weights back the resume runs."""
@@ -197,6 +199,7 @@ def test_resume_refuses_a_teacher_whose_weights_changed(tmp_path, tiny, other_mo
     assert [r["step"] for r in read_ledger(out / "ledger.jsonl")] == [0, 1, 2]
 
 
+@pytest.mark.slow  # an end-to-end run (train, resume or export): -m slow
 def test_resume_of_a_complete_run_rewrites_a_missing_or_stale_summary(tmp_path, tiny, capsys):
     out = tmp_path / "s"
     train.main(["--preset", "tiny", "--steps", "3", "--out", str(out)])

@@ -176,6 +176,7 @@ def test_stratified_selection_has_exact_per_stratum_probabilities_and_exactly_k_
         assert abs(float((got == f + 1).double().mean()) - p_extra) <= 5 * math.sqrt(p_extra * (1 - p_extra) / draws) + 1e-12
 
 
+@pytest.mark.slow  # a Monte Carlo check over many draws (about 26 s): -m slow
 def test_stratified_ht_recovers_the_full_query_mean():
     """The letter task's shape (32 prompts x 2 rollouts, K = 16: half the prompts get one row) and the explain task's
     (8 x 8, K = 16): over 6,000 draws the stratified HT estimate's mean is within 4 standard errors of the

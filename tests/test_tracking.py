@@ -47,6 +47,7 @@ def test_tensorboard_and_mlflow_hold_the_ledgers_metrics_in_their_namespaces(tmp
     assert sorted({s for s, _ in tensorboard_scalars(out / "tb")["loss/distill"]}) == [0, 1, 2, 3, 4]
 
 
+@pytest.mark.slow  # an end-to-end run (train, resume or export): -m slow
 def test_wandb_offline_holds_the_ledgers_metrics(tmp_path, tiny, monkeypatch):
     pytest.importorskip("wandb")
     monkeypatch.setenv("WANDB_MODE", "offline")

@@ -356,6 +356,7 @@ def test_runs_that_would_do_nothing_are_refused(tmp_path, tiny):
     assert not (tmp_path / "a").exists() and not (tmp_path / "b").exists()
 
 
+@pytest.mark.slow  # an end-to-end run (train, resume or export): -m slow
 def test_resume_continues_to_the_same_result(tmp_path, tiny):
     kw = dict(policy="learned", rho=0.5, steps=4, replay_start=8, replay_batch=8)
     whole = Run(small_config(tmp_path / "whole", **kw))
@@ -430,6 +431,7 @@ def test_cli_default_run_prints_the_cost_summary_and_writes_a_loadable_checkpoin
     assert (out / "summary.md").read_text().startswith("| Policy |")
 
 
+@pytest.mark.slow  # an end-to-end run (train, resume or export): -m slow
 def test_a_new_run_refuses_a_folder_holding_a_run_and_overwrite_replaces_it(tmp_path, tiny):
     out = str(tmp_path / "x")
     train.main(["--preset", "tiny", "--steps", "3", "--save-every", "1", "--keep-checkpoints", "3", "--out", out])
@@ -476,6 +478,7 @@ def test_ctrl_c_keeps_the_checkpoints_and_says_how_to_go_on(tmp_path, tiny, monk
     assert [r["step"] for r in read_ledger(out / "ledger.jsonl")] == [0, 1, 2, 3]
 
 
+@pytest.mark.slow  # an end-to-end run (train, resume or export): -m slow
 def test_resume_takes_the_runs_own_settings_and_refuses_method_changes(tmp_path, tiny, capsys):
     out = str(tmp_path / "r")
     train.main(["--preset", "tiny", "--steps", "3", "--save-every", "2", "--keep-checkpoints", "2", "--policy", "random", "--rho", "0.5", "--out", out])
