@@ -17,6 +17,7 @@ import signal
 import sys
 import textwrap
 import threading
+import time
 import types
 import typing
 from collections.abc import Callable
@@ -38,13 +39,18 @@ def _rank() -> int:
     return int(os.environ.get("RANK", "0") or 0)
 
 
+def _several() -> bool:
+    """Under a launcher with several processes."""
+    return int(os.environ.get("WORLD_SIZE", "1") or 1) >= 2
+
+
 PEER_LOST = re.compile(r"Connection (closed|reset) by peer|remote worker crashing|Broken pipe|communicator was aborted")
 """How gloo and NCCL report, to a rank waiting in a collective, that another rank has ended."""
 
 
 def _peer_lost(exc: BaseException) -> bool:
     """Under a launcher with several processes: `exc` says another rank ended (its own error is printed by it)."""
-    if int(os.environ.get("WORLD_SIZE", "1") or 1) < 2:
+    if not _several():
         return False
     names = {k.__name__ for k in type(exc).__mro__}
     return bool(names & {"DistError", "DistBackendError", "DistNetworkError"} or
@@ -60,9 +66,23 @@ def _raise_terminated(signum, frame):
     raise _Terminated()
 
 
+RANK_ZERO_GRACE_S = 60.0
+"""How long a rank other than 0 that met an error every rank meets waits for rank 0 to print it."""
+
+
+def _leave_the_line_to_rank_zero(exc: UserError, prog: str) -> None:
+    """A rank other than 0 met an error every rank meets: it waits for rank 0 to print it and end, which makes the
+    launcher end this process (SIGTERM: silent, exit code 2). Exiting at once let the launcher end rank 0 before
+    its line was printed (CI saw no error line at all). Rank 0 still running after RANK_ZERO_GRACE_S (it did not
+    meet the error): this rank prints it."""
+    if threading.current_thread() is threading.main_thread():
+        signal.signal(signal.SIGTERM, lambda signum, frame: os._exit(2))
+    time.sleep(RANK_ZERO_GRACE_S)
+    print(f"{prog}: error: [rank {_rank()}] {exc}", file=sys.stderr, flush=True)
+
+
 def _quiet_when_a_peer_ends(main: Callable, argv: list[str], prog: str):
-    several = int(os.environ.get("WORLD_SIZE", "1") or 1) >= 2
-    catch = several and threading.current_thread() is threading.main_thread()
+    catch = _several() and threading.current_thread() is threading.main_thread()
     before = signal.signal(signal.SIGTERM, _raise_terminated) if catch else None
     try:
         return main(argv)
@@ -84,7 +104,7 @@ def _quiet_when_a_peer_ends(main: Callable, argv: list[str], prog: str):
 
 def run_cli(main: Callable, argv: list[str], prog: str):
     """Calls main(argv); a UserError becomes one line 'prog: error: ...' on stderr and exit code 2 (printed once
-    under a launcher: by rank 0, unless only this rank met it), Ctrl-C one line 'prog: interrupted ...' (the
+    under a launcher: by rank 0, the others waiting for it, unless only this rank met it), Ctrl-C one line 'prog: interrupted ...' (the
     KeyboardInterrupt's message, if any) and exit code 130; a rank whose collective failed because another rank
     ended (that rank prints its own error), or that its launcher ended with SIGTERM, one line
     'prog: [rank r] stopped: ...' and exit code 1, not gloo's traceback. A launcher reports a failed process
@@ -95,6 +115,8 @@ def run_cli(main: Callable, argv: list[str], prog: str):
         if _rank() == 0 or exc.local:
             where = f"[rank {_rank()}] " if exc.local and _rank() else ""
             print(f"{prog}: error: {where}{exc}", file=sys.stderr, flush=True)
+        elif _several():
+            _leave_the_line_to_rank_zero(exc, prog)
         sys.exit(2)
     except KeyboardInterrupt as exc:
         print(f"\n{prog}: interrupted{': ' + str(exc) if str(exc) else ''}", file=sys.stderr, flush=True)

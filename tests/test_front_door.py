@@ -223,6 +223,29 @@ def test_a_rank_the_launcher_terminates_says_one_line(monkeypatch, capsys):
     assert signal.getsignal(signal.SIGTERM) is before
 
 
+def test_a_rank_other_than_0_leaves_a_shared_error_to_rank_0(tmp_path):
+    """CI saw a 2-rank refusal print no error line: rank 1 exited at once and the launcher ended rank 0 before it
+    printed. Now rank 1 waits: ended by the launcher (SIGTERM) it is silent with exit code 2; rank 0 still running
+    after the grace period, it prints the line itself. Deterministic: the wait is replaced in the child."""
+    child = tmp_path / "rank1.py"
+    child.write_text("\n".join([
+        "import os, signal, sys", "sys.path.insert(0, sys.argv[1])", "import opd.cli",
+        "from opd.cli import UserError, run_cli",
+        "if sys.argv[2] == 'launcher-ends-it':",
+        "    opd.cli.time.sleep = lambda s: (os.kill(os.getpid(), signal.SIGTERM), [0 for _ in range(10**7)])",
+        "else:", "    opd.cli.RANK_ZERO_GRACE_S = 0.0",
+        "def main(argv):", "    raise UserError('--rho must be in (0, 1] (test)')",
+        "run_cli(main, [], 'train.py')", "",
+    ]))  # fmt: skip
+    env = {**os.environ, "RANK": "1", "WORLD_SIZE": "2"}
+    ended = subprocess.run([sys.executable, str(child), str(ROOT), "launcher-ends-it"], env=env,
+                           capture_output=True, text=True, timeout=120)  # fmt: skip
+    assert ended.returncode == 2 and ended.stderr == "", ended.stderr
+    alone = subprocess.run([sys.executable, str(child), str(ROOT), "rank-0-never-ends"], env=env,
+                           capture_output=True, text=True, timeout=120)  # fmt: skip
+    assert alone.returncode == 2 and alone.stderr == "train.py: error: [rank 1] --rho must be in (0, 1] (test)\n"
+
+
 def test_the_rank_whose_peer_failed_says_one_line(tmp_path, tiny):
     """Two ranks, rank 1 failing with its own error: rank 0, waiting in a collective, printed gloo's traceback
     ('Connection closed by peer'); now one line."""
