@@ -7,13 +7,15 @@
 | `toy` | the toy world's base, trained on crops (`opd.toy.default`) | the toy world's training split | its held-out items (zoombench/, with crops) |
 
 A name wins over a folder of that name in the current folder (give `./toy` for the folder). Callers:
-`opd.loop.checkpoint.model_source` (every model flag), `opd.loop.build.default_sources` and `opd.data.sources.load_records` (--data),
+`model_source` (every model flag), `opd.loop.build.default_sources` and `opd.data.sources.load_records` (--data),
 `opd.eval.live` (--eval-data), `opd.eval.cli` (eval.py --data-dir).
 """
 
 from __future__ import annotations
 
 from pathlib import Path
+
+from opd.run_folder import policy_of
 
 KINDS = {"model": ("tiny", "toy"), "data": ("tiny", "toy"), "bench": ("tiny", "toy")}
 """The names each kind of flag takes."""
@@ -41,3 +43,13 @@ def builtin_path(name: object, kind: str, vllm: bool = False) -> Path | None:
 
     toy = toy_defaults()
     return {"model": toy.base, "data": toy.data, "bench": toy.bench}[kind]
+
+
+def model_source(path: str, what: str) -> str:
+    """What a model name loads (`--model`, `--teacher-model`, a route's teacher, `eval.py --model`): a built-in name
+    its folder, built on first use; a `train.py` run folder or one of its checkpoint folders its checkpoint's `policy/`
+    export (`opd.run_folder.policy_of`); anything else unchanged (a checkpoint folder or hub id, checked by
+    `opd.models.loading.resolve_model_source`). `what` names the flag in errors."""
+    if (builtin := builtin_path(path, "model")) is not None:
+        return str(builtin)
+    return policy_of(path, what)

@@ -22,7 +22,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from opd.loop.build import ModelConfig
-from opd.loop.checkpoint import CheckpointConfig, find_latest, load_config
+from opd.loop.checkpoint import CheckpointConfig
 from opd.cli import Flag, Section, UserError, flag_text, resumable
 from opd.data.sources import DataConfig
 from opd.models.ema_teacher import EMAConfig
@@ -34,7 +34,8 @@ from opd.maths.loss import LossConfig
 from opd.methods.table import METHODS
 from opd.loop.optim import OptimConfig
 from opd.engine.sampling import SamplingConfig
-from opd.loop.folder import FolderConfig, checkpoint_of, run_files
+from opd.loop.folder import FolderConfig
+from opd.run_folder import checkpoint_of, find_latest, load_config, run_files
 from opd.selection.config import PredictorConfig, SelectionConfig
 from opd.loop.tracking import TrackerConfig
 

@@ -50,7 +50,7 @@ MERGED = "merged"  # a LoRA checkpoint's export: checkpoint-N/merged/ (its polic
 
 def run_config(ckpt: Path) -> dict:
     """The run's settings stored with a checkpoint (train_config.json), or a one-line UserError."""
-    from opd.loop.checkpoint import load_config
+    from opd.run_folder import load_config
 
     try:
         return load_config(ckpt)
@@ -64,7 +64,7 @@ def run_model_source(ckpt: Path, config: dict | None = None) -> tuple[str, dict]
     relative to the current folder (train.py's, when run from where the run was started); when it is not there,
     the error names train_config.json's field `model` and the folder it was looked for in."""
     from opd.builtin import is_builtin
-    from opd.loop.checkpoint import model_source
+    from opd.builtin import model_source
     from opd.models.loading import resolve_model_source
 
     config = run_config(ckpt) if config is None else config
@@ -296,7 +296,7 @@ def export_checkpoint(ckpt: str | Path, out: str | Path | None = None) -> Path:
     default to checkpoint-N/merged/). One process, no torch.distributed process group; a one-line UserError for a
     folder that holds nothing to export, a missing or truncated shard, a run model that is gone or does not match
     the checkpoint's parameters, or an `out` that exists."""
-    from opd.loop.checkpoint import find_checkpoint
+    from opd.run_folder import find_checkpoint
     from opd.models.lora import is_adapter_folder
 
     try:
@@ -326,9 +326,9 @@ def _umask() -> int:
 
 def sharded_without_export(path: str | Path) -> Path | None:
     """The checkpoint a train.py run or checkpoint folder names (its latest), when it is sharded and has no
-    policy/ export yet; None for anything else (left to `opd.loop.checkpoint.model_source`). A sharded folder
+    policy/ export yet; None for anything else (left to `opd.builtin.model_source`). A sharded folder
     without DCP metadata (an incomplete write) is a UserError."""
-    from opd.loop.checkpoint import find_checkpoint
+    from opd.run_folder import find_checkpoint
 
     folder = Path(path).expanduser()
     run_like = (folder / "latest").is_file() or (folder / "state.pt").is_file()
@@ -348,7 +348,7 @@ def sharded_without_export(path: str | Path) -> Path | None:
 def ensure_export(path: str | Path, what: str = "--model", log=print) -> Path | None:
     """For eval.py: the folder to load for a sharded checkpoint without policy/ (`sharded_without_export`), exported
     first (`export_checkpoint`, saying so in one line): its policy/, or a LoRA run's merged/ (kept from an earlier
-    export); None when there is nothing to export (`opd.loop.checkpoint.model_source` decides)."""
+    export); None when there is nothing to export (`opd.builtin.model_source` decides)."""
     ckpt = sharded_without_export(path)
     if ckpt is None:
         return None

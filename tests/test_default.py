@@ -47,7 +47,7 @@ def test_the_builtin_names_resolve_in_one_place(small_toy):
 
     from opd.loop.build import default_sources
     from opd.builtin import builtin_path
-    from opd.loop.checkpoint import model_source
+    from opd.builtin import model_source
     from opd.data.sources import load_records
     from opd.models.external_teachers import teacher_source
     from opd.tiny import tiny_bench, tiny_defaults

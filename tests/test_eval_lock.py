@@ -1,4 +1,4 @@
-"""One eval.py run per --out (opd.eval.lock over opd.loop.lock): a second run into a folder another one holds is refused
+"""One eval.py run per --out (opd.eval.lock over opd.run_folder's lock): a second run into a folder another one holds is refused
 at once, in one line naming the folder, before it reads or writes anything there; under a launcher every rank
 refuses alike.
 
@@ -27,7 +27,7 @@ HOLDER = "pid 4242 on other-host"
 
 @contextlib.contextmanager
 def held(out: Path):
-    """OUT/.lock held as another run holds it (opd.loop.lock's format: the holder's pid and host in the file)."""
+    """OUT/.lock held as another run holds it (opd.run_folder's format: the holder's pid and host in the file)."""
     out.mkdir(parents=True, exist_ok=True)
     fd = os.open(out / ".lock", os.O_RDWR | os.O_CREAT, 0o644)
     try:

@@ -3,11 +3,9 @@ key given twice names both lines; --overwrite keeps a user's own folders and sur
 its first checkpoint says plainly that nothing can be resumed; every hint the run prints runs as printed; a rank
 whose peer failed exits in one line."""
 
-import json
 import os
 import re
 import shlex
-import shutil
 import signal
 import subprocess
 import sys
@@ -21,7 +19,7 @@ import opd.loop.run
 import train
 from opd.cli import UserError
 from opd.eval.config import run_evaluations
-from opd.loop import folder as runfolder
+from opd import run_folder as runfolder
 from opd.loop.ledger import read_ledger
 
 ROOT = Path(__file__).resolve().parents[1]

@@ -16,7 +16,7 @@ from test_training import small_config
 import opd.loop.run
 import opd.loop.folder
 import train
-from opd.loop import lock as runlock
+from opd import run_folder as runlock
 from opd.models.chat import encode_prompt, prompt_length
 from opd.cli import UserError
 from opd.data.sources import load_records
@@ -126,7 +126,7 @@ def test_a_second_run_is_refused_while_another_process_holds_the_folder(tmp_path
     operating system when that process is killed: a killed run never leaves its folder locked."""
     out = tmp_path / "held"
     holder = subprocess.Popen(
-        [sys.executable, "-c", f"from opd.loop import lock as runlock; runlock.acquire({str(out)!r}); print('held', flush=True); "
+        [sys.executable, "-c", f"from opd import run_folder as runlock; runlock.acquire({str(out)!r}); print('held', flush=True); "
          "import time; time.sleep(600)"],
         cwd=ROOT, stdout=subprocess.PIPE, text=True,
     )  # fmt: skip
@@ -172,7 +172,7 @@ def test_in_one_process_the_lock_is_reentrant_and_released_by_the_last_holder(tm
     path = runlock.acquire(tmp_path / "r")
     assert runlock.acquire(tmp_path / "r") == path
     runlock.release(tmp_path / "r")
-    code = "from opd.loop import lock as runlock; import sys\ntry:\n runlock.acquire(sys.argv[1])\nexcept runlock.LockedError:\n sys.exit(3)"
+    code = "from opd import run_folder as runlock; import sys\ntry:\n runlock.acquire(sys.argv[1])\nexcept runlock.LockedError:\n sys.exit(3)"
     other = lambda: subprocess.run([sys.executable, "-c", code, str(tmp_path / "r")], cwd=ROOT).returncode  # noqa: E731
     assert other() == 3  # still held once
     runlock.release(tmp_path / "r")

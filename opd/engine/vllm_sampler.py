@@ -16,7 +16,7 @@ from pathlib import Path
 from opd.models.loading import special_ids
 from opd.engine.rollout import Rollouts
 from opd.engine.sampling import SamplingConfig
-from opd.loop.folder import VLLM_PUSH
+from opd.run_folder import VLLM_PUSH
 
 
 class VLLMSampler:

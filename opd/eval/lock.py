@@ -1,9 +1,9 @@
-"""One eval.py run per --out folder: the folder's lock (`opd.loop.lock`, train.py's) for the whole run.
+"""One eval.py run per --out folder: the folder's lock (`opd.run_folder`, train.py's) for the whole run.
 
 Two runs into one --out would both skip the same answered items and append the same replies (every row
 twice in predictions.jsonl). `holding` takes OUT/.lock before the run reads anything there and gives it back
 when the run ends, however it ends; a second run is refused at once, in one line naming the folder and the
-holder. Under a launcher rank 0 alone holds the lock (`opd.loop.lock`'s departure: the other ranks never claim
+holder. Under a launcher rank 0 alone holds the lock (`opd.run_folder`'s departure: the other ranks never claim
 the folder), and every rank refuses alike (`Ranks.on_main` hands rank 0's error to all of them).
 
 A start that fails in a folder the run created (a model that does not load) leaves no folder behind: the lock
@@ -16,7 +16,7 @@ import contextlib
 from collections.abc import Iterator
 from pathlib import Path
 
-from opd.loop import lock as runlock
+from opd import run_folder as runlock
 from opd.cli import UserError
 
 

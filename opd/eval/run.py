@@ -29,11 +29,11 @@ def say(line: str) -> None:
 
 
 def resolve_model(path: str, ranks=None) -> str:
-    """What to load for --model (`opd.loop.checkpoint.model_source`: 'toy', 'tiny', a train.py run or checkpoint folder's
+    """What to load for --model (`opd.builtin.model_source`: 'toy', 'tiny', a train.py run or checkpoint folder's
     policy/), then `opd.models.loading.resolve_model_source` (a checkpoint folder, made absolute, or a hub id). A sharded
     (--fsdp) checkpoint without policy/ is exported first (`opd.export.ensure_export`, one line saying so; by rank 0
     alone under a launcher): to its policy/, a LoRA run's to merged/ (its adapter merged into the base)."""
-    from opd.loop.checkpoint import model_source
+    from opd.builtin import model_source
     from opd.eval.parallel import Ranks
     from opd.export import ensure_export
     from opd.models.loading import resolve_model_source

@@ -23,7 +23,8 @@ from typing import TYPE_CHECKING
 
 from opd.models import lora as lora_mod
 from opd.builtin import builtin_path, is_builtin
-from opd.loop.checkpoint import load_sharded, load_state, model_source
+from opd.builtin import model_source
+from opd.loop.checkpoint import load_sharded, load_state
 from opd.cli import Section, UserError, resumable
 from opd.models.adapter_teacher import AdapterTeacher
 from opd.models.ema_teacher import EMATeacher, Teacher, TeacherSet

@@ -29,6 +29,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from opd.cli import Section, resumable
+from opd.run_folder import find_latest
 from opd.storage import disk_full, is_full, write_atomic
 
 
@@ -143,15 +144,6 @@ def _publish(out_dir: Path, tmp: Path, final: Path, state: dict, keep: int) -> P
     return final
 
 
-def find_latest(out_dir: Path) -> Path | None:
-    """The checkpoint DIR/latest names, when it is there."""
-    latest = Path(out_dir) / "latest"
-    if not latest.is_file():
-        return None
-    ckpt = Path(out_dir) / latest.read_text().strip()
-    return ckpt if ckpt.is_dir() else None
-
-
 def prune(out_dir: Path, keep: int) -> None:
     """Keeps the `keep` newest checkpoints, the one DIR/latest names among them; removes the rest and a kill's
     leftovers (`.checkpoint-*.tmp`, `.checkpoint-*.old`). Run after every save and when a run resumes (a kill
@@ -258,56 +250,7 @@ def load_sharded(ckpt: str | Path, model, teacher, optimizer) -> None:
         set_model_state_dict(teacher, sd["teacher"])
 
 
-def find_checkpoint(path: str | Path) -> Path:
-    """A checkpoint folder from a run folder (via DIR/latest) or the checkpoint folder itself."""
-    path = Path(path)
-    if (path / "state.pt").is_file():
-        return path
-    latest = path / "latest"
-    if latest.is_file():
-        ckpt = path / latest.read_text().strip()
-        if (ckpt / "state.pt").is_file():
-            return ckpt
-        raise FileNotFoundError(f"{latest} names {ckpt.name}, which is missing or incomplete")
-    raise FileNotFoundError(f"no checkpoint in {path} (expected {path}/latest or {path}/state.pt)")
-
-
-def model_source(path: str, what: str) -> str:
-    """What a model name loads (`--model`, `--teacher-model`, a route's teacher, `eval.py --model`): a built-in name
-    ('tiny', 'toy': `opd.builtin`) its folder, built on first use; a `train.py` run folder or one of its checkpoint
-    folders (a folder without config.json, holding `latest` or `state.pt`) its checkpoint's `policy/` export;
-    anything else unchanged (a checkpoint folder or hub id, checked by `opd.models.loading.resolve_model_source`). `what`
-    names the flag in errors."""
-    from opd.builtin import builtin_path
-    from opd.cli import UserError
-
-    if (builtin := builtin_path(path, "model")) is not None:
-        return str(builtin)
-    folder = Path(path).expanduser()
-    run_like = (folder / "latest").is_file() or (folder / "state.pt").is_file()
-    if not folder.is_dir() or (folder / "config.json").is_file() or not run_like:
-        return str(folder) if folder.exists() else path  # '~/x' quoted past the shell: the folder, not a hub id
-    try:
-        ckpt = find_checkpoint(folder)
-    except FileNotFoundError as exc:
-        raise UserError(f"{what}: {exc}") from None
-    if not (ckpt / "policy").is_dir():
-        if (ckpt / "sharded").is_dir():
-            raise UserError(f"{what}: {ckpt} is a sharded (--fsdp) training checkpoint without an export; only a "
-                            "run's last checkpoint holds policy/ (give the finished run)")
-        raise UserError(f"{what}: {ckpt} holds no exported policy/")
-    return str(ckpt / "policy")
-
-
 def load_state(ckpt: Path) -> dict:
     import torch
 
     return torch.load(Path(ckpt) / "state.pt", map_location="cpu", weights_only=False)
-
-
-def load_config(ckpt: Path) -> dict:
-    """The run's settings stored with a checkpoint (train_config.json; state.pt for older checkpoints)."""
-    path = Path(ckpt) / "train_config.json"
-    if path.is_file():
-        return json.loads(path.read_text())
-    return load_state(ckpt).get("config", {})

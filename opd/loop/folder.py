@@ -1,6 +1,6 @@
 """A training run's --out folder: one run per folder, what a new run replaces, and what a resume must find again.
 
-- The lock (`opd.loop.lock`): rank 0 takes DIR/.lock before anything is read; every rank refuses alike when another
+- The lock (`opd.run_folder`): rank 0 takes DIR/.lock before anything is read; every rank refuses alike when another
   run holds it. A failed start releases it and removes a folder it created (when nothing else is there).
 - A new run refuses a folder that holds a run unless --overwrite; --overwrite sets the old run aside in
   DIR/.overwritten/ only once every input is built, and puts it back if the trackers then fail to start. Each move
@@ -21,10 +21,10 @@ import sys
 from dataclasses import dataclass
 from pathlib import Path
 
-from opd.loop import lock as runlock
-from opd.loop.checkpoint import find_checkpoint
 from opd.cli import Section, UserError, launch_only, resumable
 from opd.models.identity import DigestCache, model_identity
+from opd.run_folder import (DIGESTS, DROPPING, LOCK_NAME, OVERWRITING, OVERWRITTEN, LockedError, acquire, put_back, recover,
+                             release, remove_path, run_files)
 
 
 @dataclass
@@ -52,99 +52,6 @@ class FolderConfig(Section):
         if self.resume and self.overwrite:
             problems.append("--resume continues a run and --overwrite deletes it: choose one")
         return problems
-
-
-VLLM_PUSH = ".vllm-push"
-"""DIR/.vllm-push/: a sharded run's gathered weights for the vLLM engine (`opd.engine.vllm_server`), removed at the
-end."""
-OVERWRITTEN = ".overwritten"
-"""DIR/.overwritten/: an --overwrite's old run, set aside until the new one has started its trackers."""
-OVERWRITING = ".overwriting"
-"""DIR/.overwriting/: the old run's files while they move aside (renamed .overwritten once all are there)."""
-RESTORING = ".restoring"
-"""DIR/.restoring/: the old run's files while they move back (after the new run's own were deleted)."""
-DROPPING = ".overwritten.drop"
-"""DIR/.overwritten.drop/: the old run being deleted, once the new one has started (a kill's leftover is deleted)."""
-ASIDE = (OVERWRITTEN, OVERWRITING, RESTORING, DROPPING)
-RUN_FILES = ("ledger.jsonl", "summary.json", "summary.md", "latest", "train_config.json", "tb", "mlruns", "wandb",
-             "trackers.json", *ASIDE, VLLM_PUSH)  # fmt: skip
-"""What a training run writes into its --out folder, besides checkpoint-NNNNNN/ (and a kill's leftovers: temporary
-siblings of the checkpoints and of the summaries, RUN_PREFIXES)."""
-RUN_PREFIXES = ("checkpoint-", ".checkpoint-", ".summary.", ".ledger.", ".latest.", ".train_config.")
-DIGESTS = ".digests.json"
-"""DIR/.digests.json: the digest cache of the frozen models a run loads (`opd.models.identity.DigestCache`)."""
-
-
-def run_files(out: Path) -> list[Path]:
-    """The files and folders of a training run in `out` (none when it holds no run)."""
-    if not out.is_dir():
-        return []
-    return sorted(p for p in out.iterdir() if p.name in RUN_FILES or p.name.startswith(RUN_PREFIXES))
-
-
-def checkpoint_of(path: str) -> Path:
-    """The checkpoint a --resume path names, or a UserError saying what is missing. A run an interrupted --overwrite
-    had set aside is put back first (one process: under the folder's lock; several: named in the error)."""
-    try:
-        return find_checkpoint(path)
-    except FileNotFoundError as exc:
-        error = exc
-    out = Path(path)
-    if out.is_dir() and any((out / name).exists() for name in ASIDE):
-        if int(os.environ.get("WORLD_SIZE", "1")) > 1:
-            raise UserError(f"--resume {path}: {error}; {path}/{OVERWRITTEN}/ holds the run an interrupted --overwrite "
-                            "set aside: resume it once on one process, which puts it back") from None
-        with contextlib.suppress(runlock.LockedError):  # a run is using it: its own --overwrite, live
-            runlock.acquire(out)
-            try:
-                recover(out)
-            finally:
-                runlock.release(out)
-            with contextlib.suppress(FileNotFoundError):
-                return find_checkpoint(path)
-    hint = ""
-    if run_files(out):  # a run stopped before its first checkpoint
-        hint = (f"; the run in {path} stopped before its first checkpoint, so nothing can be resumed: start over with "
-                "the same command and --overwrite (which deletes it)")
-    raise UserError(f"--resume {path}: {error}{hint}") from None
-
-
-def _remove(path: Path) -> None:
-    shutil.rmtree(path) if path.is_dir() and not path.is_symlink() else path.unlink(missing_ok=True)
-
-
-def put_back(out: Path) -> bool:
-    """Puts an old run set aside by --overwrite (`RunFolder.set_aside`) back in `out`, from wherever a failed start or
-    a kill left it; True when there was one. From DIR/.overwritten/ (set aside whole; the new run may have begun to
-    write its trackers' files): the new run's files are deleted, then it moves back through DIR/.restoring/; from
-    .overwriting/ or .restoring/ (a kill midway): the files still there move back, over nothing of the new run's.
-    DIR/.overwritten.drop/ (a kill while the old run was deleted, the new one started) is deleted."""
-    if (out / DROPPING).exists():
-        shutil.rmtree(out / DROPPING)
-    whole = out / OVERWRITTEN
-    if whole.is_dir():
-        for path in run_files(out):
-            if path.name not in ASIDE:
-                _remove(path)
-        whole.rename(out / RESTORING)
-    found = False
-    for name in (OVERWRITING, RESTORING):
-        if (out / name).is_dir():
-            found = True
-            for path in (out / name).iterdir():
-                if (out / path.name).exists():  # (a file of the new run's set-aside run: not expected)
-                    _remove(out / path.name)
-                path.rename(out / path.name)
-            (out / name).rmdir()
-    return found
-
-
-def recover(out: Path) -> None:
-    """What a kill left of an --overwrite in `out`, under the folder's lock (no run is using it): the old run it had
-    set aside is put back (a note says so), so that the same command, --resume or --overwrite, meets it again."""
-    if put_back(out):
-        print(f"train.py: note: {out} held a run an interrupted --overwrite had set aside ({OVERWRITTEN}/): put back",
-              file=sys.stderr, flush=True)  # fmt: skip
 
 
 def eval_command(out: Path, eval_data: str | None, data: str | None) -> str:
@@ -189,15 +96,15 @@ class RunFolder:
         self.stored_identities: dict[str, str] = {}
 
     def lock(self) -> None:
-        """Rank 0 takes --out's lock (`opd.loop.lock`); every rank refuses alike when another run holds it."""
+        """Rank 0 takes --out's lock (`opd.run_folder`); every rank refuses alike when another run holds it."""
         import torch
 
         error = ""
         if self.main:
             try:
-                runlock.acquire(self.out)
+                acquire(self.out)
                 recover(self.out)  # a kill's leftover of an --overwrite, before anyone looks at the folder
-            except runlock.LockedError as exc:
+            except LockedError as exc:
                 error = f"{exc}: wait for it to finish, or give another --out"
             except OSError as exc:  # not a folder, not writable
                 error = f"{self.out}: cannot hold a run ({exc.strerror or exc}); give another --out"
@@ -208,9 +115,9 @@ class RunFolder:
     def release(self, failed: bool = False) -> None:
         """Releases the lock; after a failed start, a folder this run created is removed (when nothing else is
         there), so a failed start leaves no folder behind."""
-        runlock.release(self.out)
+        release(self.out)
         if failed and self.created and self.main:
-            for name in (runlock.LOCK_NAME, DIGESTS):
+            for name in (LOCK_NAME, DIGESTS):
                 (self.out / name).unlink(missing_ok=True)
             with contextlib.suppress(OSError):
                 self.out.rmdir()  # only if nothing else is there
@@ -260,7 +167,7 @@ class RunFolder:
         back to holding no run."""
         if self.main:
             for path in run_files(self.out):
-                _remove(path)
+                remove_path(path)
 
     @staticmethod
     def drop(aside: Path | None) -> None:

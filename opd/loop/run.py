@@ -22,7 +22,7 @@ from accelerate import Accelerator, PartialState
 from tqdm.auto import tqdm
 
 from opd.loop.build import ModelBuilder, Resume, default_sources
-from opd.loop.checkpoint import find_latest, load_config, prune, save_checkpoint, save_sharded
+from opd.loop.checkpoint import prune, save_checkpoint, save_sharded
 from opd.cli import UserError
 from opd.config import TrainConfig, refuse_changed_settings
 from opd.data.sources import load_records, parse_columns
@@ -34,7 +34,8 @@ from opd.loop.optim import lr_scheduler, restore_group_lr
 from opd.data.checks import check_prompts, check_records
 from opd.data.records import Prompts, get_view
 from opd.engine.rollout import Rollouts
-from opd.loop.folder import RunFolder, checkpoint_of, eval_command, launch_info
+from opd.loop.folder import RunFolder, eval_command, launch_info
+from opd.run_folder import checkpoint_of, find_latest, load_config
 from opd.engine.rollout import Sampler
 from opd.engine.vllm_sampler import VLLMSampler
 from opd.selection.designs import selector_from_config

@@ -141,9 +141,9 @@ def check_same_tokenizer(policy_processor, teacher_processor, what: str, policy_
 
 
 def teacher_source(path: str) -> str:
-    """What a teacher name loads (`opd.loop.checkpoint.model_source`: 'tiny', a `train.py` run or checkpoint folder's
+    """What a teacher name loads (`opd.builtin.model_source`: 'tiny', a `train.py` run or checkpoint folder's
     exported policy/, else the name unchanged)."""
-    from opd.loop.checkpoint import model_source
+    from opd.builtin import model_source
 
     return model_source(path, f"teacher {path}")
 
