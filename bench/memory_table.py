@@ -121,7 +121,8 @@ def model_shape(config) -> Shape:
 
     with torch.device("meta"):
         model = AutoModelForImageTextToText.from_config(config)
-    from opd.models.lora import DEFAULT_TARGETS, matched_modules
+    from opd.models.lora import matched_modules
+    from opd.models.settings import DEFAULT_TARGETS
 
     adapted = [model.get_submodule(n) for n in matched_modules(model, DEFAULT_TARGETS)]
     lora_per_rank = sum(m.in_features + m.out_features for m in adapted)

@@ -53,3 +53,8 @@ def model_source(path: str, what: str) -> str:
     if (builtin := builtin_path(path, "model")) is not None:
         return str(builtin)
     return policy_of(path, what)
+
+
+def teacher_source(name: str) -> str:
+    """What a teacher name loads (`--teacher-model`, a route's teacher): `model_source`, named 'teacher NAME' in errors."""
+    return model_source(name, f"teacher {name}")

@@ -21,23 +21,17 @@ import re
 from dataclasses import dataclass
 from pathlib import Path
 
-from opd.loop.build import ModelConfig
-from opd.loop.checkpoint import CheckpointConfig
 from opd.cli import Flag, Section, UserError, flag_text, resumable
-from opd.data.sources import DataConfig
-from opd.models.ema_teacher import EMAConfig
+from opd.data.settings import DataConfig, TeacherConfig
+from opd.engine.sampling import SamplingConfig
 from opd.engine.vllm_server import EngineConfig
-from opd.eval.live import LiveEvalConfig
-from opd.models.external_teachers import TeacherConfig
-from opd.models.lora import LoRAConfig
+from opd.eval.config import LiveEvalConfig
+from opd.loop.settings import CheckpointConfig, FolderConfig, OptimConfig, TrackerConfig
 from opd.maths.loss import LossConfig
 from opd.methods.table import METHODS
-from opd.loop.optim import OptimConfig
-from opd.engine.sampling import SamplingConfig
-from opd.loop.folder import FolderConfig
+from opd.models.settings import EMAConfig, LoRAConfig, ModelConfig
 from opd.run_folder import checkpoint_of, find_latest, load_config, run_files
 from opd.selection.config import PredictorConfig, SelectionConfig
-from opd.loop.tracking import TrackerConfig
 
 
 @dataclass

@@ -12,7 +12,7 @@ entries are read, into CPU tensors of the shapes and dtypes the checkpoint recor
 generation config and processor come from the run's own `--model` (checkpoint-N/train_config.json: `model`,
 none = the built-in tiny model), built on the meta device (no weights are initialised or read from it); its
 parameter names must be the checkpoint's, one for one. The folder is written by the same call the trainer's
-export makes (`model.save_pretrained(folder, state_dict=full)`, `opd.loop.checkpoint.export_pretrained`) into a
+export makes (`model.save_pretrained(folder, state_dict=full)`, `opd.models.sharding.export_pretrained`) into a
 temporary sibling and renamed into place, so the weights are the ones the trainer would have exported at that
 step, bit for bit. Before anything is read, every shard file holding the policy must be there and long enough
 for the entries DCP's index puts in it (`check_shards`): a missing or truncated one is one line naming it.
@@ -260,7 +260,7 @@ def _needed(model, state: dict | None) -> int:
 
 
 def write_export(model, state: dict | None, processor_source: str, out: Path) -> Path:
-    """`model.save_pretrained(out, state_dict=state)` (as `opd.loop.checkpoint.export_pretrained`) with the processor, into
+    """`model.save_pretrained(out, state_dict=state)` (as `opd.models.sharding.export_pretrained`) with the processor, into
     a temporary sibling renamed into place; a full disk is one line naming the folder and the model's size, and
     leaves no temporary folder."""
     from opd.models.loading import load_processor

@@ -70,7 +70,7 @@ def test_a_yaml_file_and_a_runs_train_config_reproduce_the_ledger_and_flags_besi
 def test_print_config_is_a_config_file_of_the_merged_settings(tmp_path, capsys):
     flags = train.main(["--method", "opsd", "--rho", "0.5", "--policy", "random", "--print-config"])
     text = capsys.readouterr().out
-    assert "# lora (opd.models.lora.LoRAConfig)" in text and "lora_r: 64" in text and "rho: 0.5" in text
+    assert "# lora (opd.models.settings.LoRAConfig)" in text and "lora_r: 64" in text and "rho: 0.5" in text
     (tmp_path / "c.yaml").write_text(text)
     assert resolve(read_config_file(str(tmp_path / "c.yaml"))).flags() == flags
     assert not (tmp_path / "runs").exists()  # printing trains nothing

@@ -7,7 +7,8 @@ import pytest
 from PIL import Image
 
 from opd.models.chat import encode_prompt, prompt_text, user_message
-from opd.data.records import DataError, crop_image, full_image, shard, step_prompt_indices
+from opd.data.records import crop_image, full_image, shard, step_prompt_indices
+from opd.data.settings import DataError
 from opd.data.sources import load_records
 from opd.models.loading import load_model, load_processor
 

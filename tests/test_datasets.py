@@ -18,8 +18,10 @@ import pyarrow.parquet as pq
 import pytest
 from PIL import Image
 
-from opd.data.records import DataError, crop_image, full_image
-from opd.data.sources import load_records, parse_columns
+from opd.data.records import crop_image, full_image
+from opd.data.settings import DataError
+from opd.data.settings import parse_columns
+from opd.data.sources import load_records
 
 datasets.disable_progress_bars()
 ROOT = Path(__file__).resolve().parent.parent

@@ -49,7 +49,7 @@ def test_the_builtin_names_resolve_in_one_place(small_toy):
     from opd.builtin import builtin_path
     from opd.builtin import model_source
     from opd.data.sources import load_records
-    from opd.models.external_teachers import teacher_source
+    from opd.builtin import teacher_source
     from opd.tiny import tiny_bench, tiny_defaults
 
     tiny_model, tiny_data = tiny_defaults()

@@ -75,7 +75,7 @@ def test_export_is_the_checkpoints_policy_in_save_pretrained_form(tiny, tmp_path
     model = moved_model(tiny[0], dtype)
     ckpt = sharded_checkpoint(tmp_path / "run", model, str(tiny[0]), dtype)
     reference = tmp_path / "reference"
-    model.save_pretrained(reference)  # what the trainer's export writes (opd.loop.checkpoint.export_pretrained)
+    model.save_pretrained(reference)  # what the trainer's export writes (opd.models.sharding.export_pretrained)
     load_processor(str(tiny[0])).save_pretrained(reference)
     t0 = time.perf_counter()
     out = export_checkpoint(ckpt)

@@ -34,7 +34,8 @@ def peft_policy(model_dir, seed: int = 0):
     """The tiny model with the student adapter `default` and the EMA teacher's `teacher`, both random."""
     from peft import LoraConfig, get_peft_model
 
-    from opd.models.lora import DEFAULT_TARGETS, target_modules
+    from opd.models.lora import target_modules
+    from opd.models.settings import DEFAULT_TARGETS
     from opd.models.loading import load_model
 
     config = LoraConfig(r=R, lora_alpha=ALPHA, target_modules=target_modules(DEFAULT_TARGETS), bias="none")

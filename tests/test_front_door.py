@@ -68,7 +68,7 @@ def test_tracker_availability_is_accelerates_own():
     """--report-to is checked without importing accelerate (torch): its names and availability match accelerate's."""
     from accelerate.tracking import LOGGER_TYPE_TO_CLASS, get_available_trackers
 
-    from opd.loop.tracking import PACKAGES, parse_report_to
+    from opd.loop.settings import PACKAGES, parse_report_to
 
     assert list(PACKAGES) == list(LOGGER_TYPE_TO_CLASS)
     available = {str(t) for t in get_available_trackers()}
@@ -265,13 +265,15 @@ def test_the_rank_whose_peer_failed_says_one_line(tmp_path, tiny):
 
 
 def test_the_torch_free_choices_are_the_loaders_own():
-    """ModelConfig.check names --dtype's and --fsdp-generation's choices without importing torch: the same as the
-    modules that use them."""
-    from opd.loop.build import DTYPE_NAMES, GENERATION_MODES
+    """The settings name --dtype's, --fsdp-generation's and --teacher-view's choices without importing torch: the
+    same as the modules that use them."""
+    from opd.data.records import VIEWS
+    from opd.data.settings import VIEW_NAMES
     from opd.models.loading import DTYPES
+    from opd.models.settings import DTYPE_NAMES, GENERATION_MODES
     from opd.models.sharding import GENERATION
 
-    assert DTYPE_NAMES == tuple(DTYPES) and GENERATION_MODES == tuple(GENERATION)
+    assert DTYPE_NAMES == tuple(DTYPES) and GENERATION_MODES == tuple(GENERATION) and VIEW_NAMES == tuple(VIEWS)
 
 
 def test_python_train_py_runs_one_thread_per_process_as_the_launchers_do():

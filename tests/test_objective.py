@@ -13,7 +13,8 @@ from opd.methods.dapd import DAPD, DAPDConfig
 from opd.data.sources import load_records
 from opd.methods.distillation import Distillation
 from opd.maths.family import budgeted_loss, topk_divergence
-from opd.models.ema_teacher import EMAConfig, EMATeacher, Teacher, TeacherSet
+from opd.models.ema_teacher import EMATeacher, Teacher, TeacherSet
+from opd.models.settings import EMAConfig
 from opd.models.chat import response_logits
 from opd.maths.loss import LossConfig
 from opd.methods.table import METHODS

@@ -12,7 +12,7 @@ from test_training import TIMING, params_of, small_config
 import train
 from opd.cli import UserError
 from opd.data.sources import load_records
-from opd.models.external_teachers import load_routes
+from opd.data.routes import load_routes
 from opd.loop.ledger import read_ledger
 from opd.loop.run import Run
 from opd.engine.synthetic import fixed_rollouts
@@ -166,7 +166,7 @@ def test_impossible_teacher_combinations_are_refused_by_name(tmp_path, flags, me
 def test_teacher_names_tiny_and_run_folders(tmp_path, tiny):
     """'tiny' is the built-in model; a train.py run folder (or a checkpoint folder) is its exported policy/; a
     checkpoint folder or hub id is kept; a run folder whose checkpoint has no policy/ is refused in one line."""
-    from opd.models.external_teachers import teacher_source
+    from opd.builtin import teacher_source
 
     assert teacher_source("tiny") == str(tiny[0])
     ckpt = tmp_path / "run" / "checkpoint-000002"

@@ -11,7 +11,8 @@ from tracker_readers import mlflow_client, tensorboard_scalars, wandb_history  #
 import train
 from opd.cli import UserError
 from opd.loop.ledger import read_ledger
-from opd.loop.tracking import metrics, parse_report_to
+from opd.loop.settings import parse_report_to
+from opd.loop.tracking import metrics
 
 
 def test_tensorboard_and_mlflow_hold_the_ledgers_metrics_in_their_namespaces(tmp_path, tiny, monkeypatch, capsys):

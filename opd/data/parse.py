@@ -20,7 +20,8 @@ from pathlib import Path
 
 from PIL import Image, UnidentifiedImageError
 
-from opd.data.records import DataError, Record
+from opd.data.records import Record
+from opd.data.settings import DataError
 from opd.models.chat import IMAGE_MARK
 
 

@@ -24,6 +24,7 @@ import numpy as np
 from PIL import Image, UnidentifiedImageError
 
 from opd.cli import UserError
+from opd.data.settings import DataError
 from opd.data.family_views import half_resolution, half_size, masked, reference_prompt
 from opd.engine.rollout import Rollouts
 from opd.methods.objective import StepBatch
@@ -32,10 +33,6 @@ from opd.seeding import mix_seed
 
 if TYPE_CHECKING:
     import torch
-
-
-class DataError(UserError, ValueError):
-    """A bad training record or source: the message names the file (or dataset), the row and the field."""
 
 
 @dataclass(frozen=True)
@@ -198,7 +195,7 @@ def shard(items: list, rank: int, world: int) -> list:
 
 class Prompts:
     """The run's records, views and teachers: the prompts each step encodes, and the candidates C. `data`: the run's
-    `opd.data.sources.DataConfig`."""
+    `opd.data.settings.DataConfig`."""
 
     def __init__(self, records: list[Record], processor, method, teacher_views: tuple[str, ...], teachers,
                  data, seed: int, rank: int = 0, world: int = 1):  # fmt: skip

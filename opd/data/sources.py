@@ -38,12 +38,11 @@ import os
 import re
 from collections.abc import Iterator
 from concurrent.futures import ThreadPoolExecutor
-from dataclasses import dataclass
 from pathlib import Path
 
-from opd.cli import Section, UserError
 from opd.data.parse import one_line, parse_record
-from opd.data.records import DataError, Record
+from opd.data.records import Record
+from opd.data.settings import DataError, parse_columns
 
 NOT_JSONL = (".arrow", ".csv", ".tsv", ".zip", ".gz", ".tar")
 """File suffixes `load_records` refuses by name (a JSONL file is read line by line; parquet is read as a table)."""
@@ -56,58 +55,6 @@ HUB_DATASET_ID = re.compile(r"^[\w.-]+/[\w.-]+$")
 
 BATCH_ROWS = 32
 """Table rows decoded per batch: the rows' embedded image bytes held at once."""
-
-
-@dataclass
-class DataConfig(Section):
-    """The training records and the prompts each step draws from them."""
-
-    data: str | None = None
-    """Training data (Vision-OPD or bbox form): a JSONL file, a parquet file or folder, a `datasets` save_to_disk
-    folder, a hub id org/name (opd/data/sources.py), or a built-in name: 'toy' (the default preset's: the toy world's
-    training split) or 'tiny'; none (--preset tiny): the tiny dataset."""
-    data_split: str | None = None
-    """The split of --data when it has several (a DatasetDict folder, a hub id, a parquet folder of split files)."""
-    data_columns: str | None = None
-    """Column renames of --data, "COLUMN=FIELD,..." (e.g. "question=problem,img=images"); unmapped columns keep
-    their names."""
-    prompts_per_step: int = 28
-    """Prompts per step over all processes."""
-    max_prompt_len: int = 8192
-    """Longest prompt in tokens (image tokens included); longer prompts are an error."""
-    enable_thinking: bool = False
-    """Qwen3.5's thinking generation prompt instead of the non-thinking one."""
-
-    def check(self) -> list[str]:
-        problems = []
-        if self.prompts_per_step < 1:
-            problems.append(f"--prompts-per-step {self.prompts_per_step}: must be at least 1")
-        if self.max_prompt_len < 1:
-            problems.append(f"--max-prompt-len {self.max_prompt_len}: must be at least 1")
-        try:
-            parse_columns(self.data_columns)
-        except UserError as exc:
-            problems.append(str(exc))
-        return problems
-
-
-def parse_columns(text: str | None, flag: str = "--data-columns") -> dict[str, str]:
-    """A column mapping from the command line: "question=problem,img=images" -> {"question": "problem",
-    "img": "images"} (source column -> record field); None or "" -> {}. A one-line DataError names `flag`."""
-    if text is None or not text.strip():
-        return {}
-    mapping: dict[str, str] = {}
-    for part in text.split(","):
-        column, eq, field = (s.strip() for s in part.partition("="))
-        if not eq or not column or not field or "=" in field:
-            raise DataError(f"{flag} {text!r}: expected COLUMN=FIELD pairs separated by commas "
-                            f"(e.g. question=problem,img=images), got {part.strip()!r}")  # fmt: skip
-        if column in mapping:
-            raise DataError(f"{flag} {text!r}: column '{column}' is mapped twice")
-        if field in mapping.values():
-            raise DataError(f"{flag} {text!r}: two columns are mapped to field '{field}'")
-        mapping[column] = field
-    return mapping
 
 
 def _check_columns(columns: dict[str, str]) -> dict[str, str]:

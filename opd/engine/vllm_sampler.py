@@ -80,7 +80,7 @@ class VLLMSampler:
         if self.lora_scaling is not None:
             self._push_merged()
         elif self.sharded:
-            from opd.loop.checkpoint import export_pretrained
+            from opd.models.sharding import export_pretrained
 
             folder = self.out / VLLM_PUSH  # one shared path for every rank (and machine); removed at the end
             export_pretrained(self.model(), folder)

@@ -385,7 +385,7 @@ class VLLMServer:
         safetensors. The engine reloads them in place (`POST /collective_rpc` `reload_weights`, a development
         endpoint: the server runs with VLLM_SERVER_DEV_MODE=1), then the three caches are reset
         (`reset_caches`). No request may be in flight meanwhile (the trainer pushes between steps). For a
-        sharded (FSDP) policy the caller gathers the full state first (`opd.loop.checkpoint.export_pretrained`)
+        sharded (FSDP) policy the caller gathers the full state first (`opd.models.sharding.export_pretrained`)
         and passes the folder.
 
         Next step on GPUs: the disk hop (save, then the engine reads the files) costs seconds per step for a

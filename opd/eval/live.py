@@ -24,73 +24,13 @@ console and lists them in summary.md (`format_scores`, `opd.loop.ledger.format_s
 
 from __future__ import annotations
 
-from dataclasses import dataclass
 
-from opd.cli import Section, UserError, resumable
+from opd.cli import UserError
+from opd.eval.config import LiveEvalConfig
 
 CROP = "_crop"
 """The crop view's suffix of a live-evaluation metric (`eval/zoombench_crop`, `eval/zoombench_crop_gap`): '@', eval.py's
 own mark for the view, is not a valid tracker name (MLflow refuses it), and the ledger keeps the trackers' names."""
-
-
-@dataclass
-class LiveEvalConfig(Section):
-    """train.py's --eval-* flags (a section of its TrainConfig: field f is flag --eval-f)."""
-
-    every: int = resumable(0)
-    """Score the policy on held benchmark items every N steps and at the last (opd/eval/live.py); 0 = never."""
-    data: str | None = resumable(None)
-    """The benchmark folder of --eval-every (eval.py's --data-dir: one sub-folder per benchmark), 'toy': the toy
-    world's held-out items (zoombench, with crops; built on first use), or 'tiny': the tiny model's benchmark folder."""
-    benchmarks: str = resumable("zoombench")
-    """Benchmarks of --eval-every, comma-separated (eval.py's names)."""
-    limit: int = resumable(100)
-    """Items per benchmark of --eval-every (each benchmark's first; 0 = all)."""
-    views: str = resumable("full")
-    """Views of --eval-every: full, or full,crop (the crop view: the collapse warning sign)."""
-    max_new_tokens: int = resumable(64)
-    """Most new tokens per answer of --eval-every."""
-    batch: int = resumable(8)
-    """Prompts per generate() call of --eval-every."""
-    before: bool = resumable(False)
-    """With --eval-every: also score the policy before step 0 (the weights the run starts from), for a before/after
-    comparison (the console and summary.md show both)."""
-
-    PREFIX = "eval_"
-
-    def names(self) -> list[str]:
-        return [n.strip().lower() for n in self.benchmarks.split(",") if n.strip()]
-
-    def view_list(self) -> list[str]:
-        return [v.strip() for v in self.views.split(",") if v.strip()]
-
-    def check(self) -> list[str]:
-        """Problems with the flags, each naming its flag (the data folder is checked too)."""
-        from opd.builtin import is_builtin
-        from opd.eval.benchmarks import LOADERS, expected_files, has_files
-
-        if not self.every:
-            unused = [f for f, v in (("--eval-data", self.data), ("--eval-before", self.before)) if v]
-            return [f"{' and '.join(unused)} has no effect without --eval-every N (evaluate every N steps): give "
-                    f"--eval-every, or drop {' and '.join(unused)}"] if unused else []
-        problems = []
-        if self.every < 0:
-            problems.append(f"--eval-every {self.every}: must be >= 0")
-        if not self.data:
-            return problems + ["--eval-every needs --eval-data (a folder with one sub-folder per benchmark, as eval.py's "
-                               "--data-dir)"]
-        unknown = [n for n in self.names() if n not in LOADERS]
-        if unknown or not self.names():
-            problems.append(f"--eval-benchmarks {self.benchmarks!r}: choose from {', '.join(LOADERS)}")
-        elif not is_builtin(self.data, "bench") and not all(has_files(n, self.data) for n in self.names()):
-            missing = [n for n in self.names() if not has_files(n, self.data)]
-            problems.append(f"--eval-data {self.data}: no files for {', '.join(missing)} (expected "
-                            f"{'; '.join(f'{n}/ with {expected_files(n)}' for n in missing)})")
-        if not set(self.view_list()) <= {"full", "crop"} or "full" not in self.view_list():
-            problems.append(f"--eval-views {self.views!r}: full, or full,crop")
-        if self.limit < 0 or self.max_new_tokens < 1 or self.batch < 1:
-            problems.append("--eval-limit must be >= 0, --eval-max-new-tokens and --eval-batch >= 1")
-        return problems
 
 
 class LiveEval:

@@ -22,54 +22,20 @@ from pathlib import Path
 from typing import TYPE_CHECKING
 
 from opd.models import lora as lora_mod
-from opd.builtin import builtin_path, is_builtin
-from opd.builtin import model_source
+from opd.builtin import builtin_path, is_builtin, model_source, teacher_source
 from opd.loop.checkpoint import load_sharded, load_state
-from opd.cli import Section, UserError, resumable
+from opd.loop.optim import adamw
+from opd.cli import UserError
 from opd.models.adapter_teacher import AdapterTeacher
 from opd.models.ema_teacher import EMATeacher, Teacher, TeacherSet
 from opd.models.chat import lm_head_weight
-from opd.models.external_teachers import build_routed, load_routes, load_teacher, teacher_source
+from opd.data.routes import load_routes
+from opd.models.external_teachers import build_routed, load_teacher
 
 if TYPE_CHECKING:
     import torch
 
-DTYPE_NAMES = ("float32", "bfloat16", "float16", "float64")
-"""--dtype's choices: `opd.models.loading.DTYPES`'s names, here without torch (a settings check imports nothing
-heavy)."""
-GENERATION_MODES = ("gathered", "layerwise")
-"""--fsdp-generation's choices: `opd.models.sharding.GENERATION`, here without torch."""
 
-@dataclass
-class ModelConfig(Section):
-    """The policy's checkpoint and how it is held: dtype, mixed precision, activation recomputation, sharding."""
-
-    model: str | None = None
-    """HF image-text-to-text checkpoint (folder or hub id), a train.py run folder, or a built-in name: 'toy' (the
-    default preset's: the toy world's base, trained on crops) or 'tiny' (a random-weight tiny Qwen3.5); none (--preset
-    tiny): the tiny one."""
-    dtype: str = "float32"
-    """Weight dtype of policy and teacher (float32 keeps lr 2e-6 updates representable)."""
-    mixed_precision: str = "no"
-    """Autocast of the forwards: no, bf16 or fp16 (weights stay in --dtype)."""
-    grad_checkpointing: bool = resumable(False)
-    """Recompute activations in backward (long responses on a real model)."""
-    fsdp: bool = False
-    """Shard the policy, its gradients and AdamW state, and the EMA teacher over the processes (FSDP2, torch's
-    fully_shard) instead of replicating them (DDP); checkpoints are then sharded."""
-    fsdp_generation: str = resumable("gathered")
-    """With --fsdp: 'gathered' all-gathers the policy once per generate() call; 'layerwise' gathers it layer by layer
-    at every generated token (less memory, far more communication)."""
-
-    def check(self) -> list[str]:  # torch-free: a bad --config answers before any heavy import
-        problems = []
-        if self.mixed_precision not in ("no", "bf16", "fp16"):
-            problems.append(f"--mixed-precision {self.mixed_precision!r}: choose no, bf16 or fp16")
-        if self.dtype not in DTYPE_NAMES:
-            problems.append(f"--dtype {self.dtype!r}: choose one of {', '.join(DTYPE_NAMES)}")
-        if self.fsdp_generation not in GENERATION_MODES:
-            problems.append(f"--fsdp-generation {self.fsdp_generation!r}: choose one of {', '.join(GENERATION_MODES)}")
-        return problems
 
 
 def default_sources(model: str | None, data: str | None, accelerator, vllm: bool = False) -> tuple[str, str]:
@@ -123,7 +89,7 @@ class Models:
     initial_teacher: Callable[[], Teacher]
     """A frozen teacher of the run's initial weights (DAPD's base anchor, OPOD's reference)."""
     lora: object = None
-    """The run's LoRA settings (`opd.models.lora.LoRAConfig`) when the policy is a frozen base with an adapter; None: full
+    """The run's LoRA settings (`opd.models.settings.LoRAConfig`) when the policy is a frozen base with an adapter; None: full
     fine-tuning."""
 
     @property
@@ -212,7 +178,7 @@ class ModelBuilder:
             teacher = EMATeacher(load_model(teacher_path, cfg.model.dtype, self.acc.device), copy_weights=False)
         elif not cfg.teacher.external:
             teacher = EMATeacher(student)  # Algorithm 1, line 1
-        student, optimizer = self.acc.prepare(student, cfg.optim.adamw(student.parameters()))
+        student, optimizer = self.acc.prepare(student, adamw(cfg.optim, student.parameters()))
         return student, optimizer, teacher
 
     def _sharded(self, model_path: str):
@@ -225,7 +191,7 @@ class ModelBuilder:
         if not cfg.teacher.external:
             teacher = EMATeacher(load_sharded_model(model_path, **self.shard), copy_weights=False, pairs=local_pairs)
             teacher.copy_from(student)  # Algorithm 1, line 1, shard by shard
-        return student, cfg.optim.adamw(student.parameters()), teacher
+        return student, adamw(cfg.optim, student.parameters()), teacher
 
     def _lora(self):
         """The LoRA policy (opd/models/lora.py): the run's initial --model, frozen, with the trained adapter `default`; the EMA
@@ -256,9 +222,9 @@ class ModelBuilder:
                 lora_mod.load_adapter(student, "teacher", self.resume.ckpt / "teacher")
         if cfg.model.fsdp:
             student = shard_model(student, device, cfg.model.mixed_precision)
-            optimizer = cfg.optim.adamw(_trainable(student))
+            optimizer = adamw(cfg.optim, _trainable(student))
         else:
-            student, optimizer = self.acc.prepare(student, cfg.optim.adamw(_trainable(student)))
+            student, optimizer = self.acc.prepare(student, adamw(cfg.optim, _trainable(student)))
         unwrapped = self.acc.unwrap_model(student)
         teacher = None if cfg.teacher.external else AdapterTeacher(unwrapped, "teacher" if ema else None)
         return student, optimizer, teacher, lambda: AdapterTeacher(unwrapped, None)
@@ -271,10 +237,10 @@ class ModelBuilder:
         cfg, vocab = self.cfg.teacher, lm_head_weight(model).shape[0]
         if cfg.teacher_model:
             what = f"--teacher-model {cfg.teacher_model}"
-            teacher = load_teacher(cfg.teacher_model, what, processor, vocab, lambda p: self.load_frozen(p, what),
+            teacher = load_teacher(teacher_source(cfg.teacher_model), what, processor, vocab, lambda p: self.load_frozen(p, what),
                                    load_processor)  # fmt: skip
             return TeacherSet({"teacher": teacher})
         routes = load_routes(cfg.teachers)
         given = {teacher_source(name): name for name in routes.teachers.values()}  # the folder loaded -> its name
         load = lambda path: self.load_frozen(path, f"teacher {given.get(path, path)}")  # noqa: E731
-        return build_routed(routes, processor, vocab, load, load_processor)
+        return build_routed(routes, teacher_source, processor, vocab, load, load_processor)

@@ -25,34 +25,11 @@ import contextlib
 import json
 import os
 import shutil
-from dataclasses import dataclass
 from pathlib import Path
 
-from opd.cli import Section, resumable
+from opd.models.sharding import export_pretrained
 from opd.run_folder import find_latest
 from opd.storage import disk_full, is_full, write_atomic
-
-
-@dataclass
-class CheckpointConfig(Section):
-    """When the run writes checkpoints, and how many it keeps."""
-
-    save_every: int = resumable(0)
-    """Checkpoint every N steps (0: only at the end)."""
-    keep_checkpoints: int = resumable(1)
-    """Checkpoints kept in the output folder."""
-
-    def due(self, step: int, steps: int) -> bool:
-        """Whether a checkpoint follows step index `step` of a run of `steps`."""
-        return step + 1 == steps or bool(self.save_every and (step + 1) % self.save_every == 0)
-
-    def check(self) -> list[str]:
-        problems = []
-        if self.save_every < 0:
-            problems.append(f"--save-every {self.save_every}: must be >= 0 (0 = only at the end)")
-        if self.keep_checkpoints < 1:
-            problems.append(f"--keep-checkpoints {self.keep_checkpoints}: must be at least 1")
-        return problems
 
 
 WRITE_FAILED = ("PytorchStreamWriter failed", "unexpected pos", "file write failed")
@@ -168,26 +145,6 @@ def _sharded_state(model, teacher, optimizer) -> dict:
     if teacher is not None:  # None: a frozen external teacher (not saved)
         state["teacher"] = get_model_state_dict(teacher)
     return state
-
-
-def export_pretrained(model, folder: Path, processor=None, adapter: str | None = None) -> None:
-    """`save_pretrained` of a sharded model: the full weights gathered to rank 0's CPU memory (a collective,
-    run by every rank) and written there by rank 0, with the processor when given; `adapter` (LoRA): that adapter
-    of the model only (`opd.models.lora.save_adapter`)."""
-    import torch.distributed as dist
-
-    from opd.models.sharding import full_state_dict
-
-    full = full_state_dict(model)
-    if dist.get_rank() == 0:
-        if adapter is not None:
-            from opd.models.lora import save_adapter
-
-            save_adapter(model, adapter, folder, state_dict=full)
-        else:
-            model.save_pretrained(folder, state_dict=full)
-        if processor is not None:
-            processor.save_pretrained(folder)
 
 
 def save_sharded(out_dir: str | Path, step: int, model, teacher, optimizer, state: dict, keep: int = 1,

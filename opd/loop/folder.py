@@ -18,40 +18,13 @@ import os
 import shlex
 import shutil
 import sys
-from dataclasses import dataclass
 from pathlib import Path
 
-from opd.cli import Section, UserError, launch_only, resumable
+from opd.cli import UserError
+from opd.loop.settings import FolderConfig
 from opd.models.identity import DigestCache, model_identity
 from opd.run_folder import (DIGESTS, DROPPING, LOCK_NAME, OVERWRITING, OVERWRITTEN, LockedError, acquire, put_back, recover,
                              release, remove_path, run_files)
-
-
-@dataclass
-class FolderConfig(Section):
-    """Where the run writes, and whether it continues or replaces the run already there."""
-
-    out: str = resumable("runs/tiny")
-    """Output folder: ledger.jsonl, summary.md, checkpoints, TensorBoard logs."""
-    resume: str | None = launch_only(None, resumable_too=True)
-    """Continue from a run folder (its latest checkpoint) or a checkpoint folder, with the run's own settings."""
-    overwrite: bool = launch_only(False)
-    """Start over in an --out folder that holds a run, deleting its ledger, summary and checkpoints."""
-    auto_resume: bool = launch_only(False, resumable_too=True)
-    """Continue the run in --out when it holds a checkpoint (a requeued job's same command), else start it (a
-    folder without a checkpoint is started over); flags that differ from the stored run's are refused as with
-    --resume (verl's resume_mode=auto)."""
-    allow_data_change: bool = resumable(False)
-    """With --resume: continue although --data's files changed since the run started (refused otherwise); the result
-    then differs from an uninterrupted run's."""
-
-    def check(self) -> list[str]:
-        problems = []
-        if Path(self.out).exists() and not Path(self.out).is_dir():
-            problems.append(f"--out {self.out}: is a file; a run needs a folder")
-        if self.resume and self.overwrite:
-            problems.append("--resume continues a run and --overwrite deletes it: choose one")
-        return problems
 
 
 def eval_command(out: Path, eval_data: str | None, data: str | None) -> str:

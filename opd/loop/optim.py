@@ -12,64 +12,14 @@ recipes"). The gradient-norm clip is the step's own (`opd.loop.step.clip_gradien
 
 from __future__ import annotations
 
-from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
-from opd.cli import Section
+from opd.loop.settings import OptimConfig
+
 
 if TYPE_CHECKING:
     import torch
 
-LR_SCHEDULES = ("constant", "linear", "cosine")
-"""--lr-schedule's names (transformers.get_scheduler's, 'constant' becoming 'constant_with_warmup' with a warm-up)."""
-
-
-@dataclass
-class OptimConfig(Section):
-    """The policy's AdamW, its gradient clip and its learning-rate schedule."""
-
-    lr: float = 2e-6
-    """AdamW learning rate of the policy (the peak of --lr-schedule)."""
-    lr_schedule: str = "constant"
-    """The learning rate over the steps (transformers' schedulers): constant, linear (to 0) or cosine (to 0), each
-    after --warmup-steps of linear warm-up from 0."""
-    warmup_steps: int = 0
-    """Steps of linear warm-up (Vision-OPD, OPD-V, RP-OPSD: 10)."""
-    schedule_steps: int = 0
-    """Steps the schedule spans (its decay reaches 0 there); 0 = --steps (DAPD: a 500-step schedule)."""
-    weight_decay: float = 0.01
-    """AdamW weight decay of the policy."""
-    grad_clip: float = 1.0
-    """Gradient-norm clip of the policy update (not in the paper; the peers' 1.0); 0 = no clipping."""
-    adam_beta1: float = 0.9
-    """AdamW's beta1 (torch's default)."""
-    adam_beta2: float = 0.999
-    """AdamW's beta2 (torch's default; tinker's: 0.95)."""
-    adam_eps: float = 1e-8
-    """AdamW's epsilon (torch's default)."""
-
-    def check(self) -> list[str]:
-        problems = []
-        if self.lr_schedule not in LR_SCHEDULES:
-            problems.append(f"--lr-schedule {self.lr_schedule!r}: choose one of {', '.join(LR_SCHEDULES)}")
-        if self.warmup_steps < 0 or self.schedule_steps < 0:
-            problems.append("--warmup-steps and --schedule-steps must be >= 0")
-        for flag, value in (("lr", self.lr), ("weight-decay", self.weight_decay)):
-            if not value >= 0:  # NaN too
-                problems.append(f"--{flag} {value}: must be >= 0")
-        if not self.grad_clip >= 0:
-            problems.append(f"--grad-clip {self.grad_clip}: must be >= 0 (0 = no clipping)")
-        if not (0 <= self.adam_beta1 < 1 and 0 <= self.adam_beta2 < 1):
-            problems.append(f"--adam-beta1 {self.adam_beta1} and --adam-beta2 {self.adam_beta2}: each must lie in [0, 1)")
-        if not self.adam_eps > 0:
-            problems.append(f"--adam-eps {self.adam_eps}: must be > 0")
-        return problems
-
-    def adamw(self, params) -> torch.optim.AdamW:
-        import torch
-
-        return torch.optim.AdamW(params, lr=self.lr, betas=(self.adam_beta1, self.adam_beta2), eps=self.adam_eps,
-                                 weight_decay=self.weight_decay)  # fmt: skip
 
 
 def lr_scheduler(optimizer: torch.optim.Optimizer, schedule: str, warmup_steps: int, span: int):
@@ -94,3 +44,11 @@ def restore_group_lr(optimizer: torch.optim.Optimizer, scheduler) -> None:
     the schedule's step 0 and `load_state_dict` restores only the scheduler's own counters."""
     for group, lr in zip(optimizer.param_groups, scheduler.get_last_lr()):
         group["lr"] = lr
+
+
+def adamw(cfg: OptimConfig, params) -> torch.optim.AdamW:
+    """AdamW over `params` with the run's --lr, --adam-beta1/2, --adam-eps and --weight-decay."""
+    import torch
+
+    return torch.optim.AdamW(params, lr=cfg.lr, betas=(cfg.adam_beta1, cfg.adam_beta2), eps=cfg.adam_eps,
+                             weight_decay=cfg.weight_decay)  # fmt: skip

@@ -25,7 +25,8 @@ from opd.loop.build import ModelBuilder, Resume, default_sources
 from opd.loop.checkpoint import prune, save_checkpoint, save_sharded
 from opd.cli import UserError
 from opd.config import TrainConfig, refuse_changed_settings
-from opd.data.sources import load_records, parse_columns
+from opd.data.settings import parse_columns
+from opd.data.sources import load_records
 from opd.eval.live import LiveEval, evaluations, format_scores
 from opd.loop.ledger import Ledger, format_summary, summarize, write_atomic
 from opd.models.loading import autocast, special_ids
@@ -42,7 +43,8 @@ from opd.selection.designs import selector_from_config
 from opd.models.sharding import generation, is_sharded
 from opd.loop.step import Stepper
 from opd.storage import DiskFullError, drop_temporaries
-from opd.loop.tracking import Trackers, parse_report_to
+from opd.loop.settings import parse_report_to
+from opd.loop.tracking import Trackers
 
 
 def end_processes() -> None:

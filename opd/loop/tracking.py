@@ -31,24 +31,12 @@ import os
 import re
 import shlex
 import uuid
-from dataclasses import dataclass
 from pathlib import Path
 
-from opd.cli import Section, UserError, resumable
+from opd.loop.settings import MLFLOW_DB, TrackerConfig
 from opd.storage import write_atomic
 
-PACKAGES = {"aim": "aim", "comet_ml": "comet_ml", "mlflow": "mlflow", "tensorboard": "tensorboard", "wandb": "wandb",
-            "clearml": "clearml", "dvclive": "dvclive", "swanlab": "swanlab", "trackio": "trackio"}  # fmt: skip
-"""accelerate's tracker names (`accelerate.tracking.LOGGER_TYPE_TO_CLASS`'s, in its order) -> the pip package that
-provides each."""
-MODULES = {"tensorboard": ("tensorboard", "tensorboardX")}
-"""The modules whose presence makes a tracker available, as accelerate's `is_<name>_available` decide (the tracker's
-own name when not listed)."""
 STATE = "trackers.json"
-PROJECT = "bas-opd"
-"""The trackers' project when neither --tracker-project nor $WANDB_PROJECT names one."""
-MLFLOW_DB = "mlflow.db"
-"""MLflow's store in the run folder (SQLite: MLflow's default backend, read without MLFLOW_ALLOW_FILE_STORE)."""
 BEFORE = "eval/before/"
 """The trackers' namespace of --eval-before's scores (`eval/zoombench` before training -> `eval/before/zoombench`)."""
 VALID = re.compile(r"[^A-Za-z0-9_\-. :/]")
@@ -60,69 +48,6 @@ def metric_name(key: str) -> str:
     """A metric's name, valid in every tracker accelerate offers: each other character becomes '_'
     ('eval/zoombench@crop' -> 'eval/zoombench_crop'). The one mapping from a ledger field to a tracker name."""
     return VALID.sub("_", key)
-
-
-@dataclass
-class TrackerConfig(Section):
-    """Where the step's metrics go besides the ledger: accelerate's trackers."""
-
-    report_to: str = resumable("tensorboard")
-    """Experiment trackers through accelerate, comma-separated: tensorboard (DIR/tb), wandb, mlflow (DIR/mlflow.db),
-    trackio, comet_ml, aim, clearml, dvclive, swanlab; none for none (opd/loop/tracking.py)."""
-    run_label: str | None = resumable(None)
-    """The run's name in the trackers (default: the --out folder's name and the policy, e.g. 'tiny learned-25')."""
-    tracker_project: str | None = None
-    """The trackers' project (W&B's project, MLflow's experiment, ...); none: $WANDB_PROJECT, else 'bas-opd'."""
-    wandb_entity: str | None = None
-    """W&B's entity (a team or user); none: $WANDB_ENTITY, else W&B's default."""
-    tracker_tags: str | None = None
-    """Tags of the tracker run, comma-separated (W&B's tags, MLflow's tags)."""
-    tracker_group: str | None = None
-    """The group of the tracker run (W&B's group: e.g. one per sweep or seed set)."""
-
-    @property
-    def project(self) -> str:
-        return self.tracker_project or os.environ.get("WANDB_PROJECT") or PROJECT
-
-    @property
-    def tags(self) -> list[str]:
-        return [t.strip() for t in (self.tracker_tags or "").split(",") if t.strip()]
-
-    def check(self) -> list[str]:
-        try:
-            parse_report_to(self.report_to)
-        except UserError as exc:
-            return [str(exc)]
-        return []
-
-
-def parse_report_to(text: str | None) -> list[str]:
-    """The tracker names of --report-to ('none' or '' -> []); one line for an unknown or uninstalled one. Torch-free
-    (no accelerate import): a bad setting answers in a second; the names are accelerate's (`PACKAGES`), a tracker
-    installed when one of its `MODULES` is (accelerate's own test: tests/test_tracking.py compares them)."""
-    import importlib.util
-
-    names = [n.strip().lower() for n in (text or "").split(",") if n.strip()]
-    if names in ([], ["none"]):
-        return []
-    if "none" in names:
-        raise UserError(f"--report-to {text}: 'none' means no tracker and cannot be combined with others; give "
-                        f"--report-to none alone, or only tracker names")
-    unknown = [n for n in names if n not in PACKAGES]
-    if unknown:
-        raise UserError(f"--report-to {text}: unknown tracker {', '.join(unknown)}; "
-                        f"choose from {', '.join(PACKAGES)} or none")
-    missing = [n for n in names if not any(importlib.util.find_spec(m) for m in MODULES.get(n, (n,)))]
-    if missing:
-        raise UserError(f"--report-to {text}: {', '.join(missing)} not installed (pip install "
-                        f"{' '.join(PACKAGES.get(n, n) for n in missing)}, or see requirements-trackers.txt)")
-    if "mlflow" in names and not os.environ.get("MLFLOW_TRACKING_URI"):
-        lacking = [m for m in ("sqlalchemy", "alembic") if importlib.util.find_spec(m) is None]
-        if lacking:
-            raise UserError(f"--report-to {text}: MLflow's store DIR/{MLFLOW_DB} (SQLite, MLflow's default) needs "
-                            f"{' and '.join(lacking)} (pip install -r requirements-trackers.txt, or the full mlflow "
-                            "package); or set MLFLOW_TRACKING_URI to a store of your own")  # fmt: skip
-    return list(dict.fromkeys(names))
 
 
 def _scalar(value):

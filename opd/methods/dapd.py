@@ -64,7 +64,7 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
 from opd.cli import Section
-from opd.models.ema_teacher import TeacherSet
+from opd.models.ema_teacher import TeacherSet, update_due
 from opd.methods.objective import ObjectiveResult, Objective, ObjectiveContext, StepBatch
 from opd.data.family_views import reference_prompt
 from opd.data.records import View, get_view
@@ -329,5 +329,5 @@ class DAPD(Objective):
 
     def after_update(self, step: int) -> None:
         """The snapshot refresh: snapshot <- policy (tau = --ema-tau, 1 for DAPD) every --ema-every steps."""
-        if self.ctx.ema.due(step):
+        if update_due(self.ctx.ema.every, step):
             self.anchors["snapshot"].update(self.ctx.model(), self.ctx.ema.tau)

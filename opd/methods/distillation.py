@@ -12,6 +12,7 @@ from collections.abc import Callable
 from types import MethodType
 
 from opd.methods.objective import ObjectiveResult, Objective, StepBatch
+from opd.models.ema_teacher import update_due
 
 
 class Distillation(Objective):
@@ -40,7 +41,7 @@ class Distillation(Objective):
         import torch
 
         ctx = self.ctx
-        if ctx.ema.due(step):
+        if update_due(ctx.ema.every, step):
             with torch.no_grad():
                 for t in dict.fromkeys(ctx.teachers.teachers.values()):
                     t.update(ctx.model(), ctx.ema.tau)

@@ -164,7 +164,7 @@ class ObjectiveContext:
     weight): top-k, alpha, temperature, aggregation, micro-batch and chunk sizes, utility ablations."""
     max_response_len: int
     ema: object
-    """The teachers' update (`opd.models.ema_teacher.EMAConfig`): rate tau after a valid step (0: fixed; 1: a copy), every
+    """The teachers' update (`opd.models.settings.EMAConfig`): rate tau after a valid step (0: fixed; 1: a copy), every
     `every` steps."""
     sharded: bool = False
     """The policy and teachers are FSDP2-sharded (`--fsdp`): `opd.methods.lockstep` pads and frees for it."""

@@ -20,35 +20,10 @@ import copy
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
-from opd.cli import Section
 from opd.models.chat import response_hidden, response_logits
 
 if TYPE_CHECKING:
     import torch
-
-
-@dataclass
-class EMAConfig(Section):
-    """How the self-teacher moves (Algorithm 1, line 13): theta-bar <- (1 - tau) theta-bar + tau theta."""
-
-    tau: float = 0.05
-    """EMA rate tau of the crop teacher, applied after each valid update."""
-    every: int = 1
-    """Apply the teacher update every N steps (1: the EMA of every step; DAPD's snapshot: 100, with --ema-tau 1)."""
-
-    PREFIX = "ema_"
-
-    def due(self, step: int) -> bool:
-        """Whether the update follows step index `step` (every `every` steps)."""
-        return (step + 1) % max(1, self.every) == 0
-
-    def check(self) -> list[str]:
-        problems = []
-        if not 0.0 <= self.tau <= 1.0:
-            problems.append(f"--ema-tau {self.tau}: the EMA rate must lie in [0, 1] (0: a fixed teacher, 1: a copy)")
-        if self.every < 1:
-            problems.append(f"--ema-every {self.every}: must be at least 1")
-        return problems
 
 
 class Teacher:
@@ -105,6 +80,11 @@ class Teacher:
         self._record(inputs)
         with torch.no_grad():
             return response_hidden(self.model, inputs, n_response).detach()
+
+
+def update_due(every: int, step: int) -> bool:
+    """Whether the teachers' update follows step index `step`: every `every` steps (--ema-every)."""
+    return (step + 1) % max(1, every) == 0
 
 
 def ema_(pairs, tau: float) -> None:
@@ -166,7 +146,7 @@ class TeacherSet:
     teachers: dict = field(default_factory=dict)
     """name -> `Teacher` (or `EMATeacher`)."""
     routes: object = None
-    """The routing table (`opd.models.external_teachers.Routes`); None: every record goes to the first (and only)
+    """The routing table (`opd.data.routes.Routes`); None: every record goes to the first (and only)
     teacher."""
 
     @property

@@ -28,60 +28,17 @@ import contextlib
 import json
 import re
 import warnings
-from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING
 
-from opd.cli import Section
 from opd.lazy import no_grad
+from opd.models.settings import LoRAConfig
 
 if TYPE_CHECKING:
     import torch
     from torch import nn
 
-DEFAULT_TARGETS = (
-    r".*language_model.*\.(self_attn\.(q_proj|k_proj|v_proj|o_proj)|mlp\.(gate_proj|up_proj|down_proj)"
-    r"|linear_attn\.(in_proj_qkv|in_proj_z|out_proj))"
-)
-"""The language model's linear layers (Qwen3.5: full and linear attention, MLP), as a regex over module names."""
 STUDENT = "default"
-
-
-@dataclass
-class LoRAConfig(Section):
-    """LoRA's settings (train.py's --lora-*): 0 = full fine-tuning (BAS-OPD's)."""
-
-    r: int = 0
-    """LoRA rank (peft; opd/models/lora.py): 0 = full fine-tuning (BAS-OPD's); else the policy trains an adapter on a frozen
-    base and its teachers are that base with another adapter (EMA) or none (fixed, DAPD's base)."""
-    alpha: float = 0.0
-    """LoRA alpha: the adapter's output times alpha / r; 0 = 2 r (OPSD's 128 for r 64)."""
-    dropout: float = 0.0
-    """Dropout on the adapter's input in the student's forwards (teachers run without it)."""
-    targets: str = DEFAULT_TARGETS
-    """Modules LoRA adapts: a regex over module names, or comma-separated module names (default: the language
-    model's attention, MLP and linear-attention projections)."""
-
-    PREFIX = "lora_"
-
-    @property
-    def scale_alpha(self) -> float:
-        return self.alpha or 2.0 * self.r
-
-    def check(self) -> list[str]:
-        problems = []
-        if self.r < 0:
-            problems.append(f"--lora-r {self.r}: must be >= 0 (0 = full fine-tuning)")
-        if self.alpha < 0:
-            problems.append(f"--lora-alpha {self.alpha}: must be >= 0 (0 = 2 r)")
-        if not 0 <= self.dropout < 1:
-            problems.append(f"--lora-dropout {self.dropout}: must lie in [0, 1)")
-        if self.r == 0:
-            unused = [f for f, v in (("alpha", self.alpha), ("dropout", self.dropout), ("targets", self.targets))
-                      if v != getattr(LoRAConfig, f)]  # fmt: skip
-            problems += [f"--lora-{f} has no effect without --lora-r (full fine-tuning): give --lora-r N to train "
-                         "an adapter, or drop it" for f in unused]  # fmt: skip
-        return problems
 
 
 def target_modules(targets: str):

@@ -11,6 +11,7 @@ Details: docs/MODULES.md#opdmodelssharding. Checkpoints of sharded models: `opd.
 
 import contextlib
 import warnings
+from pathlib import Path
 
 import torch
 import torch.distributed as dist
@@ -19,6 +20,8 @@ from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_
 from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 from torch.distributed.fsdp import FSDPModule, MixedPrecisionPolicy, fully_shard
 from torch.distributed.tensor import DTensor
+
+from opd.models.lora import save_adapter
 
 GENERATION = ("gathered", "layerwise")
 """How a sharded policy generates: 'gathered' all-gathers every parameter once before `generate` and frees
@@ -164,3 +167,17 @@ def full_state_dict(model: nn.Module) -> dict[str, torch.Tensor]:
 def full_tensor(x):
     """A DTensor's full value (a collective on every rank); anything else as is."""
     return x.full_tensor() if isinstance(x, DTensor) else x
+
+
+def export_pretrained(model, folder: Path, processor=None, adapter: str | None = None) -> None:
+    """`save_pretrained` of a sharded model: the full weights gathered to rank 0's CPU memory (a collective,
+    run by every rank) and written there by rank 0, with the processor when given; `adapter` (LoRA): that adapter
+    of the model only (`opd.models.lora.save_adapter`)."""
+    full = full_state_dict(model)
+    if dist.get_rank() == 0:
+        if adapter is not None:
+            save_adapter(model, adapter, folder, state_dict=full)
+        else:
+            model.save_pretrained(folder, state_dict=full)
+        if processor is not None:
+            processor.save_pretrained(folder)
