@@ -17,7 +17,7 @@ from opd.maths.chunked import (
 from opd.maths.divergence import generalized_jsd, topk_support, utility_terms
 from opd.maths.family import clamped_forward_kl, topk_divergence
 from opd.loop.run import Run
-from opd.methods.lockstep import plan_micro_batches
+from opd.methods.lockstep import Stopwatch, plan_micro_batches
 from opd.engine.synthetic import fixed_rollouts
 from opd.maths.weights import TokenWeight, importance_ratio, teacher_gate, token_weight
 
@@ -192,9 +192,12 @@ def test_timing_books_the_teachers_lm_head_and_changes_nothing_else():
     h_s, w_s, h_t, w_t = inputs()
     weights = torch.ones(h_s.shape[0], dtype=F64)
     timing = {"teacher_s": 1.0}
-    loss, d, terms = budgeted_loss_from_hidden(h_s, w_s, h_t, w_t, weights, 5, 0.5, 4, timing=timing)
+    loss, d, terms = budgeted_loss_from_hidden(h_s, w_s, h_t, w_t, weights, 5, 0.5, 4, timing=timing,
+                                               stopwatch=Stopwatch)  # fmt: skip
     ref = budgeted_loss_from_hidden(h_s, w_s, h_t, w_t, weights, 5, 0.5, 4)
     assert set(timing) == {"teacher_s"} and timing["teacher_s"] > 1.0  # added to what was there
+    with pytest.raises(ValueError, match="stopwatch"):  # the kernel's caller times it (maths imports no methods)
+        budgeted_loss_from_hidden(h_s, w_s, h_t, w_t, weights, 5, 0.5, 4, timing={})
     torch.testing.assert_close((loss, d, terms), ref, rtol=0, atol=0)
 
 

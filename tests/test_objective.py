@@ -9,7 +9,7 @@ from accelerate import Accelerator
 from float64 import float64_model
 
 from opd.models.chat import collate, encode_prompt
-from opd.methods.dapd import DAPD, DAPDConfig
+from opd.methods.dapd import DAPD
 from opd.data.sources import load_records
 from opd.methods.distillation import Distillation
 from opd.maths.family import budgeted_loss, topk_divergence
@@ -19,9 +19,11 @@ from opd.models.chat import response_logits
 from opd.maths.loss import LossConfig
 from opd.methods.table import METHODS
 from opd.models.loading import load_model, load_processor, special_ids
-from opd.methods.objective import Objective, ObjectiveContext, StepBatch
+from opd.methods.objective import Objective, ObjectiveContext
+from opd.methods.objectives import objective_class
+from opd.methods.specs import DAPDConfig
 from opd.engine.rollout import Rollouts, response_mask
-from opd.data.records import get_view
+from opd.data.records import StepBatch, get_view
 
 F64 = torch.float64
 
@@ -128,7 +130,7 @@ def test_dapd_builds_its_teachers_and_runs_with_the_context_alone(tiny):
 def test_every_method_names_an_objective_class_with_its_own_config():
     for name, method in METHODS.items():
         method.check()
-        assert issubclass(method.objective, Objective), name
+        assert issubclass(objective_class(method.objective), Objective), name
         config = method.objective.Config
         assert config is None or all(hasattr(config(), "check") for _ in [0]), name
     with pytest.raises(TypeError, match="snapshot anchor is the run's EMA teacher"):

@@ -10,7 +10,8 @@
 - `Prompts`: the step's records, from a seeded permutation per epoch (`step_prompt_indices`) sharded over the ranks
   (`shard`); the student's and the teachers' encoded prompts (a view's randomness, OPD-V's mask, seeded by (seed, step,
   record id), so every rank encodes alike); the candidates C (every view of the method can be built and, with routed
-  teachers, the record has a teacher). Start-up checks: `opd.data.checks`. Details: docs/MODULES.md#opddatarecords.
+  teachers, the record has a teacher); the step's `StepBatch`, what the objective gets (`opd.methods.objective`).
+Start-up checks: `opd.data.checks`. Details: docs/MODULES.md#opddatarecords.
 """
 
 from __future__ import annotations
@@ -27,7 +28,6 @@ from opd.cli import UserError
 from opd.data.settings import DataError
 from opd.data.family_views import half_resolution, half_size, masked, reference_prompt
 from opd.engine.rollout import Rollouts
-from opd.methods.objective import StepBatch
 from opd.models.chat import encode_prompt
 from opd.seeding import mix_seed
 
@@ -193,6 +193,46 @@ def shard(items: list, rank: int, world: int) -> list:
     return items[rank * per : (rank + 1) * per]
 
 
+@dataclass
+class StepBatch:
+    """What the loop hands an objective for one step: this rank's part of it (`Prompts.batch`)."""
+
+    step: int
+    records: list
+    """This rank's records of the step (local prompt j is records[j])."""
+    record_ids: list[int]
+    rollouts: Rollouts
+    student_prompts: list
+    """The student's encoded prompts (opd.models.chat.EncodedPrompt), one per local prompt."""
+    selected: torch.Tensor
+    """Local row ids of S."""
+    teacher_prompt: Callable
+    """(teacher name, view, j) -> local prompt j in a teacher's view, encoded once per step with that teacher's
+    processor; a view's randomness (the mask) is seeded by (seed, step, record id)."""
+    route: list
+    """Per local row: the name of its teacher (None outside C)."""
+    weights: torch.Tensor | None = None
+    """(N_local,) unbiased selection's w_i = 1 / pi_i for the rows of S (`opd.selection.designs`), which every objective
+    applies to its per-row terms (Eq. 11's Hajek form); None: every row 1 (top-K, uniform, full)."""
+    full_tokens: float | None = None
+    """Unbiased selection with --estimator ht: T_C, the valid response tokens of every candidate in C over all ranks
+    (`opd.selection.designs.Unbiased.full_query_tokens`), the token mean's Horvitz-Thompson denominator in place of the
+    Hajek form's sum_S w_i T_i (`opd.maths.family.loss_denominator`); None: the Hajek form, or no weights."""
+
+    def routed(self, teacher: str) -> torch.Tensor:
+        """Local row ids of S routed to `teacher` (a name of the run's teacher set), in S's order."""
+        sel = self.selected
+        return sel[[self.route[i] == teacher for i in sel.tolist()]] if sel.numel() else sel
+
+    def position_weights(self, rows: torch.Tensor, mask: torch.Tensor, dtype) -> torch.Tensor | None:
+        """Unbiased selection's 1 / pi_i of each row of `rows`, at each of its valid positions (P,) in mask's
+        row-major order; None without it (every weight 1)."""
+        if self.weights is None:
+            return None
+        w = self.weights[rows].to(device=mask.device, dtype=dtype)  # (n,)
+        return w.unsqueeze(-1).expand(mask.shape)[mask]  # (P,)
+
+
 class Prompts:
     """The run's records, views and teachers: the prompts each step encodes, and the candidates C. `data`: the run's
     `opd.data.settings.DataConfig`."""
@@ -247,7 +287,7 @@ class Prompts:
     def batch(self, step: int, record_ids: list[int], rollouts: Rollouts, student_prompts: list,
               selected: torch.Tensor, weights: torch.Tensor | None = None,
               full_tokens: float | None = None) -> StepBatch:  # fmt: skip
-        """What the objective gets for one step on this rank (`opd.methods.objective.StepBatch`): its records, rollouts and
+        """What the objective gets for one step on this rank (`StepBatch`): its records, rollouts and
         prompts, the local rows of S (with unbiased selection their `weights` 1 / pi_i, and under --estimator ht C's
         token total `full_tokens`), the teachers' prompts (encoded once per step, each with its teacher's processor;
         a view's randomness seeded by (seed, step, record id)) and each row's teacher."""

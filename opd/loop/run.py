@@ -31,6 +31,7 @@ from opd.eval.live import LiveEval, evaluations, format_scores
 from opd.loop.ledger import Ledger, format_summary, summarize, write_atomic
 from opd.models.loading import autocast, special_ids
 from opd.methods.objective import ObjectiveContext
+from opd.methods.objectives import objective_class
 from opd.loop.optim import lr_scheduler, restore_group_lr
 from opd.data.checks import check_prompts, check_records
 from opd.data.records import Prompts, get_view
@@ -91,7 +92,8 @@ class Run:
         self.steps = cfg.run.steps or len(self.records) // cfg.data.prompts_per_step
         resume = self._resume()
         self.folder.identify_data(data_path)
-        models = ModelBuilder(cfg, acc, self.folder, self.initial_model, resume).build(self.method.objective)
+        objective = objective_class(self.method.objective)  # the class that runs the method's objective
+        models = ModelBuilder(cfg, acc, self.folder, self.initial_model, resume).build(objective)
         self.student, self.optimizer, self.processor = models.student, models.optimizer, models.processor
         self.models, self.teachers, self.teacher = models, models.teachers, models.teacher  # the first: with routes
         self.ids = special_ids(self.model)
@@ -109,7 +111,7 @@ class Run:
             student_view=self.method.student_view, teacher_views=self.teacher_views,
             loss=loss, max_response_len=cfg.sampling.max_response_len, ema=cfg.ema, sharded=is_sharded(self.student),
         )  # fmt: skip
-        self.objective = self.method.objective(self.context, cfg.objective(), models.initial_teacher)
+        self.objective = objective(self.context, cfg.objective(), models.initial_teacher)
         state = resume.state if resume is not None else {}
         # the schedule's span is fixed when the run starts (--schedule-steps, else its --steps); a resume keeps it
         self.schedule_span = state.get("schedule_span") or cfg.optim.schedule_steps or self.steps

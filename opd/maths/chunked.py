@@ -19,7 +19,7 @@ stored intermediates:
   beyond the chunk (the same for `clamped_kl_from_hidden` and `weighted_logp_from_hidden`).
   It returns the weighted sum of Eq. 11 directly (per-token weights are the Eq. 11 weights, times the
   method's token weight `opd.maths.weights.TokenWeight` computed from the chunk's logits), and can book the
-  teacher's LM-head time separately (`timing`).
+  teacher's LM-head time separately (`timing`, measured by the caller's `stopwatch`).
 - `topk_divergence_from_logits` (alias `topk_jsd_from_logits`): the same per-position D from given
   logits, `chunk` positions at a time; backward builds the gradient in one (N, V) buffer.
 - `sampled_logp_from_hidden`: detached log p(y_t) of the sampled tokens from hidden states, at a temperature,
@@ -69,11 +69,13 @@ divergence), with autograd through an exact float64 support (the endpoints alpha
 peaked logits) and with gradcheck.
 """
 
+from collections.abc import Callable
+
 import torch
 
 from opd.maths.divergence import generalized_jsd, upcast, utility_terms
-from opd.maths.family import bias_corrected_reverse_kl, check_loss
-from opd.methods.lockstep import Stopwatch
+from opd.maths.family import bias_corrected_reverse_kl
+from opd.maths.loss import check_loss
 from opd.maths.weights import TokenWeight
 
 
@@ -186,10 +188,11 @@ def _owned(x: torch.Tensor) -> torch.Tensor:
     return x.float() if x.dtype not in (torch.float32, torch.float64) else x.clone()
 
 
-def _teacher_logits(h_t: torch.Tensor, w_t: torch.Tensor, timing: dict | None, temperature: float = 1.0):
+def _teacher_logits(h_t: torch.Tensor, w_t: torch.Tensor, timing: dict | None, stopwatch: Callable | None,
+                    temperature: float = 1.0):  # fmt: skip
     """The teacher's logits z_t = h_t W_t^T / T (C, V) and lse(z_t) (C, 1); with `timing`, their seconds are
-    added to timing['teacher_s'] (`lockstep.Stopwatch`: the device synchronised before and after)."""
-    watch = Stopwatch(h_t.device) if timing is not None else None
+    added to timing['teacher_s'], measured by `stopwatch(device)` (`_check_timing`)."""
+    watch = stopwatch(h_t.device) if timing is not None else None
     z_t = upcast(h_t @ w_t.T)  # (C, V)
     if temperature != 1.0:
         z_t = z_t.div_(temperature)
@@ -197,6 +200,13 @@ def _teacher_logits(h_t: torch.Tensor, w_t: torch.Tensor, timing: dict | None, t
     if watch is not None:
         timing["teacher_s"] = timing.get("teacher_s", 0.0) + watch.seconds()
     return z_t, lse_t
+
+
+def _check_timing(timing: dict | None, stopwatch: Callable | None) -> None:
+    """`timing` is measured by the caller's `stopwatch`: `stopwatch(device)` starts a timer whose `.seconds()` are
+    the seconds since (`opd.methods.lockstep.Stopwatch` synchronises the device before the start and at the reading)."""
+    if timing is not None and stopwatch is None:
+        raise ValueError("timing needs the caller's stopwatch (e.g. opd.methods.lockstep.Stopwatch)")
 
 
 class _FromLogits(torch.autograd.Function):
@@ -258,8 +268,8 @@ topk_jsd_from_logits = topk_divergence_from_logits  # the name before the seed f
 
 class _FromHidden(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, h_s, w_s, h_t, w_t, weights, k, alpha, chunk, support, divergence, tokens, timing, extras,
-                temperature):  # fmt: skip
+    def forward(ctx, h_s, w_s, h_t, w_t, weights, k, alpha, chunk, support, divergence, tokens, timing, stopwatch,
+                extras, temperature):  # fmt: skip
         w = w_s.to(h_s.dtype)  # one cast per call under mixed precision (a no-op otherwise)
         w_t = w_t.to(h_t.dtype)
         grad_h = torch.empty_like(h_s)  # (P, H) dL/dh, one row per position
@@ -271,7 +281,7 @@ class _FromHidden(torch.autograd.Function):
         for j in range(0, h_s.shape[0], chunk):
             h_c = h_s[j : j + chunk]  # (C, H)
             z = upcast(h_c @ w.T)  # (C, V) student logits
-            z_t, lse_t = _teacher_logits(h_t[j : j + chunk], w_t, timing, temperature)  # (C, V), (C, 1)
+            z_t, lse_t = _teacher_logits(h_t[j : j + chunk], w_t, timing, stopwatch, temperature)  # (C, V), (C, 1)
             if temperature != 1.0:  # the loss temperature: both sides' logits divided (dz below divided again)
                 z = z.div_(temperature)
             w_c = weights[j : j + chunk].to(z.dtype)  # (C,) Eq. 11's weights
@@ -306,7 +316,7 @@ class _FromHidden(torch.autograd.Function):
     @staticmethod
     def backward(ctx, grad_loss, _grad_d, _grad_terms):
         grad_h, grad_w = _saved_grads(ctx, grad_loss)
-        return (grad_h, grad_w) + (None,) * 12
+        return (grad_h, grad_w) + (None,) * 13
 
 
 def budgeted_loss_from_hidden(
@@ -323,6 +333,7 @@ def budgeted_loss_from_hidden(
     divergence: str = "jsd",
     tokens: TokenWeight | None = None,
     timing: dict | None = None,
+    stopwatch: Callable | None = None,
     extras: dict | None = None,
     temperature: float = 1.0,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
@@ -337,12 +348,14 @@ def budgeted_loss_from_hidden(
     Vision-OPD's importance ratio, OPOD's gate), detached; None: w_p = 1. At most `chunk` positions' logits exist
     at once. Weights in another dtype than the hidden states (fp32 master weights under bf16 autocast) are cast
     once per call; dL/dW is accumulated in fp32. `timing` (a dict): timing['teacher_s'] gains the seconds of the
-    teacher's LM-head products and log-softmax normalisers (its top-k and gathers, O(C V) each, are not counted).
+    teacher's LM-head products and log-softmax normalisers (its top-k and gathers, O(C V) each, are not counted),
+    measured by the caller's `stopwatch` (`_check_timing`).
     `extras` (a dict), with `tokens`: receives 'token_weight' (w_p) and 'teacher_logp' (log pi_T(y_p)), (P,).
     `temperature` T: both sides' logits divided by T before everything (D, the token weights, the utility terms),
     the gradient chained through the division (OPSD's loss temperature).
     """
     check_loss(support, divergence)
+    _check_timing(timing, stopwatch)
     if h_s.shape[0] == 0:
         zero = (h_s.sum() + w_s.sum()) * 0.0  # keeps the graph (and DDP's gradient hooks) intact
         if extras is not None and tokens is not None:
@@ -351,7 +364,7 @@ def budgeted_loss_from_hidden(
     parts: dict = {}
     out = _FromHidden.apply(
         h_s, w_s, h_t.detach(), w_t.detach(), weights.detach(), k, alpha, chunk, support, divergence, tokens, timing,
-        parts, float(temperature),
+        stopwatch, parts, float(temperature),
     )
     if extras is not None and tokens is not None:
         extras.update({key: torch.cat(v) for key, v in parts.items()})
@@ -422,7 +435,7 @@ def _clamped_kl_parts(z: torch.Tensor, z_a: torch.Tensor, temperature: float, cl
 
 class _ClampedKLFromHidden(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, h_s, w_s, anchors, temperature, clip, chunk, utility_k, timing, out):
+    def forward(ctx, h_s, w_s, anchors, temperature, clip, chunk, utility_k, timing, stopwatch, out):
         w = w_s.to(h_s.dtype)
         anchors = [(h_a, w_a.to(h_a.dtype), weights) for h_a, w_a, weights in anchors]
         grad_h = torch.empty_like(h_s)  # (P, H)
@@ -436,7 +449,7 @@ class _ClampedKLFromHidden(torch.autograd.Function):
             z_s = upcast(h_c @ w.T)  # (C, V) student logits
             dz_sum = None
             for a, (h_a, w_a, weights) in enumerate(anchors):
-                z_a, _ = _teacher_logits(h_a[j : j + chunk], w_a, timing)  # (C, V) this anchor's logits
+                z_a, _ = _teacher_logits(h_a[j : j + chunk], w_a, timing, stopwatch)  # (C, V) this anchor's logits
                 if utility_k and a == 0:  # Eq. 7-8 at temperature 1 on the student's top-k (the selector's labels)
                     terms_all.append(torch.stack(utility_terms(z_s, z_a, utility_k), dim=-1))  # (C, 3)
                 w_c = weights[j : j + chunk].to(z_s.dtype)  # (C,)
@@ -463,7 +476,7 @@ class _ClampedKLFromHidden(torch.autograd.Function):
     @staticmethod
     def backward(ctx, grad_loss, _grad_d):
         grad_h, grad_w = _saved_grads(ctx, grad_loss)
-        return (grad_h, grad_w) + (None,) * 7
+        return (grad_h, grad_w) + (None,) * 8
 
 
 def clamped_kl_from_hidden(
@@ -478,6 +491,7 @@ def clamped_kl_from_hidden(
     *,
     utility_k: int = 0,
     timing: dict | None = None,
+    stopwatch: Callable | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
     """DAPD's weighted sum sum_p weights_p D_p of `family.clamped_forward_kl`(anchor, student) from
     final hidden states, `chunk` positions' full-vocabulary logits at a time, differentiable to h_s and w_s
@@ -494,10 +508,11 @@ def clamped_kl_from_hidden(
 
     summed over anchors and accumulated into dL/dh (P, H) and dL/dW (V, H) during the forward, as
     `budgeted_loss_from_hidden` does (two LM-head products for the gradient whatever the number of
-    anchors; memory O(chunk V + V H)). `timing['teacher_s']` gains the anchors' LM-head seconds.
+    anchors; memory O(chunk V + V H)). `timing['teacher_s']` gains the anchors' LM-head seconds (by `stopwatch`).
     """
     if temperature <= 0 or clip <= 0:
         raise ValueError(f"temperature and clip must be positive, got {temperature} and {clip}")
+    _check_timing(timing, stopwatch)
     several = isinstance(h_a, (list, tuple))
     anchors = list(zip(h_a, w_a, weights)) if several else [(h_a, w_a, weights)]
     if h_s.shape[0] == 0:
@@ -507,7 +522,7 @@ def clamped_kl_from_hidden(
     terms: list = []
     anchors = tuple((h.detach(), w.detach(), x.detach()) for h, w, x in anchors)
     loss, d = _ClampedKLFromHidden.apply(
-        h_s, w_s, anchors, temperature, clip, chunk, min(utility_k, w_s.shape[0]), timing, terms
+        h_s, w_s, anchors, temperature, clip, chunk, min(utility_k, w_s.shape[0]), timing, stopwatch, terms
     )  # fmt: skip
     return loss, (d if several else d[0]), (terms[0] if terms else None)
 

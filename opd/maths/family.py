@@ -3,10 +3,10 @@
 The tables by name (`LossConfig.support`, `.aggregation`), whose BAS-OPD entries are the default's functions, and
 in which the distillation pass looks its calls up: `SUPPORTS` (the student's top-k + tail; the teacher's top-k, full
 softmax or renormalised; the full vocabulary), `AGGREGATION_WEIGHTS` and `DENOMINATORS` (Eq. 11's token mean, OPSD's
-sequence mean, verl's micro-batch mean, tinker's token sum). The divergences (`DIVERGENCES`, `check_loss`): the
-generalized JSD and RP-OPSD's bias-corrected reverse KL; DAPD's clamped forward KL; the per-sequence L_OPD of Eq. 3;
-the plain references `topk_divergence` (a method's per-position loss on full logits, for opd/maths/chunked.py) and
-`budgeted_loss` (Eq. 11 on a whole batch).
+sequence mean, verl's micro-batch mean, tinker's token sum). The divergences (`token_divergence`; their names and
+`check_loss`: `opd.maths.loss`): the generalized JSD and RP-OPSD's bias-corrected reverse KL; DAPD's clamped
+forward KL; the per-sequence L_OPD of Eq. 3; the plain references `topk_divergence` (a method's per-position loss on
+full logits, for opd/maths/chunked.py) and `budgeted_loss` (Eq. 11 on a whole batch).
 Details: docs/MODULES.md#opdmathsfamily.
 """
 
@@ -16,6 +16,7 @@ import torch
 
 from opd.maths.divergence import (budgeted_weights, generalized_jsd, global_denominator, kl_divergence, topk_support,
                                   upcast, weighted_sum)
+from opd.maths.loss import SUPPORT_NAMES, check_loss
 
 
 def teacher_topk_support(
@@ -72,23 +73,10 @@ SUPPORTS = {
     "teacher_renorm": partial(teacher_topk_support, renormalize=True),  # OPSD: renormalised over it, (..., k)
     "full": full_support,  # GKD: the whole vocabulary, (..., V)
 }
-"""Support name -> f(student_logits, teacher_logits, k) = (student_logp, teacher_logp): the distillation pass looks
-`LossConfig.support` up here (`opd.methods.distill`), so BAS-OPD's step runs `divergence.topk_support` itself."""
-DIVERGENCES = ("jsd", "bc_rkl")  # generalized_jsd (Eq. 3), bias_corrected_reverse_kl (`token_divergence`)
-
-
-def check_loss(support: str, divergence: str) -> None:
-    """ValueError for an unknown support or divergence, and for the teacher's top-k support without
-    renormalisation under the JSD (its sides are not distributions; only 'bc_rkl' takes them)."""
-    if support not in SUPPORTS:
-        raise ValueError(f"unknown support {support!r}: use one of {', '.join(SUPPORTS)}")
-    if divergence not in DIVERGENCES:
-        raise ValueError(f"unknown divergence {divergence!r}: use one of {', '.join(DIVERGENCES)}")
-    if support == "teacher" and divergence != "bc_rkl":
-        raise ValueError(
-            "support 'teacher' (the teacher's top-k, full softmax, no tail) is not a distribution: it goes only "
-            "with divergence 'bc_rkl' (RP-OPSD); for the JSD use 'teacher_renorm' (OPSD) or 'student_tail'"
-        )
+"""Support name (`opd.maths.loss.SUPPORT_NAMES`) -> f(student_logits, teacher_logits, k) = (student_logp, teacher_logp):
+the distillation pass looks `LossConfig.support` up here (`opd.methods.distill`), so BAS-OPD's step runs
+`divergence.topk_support` itself."""
+assert tuple(SUPPORTS) == SUPPORT_NAMES  # the names the settings accept (`opd.maths.loss.check_loss`)
 
 
 def token_divergence(

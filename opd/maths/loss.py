@@ -11,8 +11,8 @@ the step's loss:
 
 The denominators are global (one all-reduce, run by every rank), so that the ranks' and micro-batches' parts add up
 to the step's loss. The functions are `opd.maths.divergence`'s (Eq. 11) and, by name, `opd.maths.family`'s tables
-(`SUPPORTS`, `AGGREGATION_WEIGHTS`, `DENOMINATORS`); this module holds only settings, so it loads without torch.
-Details: docs/MODULES.md#opdmathsloss.
+(`SUPPORTS`, `AGGREGATION_WEIGHTS`, `DENOMINATORS`) and `opd.maths.weights.TOKEN_WEIGHTS`; this module holds only
+settings and the names they accept (`check_loss`), so it loads without torch. Details: docs/MODULES.md#opdmathsloss.
 """
 
 from __future__ import annotations
@@ -28,6 +28,30 @@ the fused kernel on: 2^28 float32 values, 1 GiB (the plain path's peak is about 
 
 AGGREGATIONS = ("token-mean", "sequence-mean", "micro-batch", "token-sum")
 """How Eq. 11 averages over S (`LossConfig.aggregation`, `--loss-agg`): see the module docstring."""
+SUPPORT_NAMES = ("student_tail", "teacher", "teacher_renorm", "full")
+"""The divergence's supports by name (`LossConfig.support`; their functions: `opd.maths.family.SUPPORTS`)."""
+DIVERGENCES = ("jsd", "bc_rkl")
+"""The family's divergences by name: the generalized JSD of Eq. 3, RP-OPSD's bias-corrected reverse KL
+(`opd.maths.family.token_divergence`); DAPD's clamped forward KL is its own."""
+TOKEN_WEIGHT_NAMES = ("none", "trust_region", "gate")
+"""The methods' per-token weights by name (`LossConfig.token_weight`; their functions:
+`opd.maths.weights.TOKEN_WEIGHTS`)."""
+NEGATIVE_VIEW = ("trust_region",)
+"""The token weights that read a second teacher view's log-probs (`opd.maths.weights.SampledLogp.negative`)."""
+
+
+def check_loss(support: str, divergence: str) -> None:
+    """ValueError for an unknown support or divergence, and for the teacher's top-k support without
+    renormalisation under the JSD (its sides are not distributions; only 'bc_rkl' takes them)."""
+    if support not in SUPPORT_NAMES:
+        raise ValueError(f"unknown support {support!r}: use one of {', '.join(SUPPORT_NAMES)}")
+    if divergence not in DIVERGENCES:
+        raise ValueError(f"unknown divergence {divergence!r}: use one of {', '.join(DIVERGENCES)}")
+    if support == "teacher" and divergence != "bc_rkl":
+        raise ValueError(
+            "support 'teacher' (the teacher's top-k, full softmax, no tail) is not a distribution: it goes only "
+            "with divergence 'bc_rkl' (RP-OPSD); for the JSD use 'teacher_renorm' (OPSD) or 'student_tail'"
+        )
 
 
 @dataclass
@@ -66,7 +90,7 @@ class LossConfig(Section):
     divergence: str = "jsd"
     """The method's divergence ('jsd': Eq. 3 with alpha; 'bc_rkl'; 'clamped_kl'): set by the method table."""
     token_weight: str = "none"
-    """The method's per-token weight (a name of `opd.maths.weights.TOKEN_WEIGHTS`): set by the method table."""
+    """The method's per-token weight (a name of `TOKEN_WEIGHT_NAMES`): set by the method table."""
 
     kernel: bool = dataclasses.field(default=False, init=False)
     """Whether the family's distillation runs the fused kernel (on, with a chunk) or the plain path: set from
@@ -117,8 +141,6 @@ class LossConfig(Section):
         """--support against the method's divergence (an unnormalised support only with 'bc_rkl')."""
         if self.support is None:
             return []
-        from opd.maths.family import check_loss
-
         try:
             check_loss(self.support, divergence)
         except ValueError as exc:

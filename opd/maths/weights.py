@@ -12,10 +12,10 @@ from __future__ import annotations
 
 from collections.abc import Callable
 from dataclasses import dataclass
-from typing import TYPE_CHECKING
 
-if TYPE_CHECKING:
-    import torch
+import torch
+
+from opd.maths.loss import TOKEN_WEIGHT_NAMES
 
 
 def trust_region(pos_teacher_logp: torch.Tensor, neg_teacher_logp: torch.Tensor) -> torch.Tensor:
@@ -28,8 +28,6 @@ def trust_region(pos_teacher_logp: torch.Tensor, neg_teacher_logp: torch.Tensor)
     Source: aniri15/OPD-V verl/workers/actor/dp_actor.py (visual_advantage_weights =
     relu((teacher_log_prob - negative_teacher_log_prob).detach())).
     """
-    import torch
-
     return torch.relu(pos_teacher_logp - neg_teacher_logp).detach()
 
 
@@ -45,8 +43,6 @@ def importance_ratio(logp: torch.Tensor, old_logp: torch.Tensor, clip: float = 2
     there. (...) -> (...). Source: VisionOPD/Vision-OPD verl/trainer/ppo/core_algos.py
     (compute_self_distillation_loss, is_clip).
     """
-    import torch
-
     log_ratio = torch.clamp((logp - old_logp).detach(), min=-20.0, max=20.0)
     return torch.exp(log_ratio).clamp(max=clip)
 
@@ -60,8 +56,6 @@ def teacher_gate(teacher_logp: torch.Tensor, student_logp: torch.Tensor) -> torc
     gives the sampled token more probability than the student. (...) -> (...). Source: OPOD (arXiv
     2607.20918), as transcribed in the project's notes on the family (docs/FAMILY.md; no public code; medium confidence).
     """
-    import torch
-
     return torch.relu(teacher_logp - student_logp).detach()
 
 
@@ -84,12 +78,11 @@ TOKEN_WEIGHTS: dict[str, Callable[[SampledLogp], torch.Tensor] | None] = {
     "trust_region": lambda lp: trust_region(lp.teacher, lp.negative),  # OPD-V
     "gate": lambda lp: teacher_gate(lp.teacher, lp.student),  # OPOD
 }
-"""The methods' per-token weights by name (`opd.methods.table.Method.token_weight`), each a function of the sampled
-tokens' log-probs. Training applies them in one place: `TokenWeight`, called by the chunked loss
-(`opd.maths.chunked.budgeted_loss_from_hidden`) on each chunk and by the whole-logits reference path alike."""
-
-NEGATIVE_VIEW = ("trust_region",)
-"""The weights that read a second teacher view's log-probs (`SampledLogp.negative`)."""
+"""The methods' per-token weights by name (`opd.maths.loss.TOKEN_WEIGHT_NAMES`, a method's `token_weight`), each a
+function of the sampled tokens' log-probs. Training applies them in one place: `TokenWeight`, called by the chunked
+loss (`opd.maths.chunked.budgeted_loss_from_hidden`) on each chunk and by the whole-logits reference path alike. The
+weights that read a second teacher view (`SampledLogp.negative`): `opd.maths.loss.NEGATIVE_VIEW`."""
+assert tuple(TOKEN_WEIGHTS) == TOKEN_WEIGHT_NAMES  # the names the settings accept
 
 
 def token_weight(name: str, is_clip: float = 0.0) -> Callable[[SampledLogp], torch.Tensor] | None:

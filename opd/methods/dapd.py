@@ -61,18 +61,18 @@ LM heads) are freed after each micro-batch.
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import TYPE_CHECKING
 
-from opd.cli import Section
-from opd.models.ema_teacher import TeacherSet, update_due
-from opd.methods.objective import ObjectiveResult, Objective, ObjectiveContext, StepBatch
+import torch
+
 from opd.data.family_views import reference_prompt
-from opd.data.records import View, get_view
-
-if TYPE_CHECKING:
-    import torch
-
-    from opd.methods.lockstep import MicroBatch
+from opd.data.records import StepBatch, View, get_view
+from opd.maths.chunked import clamped_kl_from_hidden
+from opd.maths.divergence import global_denominator
+from opd.methods.lockstep import MicroBatch, Stopwatch, lockstep, plan_micro_batches, record_forward
+from opd.methods.objective import Objective, ObjectiveContext, ObjectiveResult
+from opd.methods.specs import DAPD_SPEC, DAPDConfig
+from opd.models.chat import completion_inputs, lm_head_weight, response_hidden
+from opd.models.ema_teacher import TeacherSet, update_due
 
 
 @dataclass(frozen=True)
@@ -127,46 +127,15 @@ def context_text(problem: str, context: str, reference: str, rollout_text: str) 
 
 def reference_completion(tokenizer, reference: str, eos_id: int, max_len: int) -> torch.Tensor:
     """The 'reference' completion: the reference's token ids followed by EOS, at most max_len ids."""
-    import torch
-
     ids = tokenizer(reference, add_special_tokens=False)["input_ids"] + [eos_id]
     return torch.tensor(ids[:max_len], dtype=torch.long)
-
-
-@dataclass
-class DAPDConfig(Section):
-    """DAPD's own settings (flags `--dapd-<field>`)."""
-
-    temperature: float = 1.1
-    """Temperature of both sides of the clamped forward KL (DAPD's 1.1)."""
-    clip: float = 0.05
-    """Upper clamp of each vocabulary entry's KL contribution (DAPD's 0.05)."""
-    context_thinking: bool = False
-    """The reference and rollout contexts with the thinking generation prompt (enable_thinking=True), as DAPD's code
-    (dapd/data.py); the none context is the student's own prompt, with the run's --enable-thinking either way (DAPD's
-    plain context has no thinking prompt: --enable-thinking off, the default, matches it). Off: every context with
-    the run's --enable-thinking."""
-
-    PREFIX = "dapd_"
-
-    def check(self) -> list[str]:
-        return [] if self.temperature > 0 and self.clip > 0 else ["--dapd-temperature and --dapd-clip must be positive"]
 
 
 class DAPD(Objective):
     """The DAPD objective (see the module docstring): the six pairs on S, the snapshot refresh after a valid
     update every `ema_every` steps."""
 
-    name = "dapd"
-    Config = DAPDConfig
-    refuses = {"teacher_view": "its contexts are fixed: none, reference, rollout",
-               "is_clip": "its clamped KL has no importance ratio",
-               "loss_agg": "each pair is a token mean over its completion's tokens",
-               "loss_temperature": "its clamped KL has its own temperature (--dapd-temperature)",
-               "support": "its KL is over the full vocabulary",
-               "estimator": "its reference completions' tokens over C, a Horvitz-Thompson denominator, are not counted; "
-                            "--estimator hajek weighs its pairs"}  # fmt: skip
-    needs_ema_teacher = "its snapshot anchor is the run's EMA teacher, refreshed by --ema-tau (DAPD's 1)"
+    spec = DAPD_SPEC  # its name, Config (DAPDConfig), refuses, needs_ema_teacher (`opd.methods.specs`)
 
     @classmethod
     def build_teachers(cls, teachers: TeacherSet, initial_teacher) -> TeacherSet:
@@ -187,11 +156,6 @@ class DAPD(Objective):
         return [f"{p.anchor}:{p.name}" for p in PAIRS]
 
     def __call__(self, batch: StepBatch) -> ObjectiveResult:
-        import torch
-
-        from opd.maths.divergence import global_denominator
-        from opd.methods.lockstep import lockstep, plan_micro_batches
-
         ctx = self.ctx
         acc, dc, device = ctx.accelerator, ctx.loss, ctx.device
         ro, sel = batch.rollouts, batch.selected
@@ -230,8 +194,6 @@ class DAPD(Objective):
 
     def _inputs(self, batch: StepBatch, rows: torch.Tensor, refs: dict, completion: str, context: str):
         """(inputs, mask, width) of `rows` in one (completion, context) and their prompt lengths."""
-        from opd.models.chat import completion_inputs
-
         ro = batch.rollouts
         prompts = [self._context_prompt(batch, i, context) for i in rows.tolist()]
         if completion == "rollout":
@@ -272,12 +234,6 @@ class DAPD(Objective):
         """One micro-batch of `mb.rows`: the six anchor forwards, then one student forward and backward per student
         context (DDP: only the step's last backward synchronises). Padding (sharded lockstep): the same forwards and
         backwards with zero weights, nothing counted or labelled."""
-        import torch
-
-        from opd.maths.chunked import clamped_kl_from_hidden
-        from opd.models.chat import lm_head_weight, response_hidden
-        from opd.methods.lockstep import Stopwatch, record_forward
-
         ctx, rows = self.ctx, mb.rows
         dc, device = ctx.loss, ctx.device
         cache: dict[tuple[str, str], tuple] = {}
@@ -314,7 +270,7 @@ class DAPD(Objective):
                         h_s, w_s, [anchor_h[p.name] for p in pairs],
                         [lm_head_weight(self.anchors[p.anchor].model) for p in pairs], [weight * p.weight for p in pairs],
                         self.config.temperature, self.config.clip, dc.chunk or max(1, h_s.shape[0]), utility_k=utility,
-                        timing=timing,
+                        timing=timing, stopwatch=Stopwatch,
                     )  # fmt: skip
                 mb.backward(loss, free=False)  # the anchors' LM heads are read again by the next context's loss
             if not mb.real:

@@ -21,7 +21,8 @@ from opd.maths.divergence import generalized_jsd, labels_from_terms, upcast, uti
 from opd.maths.family import AGGREGATION_WEIGHTS, SUPPORTS, bias_corrected_reverse_kl
 from opd.methods.lockstep import Stopwatch, lockstep
 from opd.methods.micro_batch import micro_batch_loss
-from opd.methods.objective import ObjectiveResult, StepBatch, teacher_inputs, teacher_plans
+from opd.data.records import StepBatch
+from opd.methods.objective import ObjectiveResult, teacher_inputs, teacher_plans
 from opd.models.chat import micro_batch_inputs, response_logits
 
 

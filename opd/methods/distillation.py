@@ -11,35 +11,35 @@ from __future__ import annotations
 from collections.abc import Callable
 from types import MethodType
 
-from opd.methods.objective import ObjectiveResult, Objective, StepBatch
+import torch
+
+from opd.data.records import StepBatch
+from opd.methods.distill import distill, distill_labels
+from opd.methods.objective import Objective, ObjectiveResult
+from opd.methods.specs import DISTILL_SPEC
 from opd.models.ema_teacher import update_due
 
 
 class Distillation(Objective):
     """Eq. 11 on S against the run's teacher(s), then the teachers' update after a valid step."""
 
-    name = "distill"
+    spec = DISTILL_SPEC  # its name (`opd.methods.specs`)
 
     @property
     def labels(self) -> list[str]:
         """The ledger labels of every teacher forward this objective can run, in a fixed order."""
-        from opd.methods.distill import distill_labels
-
         return distill_labels(self.ctx)
 
     @property
     def __call__(self) -> Callable[[StepBatch], ObjectiveResult]:
         """The pass itself, bound to this objective: `objective(batch)` is `distill(objective, batch)`, so the step's
-        call lands in the micro-batch loop where Eq. 1-3 and 11 run (imported here: `opd.lazy`)."""
-        from opd.methods.distill import distill
-
+        call lands in the micro-batch loop where Eq. 1-3 and 11 run (a method calling `distill` would put one call
+        more between the step and Eq. 3: tests/test_house.py)."""
         return MethodType(distill, self)
 
     def after_update(self, step: int) -> None:
         """Algorithm 1, line 13 after a valid update: theta-bar <- (1 - tau) theta-bar + tau theta for each of the run's
         teachers once (a shared one once), every `ema.every` steps (DAPD's snapshot: tau = 1); frozen ones stay."""
-        import torch
-
         ctx = self.ctx
         if update_due(ctx.ema.every, step):
             with torch.no_grad():

@@ -16,7 +16,7 @@ from opd.maths.divergence import labels_from_terms, upcast, utility_terms, weigh
 from opd.maths.family import topk_divergence
 from opd.maths.loss import LossConfig
 from opd.maths.weights import SampledLogp, TokenWeight, token_weight
-from opd.methods.lockstep import TeacherCost, timed
+from opd.methods.lockstep import Stopwatch, TeacherCost, timed
 from opd.models.chat import lm_head_weight, response_hidden, response_logits
 from opd.models.ema_teacher import Teacher
 
@@ -83,7 +83,7 @@ def micro_batch_loss(student, teacher: Teacher, s_inputs, t_inputs: list, mask, 
         flat: dict = {}
         loss, d_alpha, flat_terms = budgeted_loss_from_hidden(
             h_s, w_s, h_t, w_t, weights[mask], cfg.topk, cfg.alpha, cfg.chunk, support=cfg.support,
-            divergence=cfg.divergence, tokens=tokens, timing=timing, extras=flat, temperature=temp,
+            divergence=cfg.divergence, tokens=tokens, timing=timing, stopwatch=Stopwatch, extras=flat, temperature=temp,
         )  # Eq. 11 of Eq. 3 (or the method's D)
         costs[0].seconds += timing.get("teacher_s", 0.0)  # the teacher's LM head inside the fused loss
         if tokens is not None and extras is not None:

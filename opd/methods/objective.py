@@ -1,73 +1,34 @@
 """The objective boundary: what the loop hands a method's objective, and what the objective gives back.
 
 The step (`opd.loop.step.Stepper.step`) selects S, then calls the method's objective once with the step's
-`StepBatch`; the objective runs the teacher(s) on S only, backpropagates its share of the loss and returns an
-`ObjectiveResult` (its sums, the labels of S, its teacher costs, its metrics). After a valid optimizer step the loop
-calls `after_update` (the EMA, DAPD's snapshot). An objective sees only `ObjectiveContext` (built once per run), its
-own config dataclass (`Objective.Config`, flags `--<name>-<field>`) and `initial_teacher()`; one with teachers of its
-own says so in `build_teachers`. The method table (`opd.methods.table.METHODS`) names each method's objective class;
-shared pieces are modules of their own (`opd.methods.distill`, `policy_gradient`, `lockstep`, `opd.maths.loss`).
+`StepBatch` (`opd.data.records`); the objective runs the teacher(s) on S only, backpropagates its share of the loss
+and returns an `ObjectiveResult` (its sums, the labels of S, its teacher costs, its metrics). After a valid optimizer
+step the loop calls `after_update` (the EMA, DAPD's snapshot). An objective sees only `ObjectiveContext` (built once
+per run), its own config dataclass (`Objective.Config`, flags `--<name>-<field>`) and `initial_teacher()`; one with
+teachers of its own says so in `build_teachers`. The method table (`opd.methods.table.METHODS`) names each method's
+objective by its torch-free spec (`opd.methods.specs`; the class: `opd.methods.objectives.objective_class`); shared
+pieces are modules of their own (`opd.methods.distill`, `policy_gradient`, `lockstep`, `opd.maths.loss`).
 Details: docs/MODULES.md#opdmethodsobjective; adding a method: docs/EXTENDING.md.
 """
 
 from __future__ import annotations
 
 from collections.abc import Callable
-from dataclasses import dataclass, field
-from typing import TYPE_CHECKING
+from dataclasses import dataclass, field, fields
 
-if TYPE_CHECKING:
-    import torch
+import torch
 
-    from opd.engine.rollout import Rollouts
-    from opd.methods.lockstep import MicroBatch, TeacherCost
+from opd.data.records import StepBatch
+from opd.maths.divergence import labels_from_terms
+from opd.maths.family import DENOMINATORS
+from opd.methods.lockstep import MicroBatch, TeacherCost, plan_rows, record_forward
+from opd.methods.specs import ObjectiveSpec
+from opd.models.chat import micro_batch_inputs
 
 
 def _no_labels() -> torch.Tensor:
-    """ObjectiveResult.utility's default: no row (torch imported when a result is made: `opd.lazy`)."""
-    import torch
-
+    """ObjectiveResult.utility's default: no row."""
     return torch.zeros(0)
-
-
-@dataclass
-class StepBatch:
-    """What the loop hands an objective for one step: this rank's part of it."""
-
-    step: int
-    records: list
-    """This rank's records of the step (local prompt j is records[j])."""
-    record_ids: list[int]
-    rollouts: Rollouts
-    student_prompts: list
-    """The student's encoded prompts (opd.models.chat.EncodedPrompt), one per local prompt."""
-    selected: torch.Tensor
-    """Local row ids of S."""
-    teacher_prompt: Callable
-    """(teacher name, view, j) -> local prompt j in a teacher's view, encoded once per step with that teacher's
-    processor; a view's randomness (the mask) is seeded by (seed, step, record id)."""
-    route: list
-    """Per local row: the name of its teacher (None outside C)."""
-    weights: torch.Tensor | None = None
-    """(N_local,) unbiased selection's w_i = 1 / pi_i for the rows of S (`opd.selection.designs`), which every objective
-    applies to its per-row terms (Eq. 11's Hajek form); None: every row 1 (top-K, uniform, full)."""
-    full_tokens: float | None = None
-    """Unbiased selection with --estimator ht: T_C, the valid response tokens of every candidate in C over all ranks
-    (`opd.selection.designs.Unbiased.full_query_tokens`), the token mean's Horvitz-Thompson denominator in place of the
-    Hajek form's sum_S w_i T_i (`opd.maths.family.loss_denominator`); None: the Hajek form, or no weights."""
-
-    def routed(self, teacher: str) -> torch.Tensor:
-        """Local row ids of S routed to `teacher` (a name of the run's teacher set), in S's order."""
-        sel = self.selected
-        return sel[[self.route[i] == teacher for i in sel.tolist()]] if sel.numel() else sel
-
-    def position_weights(self, rows: torch.Tensor, mask: torch.Tensor, dtype) -> torch.Tensor | None:
-        """Unbiased selection's 1 / pi_i of each row of `rows`, at each of its valid positions (P,) in mask's
-        row-major order; None without it (every weight 1)."""
-        if self.weights is None:
-            return None
-        w = self.weights[rows].to(device=mask.device, dtype=dtype)  # (n,)
-        return w.unsqueeze(-1).expand(mask.shape)[mask]  # (P,)
 
 
 @dataclass
@@ -101,11 +62,6 @@ class ObjectiveResult:
         loss's global denominator (`opd.maths.family.DENOMINATORS`, Eq. 11's `divergence.global_denominator`: one
         all-reduce, run by every rank). `empty`: S holds no token on any rank, so no teacher runs and the distillation
         term is zero (Appendix A.3)."""
-        import torch
-
-        from opd.maths.family import DENOMINATORS
-        from opd.methods.lockstep import TeacherCost
-
         ro = batch.rollouts
         res = cls(utility=torch.full((len(ro),), float("nan")), teachers={lab: TeacherCost() for lab in labels})
         denominator = DENOMINATORS[ctx.loss.aggregation]
@@ -120,8 +76,6 @@ class ObjectiveResult:
     def label(self, rows: torch.Tensor, terms: torch.Tensor, mask: torch.Tensor, loss) -> None:
         """Eq. 9's labels u_i of `rows` from their per-position terms (d, o, c) ((P, 3) or (n, T, 3);
         `opd.maths.divergence.labels_from_terms`), with the run's ablations (`loss`: the `opd.maths.loss.LossConfig`)."""
-        from opd.maths.divergence import labels_from_terms
-
         u = labels_from_terms(terms, mask, not loss.no_overlap, not loss.no_confidence)
         self.utility[rows] = u.float().cpu()
 
@@ -187,8 +141,6 @@ class ObjectiveContext:
 def teacher_plans(ctx: ObjectiveContext, batch: StepBatch, view: str) -> dict[str, list[torch.Tensor]]:
     """S's rows routed to each teacher ({name: micro-batches of local row ids}, in the teachers' fixed order), each
     teacher's rows grouped by their length in `view` (prompt + response; `opd.methods.lockstep.plan_rows`)."""
-    from opd.methods.lockstep import plan_rows
-
     cfg = ctx.loss
     return {n: plan_rows(batch.rollouts, lambda v, j, n=n: batch.teacher_prompt(n, v, j), batch.routed(n),
                          cfg.micro_batch, cfg.micro_batch_tokens, view) for n in ctx.teachers.names}  # fmt: skip
@@ -198,9 +150,6 @@ def teacher_inputs(ctx: ObjectiveContext, batch: StepBatch, mb: MicroBatch, view
     """The micro-batch's inputs for its teacher (`mb.group`) in `view`: (inputs, mask (n, T), width, cost). A real
     slot's forward is booked (rows, tokens) under its ledger label and `cost` is that label's `TeacherCost` (for its
     seconds); a padding slot runs on the student's prompts, booked nowhere (cost None)."""
-    from opd.models.chat import micro_batch_inputs
-    from opd.methods.lockstep import record_forward
-
     ro, pids = batch.rollouts, batch.rollouts.prompt_index[mb.rows].tolist()
     prompts = [batch.teacher_prompt(mb.group, view, p) if mb.real else batch.student_prompts[p] for p in pids]
     inputs, mask, width = micro_batch_inputs(prompts, ro, mb.rows, ctx.ids["pad"], ctx.device)
@@ -214,18 +163,22 @@ class Objective:
     """The interface of an objective (`opd.methods.distillation.Distillation`, `opd.methods.dapd.DAPD`, `opd.methods.opod.OPOD`,
     `opd.methods.tm_opd.TMOPD`).
 
-    Class attributes: `name` (the prefix of its flags), `Config` (its config dataclass, or None), `refuses` (the
-    run's flags that do not apply to it, {flag name: reason}: `opd.config` refuses the run, naming
-    the flag and the reason, when the field's value differs from TrainConfig's default, whether or not the flag
-    was given; the method's own settings must leave these fields at their defaults), `needs_ema_teacher` (a reason
-    when the objective anchors on the run's EMA teacher, so --ema-tau 0, a fixed teacher, is refused; '': none)."""
+    Its class attributes `name`, `Config`, `refuses`, `needs_ema_teacher` and `aggregations` are its `spec`'s
+    (`opd.methods.specs.ObjectiveSpec`, which says what each means; the settings read the spec without this code),
+    set when a subclass is made."""
 
+    spec: ObjectiveSpec = ObjectiveSpec("")
     name: str = ""
     Config: type | None = None
     refuses: dict[str, str] = {}
     needs_ema_teacher: str = ""
     aggregations: tuple[str, ...] = ()
-    """The --loss-agg values it implements ((): every one of `opd.maths.loss.AGGREGATIONS`)."""
+
+    def __init_subclass__(cls, **kwargs):
+        """The subclass's facts from its spec: one source (`opd.methods.specs`)."""
+        super().__init_subclass__(**kwargs)
+        for f in fields(ObjectiveSpec):
+            setattr(cls, f.name, getattr(cls.spec, f.name))
 
     @classmethod
     def build_teachers(cls, teachers, initial_teacher: Callable[[], object]):

@@ -59,23 +59,22 @@ ones zero-weighted (or uncounted) forwards on the rank's row 0.
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass
-from typing import TYPE_CHECKING
+
+import torch
 
 from opd.answers.choice import parse_choice
 from opd.answers.free_form import exact_match
 from opd.answers.options import split_options
 from opd.answers.yes_no import parse_yes_no
-from opd.cli import Section
-from opd.lazy import no_grad
-from opd.methods.objective import ObjectiveResult, Objective, ObjectiveContext, StepBatch
 from opd.data.family_views import reference_prompt
-from opd.data.records import View, get_view
-
-if TYPE_CHECKING:
-    import torch
-
-    from opd.methods.lockstep import MicroBatch
+from opd.data.records import StepBatch, View, get_view
+from opd.maths.chunked import sampled_logp_from_hidden
+from opd.methods.distill import distill, distill_labels
+from opd.methods.lockstep import MicroBatch, Stopwatch, lockstep, record_forward
+from opd.methods.objective import Objective, ObjectiveContext, ObjectiveResult
+from opd.methods.policy_gradient import PolicyGradient, row_advantages
+from opd.methods.specs import OPOD_SPEC, OPODConfig
+from opd.models.chat import completion_inputs, lm_head_weight
 
 
 def task_reward(reply: str, problem: str, answer: str) -> float:
@@ -112,8 +111,6 @@ def group_advantages(rewards: torch.Tensor, groups: torch.Tensor, eps: float = 1
         Ahat_i = (r_i - mean_g r) / (std_g r + eps),   std_g with Bessel's correction (n - 1),
 
     and 0 for a group of one row (no baseline). rewards, groups (n,) -> (n,) float64."""
-    import torch
-
     r = rewards.double()
     out = torch.zeros_like(r)
     for g in torch.unique(groups).tolist():
@@ -161,57 +158,12 @@ class GateController:
             self.warm = {k: list(v) for k, v in state["warm"].items()}
 
 
-@dataclass
-class OPODConfig(Section):
-    """OPOD's own settings (flags `--opod-<field>`); each says whether its value is the paper's or a guess."""
-
-    beta_init: float = 1.0
-    """Initial strength beta_m of every teacher's gated term (not in the paper; a guess)."""
-    beta_min: float = 0.1
-    """Lower bound of beta_m (the paper's 0.1)."""
-    beta_max: float = 2.0
-    """Upper bound of beta_m (not in the paper; a guess)."""
-    eta: float = 0.1
-    """Controller rate eta of beta_m <- clip(beta_m + eta (mean c_m - eps_m)) (not in the paper; a guess)."""
-    warmup: int = 10
-    """Steps (with tokens of a teacher) whose mean gate sets that teacher's target eps_m (the paper's 10)."""
-    eps_floor: float = 0.02
-    """Floor of the controller target eps_m (the paper's 0.02)."""
-    reward_a: float = 0.2
-    """Weight of A (teacher confidence on a correct response) in r = r_task + 0.2 A + 0.1 B (the paper's)."""
-    reward_b: float = 0.1
-    """Weight of B (how much the response raises the teacher's log-prob of the answer); 0 skips its forwards."""
-    reward_clip: float = 2.0
-    """C, the clip of A to [-C, 0] and of B to [-C, C] (the paper's 2)."""
-    pg_weight: float = 1.0
-    """Weight of the group-relative policy-gradient term (the paper adds it unweighted)."""
-    adv_eps: float = 1e-4
-    """eps of the group advantage (r - mean) / (std + eps) (not in the paper; TRL's GRPO value)."""
-    kl: float = 0.0
-    """Weight of KL(pi_theta || pi_ref), pi_ref the initial policy (the paper's weight is unknown; 0 = off)."""
-
-    PREFIX = "opod_"
-
-    def check(self) -> list[str]:
-        problems = []
-        if not 0 < self.beta_min <= self.beta_init <= self.beta_max:
-            problems.append(f"--opod-beta-min {self.beta_min}, --opod-beta-init {self.beta_init}, --opod-beta-max "
-                            f"{self.beta_max}: need 0 < min <= init <= max")
-        if self.warmup < 1 or self.reward_clip <= 0 or self.adv_eps <= 0 or self.kl < 0:
-            problems.append("--opod-warmup must be >= 1, --opod-reward-clip and --opod-adv-eps > 0, --opod-kl >= 0")
-        return problems
-
-
 class OPOD(Objective):
     """The OPOD objective (see the module docstring)."""
 
-    name = "opod"
-    Config = OPODConfig
-    refuses = {"loss_agg": "its gated term and policy gradient share one token mean"}
+    spec = OPOD_SPEC  # its name, Config (OPODConfig), refuses (`opd.methods.specs`)
 
     def __init__(self, ctx: ObjectiveContext, config: OPODConfig | None = None, initial_teacher=None):
-        from opd.methods.policy_gradient import PolicyGradient
-
         super().__init__(ctx, config or OPODConfig(), initial_teacher)
         c = self.config
         self.controller = GateController(ctx.teachers.names, c.beta_init, c.beta_min, c.beta_max, c.eta, c.warmup,
@@ -222,18 +174,11 @@ class OPOD(Objective):
 
     @property
     def labels(self) -> list[str]:
-        from opd.methods.distill import distill_labels
-
         t = self.ctx.teachers
         extra = ("verify", "answer") if self.config.reward_b else ()
         return distill_labels(self.ctx) + [t.label(n, v) for n in t.names for v in extra]  # the pass's, then B's
 
     def __call__(self, batch: StepBatch) -> ObjectiveResult:
-        import torch
-
-        from opd.methods.distill import distill
-        from opd.methods.policy_gradient import row_advantages
-
         ctx, c = self.ctx, self.config
         acc = ctx.accelerator
         ro, sel, names = batch.rollouts, batch.selected, ctx.teachers.names
@@ -281,10 +226,6 @@ class OPOD(Objective):
         """B of every row of S: the routed teacher's log-prob of the answer after the response (in the reference slot)
         minus without it; two forward kinds, counted under the views 'verify' and 'answer'. Sharded: every rank runs
         as many forwards per teacher as the busiest one (the rest on row 0, uncounted)."""
-        import torch
-
-        from opd.methods.lockstep import lockstep
-
         ctx = self.ctx
         ro, tok = batch.rollouts, ctx.tokenizer
         rows = batch.selected.tolist()
@@ -321,17 +262,10 @@ class OPOD(Objective):
                                            self.config.reward_clip)  # fmt: skip
         return out
 
-    @no_grad
+    @torch.no_grad()
     def _answer_logp(self, mb: MicroBatch, teacher, view: str, prompts, completions, res: ObjectiveResult) -> list[float]:
         """sum over the completion's tokens of log pi_T, for each prompt + completion (one teacher forward of
         teacher `mb.group`; padding: uncounted, nothing returned)."""
-        import torch
-
-        from opd.models.chat import completion_inputs
-        from opd.maths.chunked import sampled_logp_from_hidden
-        from opd.models.chat import lm_head_weight
-        from opd.methods.lockstep import Stopwatch, record_forward
-
         ctx = self.ctx
         device = ctx.device
         watch = Stopwatch(device)

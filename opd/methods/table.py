@@ -20,22 +20,19 @@ over `--preset` and under the flags given.
 | gkd | GKD (TRL's GKDTrainer) | full | an external teacher (`--teacher-model`), full | full vocabulary | JSD_beta (`--alpha` is GKD's beta) | 1 |
 | tm-opd | Thinking Machines' on-policy distillation | full | an external teacher, full | (labels: student top-k + tail) | importance-sampled PG of A_t = -(log pi_old - log pi_T) | 1 |
 
-Each method names its objective class (`opd.methods.objective`): `opd.methods.distillation.Distillation` for every method that is
-a loss and a view, `opd.methods.dapd.DAPD` (six KL pairs against two anchors), `opd.methods.opod.OPOD` (the gated distillation,
-the per-teacher controller and the verified-reward policy gradient) and `opd.methods.tm_opd.TMOPD` (the teacher's per-token
-reverse-KL advantage through an importance-sampled policy gradient). This table is the one registry: the loop
-(`opd.loop.run`) imports no objective and never tests a method's name. docs/EXTENDING.md: adding a method.
+Each method names its objective by its torch-free spec (`opd.methods.specs`), so that the settings load without torch:
+the family's distillation for every method that is a loss and a view (`Distillation`), DAPD (six KL pairs against two
+anchors), OPOD (the gated distillation, the per-teacher controller and the verified-reward policy gradient) and TM-OPD
+(the teacher's per-token reverse-KL advantage through an importance-sampled policy gradient); the run gets the class
+from `opd.methods.objectives.objective_class`. This table is the one registry of methods: the loop (`opd.loop.run`)
+imports no objective and never tests a method's name. docs/EXTENDING.md: adding a method.
 """
 
 from dataclasses import dataclass, field
 
-from opd.methods.dapd import DAPD
-from opd.methods.distillation import Distillation
-from opd.methods.objective import Objective
-from opd.methods.opod import OPOD
-from opd.methods.tm_opd import TMOPD
-from opd.data.records import VIEWS
-from opd.maths.weights import NEGATIVE_VIEW, TOKEN_WEIGHTS
+from opd.data.settings import VIEW_NAMES
+from opd.maths.loss import NEGATIVE_VIEW, TOKEN_WEIGHT_NAMES, check_loss
+from opd.methods.specs import DAPD_SPEC, DISTILL_SPEC, OPOD_SPEC, TM_OPD_SPEC, ObjectiveSpec
 
 
 @dataclass(frozen=True)
@@ -44,22 +41,22 @@ class Method:
     paper: str
     """Where the method comes from (paper and public code)."""
     student_view: str = "full"
-    """The view the student samples and is trained on (opd.data.records.VIEWS)."""
+    """The view the student samples and is trained on (opd.data.settings.VIEW_NAMES)."""
     teacher_view: str = "crop"
     """The (positive) teacher's privileged view: its distributions are the target of the divergence."""
     negative_view: str | None = None
     """A second teacher view whose sampled-token log-probs only weight tokens (OPD-V's masked teacher)."""
     support: str = "student_tail"
-    """The divergence's support (opd.maths.family.SUPPORTS): the student's top-k + tail bucket (Eq. 3), or the teacher's top-k
-    without tail ('teacher') or renormalised over it ('teacher_renorm')."""
+    """The divergence's support (opd.maths.loss.SUPPORT_NAMES): the student's top-k + tail bucket (Eq. 3), or the
+    teacher's top-k without tail ('teacher') or renormalised over it ('teacher_renorm')."""
     divergence: str = "jsd"
     """'jsd': the generalized JSD of Eq. 3 with --alpha; 'bc_rkl': the bias-corrected reverse KL."""
     token_weight: str = "none"
-    """A name of `opd.maths.weights.TOKEN_WEIGHTS`: 'none', 'trust_region': w_t = ReLU(log pi_T+(y_t) - log pi_T-(y_t))
-    from the two teachers, or 'gate': OPOD's c_t = ReLU(log pi_T(y_t) - log pi_theta(y_t))."""
-    objective: type = Distillation
-    """The objective class that runs the method (`opd.methods.objective.Objective`): Distillation (a loss and a view),
-    DAPD or OPOD."""
+    """A name of `opd.maths.loss.TOKEN_WEIGHT_NAMES`: 'none', 'trust_region': w_t = ReLU(log pi_T+(y_t) -
+    log pi_T-(y_t)) from the two teachers, or 'gate': OPOD's c_t = ReLU(log pi_T(y_t) - log pi_theta(y_t))."""
+    objective: ObjectiveSpec = DISTILL_SPEC
+    """The objective that runs the method, by its spec (`opd.methods.specs`: the family's distillation, a loss and a
+    view; DAPD, OPOD or TM-OPD); its class: `opd.methods.objectives.objective_class`."""
     external_teachers: str = "allowed"
     """'allowed' (--teacher-model / --teachers replace the EMA self-teacher), 'required' (OPOD: its teachers
     are separate checkpoints) or 'refused' (DAPD: its anchors are the policy's own weights)."""
@@ -80,14 +77,13 @@ class Method:
 
     def check(self) -> None:
         """Refuses an inconsistent table entry (a programming error, not a user error)."""
-        from opd.maths.family import check_loss
-
         for view in (self.student_view, *self.teacher_views):
-            assert view in VIEWS, f"{self.name}: unknown view {view!r}"
-        assert issubclass(self.objective, Objective) and self.external_teachers in ("allowed", "required", "refused")
-        if self.objective is not DAPD:  # DAPD's loss is its own (opd.methods.dapd)
+            assert view in VIEW_NAMES, f"{self.name}: unknown view {view!r}"
+        assert isinstance(self.objective, ObjectiveSpec), self.name
+        assert self.external_teachers in ("allowed", "required", "refused"), self.name
+        if self.objective is not DAPD_SPEC:  # DAPD's loss is its own (opd.methods.dapd)
             check_loss(self.support, self.divergence)  # known names; an unnormalised support only with bc_rkl
-        assert self.token_weight in TOKEN_WEIGHTS
+        assert self.token_weight in TOKEN_WEIGHT_NAMES
         assert (self.token_weight in NEGATIVE_VIEW) == (self.negative_view is not None), self.name
 
 
@@ -128,7 +124,7 @@ METHODS: dict[str, Method] = {
         ),  # fmt: skip
         Method(
             "dapd", "DAPD (arXiv 2608.01735; uanu2002/DAPD, dapd/objective.py, dapd/trainer.py)",
-            teacher_view="reference_answer", support="full", divergence="clamped_kl", objective=DAPD,
+            teacher_view="reference_answer", support="full", divergence="clamped_kl", objective=DAPD_SPEC,
             external_teachers="refused", settings=dict(FULL_QUERY, ema_tau=1.0, ema_every=100),
             recipe=dict(TRL_SAMPLING, **TRL_OPTIM, lora_r=64, lora_alpha=128.0, lora_dropout=0.0, lora_targets=SEVEN,
                         lr=5e-6, grad_clip=0.1, schedule_steps=500, dapd_context_thinking=True),  # fmt: skip
@@ -142,13 +138,13 @@ METHODS: dict[str, Method] = {
         # without one; lr 2e-5 SFTConfig's)
         Method(
             "opod", "OPOD (arXiv 2607.20918; no public code, formulas transcribed: medium confidence)",
-            teacher_view="full", token_weight="gate", objective=OPOD, external_teachers="required",
+            teacher_view="full", token_weight="gate", objective=OPOD_SPEC, external_teachers="required",
             settings=FULL_QUERY,
         ),  # fmt: skip
         Method(
             "tm-opd", "Thinking Machines' on-policy distillation (thinking-machines-lab/tinker-cookbook, "
             "tinker_cookbook/distillation/train_on_policy.py; blog post 'On-Policy Distillation', 2025)",
-            teacher_view="full", objective=TMOPD, external_teachers="required", settings=FULL_QUERY,
+            teacher_view="full", objective=TM_OPD_SPEC, external_teachers="required", settings=FULL_QUERY,
             recipe=dict(lora_r=128, lr=1e-4, rollouts_per_prompt=4, sample_temperature=1.0, weight_decay=0.0,
                         grad_clip=0.0, adam_beta2=0.95, loss_agg="token-sum"),
         ),  # fmt: skip  (recipes/distillation/on_policy_distillation.py; tinker's AdamParams; rl/train.py's optim step)

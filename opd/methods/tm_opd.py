@@ -31,17 +31,16 @@ distillation datasets) are absent; --max-response-len is the preset's, not their
 
 from __future__ import annotations
 
-from dataclasses import dataclass
-from typing import TYPE_CHECKING
+import torch
 
-from opd.cli import Section
-from opd.lazy import no_grad
-from opd.methods.objective import ObjectiveResult, Objective, ObjectiveContext, StepBatch, teacher_inputs, teacher_plans
-
-if TYPE_CHECKING:
-    import torch
-
-    from opd.methods.lockstep import MicroBatch
+from opd.data.records import StepBatch
+from opd.maths.chunked import budgeted_loss_from_hidden
+from opd.maths.weights import TokenWeight
+from opd.methods.lockstep import MicroBatch, Stopwatch, timed
+from opd.methods.objective import Objective, ObjectiveContext, ObjectiveResult, teacher_inputs, teacher_plans
+from opd.methods.policy_gradient import PolicyGradient
+from opd.methods.specs import TM_OPD_SPEC, TMOPDConfig
+from opd.models.chat import lm_head_weight
 
 
 def token_advantages(old_logp: torch.Tensor, teacher_logp: torch.Tensor, coef: float = 1.0) -> torch.Tensor:
@@ -53,8 +52,6 @@ def token_advantages(old_logp: torch.Tensor, teacher_logp: torch.Tensor, coef: f
 def discounted_future_sum(a: torch.Tensor, mask: torch.Tensor, gamma: float) -> torch.Tensor:
     """A_t <- sum_{s >= t} gamma^(s - t) A_s along each row's valid tokens (their `discounted_future_sum_vectorized`;
     gamma = 0: unchanged). a, mask (n, T) -> (n, T), 0 outside the mask."""
-    import torch
-
     a = a * mask
     if gamma == 0:
         return a
@@ -66,39 +63,13 @@ def discounted_future_sum(a: torch.Tensor, mask: torch.Tensor, gamma: float) -> 
     return out * mask
 
 
-@dataclass
-class TMOPDConfig(Section):
-    """Thinking Machines' on-policy distillation's own settings (flags `--tm-opd-<field>`), their defaults theirs."""
-
-    kl_coef: float = 1.0
-    """lambda of A_t = -lambda (log pi_old - log pi_T) (their kl_penalty_coef, 1)."""
-    discount: float = 0.0
-    """gamma of the discounted future sum of the advantages (their kl_discount_factor, 0: none)."""
-
-    PREFIX = "tm_opd_"
-
-    def check(self) -> list[str]:
-        problems = []
-        if not self.kl_coef > 0:
-            problems.append(f"--tm-opd-kl-coef {self.kl_coef}: must be > 0")
-        if not 0 <= self.discount <= 1:
-            problems.append(f"--tm-opd-discount {self.discount}: must lie in [0, 1]")
-        return problems
-
-
 class TMOPD(Objective):
     """The objective (see the module docstring): the teacher's log-probs of S's tokens, the importance-sampled policy
     gradient of their advantages, and the selector's labels, one micro-batch at a time."""
 
-    name = "tm_opd"
-    Config = TMOPDConfig
-    refuses = {"loss_temperature": "its advantages are the sampled tokens' log-probs at temperature 1",
-               "is_clip": "its importance ratio is the loss itself (tinker's importance_sampling)"}  # fmt: skip
-    aggregations = ("token-sum", "token-mean")
+    spec = TM_OPD_SPEC  # its name, Config (TMOPDConfig), refuses, aggregations (`opd.methods.specs`)
 
     def __init__(self, ctx: ObjectiveContext, config: TMOPDConfig | None = None, initial_teacher=None):
-        from opd.methods.policy_gradient import PolicyGradient
-
         super().__init__(ctx, config or TMOPDConfig(), initial_teacher)
         self.pg = PolicyGradient(ctx, importance=True)
 
@@ -108,8 +79,6 @@ class TMOPD(Objective):
         return [t.label(n, v) for n in t.names for v in self.ctx.teacher_views[:1]]
 
     def __call__(self, batch: StepBatch) -> ObjectiveResult:
-        import torch
-
         ctx = self.ctx
         res = ObjectiveResult.begin(ctx, batch, self.labels)
         if res.empty:  # S is empty everywhere: no teacher call, zero loss (every rank alike)
@@ -124,17 +93,10 @@ class TMOPD(Objective):
         res.metrics = {"teacher_kl": float(total[0] / total[1].clamp(min=1))}  # their metric: the mean over tokens
         return res
 
-    @no_grad
+    @torch.no_grad()
     def _advantages(self, batch: StepBatch, mb: MicroBatch, mask, h_s, w_s, res: ObjectiveResult, kl) -> torch.Tensor:
         """The teacher `mb.group` on the micro-batch's rows (booked unless padding): A_t (P,), and the rows' labels
         u_i (Eq. 9) into `res.utility`."""
-        import torch
-
-        from opd.maths.chunked import budgeted_loss_from_hidden
-        from opd.models.chat import lm_head_weight
-        from opd.methods.lockstep import timed
-        from opd.maths.weights import TokenWeight
-
         ctx, ro, rows, cfg = self.ctx, batch.rollouts, mb.rows, self.ctx.loss
         teacher = ctx.teachers.teachers[mb.group]
         inputs, _, width, cost = teacher_inputs(ctx, batch, mb, ctx.teacher_views[0], res)
@@ -148,7 +110,7 @@ class TMOPD(Objective):
             _, _, terms = budgeted_loss_from_hidden(
                 h_s, w_s, h_t, lm_head_weight(teacher.model), torch.zeros(h_s.shape[0], device=ctx.device), cfg.topk,
                 cfg.alpha, cfg.chunk or max(1, h_s.shape[0]), support=cfg.support, divergence=cfg.divergence,
-                tokens=ones, timing=timing, extras=extras,
+                tokens=ones, timing=timing, stopwatch=Stopwatch, extras=extras,
             )  # fmt: skip
         teacher_logp = extras["teacher_logp"]  # (P,) at the logits' precision (float32, float64)
         old = old.to(teacher_logp.dtype)

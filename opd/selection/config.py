@@ -2,7 +2,7 @@
 of Algorithm 1, lines 4-9) and the learned selector f_psi (`PredictorConfig`: Table 5, Eq. 6, 10, 12).
 
 Their code is `opd.selection.selectors`, which needs torch to load (f_psi is a torch module); the two sections are
-here, torch-free, so that train.py's settings (`opd.config`, --help, --print-config) load without it (`opd.lazy`).
+here, torch-free, so that train.py's settings (`opd.config`, --help, --print-config) load without it (tests/test_config.py).
 """
 
 from __future__ import annotations
