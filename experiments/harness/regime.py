@@ -14,7 +14,7 @@ nothing on some rollouts and a correction on others. This world makes that a kno
 So the crop area a_i of Eq. 5 and the student's entropy carry signal about the utility of a rollout. Everything else
 is `opd.toy.world`'s: the canvas, the question and its options, the crops, the files `export_world` writes (the
 training JSONL keeps each item's `target` side, the benchmark rows too: `kind` reads it back). The answers are the
-explained ones of `opd.toy.explain` (7-54 tokens), so responses differ in length as the paper's do.
+explained ones of `harness.explain` (7-54 tokens), so responses differ in length as the paper's do.
 
 Which items are large is exact and nested: in a finite split (opd, audit, eval) an item is large when its rank in a
 seeded permutation of the split is below round(s n), so exactly round(s n) of n are large and the large items at a
@@ -105,7 +105,7 @@ def small_area_bound(cfg: RegimeConfig) -> float:
 
 def small_share(trace: list[dict], cfg: RegimeConfig, rows: str = "selected") -> float:
     """The share of small items among a run's S (`rows` 'selected') or C ('candidates'), over all its steps, from
-    opd.toy.experiment.Trace's rows (their a_i: "area")."""
+    harness.experiment.Trace's rows (their a_i: "area")."""
     bound = small_area_bound(cfg) + 1e-4  # the trace keeps a_i to 5 decimals
     picked = [t["area"][i] <= bound for t in trace for i in t[rows]]
     return float(np.mean(picked)) if picked else float("nan")

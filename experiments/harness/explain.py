@@ -31,7 +31,8 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
-from opd.toy.world import OPTIONS, Sample
+from opd.models.chat import collate, encode_prompt
+from opd.toy.world import OPTIONS, SHAPES, Sample
 
 STYLES = {
     "terse": "{Colour}.\n{letter}",
@@ -57,8 +58,6 @@ def response_text(sample: Sample, style: str, colour: str | None = None) -> str:
 def response_lengths() -> dict[str, tuple[int, int]]:
     """(shortest, longest) length in tokens of each style over every colour and shape, <|im_end|>
     included (the tiny tokenizer has one token per character)."""
-    from opd.toy.world import SHAPES
-
     out = {}
     for style, template in STYLES.items():
         n = [len(template.format(letter="A", colour=c, Colour=c, shape=s)) + 1 for c in OPTIONS.values() for s in SHAPES]
@@ -96,8 +95,6 @@ class ExplainTask:
     def batch(self, processor, model, samples: list[Sample], views: list[str], rng: np.random.Generator):
         """(model inputs, targets (n, T) with -100 after each response's <|im_end|>) for teacher forcing
         `response_text` in a style drawn from `rng`."""
-        from opd.models.chat import collate, encode_prompt
-
         tok = processor.tokenizer
         end = tok.convert_tokens_to_ids("<|im_end|>")
         prompts = [encode_prompt(processor, [s.crop() if v == "crop" else s.image], s.problem) for s, v in zip(samples, views)]

@@ -28,10 +28,12 @@ from pathlib import Path
 import torch
 
 from opd.answers.choice import parse_choice
-from opd.models.chat import collate, encode_prompt
-from opd.loop.ledger import write_atomic
 from opd.data.family_views import reference_prompt
 from opd.data.records import get_view
+from opd.eval.inference import generate_replies
+from opd.loop.ledger import write_atomic
+from opd.models.chat import collate, encode_prompt
+from opd.toy.world import OPTIONS, sample
 
 
 @dataclass(frozen=True)
@@ -59,8 +61,6 @@ HINT = HintTask()
 def write_eval_records(world_dir: Path, world, out: Path) -> Path:
     """The benchmark's items as training-format records (image + bbox), so any view of opd.data.records.VIEWS can be
     built for them; the images are the benchmark's own files. Returns the JSONL path."""
-    from opd.toy.world import sample
-
     rows = []
     for i in range(world.n_eval):
         s = sample(world, "eval", i)
@@ -75,9 +75,6 @@ def write_eval_records(world_dir: Path, world, out: Path) -> Path:
 def view_accuracy(model, processor, records, view: str, batch: int = 100) -> float:
     """Greedy accuracy (%) on `records` asked in `view` (opd.data.records.VIEWS; the masked view seeded by the record's
     index), answers parsed as eval.py parses them."""
-    from opd.eval.inference import generate_replies
-    from opd.toy.world import OPTIONS
-
     model.eval()
     correct = 0
     for start in range(0, len(records), batch):

@@ -33,6 +33,7 @@ use the unwrapped policy and no collectives). The statistics helpers are pure fu
 
 from __future__ import annotations
 
+import copy
 import itertools
 import math
 from contextlib import contextmanager
@@ -483,8 +484,6 @@ def selection_audit(ctx: AuditContext, selector, records: list[Record], n_batche
     Eq. 11's Hajek form, or Horvitz-Thompson's under --estimator ht). Reports cos(g_S, g_C) per draw (bias and
     noise), cos(mean over draws of g_S, g_C) (mostly the bias: the noise averages out over draws), and the utility
     S captures: sum_S u_i / sum_C u_i with every candidate's true utility (Eq. 9, the teacher on all of C)."""
-    import copy
-
     check_auditable(ctx)
     rows = []
     for b, recs in enumerate(held_records(records, ctx.prompts_per_step, n_batches, seed)):
