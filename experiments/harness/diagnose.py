@@ -1,22 +1,15 @@
 """Step-by-step diagnostics of a toy OPD run (the collapse investigation, experiments/toy_collapse.py).
 
-`Diagnosed(run)` wraps a `opd.loop.run.Run` of the first toy task (one-letter answers) and trains it step by
-step exactly as `run.step(step)` would, while recording what the step's selection did:
+`Diagnosed(run)` wraps an `opd.loop.run.Run` of the first toy task (one-letter answers) and trains it step by step
+exactly as `run.step(step)` would (the same rollouts, selections and updates: a test checks the ledger against an
+undiagnosed run), while recording what the step's selection did: every candidate's utility u_i (Eq. 9, by
+`harness.audit.score_utility`, before the step), the teacher's and the student's option-letter probabilities, and
+the selection S and labels the selector receives (checked against the precomputed u_i of the same rows).
+`oracle=True` selects the top floor(rho |C|) candidates by the precomputed u_i instead (no exploration).
 
-- the rollouts are sampled here with the generator seed `Run.step` uses (mix_seed(seed, step, rank)),
-  then handed to `run.step(step, rollouts)`, so the run is the same run (same rollouts, selections,
-  updates; a test checks the ledger against an undiagnosed run);
-- before the step, every candidate's utility u_i (Eq. 9) is computed with the step's own student and
-  teacher (`harness.audit.score_utility`, no state changes), and the teacher's (crop view) and the
-  student's (full image) probability of each option letter at the answer position, per prompt;
-- the selection S and the labels the selector receives are captured from the selector's calls, so
-  the labels can be checked against the precomputed u_i of the same rows (they must be equal: a
-  mismatch would be a defect in the label-to-row bookkeeping);
-- `oracle=True` replaces the selection by the top floor(rho |C|) candidates by the precomputed u_i
-  (no exploration): the ranking the learned selector is trained to imitate, with no prediction error.
-
-`view_accuracy` probes a model's answer on a view cheaply: the argmax over the option letters at the
-first response position (what greedy decoding picks when a letter is the most likely token).
+`diagnose_one` runs one diagnosed job (diag.jsonl, probes.jsonl, eval.py, done.json); `view_accuracy` probes a
+model's answer on a view cheaply (the argmax over the option letters at the first response position).
+Details: docs/MODULES.md#harnessdiagnose.
 """
 
 from __future__ import annotations

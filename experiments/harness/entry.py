@@ -8,15 +8,10 @@ every `main()` does before and after its own work, once.
     entry.runs([job(cfg, s, root) for s in specs], cfg.jobs)    # the runs without a done.json
     return entry.finish(report)                                 # OUT/timing.json, report(root, cfg, timing, command)
 
-`Entry.start` parses the flags (`parse`: `opd.cli.parse_config`, --smoke standing for --preset smoke), makes
-the threads quiet (`harness.experiment.quiet`), creates the output folder `cfg.out`, records the command line
-and starts the clock (`harness.experiment.Timing`, OUT/timing.json summed over the invocations). Each step is
-timed under its phase of timing.json (`phase=`; a step given a phase another step has adds to it) and says
-what it does on stdout, or nothing (`announce=False`, `what=None`). Everything is reused when it is on disk
-already, so a script run again resumes.
-
-Files are written whole or not at all: text through `opd.loop.ledger.write_atomic`, the report through
-`harness.report.write_report`, plots through `harness.report.save_figure`.
+`Entry.start` parses the flags (`parse`; --smoke stands for --preset smoke), quiets the threads, creates `cfg.out`
+and starts the clock (OUT/timing.json, summed over the invocations). Each step is timed under its phase and reused
+when it is on disk already, so a script run again resumes; files are written whole or not at all.
+Details: docs/MODULES.md#harnessentry.
 """
 
 from __future__ import annotations
