@@ -3,7 +3,7 @@
     .venv/bin/python experiments/family.py --out runs/family                 # 3 seeds; hours on 2 shared cores (a DAPD run ~30 min)
     .venv/bin/python experiments/family.py --out runs/family-smoke --smoke   # one seed, a few steps (the test)
 
-1. The world of experiments/toy.py (`opd.toy.world`), and three base models (`opd.toy.family`), one per
+1. The world of experiments/toy.py (`opd.toy.world`), and three base models (`harness.family`), one per
    privileged signal: `crop` (trained on crops: BAS-OPD, Vision-OPD, OPD-V), `resolution` (trained on
    full canvases at their native 64 x 64 pixels: RP-OPSD, whose student sees them at 32 x 32) and `text`
    (trained on crops and on hinted full images: OPSD and DAPD, whose reference context is the same hint). OPOD
@@ -11,7 +11,7 @@
    triangles to the resolution base (the full canvas at its native 64 x 64 pixels: a stronger teacher of the
    student's own input), diamonds to the crop base itself (the student's initial weights: no better than it).
 2. Each base's privileged-minus-plain gap: greedy accuracy on the held-out items in every view its
-   methods use, built as training builds them (`opd.toy.family.view_accuracy`).
+   methods use, built as training builds them (`harness.family.view_accuracy`).
 3. For each method, Full querying (the method as published), Random-25 and Learned-25 (BAS-OPD's
    budget on top), over `--seeds` seeds, through `opd.loop.run.Run` with the method's paper settings; each run is
    scored by eval.py on the held-out benchmark in the student's view at the original resolution (the
@@ -40,11 +40,11 @@ if str(ROOT) not in sys.path:
 
 import numpy as np  # noqa: E402
 
+from harness.entry import Entry, sft_config, world_config  # noqa: E402
+from harness.experiment import run_folder, say  # noqa: E402
+from harness.report import _pyplot, save_figure, write_report  # noqa: E402
+from harness.report import mean_std as _ms  # noqa: E402
 from opd.loop.ledger import write_atomic  # noqa: E402
-from opd.toy.entry import Entry, sft_config, world_config  # noqa: E402
-from opd.toy.experiment import run_folder, say  # noqa: E402
-from opd.toy.report import _pyplot, save_figure, write_report  # noqa: E402
-from opd.toy.report import mean_std as _ms  # noqa: E402
 
 METHODS = ("bas-opd", "opd-v", "rp-opsd", "opsd", "dapd", "opod")
 """The methods run; Vision-OPD is BAS-OPD with every candidate queried (its Full row)."""
@@ -145,7 +145,7 @@ PRESETS = {"default": {}, "smoke": SMOKE}
 
 def base_configs(cfg: FamilyConfig) -> dict:
     """(SFTConfig, task) of each privileged signal's base."""
-    from opd.toy.family import HINT
+    from harness.family import HINT
 
     sft = sft_config(cfg)
     signal = dataclasses.replace(sft, steps=cfg.signal_sft_steps)
@@ -163,7 +163,7 @@ def base_gaps(root: Path, cfg: FamilyConfig) -> dict:
         return json.loads(path.read_text())
     from opd.data.sources import load_records
     from opd.models.loading import load_model, load_processor
-    from opd.toy.family import view_accuracy, write_eval_records
+    from harness.family import view_accuracy, write_eval_records
 
     records = load_records(write_eval_records(root / "world", world_config(cfg), root / "eval_records.jsonl"))
     gaps = {}
@@ -198,7 +198,7 @@ def route_gaps(root: Path, cfg: FamilyConfig) -> dict:
         return json.loads(path.read_text())
     from opd.data.sources import load_records
     from opd.models.loading import load_model, load_processor
-    from opd.toy.family import view_accuracy
+    from harness.family import view_accuracy
 
     records = load_records(root / "eval_records.jsonl")
     out: dict = {shape: {} for shape in OPOD_ROUTES}
@@ -272,7 +272,7 @@ def run_specs(cfg: FamilyConfig) -> list[dict]:
 
 
 def job(cfg: FamilyConfig, spec: dict, root: Path) -> dict:
-    """One run as an `opd.toy.experiment` job: the method's paper settings, its base, no audit; eval.py on
+    """One run as an `harness.experiment` job: the method's paper settings, its base, no audit; eval.py on
     the benchmark in the student's view (the full canvas) and on the crops."""
     from opd.methods.table import METHODS as TABLE
 
@@ -301,7 +301,7 @@ def trained_views(root: Path, cfg: FamilyConfig) -> None:
     from opd.loop.checkpoint import find_checkpoint
     from opd.data.sources import load_records
     from opd.models.loading import load_model, load_processor
-    from opd.toy.family import view_accuracy
+    from harness.family import view_accuracy
 
     records = None
     for spec in run_specs(cfg):

@@ -35,10 +35,10 @@ for path in (ROOT, ROOT / "experiments"):
 import numpy as np  # noqa: E402
 
 from harm_world import HarmConfig, base_world  # noqa: E402
+from harness.entry import Entry  # noqa: E402
+from harness.experiment import evaluate, machine, read_run, run_folder, say, train_one  # noqa: E402
+from harness.regime import PROMPTS, ROLLOUTS, RegimeConfig, accuracy_by  # noqa: E402
 from opd.loop.ledger import write_atomic  # noqa: E402
-from opd.toy.entry import Entry  # noqa: E402
-from opd.toy.experiment import evaluate, machine, read_run, run_folder, say, train_one  # noqa: E402
-from opd.toy.regime import PROMPTS, ROLLOUTS, RegimeConfig, accuracy_by  # noqa: E402
 
 __all__ = ["HarmExperimentConfig", "main"]
 
@@ -192,7 +192,7 @@ def code_commit() -> str:
 
 
 def record_one(job: dict) -> None:
-    """The study's worker: trains, audits and scores one run (`opd.toy.experiment.train_one`), then writes its compact
+    """The study's worker: trains, audits and scores one run (`harness.experiment.train_one`), then writes its compact
     record to job["result"] (whole or absent), the marker that the run is done."""
     train_one(job)
     path = Path(job["result"])
@@ -204,7 +204,7 @@ def record_one(job: dict) -> None:
 def prepare(entry: Entry, cfg: HarmExperimentConfig) -> None:
     """The three worlds, the one base (from RESULTS/base when it is there, else trained and copied there) and its
     evaluation on each world's benchmark (per kind)."""
-    from opd.toy.explain import EXPLAIN
+    from harness.explain import EXPLAIN
     from opd.toy.sft import SFTConfig
     from opd.toy.world import export_world
 

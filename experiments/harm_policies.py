@@ -1,5 +1,5 @@
 """The part-4 study's two selection arms that train.py does not have, and its measurement of Eq. 7-9's factors
-(docs/SELECTION.md, "Part 4"). Each is a hook `opd.toy.experiment.train_one` attaches to a run (job["hook"]).
+(docs/SELECTION.md, "Part 4"). Each is a hook `harness.experiment.train_one` attaches to a run (job["hook"]).
 
 - Oracle-25 (`Oracle`): S = the top K of C by the true utility u_i (Eq. 9, the teacher on every candidate, as the
   selection audit computes it) each step: the ceiling of any selector of this label. It breaks the budget's rule
@@ -21,15 +21,15 @@ from pathlib import Path
 import numpy as np
 import torch
 
+from harness.audit import AuditContext, HeldBatch, _micro_batches, _preserved, held_records, sample_batch, score_utility
 from opd.maths.divergence import utility_terms
 from opd.models.chat import response_logits
 from opd.seeding import seeded_generator
 from opd.selection.selectors import exploration_count, top_subset, uniform_subset
-from opd.toy.audit import AuditContext, HeldBatch, _micro_batches, _preserved, held_records, sample_batch, score_utility
 from opd.data.sources import load_records
 
 LARGE_MIN = 24
-"""The smallest large target side (`opd.toy.regime.RegimeConfig.large_min`, the study's worlds' value)."""
+"""The smallest large target side (`harness.regime.RegimeConfig.large_min`, the study's worlds' value)."""
 GAMMA = 0.5
 """Diminishing returns: a prompt's n-th row in S scores u^ x GAMMA^(n-1)."""
 
@@ -95,7 +95,7 @@ class Hook:
 
 def row_kind(record) -> str:
     """'harmful' (its crop misses the target), 'small' or 'large' (the JSONL's target side; large from 24 px,
-    `opd.toy.regime.RegimeConfig.large_min`)."""
+    `harness.regime.RegimeConfig.large_min`)."""
     if int(record.field("harm") or 0):
         return "harmful"
     return "large" if int(record.field("target") or 0) >= LARGE_MIN else "small"

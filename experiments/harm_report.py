@@ -16,8 +16,8 @@ from pathlib import Path
 import numpy as np
 
 from harm import LABELS, NOISE, POLICIES, WORLDS, HarmExperimentConfig, world_config
-from opd.toy.regime import small_area_bound
-from opd.toy.report import save_figure, write_report
+from harness.regime import small_area_bound
+from harness.report import save_figure, write_report
 
 T975 = {1: 12.706, 2: 4.303, 3: 3.182, 4: 2.776, 5: 2.571, 6: 2.447, 7: 2.365, 8: 2.306, 9: 2.262, 10: 2.228,
         11: 2.201, 12: 2.179, 13: 2.160, 14: 2.145, 15: 2.131, 16: 2.120, 17: 2.110, 18: 2.101, 19: 2.093, 20: 2.086,
@@ -165,7 +165,7 @@ def noise_lines(by: dict, base: dict | None) -> list[str]:
 
 def plot(results: Path, runs: dict) -> str | None:
     """harm_contrasts.png: each world's paired contrasts, mean and 95% interval (a forest plot)."""
-    from opd.toy.report import _pyplot
+    from harness.report import _pyplot
 
     worlds = [w for w in WORLDS if runs.get(w)]
     if not worlds:

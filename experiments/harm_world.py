@@ -1,7 +1,7 @@
 """A toy world where the crop teacher can hurt: a share h of the items has a crop cut around a decoy (docs/SELECTION.md,
 "Part 4").
 
-The world is the paper's regime (`opd.toy.regime`: a share s of large targets the full image answers, small ones only
+The world is the paper's regime (`harness.regime`: a share s of large targets the full image answers, small ones only
 the crop shows) with one decoy added to every image: a muted off-palette blob (the distractors' palette, `decoy_min`
 ..`decoy_max` pixels) placed so that a box of the item's usual crop side around it misses the target. On a harmful
 item (small items only) the crop is that box: the crop teacher sees no target, so it is diffuse or wrong, and Full
@@ -23,7 +23,7 @@ from functools import lru_cache
 import numpy as np
 from PIL import ImageDraw
 
-from opd.toy.regime import RegimeConfig, is_large, split_size
+from harness.regime import RegimeConfig, is_large, split_size
 from opd.toy.world import DISTRACTOR_RGB, SPLITS, Sample, sample
 
 DECOY_TRIES = 64

@@ -2,7 +2,7 @@
 which of the recipe's knobs costs the points in the toy world, docs/FAMILY.md "The published recipes").
 
 Reuses a finished `experiments/family.py` folder (its world, hint base and benchmark): each run is the family's
-`opsd/full-100-recipe` job with one change, trained and scored by the same `opd.toy.experiment.train_one`, into
+`opsd/full-100-recipe` job with one change, trained and scored by the same `harness.experiment.train_one`, into
 OUT/runs/opsd-knobs/<knob>/seed<k>/. `recipe` is the unchanged recipe (the control: it must reproduce the family's
 own run of that seed). Resumable: a finished run (done.json) is kept.
 
@@ -38,7 +38,7 @@ the recipe's lr (is the adapter under-trained in 120 steps?); LoRA on every line
 
 def main(argv=None) -> list[dict]:
     from experiments.family import SMOKE, FamilyConfig, job
-    from opd.toy.experiment import run_jobs
+    from harness.experiment import run_jobs
 
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     p.add_argument("--out", required=True, help="a finished experiments/family.py folder")

@@ -3,20 +3,20 @@
     python experiments/regime.py --out runs/regime     # 35 runs at s = 50% and the sweep over s (27 more), resumable
     python experiments/regime.py --smoke               # one seed, 2 steps per run, small worlds (the test)
 
-The world is `opd.toy.regime`'s: a share s of the items has a large target that the full image already answers, the
+The world is `harness.regime`'s: a share s of the items has a large target that the full image already answers, the
 rest a small one that only the crop shows, so the crop area a_i and the student's entropy carry signal; the answers
-are the explained ones of `opd.toy.explain` (7-54 tokens). One base, trained on crops as the other toy bases
+are the explained ones of `harness.explain` (7-54 tokens). One base, trained on crops as the other toy bases
 (`opd.toy.sft`, the explain task's recipe), serves every s (its supervised split does not depend on s).
 
 1. At s = `share` (50%): Full, Random-25, Entropy-25, Learned-25 (top-K, as published) and the best variants of
    SELECTION.md's parts 1-2 (capped per prompt; Horvitz-Thompson at eps 0.5; stratified by prompt at eps 0.5) x
    `seeds` seeds, 28 prompts x 8 rollouts (K = 56 of 224), one epoch; each scored by eval.py in both views, on all
-   items and per kind, and audited at its end (`opd.toy.audit.selection_audit`: the gradient's cosine to the full-query
+   items and per kind, and audited at its end (`harness.audit.selection_audit`: the gradient's cosine to the full-query
    one, the utility its S captures).
 2. The sweep: s in `sweep` for `sweep_variants` (Full, Random-25, Learned-25) x `sweep_seeds` seeds (the runs at
    s = `share` are part 1's), not audited: where does selection start to pay?
 3. OUT/report.md, report.json and regime_accuracy.png from the run folders, with the goal judged
-   (`opd.toy.selection.goal_rows`).
+   (`harness.selection.goal_rows`).
 
 Resumable: the worlds, the base, its evaluations and every finished run (done.json) are reused; an unfinished run's
 folder is deleted and trained again. The runs go one at a time by default (`--jobs 1`), the part-1 runs first.
@@ -36,12 +36,11 @@ if str(ROOT) not in sys.path:
 
 import numpy as np  # noqa: E402
 
-from opd.loop.ledger import write_atomic  # noqa: E402
-from opd.toy.entry import Entry  # noqa: E402
-from opd.toy.experiment import evaluate, machine, run_folder, say  # noqa: E402
-from opd.toy.regime import PROMPTS, ROLLOUTS, RegimeConfig, accuracy_by_kind, base_world, small_share  # noqa: E402
-from opd.toy.report import mean_std, save_figure, world_figure, write_report  # noqa: E402
-from opd.toy.selection import (  # noqa: E402
+from harness.entry import Entry  # noqa: E402
+from harness.experiment import evaluate, machine, run_folder, say  # noqa: E402
+from harness.regime import PROMPTS, ROLLOUTS, RegimeConfig, accuracy_by_kind, base_world, small_share  # noqa: E402
+from harness.report import mean_std, save_figure, world_figure, write_report  # noqa: E402
+from harness.selection import (  # noqa: E402
     CROP_DROP,
     LABELS,
     VARIANTS,
@@ -56,6 +55,7 @@ from opd.toy.selection import (  # noqa: E402
     token_share,
     variant_names,
 )
+from opd.loop.ledger import write_atomic  # noqa: E402
 
 __all__ = ["RegimeExperimentConfig", "main"]
 
@@ -72,7 +72,7 @@ class RegimeExperimentConfig:
     share: int = 50
     """s of part 1 (percent): the share of items with a large target, which the full image already answers."""
     variants: str = MAIN
-    """Part 1's policies (names of opd.toy.selection.VARIANTS)."""
+    """Part 1's policies (names of harness.selection.VARIANTS)."""
     seeds: int = 5
     """Part 1's seeds 0..seeds-1 (data order, rollout sampling and selector seed)."""
     sweep: str = "0,25,50,75"
@@ -209,7 +209,7 @@ def sweep_table(runs: dict, bases: dict) -> list[str]:
 def plot(root: Path, runs: dict, main_share: int) -> str:
     """regime_accuracy.png: part 1's accuracy per seed and gradient cosines; the sweep's accuracy against s and
     Learned-25's paired difference to Random-25 and to Full."""
-    from opd.toy.report import _pyplot
+    from harness.report import _pyplot
 
     plt = _pyplot()
     fig, axes = plt.subplots(2, 2, figsize=(13, 8.4))
@@ -304,7 +304,7 @@ def report(root: Path, cfg: RegimeExperimentConfig, timing: dict, command: str) 
 
 def prepare(entry: Entry, cfg: RegimeExperimentConfig) -> None:
     """The worlds (one per s), the one base, and its evaluation on each world's benchmark (per kind too)."""
-    from opd.toy.explain import EXPLAIN
+    from harness.explain import EXPLAIN
     from opd.toy.sft import SFTConfig
     from opd.toy.world import export_world
 

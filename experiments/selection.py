@@ -16,7 +16,7 @@ unbiased (`--unbiased`: S sampled with inclusion probabilities that grow with th
 prompt). Part 2 (`--variants all`, or by name): Learned-25 unbiased with the Horvitz-Thompson estimator
 (`--estimator ht`) at eps 0.1, 0.3 and 0.5 and with pi proportional to T_i sqrt(u^_i) (`--inclusion-size gradient`),
 and stratified by prompt (`--strata prompt`) at eps 0.1 and 0.5. Each run is scored by eval.py in both views (the full image; the crop view is the teacher's pathway:
-a collapse shows there), and at its end `opd.toy.audit.selection_audit` measures, on held batches, the cosine of the
+a collapse shows there), and at its end `harness.audit.selection_audit` measures, on held batches, the cosine of the
 run's own budgeted gradient (its selector's draws, weighted as in training) to the full-query gradient, and the
 share of the true utility its S captures.
 """
@@ -33,10 +33,10 @@ ROOT = Path(__file__).resolve().parents[1]
 if str(ROOT) not in sys.path:
     sys.path.insert(0, str(ROOT))
 
-from opd.toy.entry import Entry  # noqa: E402
-from opd.toy.experiment import evaluate, machine, run_folder, say  # noqa: E402
-from opd.toy.report import save_figure, write_report  # noqa: E402
-from opd.toy.selection import (  # noqa: E402
+from harness.entry import Entry  # noqa: E402
+from harness.experiment import evaluate, machine, run_folder, say  # noqa: E402
+from harness.report import save_figure, write_report  # noqa: E402
+from harness.selection import (  # noqa: E402
     CROP_DROP,
     VARIANTS,
     accuracy_panel,
@@ -51,7 +51,7 @@ __all__ = ["SelectionConfig", "main"]
 
 PART_1 = ("full-100", "random-25", "entropy-25", "learned-25", "learned-25-unbiased", "entropy-25-unbiased",
           "learned-25-cap")  # fmt: skip
-"""The variants of the first measurement (docs/SELECTION.md); the default --variants (the names: opd.toy.selection)."""
+"""The variants of the first measurement (docs/SELECTION.md); the default --variants (the names: harness.selection)."""
 
 
 @dataclass
@@ -139,7 +139,7 @@ def job(cfg: SelectionConfig, spec: dict, root: Path) -> dict:
 
 
 def collect(root: Path, all_specs: list[dict]) -> dict:
-    """{task: {variant: [record per seed]}} from the finished run folders (`opd.toy.selection.read_selection_run`)."""
+    """{task: {variant: [record per seed]}} from the finished run folders (`harness.selection.read_selection_run`)."""
     runs: dict = {}
     for spec in all_specs:
         if (rec := read_selection_run(root, spec)) is not None:
@@ -195,7 +195,7 @@ def report(root: Path, cfg: SelectionConfig, timing: dict, command: str) -> str:
 
 
 def main(argv: list[str] | None = None) -> str:
-    from opd.toy.explain import EXPLAIN
+    from harness.explain import EXPLAIN
     from opd.toy.sft import SFTConfig
 
     entry = Entry.start(SelectionConfig, PRESETS, argv, __doc__, "python experiments/selection.py")

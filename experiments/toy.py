@@ -11,15 +11,15 @@
 3. OPD runs through `opd.loop.run.Run` on the same base: Full, Random-25, Entropy-25, Learned-25 and
    Learned-10/50, over `--seeds` seeds (Learned-100 is Full querying: identical selection, reused).
    Each run is evaluated by eval.py on the held-out benchmark (full view and, as a check of the
-   teacher's pathway, crop view). Learned-25 runs also get the Figure 3 audit (`opd.toy.audit`) at the
+   teacher's pathway, crop view). Learned-25 runs also get the Figure 3 audit (`harness.audit`) at the
    end and, for the first seed, the Figure 4 gradient geometry at `--grad-checkpoints` points.
 4. OUT/report.md: the tables and plots (OUT/*.png) from the files on disk.
 
 Resumable: the world, the base, the base's evaluation and every finished run (its done.json) are
 reused; an unfinished run starts over. `--jobs 2` trains two runs at a time (one thread each).
 Running a run, reading results back and the report's tables and plots are shared with
-experiments/toy_explain.py (`opd.toy.experiment`, `opd.toy.report`), the steps of `main()` with every
-experiment script (`opd.toy.entry`).
+experiments/toy_explain.py (`harness.experiment`, `harness.report`), the steps of `main()` with every
+experiment script (`harness.entry`).
 """
 
 from __future__ import annotations
@@ -34,9 +34,9 @@ ROOT = Path(__file__).resolve().parents[1]
 if str(ROOT) not in sys.path:
     sys.path.insert(0, str(ROOT))
 
-from opd.toy.entry import Entry, sft_config, world_config  # noqa: E402
-from opd.toy.experiment import check_ledger, collect, machine, order, run_folder  # noqa: E402
-from opd.toy.report import (  # noqa: E402
+from harness.entry import Entry, sft_config, world_config  # noqa: E402
+from harness.experiment import check_ledger, collect, machine, order, run_folder  # noqa: E402
+from harness.report import (  # noqa: E402
     audit_section,
     gap_section,
     geometry_section,
@@ -136,7 +136,7 @@ def train_fields(cfg: ToyConfig, spec: dict, base: Path, data: Path) -> dict:
 
 
 def job(cfg: ToyConfig, spec: dict, root: Path) -> dict:
-    """One run for `opd.toy.experiment.train_one`: Learned-25 gets the Figure 3 audit (first `audit_seeds`
+    """One run for `harness.experiment.train_one`: Learned-25 gets the Figure 3 audit (first `audit_seeds`
     seeds) and, on seed 0, the Figure 4 geometry at `grad_checkpoints` evenly spaced steps."""
     world = root / "world"
     learned25 = spec["policy"] == "learned" and spec["pct"] == 25

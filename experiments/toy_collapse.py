@@ -7,7 +7,7 @@
 docs/TOY.md's 32 prompts x 2 rollouts runs (lr 1.5e-4, 120 steps) had one Learned-25 seed in three collapse:
 its full-image accuracy fell to 58.8% and the crop view, which the EMA teacher reads, to 77.0%. This
 script reruns that setting on the first task's world and base (`opd.toy.world`, `opd.toy.sft`, the
-defaults of experiments/toy.py) with `opd.toy.diagnose.Diagnosed`, which trains the same run while
+defaults of experiments/toy.py) with `harness.diagnose.Diagnosed`, which trains the same run while
 recording, every step, each candidate's utility u_i, the teacher's and the student's answer
 probabilities per prompt, S, and the labels the selector receives; every `probe_every` steps it
 measures the teacher's crop-view and the student's full-image accuracy on the 160 audit records.
@@ -33,9 +33,9 @@ if str(ROOT) not in sys.path:
 
 import numpy as np  # noqa: E402
 
-from opd.toy.entry import Entry, sft_config, world_config  # noqa: E402
-from opd.toy.experiment import machine  # noqa: E402
-from opd.toy.report import save_figure, write_report  # noqa: E402
+from harness.entry import Entry, sft_config, world_config  # noqa: E402
+from harness.experiment import machine  # noqa: E402
+from harness.report import save_figure, write_report  # noqa: E402
 
 __all__ = ["CollapseConfig", "main"]
 
@@ -163,7 +163,7 @@ def analyse(folder: Path, rollouts: int, explore: float = 0.10, letter: int = 0)
     """One run's diagnostics: the label and selection checks, coverage, selector quality, the probes, and by
     row type (ROW_TYPES) the share in C, S and the oracle's top 25%, P(selected), mean u_i and the learned
     ranking's mean rank percentile (0 = ranked first)."""
-    from opd.toy.report import spearman
+    from harness.report import spearman
 
     diags = [json.loads(x) for x in (folder / "diag.jsonl").read_text().splitlines() if x.strip()]
     probes = [json.loads(x) for x in (folder / "probes.jsonl").read_text().splitlines() if x.strip()]
@@ -315,7 +315,7 @@ def report(root: Path, cfg: CollapseConfig, timing: dict, command: str) -> str:
 
 
 def probe_plot(root: Path, rows: list[dict]) -> str | None:
-    from opd.toy.report import _pyplot
+    from harness.report import _pyplot
 
     if not rows:
         return None
@@ -349,7 +349,7 @@ def main(argv: list[str] | None = None) -> str:
     cfg, root = entry.cfg, entry.root
     if cfg.report_only:
         return entry.report_only(report)
-    from opd.toy.diagnose import diagnose_one
+    from harness.diagnose import diagnose_one
 
     entry.world(world_config(cfg), announce=False, phase="setup_s")
     entry.base(world_config(cfg), sft_config(cfg), phase="setup_s")

@@ -5,7 +5,7 @@
 
 The second toy task (docs/TOY_EXPLAIN.md). The world, its questions, training JSONL and benchmark are the
 first task's (`opd.toy.world`, docs/TOY.md); only the responses differ: a short explanation, then the
-answer (`opd.toy.explain`: from the colour with the letter on the next line to "Blue. I see a small blue square
+answer (`harness.explain`: from the colour with the letter on the next line to "Blue. I see a small blue square
 here. Answer: C").
 
 1. The world (`export_world`) and the base (`opd.toy.sft.train_base(task=EXPLAIN)`): a tiny Qwen3.5 taught
@@ -14,8 +14,8 @@ here. Answer: C").
 2. OPD runs through `opd.loop.run.Run`: Full, Random-25, Entropy-25, Learned-10/25/50 (Table 3), and Learned-25
    without overlap, confidence, ranking loss or exploration (Table 4, train.py's --no-* switches), each
    over `--seeds` seeds, each scored by eval.py in both views. Every run writes trace.jsonl: per step the
-   candidates, S, every rollout's length and entropy, and the utility labels of S (`opd.toy.experiment.Trace`).
-   Learned-25 runs get the Figure 3 audit (`opd.toy.audit`) and seed 0 the Figure 4 geometry.
+   candidates, S, every rollout's length and entropy, and the utility labels of S (`harness.experiment.Trace`).
+   Learned-25 runs get the Figure 3 audit (`harness.audit`) and seed 0 the Figure 4 geometry.
 3. OUT/report.md and the plots, from the files on disk: beside the paper's tables, which lengths each
    policy picks and what they carry (utility by length), prompt coverage of S, and the crop view after
    training (the teacher's pathway) per run.
@@ -38,9 +38,8 @@ if str(ROOT) not in sys.path:
 
 import numpy as np  # noqa: E402
 
-from opd.loop.ledger import write_atomic  # noqa: E402
-from opd.toy.entry import Entry, sft_config, world_config  # noqa: E402
-from opd.toy.experiment import (  # noqa: E402
+from harness.entry import Entry, sft_config, world_config  # noqa: E402
+from harness.experiment import (  # noqa: E402
     ABLATIONS,
     check_ledger,
     collect,
@@ -50,7 +49,7 @@ from opd.toy.experiment import (  # noqa: E402
     run_folder,
     split_name,
 )
-from opd.toy.report import (  # noqa: E402
+from harness.report import (  # noqa: E402
     audit_section,
     gap_section,
     geometry_section,
@@ -65,6 +64,7 @@ from opd.toy.report import (  # noqa: E402
     world_figure,
     write_report,
 )
+from opd.loop.ledger import write_atomic  # noqa: E402
 
 __all__ = ["ExplainConfig", "check_ledger", "main"]
 
@@ -155,7 +155,7 @@ def run_specs(cfg: ExplainConfig) -> list[dict]:
 
 
 def job(cfg: ExplainConfig, spec: dict, root: Path) -> dict:
-    """One run for `opd.toy.experiment.train_one` (traced; Learned-25 audited, seed 0's geometry)."""
+    """One run for `harness.experiment.train_one` (traced; Learned-25 audited, seed 0's geometry)."""
     world = root / "world"
     learned25 = spec["name"] == "learned-25"
     geometry = []
@@ -188,7 +188,7 @@ def base_samples(root: Path, cfg: ExplainConfig) -> list[dict]:
     from opd.data.sources import load_records
     from opd.models.loading import load_model, load_processor, special_ids
     from opd.engine.rollout import generate_rollouts
-    from opd.toy.explain import style_of
+    from harness.explain import style_of
     from opd.data.records import get_view
 
     path = root / "base_samples.json"
@@ -247,7 +247,7 @@ def _cell(text: str) -> str:
 
 
 def responses_section(samples: list[dict], base_eval: Path, runs: dict, rollouts: int) -> list[str]:
-    from opd.toy.explain import STYLES, response_lengths, style_of
+    from harness.explain import STYLES, response_lengths, style_of
 
     greedy = [json.loads(x) for x in (base_eval / "zoombench" / "predictions.jsonl").read_text().splitlines() if x.strip()]
     prompts = len({s["prompt"] for s in samples})
@@ -342,7 +342,7 @@ def selection_section(runs: dict, names: list[str], cfg: ExplainConfig, base: di
 
 def selection_plot(root: Path, runs: dict, names: list[str], cfg: ExplainConfig) -> str | None:
     """OUT/fig6_selection.png: per step, mean T_i of S over that of the candidates, and prompts covered."""
-    from opd.toy.report import _pyplot
+    from harness.report import _pyplot
 
     plt = _pyplot()
     fig, (a1, a2) = plt.subplots(1, 2, figsize=(9.5, 3.6))
@@ -437,7 +437,7 @@ def report(root: Path, cfg: ExplainConfig, timing: dict, command: str) -> str:
 def main(argv: list[str] | None = None) -> str:
     entry = Entry.start(ExplainConfig, PRESETS, argv, __doc__, "python experiments/toy_explain.py")
     cfg, root = entry.cfg, entry.root
-    from opd.toy.explain import EXPLAIN
+    from harness.explain import EXPLAIN
 
     specs = run_specs(cfg)
     entry.world(world_config(cfg))

@@ -7,9 +7,9 @@ from pathlib import Path
 
 import pytest
 
+from harness.family import HINT, write_eval_records
 from opd.data.sources import load_records
 from opd.loop.ledger import read_ledger
-from opd.toy.family import HINT, write_eval_records
 from opd.toy.world import WorldConfig, export_world, sample
 from opd.data.family_views import reference_prompt
 

@@ -18,7 +18,7 @@ sys.path.insert(0, str(ROOT / "experiments"))
 from harm_world import HarmConfig, base_world, harmful  # noqa: E402
 from harm_policies import diminishing_top  # noqa: E402
 from harm_report import decision, interval, t975  # noqa: E402
-from opd.toy.regime import is_large  # noqa: E402
+from harness.regime import is_large  # noqa: E402
 from opd.toy.world import sample  # noqa: E402
 
 SIZES = dict(n_opd=40, n_audit=20, n_eval=60)

@@ -5,9 +5,9 @@
   step and update, apart from the run's lifecycle in `opd.loop.run`), and a step reaches the function each equation's
   line runs in at most 4 calls, Eq. 3 in 2, through the plain functions (tests/core_trace.py, measured while a step
   runs), and the files it runs only shrink towards issue 45's core of 8 files and 1,500 lines;
-- no function in train.py, eval.py or opd/ is over 80 lines;
-- the library never imports a script (train.py, eval.py);
-- no import cycle among opd's modules;
+- no function in train.py, eval.py, opd/ or the toy studies' harness (experiments/harness/) is over 80 lines;
+- the library never imports a script (train.py, eval.py, experiments/) or the harness;
+- no import cycle among opd's modules, nor among the harness's; each harness module's docstring is at most 15 lines;
 - the run's machinery (opd.loop) imports no objective; an objective imports no other objective and no evaluation code.
 """
 
@@ -18,10 +18,12 @@ import pytest
 
 ROOT = Path(__file__).resolve().parents[1]
 LIBRARY = sorted((ROOT / "opd").rglob("*.py"))
+HARNESS = sorted((ROOT / "experiments" / "harness").glob("*.py"))
+"""The toy studies' harness, imported as `harness.<module>` (experiments/ is on the path of its scripts and tests)."""
 
 
-def module_name(path: Path) -> str:
-    parts = list(path.relative_to(ROOT).with_suffix("").parts)
+def module_name(path: Path, top: Path = ROOT) -> str:
+    parts = list(path.relative_to(top).with_suffix("").parts)
     return ".".join(parts[:-1] if parts[-1] == "__init__" else parts)
 
 
@@ -37,12 +39,13 @@ def imports(path: Path) -> set[str]:
     return out
 
 
-def graph() -> dict[str, set[str]]:
-    """opd module -> the opd modules it imports (and, for a submodule, its package)."""
-    names = {module_name(p) for p in LIBRARY}
+def graph(files: list[Path] = LIBRARY, top: Path = ROOT) -> dict[str, set[str]]:
+    """opd module -> the opd modules it imports (and, for a submodule, its package); `files` and `top`: another
+    package's (the harness: HARNESS, ROOT / "experiments")."""
+    names = {module_name(p, top) for p in files}
     edges = {}
-    for p in LIBRARY:
-        me = module_name(p)
+    for p in files:
+        me = module_name(p, top)
         found = {m for m in imports(p) if m in names and m != me}
         found |= {".".join(m.split(".")[:k]) for m in found for k in range(2, m.count(".") + 1)} - {me}
         edges[me] = found & names
@@ -152,8 +155,8 @@ def test_the_default_step_runs_at_most_8_files_and_1500_lines(default_step):
 
 
 def test_no_function_over_80_lines():
-    long = [f"{p.relative_to(ROOT)}:{line} {name} ({n})" for p in [ROOT / "train.py", ROOT / "eval.py", *LIBRARY]
-            for name, line, n in functions(p) if n > 80]  # fmt: skip
+    files = [ROOT / "train.py", ROOT / "eval.py", *LIBRARY, *HARNESS]
+    long = [f"{p.relative_to(ROOT)}:{line} {name} ({n})" for p in files for name, line, n in functions(p) if n > 80]
     assert not long, long
 
 
@@ -199,12 +202,15 @@ def test_imports_sit_at_the_top_of_each_module():
 
 
 def test_the_library_never_imports_a_script():
-    found = [f"{p.relative_to(ROOT)} imports {m}" for p in LIBRARY for m in imports(p) if m.split(".")[0] in ("train", "eval")]
+    scripts = ("train", "eval", "experiments", "harness", *(p.stem for p in (ROOT / "experiments").glob("*.py")))
+    found = [f"{p.relative_to(ROOT)} imports {m}" for p in LIBRARY for m in imports(p) if m.split(".")[0] in scripts]
     assert not found, found
 
 
-def test_no_import_cycle():
-    edges = graph()
+@pytest.mark.parametrize("package", ["opd", "harness"])
+def test_no_import_cycle(package):
+    edges = graph() if package == "opd" else graph(HARNESS, ROOT / "experiments")
+    assert len(edges) > 5, edges
     state: dict[str, int] = {}
     stack: list[str] = []
 
@@ -224,6 +230,15 @@ def test_no_import_cycle():
         if m not in state:
             cycle = visit(m)
             assert cycle is None, " -> ".join(cycle)
+
+
+def test_the_harness_says_what_it_holds_in_at_most_15_lines_a_module():
+    long = {}
+    for p in HARNESS:
+        doc = ast.get_docstring(ast.parse(p.read_text()), clean=False)
+        if doc is None or len(doc.splitlines()) > 15:
+            long[p.name] = None if doc is None else len(doc.splitlines())
+    assert len(HARNESS) > 5 and not long, long
 
 
 @pytest.fixture(scope="module")

@@ -1,5 +1,6 @@
-"""The paper's regime (opd/toy/regime.py, experiments/regime.py; docs/SELECTION.md, "The paper's regime"): the world's
-two kinds of items, exact and nested in s; the per-kind readings; the goal's checks on hand-made records; the smoke."""
+"""The paper's regime (experiments/harness/regime.py, experiments/regime.py; docs/SELECTION.md, "The paper's
+regime"): the world's two kinds of items, exact and nested in s; the per-kind readings; the goal's checks on hand-made
+records; the smoke."""
 
 from __future__ import annotations
 
@@ -10,9 +11,9 @@ from pathlib import Path
 
 import pytest
 
+from harness.regime import RegimeConfig, accuracy_by_kind, base_world, is_large, kind, small_area_bound, small_share
+from harness.selection import goal_rows, goal_table
 from opd.loop.ledger import read_ledger
-from opd.toy.regime import RegimeConfig, accuracy_by_kind, base_world, is_large, kind, small_area_bound, small_share
-from opd.toy.selection import goal_rows, goal_table
 from opd.toy.world import WorldConfig, sample
 
 
@@ -74,7 +75,7 @@ def test_accuracy_by_kind_and_the_small_share_of_s(tmp_path):
 
 
 def _runs(full, rand, others, crop=None, tokens=None):
-    """Records as opd.toy.selection reads them: full-image accuracy per seed, crop view, scored tokens."""
+    """Records as harness.selection reads them: full-image accuracy per seed, crop view, scored tokens."""
     def recs(accs, name):
         return [{"seed": j, "full": a, "crop": (crop or {}).get((name, j), 100.0),
                  "ledger": {"scored_tokens": (tokens or {}).get(name, 1000 if name == "full-100" else 250)}}

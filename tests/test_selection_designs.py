@@ -328,11 +328,11 @@ def test_one_training_step_takes_the_horvitz_thompson_form(tmp_path, tiny, strat
 
 
 def test_the_audit_takes_the_horvitz_thompson_form(tmp_path, tiny):
-    """opd.toy.audit.opd_gradient with T_C is the Hajek-form gradient times sum_S w_i T_i / T_C (float64): the two
+    """harness.audit.opd_gradient with T_C is the Hajek-form gradient times sum_S w_i T_i / T_C (float64): the two
     estimators point the same way on one draw and differ in length."""
     from float64 import float64_model
 
-    from opd.toy import audit
+    from harness import audit
 
     float64_model()
     run = opd.loop.run.Run(small_config(tmp_path, policy="entropy", rho=0.5, dtype="float64"))

@@ -1,4 +1,5 @@
-"""The toy-world experiment (experiments/toy.py, opd/toy/world.py, opd/toy/sft.py) and the audit diagnostics (opd/toy/audit.py).
+"""The toy-world experiment (experiments/toy.py, opd/toy/world.py, opd/toy/sft.py) and the audit diagnostics
+(experiments/harness/audit.py).
 
 The smoke run (one seed, two OPD steps per policy, a 16-item benchmark) checks the report's structure,
 the ledgers' arithmetic against the report's tables, and resuming; the audit functions are checked
@@ -18,7 +19,7 @@ import numpy as np
 import pytest
 import torch
 
-from opd.toy import audit
+from harness import audit
 from opd.data.sources import load_records
 from opd.eval.benchmarks import load_benchmark
 from opd.eval.bench_items import prompt_text
@@ -248,7 +249,7 @@ def test_smoke_reproduction_report_and_ledgers(tmp_path):
     assert {p: p.stat().st_mtime_ns for p in out.glob("runs/*/seed0/done.json")} == stamps
 
 
-# ----------------------------------------------------------------------------- the scripts' entry (opd/toy/entry.py)
+# --------------------------------------------------------------------------- the scripts' entry (harness/entry.py)
 
 
 @dataclass
@@ -265,12 +266,12 @@ TINY_PRESETS = {"default": {}, "smoke": {"steps": 2, "out": "runs/tiny-smoke"}}
 
 
 def test_entry_parses_times_runs_and_reports_atomically(tmp_path, monkeypatch, capfd):
-    """A trivial experiment through `opd.toy.entry.Entry`: the flags (opd.cli.parse_config, --smoke), the output
+    """A trivial experiment through `harness.entry.Entry`: the flags (opd.cli.parse_config, --smoke), the output
     folder, OUT/timing.json over two invocations and a --report-only one, the runs left to do, and a report and a
     plot written whole (a write that fails before its os.replace leaves the earlier file as it was)."""
     from opd.cli import UserError
-    from opd.toy.entry import Entry, parse
-    from opd.toy.report import _pyplot, save_figure, write_report
+    from harness.entry import Entry, parse
+    from harness.report import _pyplot, save_figure, write_report
 
     smoke = TinyConfig(preset="smoke", steps=2, out="runs/tiny-smoke")
     def parsed(*argv):

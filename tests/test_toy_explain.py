@@ -1,6 +1,6 @@
-"""The second toy task (opd/toy/explain.py, experiments/toy_explain.py), the shared toy-experiment code
-(opd/toy/experiment.py, opd/toy/report.py) and the collapse diagnostics (opd/toy/diagnose.py,
-experiments/toy_collapse.py).
+"""The second toy task (experiments/harness/explain.py, experiments/toy_explain.py), the shared toy-experiment code
+(experiments/harness/experiment.py, experiments/harness/report.py) and the collapse diagnostics
+(experiments/harness/diagnose.py, experiments/toy_collapse.py).
 
 Unit tests check the responses against eval.py's parser, the supervised batch against the tokenizer, and
 the trace statistics against hand-computed values. The smoke run (one seed, two steps per run) checks the
@@ -18,11 +18,11 @@ from pathlib import Path
 import numpy as np
 import pytest
 
+from harness import report as toy_report
+from harness.experiment import label, order, split_name
+from harness.explain import EXPLAIN, STYLES, draw_styles, response_lengths, response_text, style_of
 from opd.answers.choice import parse_choice
 from opd.loop.ledger import read_ledger, summarize
-from opd.toy import report as toy_report
-from opd.toy.experiment import label, order, split_name
-from opd.toy.explain import EXPLAIN, STYLES, draw_styles, response_lengths, response_text, style_of
 from opd.toy.world import OPTIONS, SHAPES, WorldConfig, sample
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -191,7 +191,7 @@ def test_smoke_reproduction_report_ledgers_and_traces(tmp_path):
             assert len(t["selected"]) == r["selected"] and len(t["candidates"]) == r["candidates"]
             assert sum(t["length"][i] for i in t["selected"]) == r["scored_tokens"]
             assert sum(t["length"][i] for i in t["candidates"]) == r["candidate_tokens"]
-            # the trace keeps 5 significant digits of each label (opd/toy/experiment.py): <= 5e-5 relative each, >= 0
+            # the trace keeps 5 significant digits of each label (harness/experiment.py): <= 5e-5 relative each, >= 0
             assert len(t["utility"]) == r["selected"] and np.nanmean(t["utility"]) == pytest.approx(r["utility_mean"], rel=1e-4)
         cand_len, sel_len = np.mean([t["length"][i] for t in trace for i in t["candidates"]]), np.mean(
             [t["length"][i] for t in trace for i in t["selected"]])
@@ -244,13 +244,13 @@ def _config(root: Path, out: Path, **kw):
 @pytest.mark.slow
 def test_a_diagnosed_run_is_the_same_run_and_its_labels_match(letter_world, tmp_path, float64_model):
     """In float64 (tests/float64.py): the labels Run.step hands the selector come from the training forward over S's
-    micro-batches, the precomputed u_i from opd.toy.audit.score_utility over the candidates' micro-batches; the same
+    micro-batches, the precomputed u_i from harness.audit.score_utility over the candidates' micro-batches; the same
     computation grouped otherwise. The utilities are ~1e-9 (JSDs of nearly equal distributions), so float32 rounding
     of the two groupings left them 3e-3 apart relative (the bound was 1e-3)."""
     from float64 import F32_EPS, assert_same_weights
 
     from opd.loop.run import Run
-    from opd.toy.diagnose import Diagnosed
+    from harness.diagnose import Diagnosed
 
     plain = Run(_config(letter_world, tmp_path / "plain", dtype="float64"))
     plain_rows = [plain.step(s) for s in range(3)]

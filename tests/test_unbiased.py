@@ -342,7 +342,7 @@ def test_the_selection_experiment_smoke(tmp_path, tiny):
 
 
 def test_the_audits_sample_and_aggregate_as_the_run_trains(tmp_path, tiny, monkeypatch):
-    """opd.toy.audit on a --loss-agg sequence-mean run with its own sampling settings: held batches are sampled with the
+    """harness.audit on a --loss-agg sequence-mean run with its own sampling settings: held batches are sampled with the
     run's temperature / top-k / top-p and prefill sharing; the audited gradient is the run's objective, a mean over
     rows (g_C = (|S| g_S + |U| g_U) / |C|, float64 sums in other orders: far inside 1e-9 of the largest entry), not
     Eq. 11's token mean; a vLLM run's held batch has no entropy feature and its selection audit ranks as training
@@ -350,7 +350,7 @@ def test_the_audits_sample_and_aggregate_as_the_run_trains(tmp_path, tiny, monke
     from float64 import float64_model
 
     import opd.selection.selectors
-    from opd.toy import audit
+    from harness import audit
 
     float64_model()
     run = opd.loop.run.Run(small_config(tmp_path, policy="entropy", rho=0.5, loss_agg="sequence-mean", dtype="float64",

@@ -3,9 +3,9 @@
     python eval.py --model runs/paper-4b --data-dir data/eval --out runs/paper-4b/eval
     python eval.py --compare runs/base runs/paper-4b/eval
 
-`main(argv)` is the whole command (eval.py is a thin wrapper around it, and library code such as
-`opd.toy.experiment` calls it directly): it refuses impossible settings and missing benchmark files up front
-(`check_config`, one line naming the flag), takes the lock of --out (`opd.eval.lock`: one run per folder), and
+`main(argv)` is the whole command (eval.py is a thin wrapper around it, and code such as the toy studies'
+experiments/harness/experiment.py calls it directly): it refuses impossible settings and missing benchmark files up
+front (`check_config`, one line naming the flag), takes the lock of --out (`opd.eval.lock`: one run per folder), and
 runs the evaluation (`opd.eval.run.evaluate`); `--compare` prints stored runs side by side instead
 (`opd.eval.report.compare_runs`). A user error is a `UserError`; `opd.cli.run_cli` prints it as one line.
 """

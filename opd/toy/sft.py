@@ -21,7 +21,7 @@ so `train.py --model` and `eval.py --model` load it like any checkpoint; a finis
 
 `task` (optional) swaps the supervised targets for another task on the same world: an object with a
 `name` and `batch(processor, model, samples, views, rng)` returning (inputs, targets) with -100 on
-positions without a target (`opd.toy.explain.EXPLAIN`: explanations of 5-60 tokens). Without it the
+positions without a target (`EXPLAIN` of experiments/harness/explain.py: explanations of 5-60 tokens). Without it the
 targets are the letter and <|im_end|>, exactly as before.
 """
 
@@ -74,7 +74,8 @@ class SFTConfig:
     """Probability that a training sample is shown as its crop (else the full image)."""
     max_resolution: int = 0
     """0: the processor resizes every image to the world's resolution; else it keeps an image's own size
-    between resolution and max_resolution pixels a side (the family's resolution base, opd.toy.family)."""
+    between resolution and max_resolution pixels a side (the family's resolution base,
+    experiments/harness/family.py)."""
     seed: int = 0
     """Initialisation seed of the model (the data come from the world seed)."""
     vllm_shapes: bool = False

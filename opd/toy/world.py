@@ -88,7 +88,8 @@ class WorldConfig:
 
     def target_range(self, split: str, index: int) -> tuple[int, int]:
         """(smallest, largest) target side of sample `index` of `split`: target_min..target_max for every sample here;
-        a world that mixes kinds of items overrides it (opd.toy.regime). It draws nothing from the sample's rng."""
+        a world that mixes kinds of items overrides it (experiments/harness/regime.py). It draws nothing from the
+        sample's rng."""
         return self.target_min, self.target_max
 
     def finish(self, s: "Sample", split: str, index: int) -> "Sample":

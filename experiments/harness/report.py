@@ -1,5 +1,5 @@
 """The toy experiments' report: Markdown tables (Tables 3, 7, 8, Figures 3, 4 analogues) and plots
-(Figures 2-5 analogues, the world), built from the results that `opd.toy.experiment.collect` reads
+(Figures 2-5 analogues, the world), built from the results that `harness.experiment.collect` reads
 back from the run folders. Each section function returns its Markdown lines; shared by
 experiments/toy.py and experiments/toy_explain.py.
 
@@ -16,9 +16,11 @@ import os
 from pathlib import Path
 
 import numpy as np
+from PIL import Image
 
+from harness.experiment import label, order
 from opd.loop.ledger import write_atomic
-from opd.toy.experiment import label, order
+from opd.toy.world import sample
 
 
 def write_report(root, text: str, data: dict) -> str:
@@ -32,7 +34,7 @@ def write_report(root, text: str, data: dict) -> str:
 def save_figure(fig, path, dpi: int) -> None:
     """Saves a matplotlib figure atomically (to a temporary sibling, flushed to disk, then os.replace; the format is
     the path's suffix) and closes it."""
-    import matplotlib.pyplot as plt
+    import matplotlib.pyplot as plt  # here: only plots need it, after _pyplot() chose the Agg backend
 
     path = Path(path)
     tmp = path.with_name(f".{path.name}.tmp")
@@ -203,10 +205,10 @@ def geometry_section(runs: dict, name: str = "learned-25") -> list[str]:
 
 
 def _pyplot():
-    import matplotlib
+    import matplotlib  # here, not at the top: only plots need it, and Agg must be chosen before pyplot loads
 
     matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
+    import matplotlib.pyplot as plt  # after matplotlib.use("Agg"): no display needed
 
     return plt
 
@@ -215,10 +217,6 @@ def world_figure(root, world, n: int = 6) -> str:
     """OUT/world.png: the first `n` held-out items as the canvas with the crop's bbox, and both views at
     the model's input resolution (resized here with PIL's bicubic filter, as an illustration)."""
     plt = _pyplot()
-    from PIL import Image
-
-    from opd.toy.world import sample
-
     side = (world.resolution, world.resolution)
     fig, axes = plt.subplots(3, n, figsize=(1.65 * n, 5.2))
     for j in range(n):

@@ -1,26 +1,14 @@
 """A toy world in the paper's regime: feedback that is often redundant (docs/SELECTION.md, "The paper's regime").
 
-The first toy world (`opd.toy.world`) draws every target from one size range, so every item needs the crop. The
-paper motivates budgeted selection by feedback that is "redundant or weakly informative": a crop teacher that adds
-nothing on some rollouts and a correction on others. This world makes that a knob. An item is one of two kinds:
+An item is one of two kinds: **large** (a share `share` = s of the items: a target of `large_min`..`large_max`
+pixels, which the full image already shows, its crop most of the canvas: the teacher's feedback is close to none) or
+**small** (a target of `target_min`..`target_max` pixels that only the small crop shows). So the crop area a_i of
+Eq. 5 and the student's entropy carry signal about a rollout's utility. Everything else is `opd.toy.world`'s; the
+answers are the explained ones of `harness.explain` (7-54 tokens).
 
-- **large** (a share `share` = s of the items): a target of `large_min`..`large_max` pixels, which the full image,
-  resized to the model's resolution, shows at about the scale at which a crop shows a small one; its crop is most of
-  the canvas (a_i about 0.5-1). A base trained on crops answers it from the full image already, so the teacher's
-  feedback on it is close to none.
-- **small** (the rest): a target of `target_min`..`target_max` pixels, 5-7 pixels in the full view; its crop is
-  small (a_i about 0.1-0.19) and only the crop shows it.
-
-So the crop area a_i of Eq. 5 and the student's entropy carry signal about the utility of a rollout. Everything else
-is `opd.toy.world`'s: the canvas, the question and its options, the crops, the files `export_world` writes (the
-training JSONL keeps each item's `target` side, the benchmark rows too: `kind` reads it back). The answers are the
-explained ones of `opd.toy.explain` (7-54 tokens), so responses differ in length as the paper's do.
-
-Which items are large is exact and nested: in a finite split (opd, audit, eval) an item is large when its rank in a
-seeded permutation of the split is below round(s n), so exactly round(s n) of n are large and the large items at a
-smaller s are a subset of those at a larger one (the same images, the same questions: only the kinds move). The base's
-supervised split ("sft", drawn on the fly) uses `sft_share` instead, fixed whatever s, so that every world of the
-sweep over s shares one base (`base_world`).
+Which items are large is exact and nested in s (`is_large`: exactly round(s n) of a finite split's n, the large
+items at a smaller s a subset of those at a larger one); the supervised split uses `sft_share`, fixed whatever s, so
+every world of the sweep shares one base (`base_world`). Details: docs/MODULES.md#harnessregime.
 """
 
 from __future__ import annotations
@@ -105,7 +93,7 @@ def small_area_bound(cfg: RegimeConfig) -> float:
 
 def small_share(trace: list[dict], cfg: RegimeConfig, rows: str = "selected") -> float:
     """The share of small items among a run's S (`rows` 'selected') or C ('candidates'), over all its steps, from
-    opd.toy.experiment.Trace's rows (their a_i: "area")."""
+    harness.experiment.Trace's rows (their a_i: "area")."""
     bound = small_area_bound(cfg) + 1e-4  # the trace keeps a_i to 5 decimals
     picked = [t["area"][i] <= bound for t in trace for i in t[rows]]
     return float(np.mean(picked)) if picked else float("nan")

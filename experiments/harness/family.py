@@ -1,22 +1,17 @@
 """The toy world's privileged signals for the seed family (experiments/family.py).
 
-The family's methods differ in what their teacher sees, so each needs a base model for which that
-signal is privileged (its teacher view answers better than the student's):
+The family's methods differ in what their teacher sees, so each needs a base model for which that signal is
+privileged (its teacher view answers better than the student's):
 
-- crop (BAS-OPD, Vision-OPD, OPD-V): the toy experiment's base, trained on crops only. OPD-V's
-  negative teacher sees the crop with a black rectangle of a third of its area (`opd.data.family_views.masked`).
-- resolution (RP-OPSD): a base whose processor keeps an image's own size between `resolution` and
-  `max_resolution` (`SFTConfig.max_resolution`), trained on full canvases at their native 64 x 64
-  pixels (4 visual tokens). The student's half-resolution view is 32 x 32 pixels, one visual token.
-- text (OPSD): a base that has learned to read a hint. A base trained on crops never saw one, so the
-  hint base is trained on two kinds of samples (`HINT`): the crop with the plain question, and the full
-  image with the question followed by the reference answer in OPSD's teacher template
-  (`opd.data.family_views.reference_prompt`), the exact text the teacher sees in training. The student's prompt
-  (the full image and the plain question) is never in the hint base's training data, and it never
-  holds the answer: the answer reaches the student only through the teacher's distributions.
+- crop (BAS-OPD, Vision-OPD, OPD-V): the toy experiment's base, trained on crops only;
+- resolution (RP-OPSD): a base that keeps an image's own size (`SFTConfig.max_resolution`), trained on full
+  canvases at their native 64 x 64 pixels; the student's half-resolution view is one visual token;
+- text (OPSD): a base that reads a hint (`HINT`: crops with the plain question, and full images with the question
+  and the reference answer in OPSD's teacher template); the student's prompt never holds the answer.
 
-`view_accuracy` answers a set of records greedily in any view of `opd.data.records.VIEWS`, as training builds it
-(the teacher's privileged accuracy); the students are scored by eval.py on the benchmark.
+`view_accuracy` answers records greedily in any view of `opd.data.records.VIEWS` (the teacher's privileged
+accuracy); `write_eval_records` turns the benchmark's items into training-format records.
+Details: docs/MODULES.md#harnessfamily.
 """
 
 from __future__ import annotations
@@ -28,10 +23,12 @@ from pathlib import Path
 import torch
 
 from opd.answers.choice import parse_choice
-from opd.models.chat import collate, encode_prompt
-from opd.loop.ledger import write_atomic
 from opd.data.family_views import reference_prompt
 from opd.data.records import get_view
+from opd.eval.inference import generate_replies
+from opd.loop.ledger import write_atomic
+from opd.models.chat import collate, encode_prompt
+from opd.toy.world import OPTIONS, sample
 
 
 @dataclass(frozen=True)
@@ -59,8 +56,6 @@ HINT = HintTask()
 def write_eval_records(world_dir: Path, world, out: Path) -> Path:
     """The benchmark's items as training-format records (image + bbox), so any view of opd.data.records.VIEWS can be
     built for them; the images are the benchmark's own files. Returns the JSONL path."""
-    from opd.toy.world import sample
-
     rows = []
     for i in range(world.n_eval):
         s = sample(world, "eval", i)
@@ -75,9 +70,6 @@ def write_eval_records(world_dir: Path, world, out: Path) -> Path:
 def view_accuracy(model, processor, records, view: str, batch: int = 100) -> float:
     """Greedy accuracy (%) on `records` asked in `view` (opd.data.records.VIEWS; the masked view seeded by the record's
     index), answers parsed as eval.py parses them."""
-    from opd.eval.inference import generate_replies
-    from opd.toy.world import OPTIONS
-
     model.eval()
     correct = 0
     for start in range(0, len(records), batch):

@@ -1,27 +1,14 @@
 """The second toy task: the same world and question, answered by a short explanation and then the answer.
 
-The first toy task (`opd.toy.world`, docs/TOY.md) answers with one letter, so every response is two
-tokens and the 8 rollouts of a prompt are near-duplicates. This task keeps the world, its images,
-crops, questions, training JSONL and held-out benchmark exactly as they are (`export_world`), and
-changes only what the model says: a response is one of `STYLES`, from "Blue.\nC" to "Blue. I see a
-small blue square here. Answer: C": the colour it sees, then nothing, a clause or a sentence about it,
-then an explicit answer that eval.py's parser reads ("Answer: C", "the answer is C", a last line "C").
-With the tiny model's character-level tokenizer a response is 7 to 54 tokens (`response_lengths`), so
-rollouts of one prompt differ in length and in content (the style drawn, and the colour named when the
-full image leaves the student unsure).
+The world, its images, crops, questions, training JSONL and benchmark are the first task's (`opd.toy.world`,
+docs/TOY.md); only what the model says changes: a response is one of `STYLES`, from "Blue." and the letter on the
+next line to "Blue. I see a small blue square here. Answer: C" (the colour it sees, then nothing, a clause or a
+sentence, then an explicit answer eval.py's parser reads), 7 to 54 tokens (`response_lengths`), so rollouts of one
+prompt differ in length and content. Only the crop-trained base differs (`opd.toy.sft.train_base(...,
+task=EXPLAIN)`): its targets are `response_text(sample, style)`, the style drawn per sample from `STYLE_WEIGHTS`.
 
-Only the crop-trained base model (`opd.toy.sft.train_base(..., task=EXPLAIN)`) differs from the first
-task: its supervised targets are `response_text(sample, style)` with the style drawn per sample from
-`STYLE_WEIGHTS`, the loss over every response token. What a response's tokens carry is then uneven:
-the colour (first token) and the answer letter depend on the image, the other words do not, so the
-crop teacher and the full-image student disagree on a few tokens of a long response and on a larger
-share of a short one. The crop cannot show where the target sits in the canvas, so no style names a
-position (the crop teacher could not know it).
-
-Why the colour comes first: in a first design the colour was named mid-sentence ("I see a small green
-square ..."); there OPD at the toy's learning rates (5e-5 to 3e-4) erased one colour word (the one the
-full-image student over-predicted) from both views within 10-30 steps, teacher included, even under Full
-querying (docs/TOY_EXPLAIN.md, "How the task was found").
+The colour comes first: named mid-sentence, OPD erased one colour word from both views within 10-30 steps
+(docs/TOY_EXPLAIN.md, "How the task was found"). Details: docs/MODULES.md#harnessexplain.
 """
 
 from __future__ import annotations
@@ -31,7 +18,8 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
-from opd.toy.world import OPTIONS, Sample
+from opd.models.chat import collate, encode_prompt
+from opd.toy.world import OPTIONS, SHAPES, Sample
 
 STYLES = {
     "terse": "{Colour}.\n{letter}",
@@ -57,8 +45,6 @@ def response_text(sample: Sample, style: str, colour: str | None = None) -> str:
 def response_lengths() -> dict[str, tuple[int, int]]:
     """(shortest, longest) length in tokens of each style over every colour and shape, <|im_end|>
     included (the tiny tokenizer has one token per character)."""
-    from opd.toy.world import SHAPES
-
     out = {}
     for style, template in STYLES.items():
         n = [len(template.format(letter="A", colour=c, Colour=c, shape=s)) + 1 for c in OPTIONS.values() for s in SHAPES]
@@ -96,8 +82,6 @@ class ExplainTask:
     def batch(self, processor, model, samples: list[Sample], views: list[str], rng: np.random.Generator):
         """(model inputs, targets (n, T) with -100 after each response's <|im_end|>) for teacher forcing
         `response_text` in a style drawn from `rng`."""
-        from opd.models.chat import collate, encode_prompt
-
         tok = processor.tokenizer
         end = tok.convert_tokens_to_ids("<|im_end|>")
         prompts = [encode_prompt(processor, [s.crop() if v == "crop" else s.image], s.problem) for s, v in zip(samples, views)]

@@ -1,13 +1,13 @@
 """Running a toy experiment: one OPD run (opd.loop.run.Run, audits, eval.py), the runs in parallel, the ledger
 checks and reading the results back. Shared by the experiment scripts (experiments/toy.py, toy_explain.py,
-toy_collapse.py, family.py), whose `main()` starts with `opd.toy.entry.Entry`.
+toy_collapse.py, family.py), whose `main()` starts with `harness.entry.Entry`.
 
 A run is described by a job, a plain dict (it travels to a worker process):
 
 - `spec`: {"policy", "pct", "seed", "name"} (and "ablation" for a Table 4 variant), copied into done.json;
 - `folder`: the run's output folder; `train`: the `opd.config.TrainConfig` fields (without `out`);
 - `audit_data`: the held JSONL of the audits; `audit_batches`: Figure 3 batches at the end (0: none);
-  `selection_batches` / `selection_draws`: `opd.toy.audit.selection_audit` at the end (0: none);
+  `selection_batches` / `selection_draws`: `harness.audit.selection_audit` at the end (0: none);
   `geometry_steps`: steps after which Figure 4's gradient geometry is measured; `grad_batches`;
 - `eval`: {"bench", "batch", "max_new_tokens"} of eval.py; `trace`: whether to write trace.jsonl.
 
@@ -17,23 +17,31 @@ A run's folder is finished when it holds done.json; an unfinished one is deleted
 from __future__ import annotations
 
 import contextlib
+import importlib
 import json
 import math
+import multiprocessing as mp
 import os
 import platform
+import resource
 import shutil
 import sys
 import time
 from pathlib import Path
 
-from opd.loop.ledger import write_atomic
+import torch
+import transformers
+
+from harness.audit import AuditContext, audit_utility, gradient_geometry, selection_audit
+from opd.config import TrainConfig
+from opd.data.sources import load_records
+from opd.eval.cli import main as eval_main
+from opd.loop.ledger import read_ledger, summarize, write_atomic
+from opd.loop.run import Run
 
 
 def quiet() -> None:
     """One thread, and no progress bars from transformers' loading and saving."""
-    import torch
-    import transformers
-
     torch.set_num_threads(1)
     transformers.utils.logging.disable_progress_bar()
 
@@ -43,9 +51,6 @@ def say(*parts) -> None:
 
 
 def machine() -> str:
-    import torch
-    import transformers
-
     cpu = platform.processor() or platform.machine()
     try:
         for line in Path("/proc/cpuinfo").read_text().splitlines():
@@ -60,8 +65,6 @@ def machine() -> str:
 
 def evaluate(model: Path, bench: Path, out: Path, batch: int, max_new_tokens: int, label: str) -> dict:
     """eval.py on the toy benchmark, full and crop view; returns {"full", "crop", "gap", "unparsed"} (percent)."""
-    from opd.eval.cli import main as eval_main
-
     argv = ["--model", str(model), "--benchmarks", "zoombench", "--view", "crop", "--data-dir", str(bench),
             "--out", str(out), "--batch-size", str(batch), "--max-new-tokens", str(max_new_tokens), "--device", "cpu",
             "--dtype", "float32", "--no-progress", "--label", label]
@@ -103,8 +106,6 @@ class Trace:
 def attach(target: str, run, job: dict):
     """job["hook"] 'module:Class' (importable: a study's own selection arm or measurement, experiments/) built
     with (run, job) before the run's first step; its `end()`, when it has one, runs after the last step."""
-    import importlib
-
     module, _, name = target.partition(":")
     return getattr(importlib.import_module(module), name)(run, job)
 
@@ -127,11 +128,6 @@ def train_one(job: dict) -> dict:
     done = out / "done.json"
     if (finished := finished_or_cleared(out)) is not None:
         return finished
-    from opd.toy.audit import AuditContext, audit_utility, gradient_geometry
-    from opd.config import TrainConfig
-    from opd.data.sources import load_records
-    from opd.loop.run import Run
-
     tcfg = TrainConfig(**job["train"], out=str(out))
     steps = tcfg.run.steps
     t0 = time.perf_counter()
@@ -160,9 +156,7 @@ def train_one(job: dict) -> dict:
         if job.get("audit_batches"):
             audit = audit_utility(AuditContext.of(run), run.selector, audit_records, n_batches=job["audit_batches"])
         selection = None
-        if job.get("selection_batches"):  # the run's own selection against the full-query gradient (opd.toy.audit)
-            from opd.toy.audit import selection_audit
-
+        if job.get("selection_batches"):  # the run's own selection against the full-query gradient (harness.audit)
             selection = selection_audit(AuditContext.of(run), run.selector, audit_records, job["selection_batches"],
                                         job.get("selection_draws", 4))  # fmt: skip
     train_s = time.perf_counter() - t0
@@ -188,8 +182,6 @@ def run_jobs(jobs: list[dict], parallel: int, worker=None) -> None:
     spawned processes with one thread each (1: in this one)."""
     worker = worker or train_one
     if parallel > 1 and len(jobs) > 1:
-        import multiprocessing as mp
-
         env = {k: os.environ.get(k) for k in ("OMP_NUM_THREADS", "MKL_NUM_THREADS", "TOKENIZERS_PARALLELISM")}
         os.environ.update(OMP_NUM_THREADS="1", MKL_NUM_THREADS="1", TOKENIZERS_PARALLELISM="false")
         try:
@@ -209,8 +201,6 @@ def run_jobs(jobs: list[dict], parallel: int, worker=None) -> None:
 
 def cpu_seconds() -> float:
     """CPU seconds (user + system) of this process and of its finished child processes (the run workers)."""
-    import resource
-
     own, children = resource.getrusage(resource.RUSAGE_SELF), resource.getrusage(resource.RUSAGE_CHILDREN)
     return own.ru_utime + own.ru_stime + children.ru_utime + children.ru_stime
 
@@ -276,8 +266,6 @@ def run_folder(root: Path, spec: dict) -> Path:
 def read_run(root: Path, spec: dict) -> dict | None:
     """One finished run read back (done.json, the ledger's summary and problems, audit/geometry/selection
     JSON, the trace), or None while it has not finished."""
-    from opd.loop.ledger import read_ledger, summarize
-
     folder = run_folder(root, spec)
     if not (folder / "done.json").exists():
         return None

@@ -1,8 +1,8 @@
 """The selection experiments' policies, runs and tables, shared by experiments/selection.py (both toy tasks) and
-experiments/regime.py (the paper's regime, opd.toy.regime): docs/SELECTION.md.
+experiments/regime.py (the paper's regime, harness.regime): docs/SELECTION.md.
 
 - `VARIANTS`: the budgeted policies by run name, each a train.py setting of `opd.selection.selectors` (`LABELS` names them);
-- `selection_job`: one run of a variant for `opd.toy.experiment.train_one` (traced, the selection audit at its end,
+- `selection_job`: one run of a variant for `harness.experiment.train_one` (traced, the selection audit at its end,
   scored by eval.py in both views);
 - `read_selection_run`: a finished run read back with its audit's summary and the prompts its S covered per step;
 - `policy_table`: the table of SELECTION.md (accuracy per seed, paired with Random-25 on the same seed, the crop view
@@ -18,8 +18,10 @@ from pathlib import Path
 
 import numpy as np
 
-from opd.toy.experiment import read_run, run_folder
-from opd.toy.report import mean_std
+from harness.experiment import read_run, run_folder
+from harness.report import mean_std
+from opd.cli import UserError
+from opd.loop.ledger import read_ledger
 
 VARIANTS = {
     "full-100": ("full", 100, {}),
@@ -60,15 +62,13 @@ def variant_names(text: str) -> list[str]:
     names = list(VARIANTS) if text.strip() == "all" else [v.strip() for v in text.split(",") if v.strip()]
     unknown = [n for n in names if n not in VARIANTS]
     if unknown:
-        from opd.cli import UserError
-
         raise UserError(f"--variants: unknown {', '.join(unknown)}; known: {', '.join(VARIANTS)}")
     return names
 
 
 def selection_job(cfg, spec: dict, folder: Path, *, model: Path, world: Path, steps: int, prompts: int, rollouts: int,
                   response: int, eval_tokens: int, audit: bool = True) -> dict:  # fmt: skip
-    """One run of `spec["variant"]` for `opd.toy.experiment.train_one`: the base `model` distilled on `world`'s
+    """One run of `spec["variant"]` for `harness.experiment.train_one`: the base `model` distilled on `world`'s
     train.jsonl (lr, replay settings, selection audit and eval batch from `cfg`), traced, audited at its end on
     `world`'s audit.jsonl (budgeted policies, with `audit`), scored by eval.py on its benchmark in both views."""
     settings = dict(VARIANTS[spec["variant"]][2])
@@ -91,10 +91,8 @@ def selection_job(cfg, spec: dict, folder: Path, *, model: Path, world: Path, st
 
 
 def read_selection_run(root: Path, spec: dict) -> dict | None:
-    """`opd.toy.experiment.read_run` with the selection audit's summary in "selection" and the mean distinct prompts
+    """`harness.experiment.read_run` with the selection audit's summary in "selection" and the mean distinct prompts
     in S per step (the ledger's selected_prompts) in "selected_prompts"; None while the run has not finished."""
-    from opd.loop.ledger import read_ledger
-
     if (rec := read_run(root, spec)) is None:
         return None
     rec["selection"] = rec["selection"]["summary"] if rec["selection"] else None

@@ -1,38 +1,22 @@
 """Selection diagnostics of the paper's Figures 3 and 4, for any run (the toy or a real model).
 
-The audits receive what they read of a run, not the run: an `AuditContext` (its objective context: policy,
-teachers, encoder, loss; its prompts and candidates C; its sampling, rho and prompts per step; `AuditContext.of(run)`
-builds it from an `opd.loop.run.Run`) and, where they score or select, the run's selector.
+The audits receive what they read of a run, not the run: an `AuditContext` (`AuditContext.of(run)` builds it from an
+`opd.loop.run.Run`) and, where they score or select, the run's selector. On held batches sampled as the run samples,
+the teacher scores *every* candidate, so the true utility u_i (Eq. 9) of all of them is known:
 
-Figure 3 (frozen-selector utility audit). On held batches, the student samples rollouts as in training
-(Algorithm 1, line 3), the selector's frozen network scores them (no normalizer update, no replay),
-and the teacher scores *every* candidate so the true utility u_i (Eq. 9) of all of them is known:
+- Figure 3 (`audit_utility`): the utility the frozen selector's ranking captures (`capture_curve`, `pooled_capture`)
+  and per predicted-rank band (`rank_bands`: `bootstrap_ci`, `sign_flip_pvalue`, `holm`);
+- Figure 4 (`gradient_geometry`, `geometry_summary`): ||g_S||, ||g_U|| and cos(g_S, g_U) for S = the frozen top
+  floor(rho |C|) rows and U = the rest (`opd_gradient`: the run's loss over a row set, nothing stepped);
+- `selection_audit`: the run's own selector's budgeted gradient against the full-query gradient of the batch.
 
-- `capture_curve` / `pooled_capture`: the share of the batch's total utility held by the top
-  floor(f |C|) rows of a ranking, for the oracle (rank by u), learned (rank by u^) and random
-  (expected floor(f |C|) / |C|) rankings;
-- `rank_bands`: mean utility per predicted-rank band (quartiles within each batch) with percentile
-  bootstrap 95% intervals (`bootstrap_ci`), and one-sided paired sign-flip tests of each band against
-  the next over batches (`sign_flip_pvalue`), Holm-adjusted (`holm`).
-
-Figure 4 (gradient geometry). On a held batch, S = the frozen selector's top floor(rho |C|) rows (no
-exploration) and U = C \\ S; `opd_gradient` is the gradient of the run's loss over a row set (Eq. 11's token
-mean, or the run's --loss-agg) with respect to the policy's parameters (nothing is stepped; the optimizer and
-.grad are untouched);
-`gradient_geometry` reports ||g_S||, ||g_U|| and cos(g_S, g_U) per batch, `geometry_summary` the
-ratio of mean norms and the mean cosine.
-
-Held batches are sampled as the run samples (its --sample-temperature / -top-k / -top-p and --share-prefill, with
-`generate`); for a vLLM run, whose engine gives no token entropy, the entropy feature is zeroed and Entropy-25
-ranks by the mean NLL, as in training (`HeldBatch.has_entropy`).
-
-The run's state is left as it was: rollouts are sampled under a forked RNG, the teacher's call
-counters are restored, and the selector is only read. On a DDP run call these on one process (they
-use the unwrapped policy and no collectives). The statistics helpers are pure functions on tensors.
+The run's state is left as it was (a forked RNG, the teacher's counters restored, the selector only read); on a DDP
+run call these on one process. Details: docs/MODULES.md#harnessaudit.
 """
 
 from __future__ import annotations
 
+import copy
 import itertools
 import math
 from contextlib import contextmanager
@@ -483,8 +467,6 @@ def selection_audit(ctx: AuditContext, selector, records: list[Record], n_batche
     Eq. 11's Hajek form, or Horvitz-Thompson's under --estimator ht). Reports cos(g_S, g_C) per draw (bias and
     noise), cos(mean over draws of g_S, g_C) (mostly the bias: the noise averages out over draws), and the utility
     S captures: sum_S u_i / sum_C u_i with every candidate's true utility (Eq. 9, the teacher on all of C)."""
-    import copy
-
     check_auditable(ctx)
     rows = []
     for b, recs in enumerate(held_records(records, ctx.prompts_per_step, n_batches, seed)):

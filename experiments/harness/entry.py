@@ -8,15 +8,10 @@ every `main()` does before and after its own work, once.
     entry.runs([job(cfg, s, root) for s in specs], cfg.jobs)    # the runs without a done.json
     return entry.finish(report)                                 # OUT/timing.json, report(root, cfg, timing, command)
 
-`Entry.start` parses the flags (`parse`: `opd.cli.parse_config`, --smoke standing for --preset smoke), makes
-the threads quiet (`opd.toy.experiment.quiet`), creates the output folder `cfg.out`, records the command line
-and starts the clock (`opd.toy.experiment.Timing`, OUT/timing.json summed over the invocations). Each step is
-timed under its phase of timing.json (`phase=`; a step given a phase another step has adds to it) and says
-what it does on stdout, or nothing (`announce=False`, `what=None`). Everything is reused when it is on disk
-already, so a script run again resumes.
-
-Files are written whole or not at all: text through `opd.loop.ledger.write_atomic`, the report through
-`opd.toy.report.write_report`, plots through `opd.toy.report.save_figure`.
+`Entry.start` parses the flags (`parse`; --smoke stands for --preset smoke), quiets the threads, creates `cfg.out`
+and starts the clock (OUT/timing.json, summed over the invocations). Each step is timed under its phase and reused
+when it is on disk already, so a script run again resumes; files are written whole or not at all.
+Details: docs/MODULES.md#harnessentry.
 """
 
 from __future__ import annotations
@@ -25,8 +20,11 @@ import json
 import sys
 from pathlib import Path
 
+from harness.experiment import Timing, evaluate, quiet, run_jobs, say
+from opd.cli import parse_config
 from opd.loop.ledger import write_atomic
-from opd.toy.experiment import Timing, evaluate, quiet, run_jobs, say
+from opd.toy.sft import SFTConfig, train_base
+from opd.toy.world import WorldConfig, export_world
 
 SMOKE_FLAG = "--smoke"
 """The experiments' shorthand for --preset smoke (one seed, a few steps); it wins over a --preset given with it."""
@@ -34,22 +32,16 @@ SMOKE_FLAG = "--smoke"
 
 def parse(cls, presets: dict[str, dict], argv: list[str] | None = None, description: str = ""):
     """`cls` from a preset and the flags given (`opd.cli.parse_config`); --smoke is --preset smoke."""
-    from opd.cli import parse_config
-
     return parse_config(cls, presets, argv, description, preset_flags={SMOKE_FLAG: "smoke"})
 
 
 def world_config(cfg):
     """The toy world of an experiment config (its n_opd, n_audit, n_eval and, when it has one, world_seed)."""
-    from opd.toy.world import WorldConfig
-
     return WorldConfig(seed=getattr(cfg, "world_seed", 0), n_opd=cfg.n_opd, n_audit=cfg.n_audit, n_eval=cfg.n_eval)
 
 
 def sft_config(cfg):
     """The base model's supervised training of an experiment config (its sft_steps and sft_batch)."""
-    from opd.toy.sft import SFTConfig
-
     return SFTConfig(steps=cfg.sft_steps, batch=cfg.sft_batch)
 
 
@@ -77,8 +69,6 @@ class Entry:
 
     def world(self, world, *, announce: bool = True, phase: str = "world_s") -> Path:
         """OUT/world/ (`opd.toy.world.export_world`; a finished one of the same config is reused)."""
-        from opd.toy.world import export_world
-
         with self.phase(phase):
             if announce:
                 say(f"world -> {self.root / 'world'}")
@@ -88,8 +78,6 @@ class Entry:
              phase: str = "sft_s") -> Path:
         """OUT/<folder>/, a base model trained by `opd.toy.sft.train_base` (a finished one is reused); `what`, when
         given, is said first ('<what> -> OUT/<folder>')."""
-        from opd.toy.sft import train_base
-
         out = self.root / folder
         with self.phase(phase):
             if what is not None:
@@ -113,7 +101,7 @@ class Entry:
 
     def runs(self, jobs: list[dict], parallel: int, worker=None, *, skip=None, noun: str = "OPD runs",
              reused: str = "already done", phase: str = "runs_s") -> list[dict]:
-        """Trains the jobs (`opd.toy.experiment` jobs) whose folder has no done.json and that `skip(job)` does not
+        """Trains the jobs (`harness.experiment` jobs) whose folder has no done.json and that `skip(job)` does not
         leave out, `parallel` at a time with `worker` (`run_jobs`); says how many there are. Returns those trained."""
         with self.phase(phase):
             todo = [j for j in jobs if not (Path(j["folder"]) / "done.json").exists() and not (skip and skip(j))]

@@ -1,31 +1,34 @@
 """Step-by-step diagnostics of a toy OPD run (the collapse investigation, experiments/toy_collapse.py).
 
-`Diagnosed(run)` wraps a `opd.loop.run.Run` of the first toy task (one-letter answers) and trains it step by
-step exactly as `run.step(step)` would, while recording what the step's selection did:
+`Diagnosed(run)` wraps an `opd.loop.run.Run` of the first toy task (one-letter answers) and trains it step by step
+exactly as `run.step(step)` would (the same rollouts, selections and updates: a test checks the ledger against an
+undiagnosed run), while recording what the step's selection did: every candidate's utility u_i (Eq. 9, by
+`harness.audit.score_utility`, before the step), the teacher's and the student's option-letter probabilities, and
+the selection S and labels the selector receives (checked against the precomputed u_i of the same rows).
+`oracle=True` selects the top floor(rho |C|) candidates by the precomputed u_i instead (no exploration).
 
-- the rollouts are sampled here with the generator seed `Run.step` uses (mix_seed(seed, step, rank)),
-  then handed to `run.step(step, rollouts)`, so the run is the same run (same rollouts, selections,
-  updates; a test checks the ledger against an undiagnosed run);
-- before the step, every candidate's utility u_i (Eq. 9) is computed with the step's own student and
-  teacher (`opd.toy.audit.score_utility`, no state changes), and the teacher's (crop view) and the
-  student's (full image) probability of each option letter at the answer position, per prompt;
-- the selection S and the labels the selector receives are captured from the selector's calls, so
-  the labels can be checked against the precomputed u_i of the same rows (they must be equal: a
-  mismatch would be a defect in the label-to-row bookkeeping);
-- `oracle=True` replaces the selection by the top floor(rho |C|) candidates by the precomputed u_i
-  (no exploration): the ranking the learned selector is trained to imitate, with no prediction error.
-
-`view_accuracy` probes a model's answer on a view cheaply: the argmax over the option letters at the
-first response position (what greedy decoding picks when a letter is the most likely token).
+`diagnose_one` runs one diagnosed job (diag.jsonl, probes.jsonl, eval.py, done.json); `view_accuracy` probes a
+model's answer on a view cheaply (the argmax over the option letters at the first response position).
+Details: docs/MODULES.md#harnessdiagnose.
 """
 
 from __future__ import annotations
 
+import contextlib
+import json
+import time
+from pathlib import Path
+
 import torch
 
-from opd.toy.audit import AuditContext, HeldBatch, score_utility
-from opd.models.chat import collate
+from harness.audit import AuditContext, HeldBatch, score_utility
+from harness.experiment import evaluate, finished_or_cleared, quiet, say
+from opd.config import TrainConfig
+from opd.data.sources import load_records
 from opd.engine.rollout import generate_rollouts
+from opd.loop.ledger import write_atomic
+from opd.loop.run import Run
+from opd.models.chat import collate
 from opd.seeding import mix_seed
 from opd.selection.selectors import query_budget, rollout_features, top_subset
 from opd.toy.world import OPTIONS
@@ -119,21 +122,10 @@ class Diagnosed:
 
 
 def diagnose_one(job: dict) -> dict:
-    """A diagnosed run (a job of `opd.toy.experiment` plus "oracle" and "probe_every"): trains with
+    """A diagnosed run (a job of `harness.experiment` plus "oracle" and "probe_every"): trains with
     `Diagnosed`, writes diag.jsonl (one line per step) and probes.jsonl (the teacher's crop-view and the
     student's full-image accuracy on the audit records every `probe_every` steps), evaluates with eval.py,
     and returns done.json."""
-    import contextlib
-    import json
-    import time
-    from pathlib import Path
-
-    from opd.config import TrainConfig
-    from opd.data.sources import load_records
-    from opd.loop.ledger import write_atomic
-    from opd.loop.run import Run
-    from opd.toy.experiment import evaluate, finished_or_cleared, quiet, say
-
     quiet()
     spec, out = job["spec"], Path(job["folder"])
     done = out / "done.json"
