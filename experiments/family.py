@@ -298,7 +298,7 @@ TRAINED_VIEWS = {"rp-opsd": ("half_resolution",), "opsd": ("reference_answer",),
 
 def trained_views(root: Path, cfg: FamilyConfig) -> None:
     """OUT/runs/.../views.json: a finished run's final policy in TRAINED_VIEWS (greedy, as base_gaps)."""
-    from opd.loop.checkpoint import find_checkpoint
+    from opd.run_folder import find_checkpoint
     from opd.data.sources import load_records
     from opd.models.loading import load_model, load_processor
     from harness.family import view_accuracy

@@ -27,13 +27,13 @@ KNOBS = {
     "top100-renorm": {"support": "teacher_renorm"},
     "full-ft": {"lora_r": 0, "lr": None},  # lr None: the family's; the other LoRA flags back to their defaults
     "lora-lr-2e-3": {"lr": 2e-3},
-    "lora-all-linear": {"lora_targets": "default"},  # opd.models.lora.DEFAULT_TARGETS: the linear-attention layers too
+    "lora-all-linear": {"lora_targets": "default"},  # opd.models.settings.DEFAULT_TARGETS: the linear-attention layers too
 }
 """Each run's change to the recipe job: none; the family's sampling (temperature 1, no truncation) and loss
 temperature 1; Eq. 11's token mean instead of OPSD's per-sequence mean; the teacher's top-100 renormalised instead
 of the full vocabulary; full fine-tuning at the family's lr instead of LoRA r 64 at 2e-4; LoRA r 64 at ten times
 the recipe's lr (is the adapter under-trained in 120 steps?); LoRA on every linear layer of the language model
-(`opd.models.lora.DEFAULT_TARGETS`: Qwen3.5's linear-attention projections too, which OPSD's seven names miss)."""
+(`opd.models.settings.DEFAULT_TARGETS`: Qwen3.5's linear-attention projections too, which OPSD's seven names miss)."""
 
 
 def main(argv=None) -> list[dict]:
@@ -64,7 +64,7 @@ def main(argv=None) -> list[dict]:
             j = job(cfg, spec, root)
             change = {k: (cfg.lr if v is None else v) for k, v in KNOBS[knob].items()}
             if change.get("lora_targets") == "default":
-                from opd.models.lora import DEFAULT_TARGETS
+                from opd.models.settings import DEFAULT_TARGETS
 
                 change["lora_targets"] = DEFAULT_TARGETS
             train = {**j["train"], **change}
