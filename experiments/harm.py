@@ -19,11 +19,9 @@ runs go seed by seed (every world and policy of seed 0, then seed 1, ...), so a 
 from __future__ import annotations
 
 import json
-import math
 import shutil
 import subprocess
 import sys
-import time
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -32,7 +30,6 @@ for path in (ROOT, ROOT / "experiments"):
     if str(path) not in sys.path:
         sys.path.insert(0, str(path))
 
-import numpy as np  # noqa: E402
 
 from harm_world import HarmConfig, base_world  # noqa: E402
 from harness.entry import Entry  # noqa: E402
