@@ -18,12 +18,17 @@ from __future__ import annotations
 
 import contextlib
 import fcntl
+import hashlib
+import json
 import time
-from dataclasses import dataclass
+from dataclasses import asdict, dataclass
 from pathlib import Path
 
-from opd.toy.sft import SFTConfig
-from opd.toy.world import WorldConfig
+import torch
+
+from opd.tiny import cache_dir
+from opd.toy.sft import SFT_VERSION, SFTConfig, train_base
+from opd.toy.world import WORLD_VERSION, WorldConfig, export_world
 
 WORLD = WorldConfig(seed=0, n_opd=1920, n_audit=0, n_eval=200)
 """The default world: 1920 training records (one epoch of the toy preset: 60 steps of 32 prompts) and 200 held-out
@@ -47,14 +52,6 @@ class ToyDefault:
 def root() -> Path:
     """cache_dir()/toy-<digest>: the digest of WORLD, SFT and their code versions, so that a change to any of them
     builds a new folder (an old one stays as it was)."""
-    import hashlib
-    import json
-    from dataclasses import asdict
-
-    from opd.tiny import cache_dir
-    from opd.toy.sft import SFT_VERSION
-    from opd.toy.world import WORLD_VERSION
-
     key = json.dumps([WORLD_VERSION, asdict(WORLD), SFT_VERSION, asdict(SFT)], sort_keys=True)
     return cache_dir() / f"toy-{hashlib.sha256(key.encode()).hexdigest()[:12]}"
 
@@ -89,11 +86,6 @@ def _locked(path: Path):
 
 
 def _build(folder: Path, say) -> None:
-    import torch
-
-    from opd.toy.sft import train_base
-    from opd.toy.world import export_world
-
     t0 = time.perf_counter()
     say(f"toy world: building it once in {folder} ({WORLD.n_opd} training images, {WORLD.n_eval} held-out items), "
         f"then its base model ({SFT.steps} supervised steps on crops, about a minute on one core)")

@@ -38,6 +38,7 @@ from pathlib import Path
 
 import numpy as np
 import torch
+from transformers import Qwen3_5ForConditionalGeneration
 
 from opd.models.chat import collate, encode_prompt
 from opd.models.chat import response_logits
@@ -101,8 +102,6 @@ def toy_processor(resolution: int, patch: int = 8, merge: int = 4, max_resolutio
 
 def build_model(processor, cfg: SFTConfig):
     """A freshly initialised tiny Qwen3.5 of `cfg`'s size (Qwen's init range 0.02, not tiny's 0.2)."""
-    from transformers import Qwen3_5ForConditionalGeneration
-
     quiet_kernel_warnings("cpu", Qwen3_5ForConditionalGeneration.__module__)
     config = tiny_config(processor.tokenizer, hidden=cfg.hidden, layers=cfg.layers, vision_depth=cfg.vision_depth,
                          init_range=0.02)
