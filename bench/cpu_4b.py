@@ -225,7 +225,7 @@ def instrument(windows: Windows, runs: list) -> None:
     """The windows: the run's construction, every ledger phase, and inside the objective (not a ledger phase: its
     seconds are split into teacher_forward and student) the teacher's and student's forwards, the loss and the
     backward. Every Run built is appended to `runs`."""
-    import opd.methods.distill
+    import opd.methods.objective
     import opd.methods.micro_batch
     import opd.models.ema_teacher
     import opd.models.adapter_teacher
@@ -247,7 +247,7 @@ def instrument(windows: Windows, runs: list) -> None:
     for cls in (opd.models.ema_teacher.Teacher, opd.models.adapter_teacher.AdapterTeacher):
         windows.wrap(cls, "hidden", "objective: teacher forward")
         windows.wrap(cls, "logits", "objective: teacher forward")
-    windows.wrap(opd.methods.distill, "response_logits", "objective: student forward")
+    windows.wrap(opd.methods.objective, "response_logits", "objective: student forward")
     windows.wrap(opd.methods.micro_batch, "response_hidden", "objective: student forward")
     windows.wrap(opd.methods.micro_batch, "response_logits", "objective: student forward")
     windows.wrap(opd.methods.micro_batch, "budgeted_loss_from_hidden", "objective: chunked loss")

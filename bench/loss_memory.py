@@ -1,7 +1,7 @@
 """Loss memory and time, forward + backward, at Qwen3.5's vocabulary (issue 5, benchmark 1).
 
 (a) From logits (N, V): this project's top-k JSD + utility terms on whole logits
-    (`opd.maths.chunked.topk_jsd_from_logits`, as `opd.methods.distill` runs it with loss_chunk 0; the same values as
+    (`opd.maths.chunked.topk_jsd_from_logits`, as `opd.methods.objective` runs it with loss_chunk 0; the same values as
     `topk_support` + `generalized_jsd` + `utility_terms`) against a peer's full-vocabulary loss on the same inputs: TRL's
     `generalized_jsd_loss` (beta 0.5), the loss of TRL's GKD trainer (requirements-bench.txt).
 (b) From final hidden states (N, H) through the LM head (V, H): the chunked path

@@ -1,6 +1,6 @@
 """opd/maths/chunked.py's loss functions against `topk_support` + `generalized_jsd` and, for every support and
 divergence of the seed family, `topk_divergence` on full logits (values, gradients, gradcheck, float32,
-the importance ratio, memory, a training step), and the length-grouped micro-batch plan (opd/methods/distill.py)."""
+the importance ratio, memory, a training step), and the length-grouped micro-batch plan (opd/methods/objective.py)."""
 
 import pytest
 import torch

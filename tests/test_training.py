@@ -11,7 +11,7 @@ import pytest
 import torch
 
 import opd.maths.chunked
-import opd.methods.distill
+import opd.methods.objective
 import opd.methods.micro_batch
 import opd.config
 import opd.loop.run
@@ -313,7 +313,7 @@ def test_empty_selection_is_a_valid_step_without_teacher(tmp_path, tiny):
 def test_non_finite_loss_skips_update_and_ema(tmp_path, tiny, monkeypatch):
     run = Run(small_config(tmp_path, policy="full", rho=1.0))
     nan_jsd = lambda s, t, a: (s * float("nan")).sum(-1)  # noqa: E731
-    monkeypatch.setattr(opd.methods.distill, "generalized_jsd", nan_jsd)  # Eq. 3 on the plain path
+    monkeypatch.setattr(opd.methods.objective, "generalized_jsd", nan_jsd)  # Eq. 3 on the plain path
     monkeypatch.setattr(opd.maths.chunked, "generalized_jsd", nan_jsd)  # and in the fused kernel
     student_before, teacher_before = params_of(run.model), params_of(run.teacher.model)
     with pytest.warns(UserWarning, match="non-finite"):

@@ -280,7 +280,7 @@ def sample_batch(ctx: AuditContext, selector, records: list[Record], seed: int) 
 
 def _micro_batches(ctx: AuditContext, batch: HeldBatch, rows: torch.Tensor):
     """(sel, student inputs, teacher inputs per teacher view, mask, width, response, old log-probs) per
-    micro-batch of `rows`, as `opd.methods.distill` forms them on one rank (`distill.plan_rows`: grouped by teacher length,
+    micro-batch of `rows`, as `opd.methods.objective` forms them on one rank (`distill.plan_rows`: grouped by teacher length,
     --micro-batch rows and --micro-batch-tokens; the teachers on the run's privileged views, the student on its
     own view; a view's randomness seeded by the record's place)."""
     obj = ctx.objective

@@ -4,7 +4,7 @@
     line 4       phi_i (Eq. 5), all-gathered; K = floor(rho |C|) (Eq. 4)         `rollout_features`, `query_budget`
     lines 5-9    S from the global candidates, before any teacher computation   `Selector.select` (opd.selection)
     lines 11-12  the teacher on this rank's rows of S only; Eq. 11 backpropagated; the method's objective
-                 the labels u_i of S (Eq. 9)                                     (opd.methods.distill by default)
+                 the labels u_i of S (Eq. 9)                                     (opd.methods.objective by default)
     line 13      AdamW, then theta-bar <- (1 - tau) theta-bar + tau theta        `Stepper.update`, `after_update`
     line 14      the labels of S gathered, (phi_i, u_i) into replay, psi updated  `Selector.observe`
 

@@ -2,7 +2,7 @@
 and Eq. 7-9's utility labels u_i.
 
 Pure functions on tensors, differentiable by autograd: what the default step runs on a micro-batch's logits
-(`opd.methods.distill`). The family's other supports, divergences and aggregations, and `topk_divergence` (the
+(`opd.methods.objective`). The family's other supports, divergences and aggregations, and `topk_divergence` (the
 plain reference on full logits) are `opd.maths.family`'s; the selector's loss (Eq. 10, 12) `opd.selection.selectors`'.
 
 Departures: the support is the student's top-k ids plus one tail bucket per side (Vision-OPD's convention; the paper
@@ -121,7 +121,7 @@ def budgeted_weights(
     With sample weights w_i (unbiased selection's 1 / pi_i, `opd.selection.designs`) the Hajek form of the full-query token
     mean: w_i z_i m_{i,t} / sum_i w_i z_i sum_t m_{i,t}, w_i in the numerator *and* the denominator (clamped at 1
     only without weights). (A weight of the numerator alone, such as OPOD's beta, is `selected`'s value z_i, or
-    `opd.methods.distill`'s `row_weights`.) `denominator` replaces the sum when the batch is split: the training loop
+    `opd.methods.objective`'s `row_weights`.) `denominator` replaces the sum when the batch is split: the training loop
     evaluates Eq. 11 one micro-batch (and one rank) at a time with the global (weighted) count, so the parts add
     up to Eq. 11.
     """

@@ -74,7 +74,7 @@ SUPPORTS = {
     "full": full_support,  # GKD: the whole vocabulary, (..., V)
 }
 """Support name (`opd.maths.loss.SUPPORT_NAMES`) -> f(student_logits, teacher_logits, k) = (student_logp, teacher_logp):
-the distillation pass looks `LossConfig.support` up here (`opd.methods.distill`), so BAS-OPD's step runs
+the distillation pass looks `LossConfig.support` up here (`opd.methods.objective`), so BAS-OPD's step runs
 `divergence.topk_support` itself."""
 assert tuple(SUPPORTS) == SUPPORT_NAMES  # the names the settings accept (`opd.maths.loss.check_loss`)
 

@@ -1,7 +1,7 @@
 """The family's objective: every method that is a loss and a view (`opd.methods.table`: BAS-OPD, Vision-OPD, RP-OPSD,
 OPD-V, OPSD, GKD).
 
-Each step it runs the family's distillation pass on S (`opd.methods.distill.distill`: Eq. 1, 2, 3, 9 and 11 against the
+Each step it runs the family's distillation pass on S (`opd.methods.objective.distill`: Eq. 1, 2, 3, 9 and 11 against the
 run's teacher(s) in the method's views, support, divergence and token weight), and after a valid update it moves the
 teachers (Algorithm 1, line 13: the EMA, every --ema-every steps; a frozen teacher does not move).
 """
@@ -14,8 +14,7 @@ from types import MethodType
 import torch
 
 from opd.data.records import StepBatch
-from opd.methods.distill import distill, distill_labels
-from opd.methods.objective import Objective, ObjectiveResult
+from opd.methods.objective import Objective, ObjectiveResult, distill, distill_labels
 from opd.methods.specs import DISTILL_SPEC
 from opd.models.ema_teacher import update_due
 

@@ -1,7 +1,7 @@
 """One micro-batch of the distillation pass on every path the default does not take: the fused kernel, token weights,
 OPD-V's second teacher view.
 
-`opd.methods.distill.distill` runs Eq. 1-3, 9 and 11 itself on the plain path (one micro-batch's logits, autograd
+`opd.methods.objective.distill` runs Eq. 1-3, 9 and 11 itself on the plain path (one micro-batch's logits, autograd
 through `opd.maths.divergence`). A run with `--fused-kernel` (the paper-4b/-9b presets, or a vocabulary past
 `opd.maths.loss.PLAIN_LOGITS_LIMIT`), a method with a token weight (Vision-OPD's is_clip, OPOD's gate) or a second
 teacher view (OPD-V) runs `micro_batch_loss` instead: on logits (the plain arm, also the toy studies' and bench's) or

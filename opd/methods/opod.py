@@ -9,7 +9,7 @@ or `modality` -> a teacher checkpoint; `--teacher-model` for one), separate froz
 policy's own weights. Per step, on the selected rows S (K = floor(rho |C|) rows, chosen before any teacher
 forward; OPOD queries every row: its settings are --policy full --rho 1):
 
-1. Gated distillation (`opd.methods.distill` with the token weight 'gate'). For row i routed to teacher m_i:
+1. Gated distillation (`opd.methods.objective` with the token weight 'gate'). For row i routed to teacher m_i:
 
        c_t = ReLU(log pi_T(y_t) - log pi_theta(y_t))        (`weights.teacher_gate`, detached)
        L_tc = sum_{i in S, t} beta_{m_i} c_t D_t / sum_{i in S} T_i
@@ -69,9 +69,8 @@ from opd.answers.yes_no import parse_yes_no
 from opd.data.family_views import reference_prompt
 from opd.data.records import StepBatch, View, get_view
 from opd.maths.chunked import sampled_logp_from_hidden
-from opd.methods.distill import distill, distill_labels
 from opd.methods.lockstep import MicroBatch, Stopwatch, lockstep, record_forward
-from opd.methods.objective import Objective, ObjectiveContext, ObjectiveResult
+from opd.methods.objective import Objective, ObjectiveContext, ObjectiveResult, distill, distill_labels
 from opd.methods.policy_gradient import PolicyGradient, row_advantages
 from opd.methods.specs import OPOD_SPEC, OPODConfig
 from opd.models.chat import completion_inputs, lm_head_weight
