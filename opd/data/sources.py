@@ -18,8 +18,8 @@ column mapping, and the data settings (`DataConfig`); each row becomes a `opd.da
 
 A source of several splits given no `split` is refused naming them, unless it has one only (that one is
 read); a `split` given for a source without splits (JSONL, a parquet file, a Dataset's folder) is refused.
-`datasets` is imported only for a save_to_disk folder or a hub id (parquet is read with pyarrow, batch by
-batch, without a copy into datasets' cache), so JSONL users never load it.
+`datasets` is imported only for a save_to_disk folder or a hub id (their reader: `opd.data.hub`; parquet is read
+with pyarrow, batch by batch, without a copy into datasets' cache), so JSONL users never load it.
 
 In a table (parquet, datasets) the fields are columns and a null cell is an absent field (a row without a
 crop has teacher_images null). An image is a path string, relative to the parquet file's folder or to the
