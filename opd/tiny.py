@@ -22,6 +22,8 @@ from transformers.convert_slow_tokenizer import bytes_to_unicode
 from transformers.models.qwen3_5.tokenization_qwen3_5 import Qwen3_5Tokenizer
 from transformers.models.qwen3_vl.video_processing_qwen3_vl import Qwen3VLVideoProcessor
 
+from opd.storage import cache_dir  # also `opd.tiny.cache_dir`, as the built-in names' docs cite it
+
 TINY_VERSION = "3"
 
 SPECIAL_TOKENS = [
@@ -216,11 +218,6 @@ def build_tiny_bench(out_dir: str | Path, n: int = 16, size: int = 96, seed: int
         (bench / "tiny.json").write_text(json.dumps(rows, indent=0) + "\n")
 
     return _atomic_dir(Path(out_dir), write)
-
-
-def cache_dir() -> Path:
-    """Where the built-in default lives: $BAS_OPD_CACHE, else ~/.cache/bas-opd."""
-    return Path(os.environ.get("BAS_OPD_CACHE", Path.home() / ".cache" / "bas-opd"))
 
 
 def tiny_defaults(vllm: bool = False) -> tuple[Path, Path]:

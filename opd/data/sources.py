@@ -46,7 +46,7 @@ from opd.builtin import builtin_path
 from opd.data.parse import one_line, parse_record
 from opd.data.records import Record
 from opd.data.settings import DataError, parse_columns
-from opd.tiny import cache_dir
+from opd.storage import cache_dir
 
 NOT_JSONL = (".arrow", ".csv", ".tsv", ".zip", ".gz", ".tar")
 """File suffixes `load_records` refuses by name (a JSONL file is read line by line; parquet is read as a table)."""
@@ -202,7 +202,7 @@ def load_records(path: str | Path, split: str | None = None, columns: dict[str, 
     """Reads the training data at `path`: a JSONL file, a parquet file or folder, a save_to_disk folder or a hub id
     (see the module docstring), with `split` for a source of splits and `columns` (column -> field, or the
     command line's "question=problem" string) for names that differ. `image_cache` is where embedded images
-    are written (default `opd.tiny.cache_dir()/data-images`).
+    are written (default `opd.storage.cache_dir()/data-images`).
 
     JSONL: blank lines are skipped, anything else must be a valid record. Rows are parsed in file order and
     their images decoded on a few threads; the first bad row in order is the one reported. A built-in name ('toy',
