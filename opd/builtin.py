@@ -33,13 +33,13 @@ def builtin_path(name: object, kind: str, vllm: bool = False) -> Path | None:
     if not is_builtin(name, kind):
         return None
     if name == "tiny":
-        from opd.tiny import tiny_bench, tiny_defaults
+        from opd.tiny import tiny_bench, tiny_defaults  # torch-free module: eval.py --help imports it (opd.eval.cli)
 
         if kind == "bench":
             return tiny_bench()
         model, data = tiny_defaults(vllm=vllm and kind == "model")
         return model if kind == "model" else data
-    from opd.toy.default import toy_defaults
+    from opd.toy.default import toy_defaults  # torch-free module: the toy world trains with torch (as above)
 
     toy = toy_defaults()
     return {"model": toy.base, "data": toy.data, "bench": toy.bench}[kind]

@@ -21,6 +21,8 @@ import re
 from dataclasses import dataclass
 from pathlib import Path
 
+import yaml
+
 from opd.cli import Flag, Section, UserError, flag_text, resumable
 from opd.data.settings import DataConfig, TeacherConfig
 from opd.engine.sampling import SamplingConfig
@@ -267,8 +269,6 @@ def load_config_file(path: str) -> ConfigFile:
     """A config file: YAML whose keys are flag names (dashes or underscores), or a run's own train_config.json (less
     its launch-only flags: `opd.cli.launch_only`). A file that cannot be read or parsed is one UserError naming the file (and its line); a bad key
     or value goes to `problems`, the rest is read."""
-    import yaml
-
     file = Path(path)
     try:
         text = file.read_text(encoding="utf-8")

@@ -210,6 +210,6 @@ def load_config(ckpt: Path) -> dict:
     path = Path(ckpt) / "train_config.json"
     if path.is_file():
         return json.loads(path.read_text())
-    import torch  # only a checkpoint written before train_config.json existed: this module stays torch-free
+    import torch  # torch-free module: only a checkpoint older than train_config.json needs it (state.pt)
 
     return torch.load(path.parent / "state.pt", map_location="cpu", weights_only=False).get("config", {})

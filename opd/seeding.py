@@ -18,6 +18,6 @@ def mix_seed(*keys: int) -> int:
 
 def seeded_generator(*keys: int) -> torch.Generator:
     """A CPU generator seeded by mix_seed(*keys), e.g. (selector seed, step, stream)."""
-    import torch
+    import torch  # torch-free module: train.py --help imports it (opd.data.records's mix_seed)
 
     return torch.Generator().manual_seed(mix_seed(*keys))

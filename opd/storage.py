@@ -11,6 +11,7 @@ needed, and leaves nothing half-written behind:
   the file holds only complete rows and a rerun resumes after them.
 
 Once there is room, the same command continues where it stopped (docs/EVAL.md, "Outputs and resuming").
+The cache of what is built on first use (the built-in names' folders, embedded images): `cache_dir`.
 """
 
 from __future__ import annotations
@@ -172,3 +173,8 @@ def append_jsonl(path: str | Path, rows: Iterable[dict]) -> None:
     with Appender(path) as out:
         for n, row in enumerate(rows):
             out.add(row, len(rows) - n)
+
+
+def cache_dir() -> Path:
+    """Where the built-in default lives: $BAS_OPD_CACHE, else ~/.cache/bas-opd."""
+    return Path(os.environ.get("BAS_OPD_CACHE", Path.home() / ".cache" / "bas-opd"))

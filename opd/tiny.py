@@ -17,6 +17,12 @@ from pathlib import Path
 import numpy as np
 import torch
 from PIL import Image, ImageDraw
+from transformers import Qwen2VLImageProcessor, Qwen3_5Config, Qwen3_5ForConditionalGeneration, Qwen3VLProcessor
+from transformers.convert_slow_tokenizer import bytes_to_unicode
+from transformers.models.qwen3_5.tokenization_qwen3_5 import Qwen3_5Tokenizer
+from transformers.models.qwen3_vl.video_processing_qwen3_vl import Qwen3VLVideoProcessor
+
+from opd.storage import cache_dir  # also `opd.tiny.cache_dir`, as the built-in names' docs cite it
 
 TINY_VERSION = "3"
 
@@ -46,9 +52,6 @@ CHAT_TEMPLATE = (
 def tiny_tokenizer():
     """Qwen3.5's own tokenizer class (byte-level BPE) with a character vocabulary and no merges:
     printable ASCII, newline and the Qwen special tokens, ids stable across save/load."""
-    from transformers.convert_slow_tokenizer import bytes_to_unicode
-    from transformers.models.qwen3_5.tokenization_qwen3_5 import Qwen3_5Tokenizer
-
     byte_char = bytes_to_unicode()
     chars = [byte_char[b] for b in [*range(32, 127), 10]]
     vocab = {t: i for i, t in enumerate(SPECIAL_TOKENS + chars)}
@@ -60,9 +63,6 @@ def tiny_tokenizer():
 
 def tiny_processor(max_pixels: int = 64 * 64):
     """A Qwen3VLProcessor (Qwen2-VL image processor, patch 16, merge 2) around the tiny tokenizer."""
-    from transformers import Qwen2VLImageProcessor, Qwen3VLProcessor
-    from transformers.models.qwen3_vl.video_processing_qwen3_vl import Qwen3VLVideoProcessor
-
     image_processor = Qwen2VLImageProcessor(
         patch_size=16, temporal_patch_size=2, merge_size=2, min_pixels=32 * 32, max_pixels=max_pixels,
         image_mean=[0.5, 0.5, 0.5], image_std=[0.5, 0.5, 0.5],
@@ -80,8 +80,6 @@ def tiny_config(tokenizer, hidden: int = 64, layers: int = 4, vision_depth: int 
     init_range 0.2 (Qwen's is 0.02) gives a random model peaked distributions that depend on the image,
     so the default run shows a visible divergence between the full-image student and the crop teacher.
     """
-    from transformers import Qwen3_5Config
-
     ids = tokenizer.convert_tokens_to_ids
     text = dict(
         vocab_size=len(tokenizer), hidden_size=hidden, intermediate_size=2 * hidden, num_hidden_layers=layers,
@@ -135,8 +133,6 @@ def build_tiny_model(out_dir: str | Path, seed: int = 0, max_pixels: int = 64 * 
 def _build_model(out_dir: Path, seed: int, max_pixels: int, config_kwargs: dict, reshape=None) -> Path:
     """`tiny_config(**config_kwargs)` (changed in place by `reshape(config)` when given), its weights drawn after
     torch.manual_seed(seed), saved with the processor and the generation config's end and pad ids."""
-    from transformers import Qwen3_5ForConditionalGeneration
-
     def write(tmp: Path):
         processor = tiny_processor(max_pixels=max_pixels)
         config = tiny_config(processor.tokenizer, **config_kwargs)
@@ -222,11 +218,6 @@ def build_tiny_bench(out_dir: str | Path, n: int = 16, size: int = 96, seed: int
         (bench / "tiny.json").write_text(json.dumps(rows, indent=0) + "\n")
 
     return _atomic_dir(Path(out_dir), write)
-
-
-def cache_dir() -> Path:
-    """Where the built-in default lives: $BAS_OPD_CACHE, else ~/.cache/bas-opd."""
-    return Path(os.environ.get("BAS_OPD_CACHE", Path.home() / ".cache" / "bas-opd"))
 
 
 def tiny_defaults(vllm: bool = False) -> tuple[Path, Path]:

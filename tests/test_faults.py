@@ -26,7 +26,7 @@ def full_disk_at(monkeypatch, step: int):
             raise RuntimeError("[enforce fail at inline_container.cc:672] . unexpected pos 64 vs 0")
         return real(obj, path, *a, **k)
 
-    monkeypatch.setattr(torch, "save", save)  # opd.loop.checkpoint imports torch where it saves (`opd.lazy`)
+    monkeypatch.setattr(torch, "save", save)  # opd.loop.checkpoint saves through torch.save (the module attribute)
 
 
 def leftovers(out) -> list[str]:

@@ -79,7 +79,7 @@ def _embedded(data: bytes, name: str | None, where: str, field: str, cache: Path
 
 def _remote_bytes(path: str, where: str, field: str) -> bytes:
     """The bytes of a hub dataset's image given by URL or archive path ('zip://...::https://...')."""
-    from datasets.utils.file_utils import xopen
+    from datasets.utils.file_utils import xopen  # deferred: datasets (1 s) only for a hub dataset's remote image
 
     try:
         with xopen(path, "rb") as f:

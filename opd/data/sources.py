@@ -18,8 +18,8 @@ column mapping, and the data settings (`DataConfig`); each row becomes a `opd.da
 
 A source of several splits given no `split` is refused naming them, unless it has one only (that one is
 read); a `split` given for a source without splits (JSONL, a parquet file, a Dataset's folder) is refused.
-`datasets` is imported only for a save_to_disk folder or a hub id (parquet is read with pyarrow, batch by
-batch, without a copy into datasets' cache), so JSONL users never load it.
+`datasets` is imported only for a save_to_disk folder or a hub id (their reader: `opd.data.hub`; parquet is read
+with pyarrow, batch by batch, without a copy into datasets' cache), so JSONL users never load it.
 
 In a table (parquet, datasets) the fields are columns and a null cell is an absent field (a row without a
 crop has teacher_images null). An image is a path string, relative to the parquet file's folder or to the
@@ -40,9 +40,13 @@ from collections.abc import Iterator
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
+import pyarrow.parquet as pq
+
+from opd.builtin import builtin_path
 from opd.data.parse import one_line, parse_record
 from opd.data.records import Record
 from opd.data.settings import DataError, parse_columns
+from opd.storage import cache_dir
 
 NOT_JSONL = (".arrow", ".csv", ".tsv", ".zip", ".gz", ".tar")
 """File suffixes `load_records` refuses by name (a JSONL file is read line by line; parquet is read as a table)."""
@@ -110,8 +114,6 @@ def _parse_tables(batches: Iterator[tuple[list[dict], list[str]]], root: Path, c
                   image_cache: Path | None) -> list[Record]:  # fmt: skip
     """Records of (rows, sources) batches, each batch's images decoded on a few threads, in order."""
     if image_cache is None:
-        from opd.tiny import cache_dir
-
         image_cache = cache_dir() / "data-images"
     names = {field: column for column, field in columns.items()}
     records: list[Record] = []
@@ -153,8 +155,6 @@ def _parquet_files(folder: Path, split: str | None) -> list[Path]:
 
 def _parquet_batches(files: list[Path], columns: dict[str, str]) -> Iterator[tuple[list[dict], list[str]]]:
     """(rows, sources) batches of parquet files, read with pyarrow a batch at a time."""
-    import pyarrow.parquet as pq
-
     for path in files:
         try:
             reader = pq.ParquetFile(path, pre_buffer=False)  # a row group at a time: memory bounded by one
@@ -180,99 +180,11 @@ def _dataset_batches(ds, label: str, columns: dict[str, str]) -> Iterator[tuple[
         start += len(rows)
 
 
-def _pick_split(dd, split: str | None, label: str):
-    """(dataset, split) of a DatasetDict: the split asked for, or its only one."""
-    names = list(dd.keys())
-    if split is None:
-        if len(names) != 1:
-            raise DataError(f"{label}: holds splits {', '.join(names) or 'none'}; choose one (--data-split)")
-        split = names[0]
-    elif split not in dd:
-        raise DataError(f"{label}: no split '{split}' (splits: {', '.join(names) or 'none'})")
-    return dd[split], split
+def _from_datasets(source: str, split: str | None, hub_id: bool):
+    """(dataset, label) of a save_to_disk folder or of a hub id (`opd.data.hub`, which imports `datasets`)."""
+    from opd.data import hub  # deferred: datasets takes about 1 s to import; JSONL and parquet never load it
 
-
-class _quiet_datasets:
-    """datasets without its progress bars and warnings (one line per problem is this module's contract)."""
-
-    def __enter__(self):
-        from datasets.utils import logging as dlog
-        from datasets.utils.tqdm import are_progress_bars_disabled, disable_progress_bars
-
-        self.verbosity, self.bars = dlog.get_verbosity(), not are_progress_bars_disabled()
-        dlog.set_verbosity_error()
-        disable_progress_bars()
-
-    def __exit__(self, *exc):
-        from datasets.utils import logging as dlog
-        from datasets.utils.tqdm import enable_progress_bars
-
-        dlog.set_verbosity(self.verbosity)
-        if self.bars:
-            enable_progress_bars()
-
-
-def _load_from_disk(folder: Path, split: str | None):
-    """(dataset, label) of a save_to_disk folder: a Dataset's, or a DatasetDict's split."""
-    import datasets
-
-    try:
-        with _quiet_datasets():
-            ds = datasets.load_from_disk(str(folder))
-    except Exception as e:  # a damaged state.json, missing arrow files, another datasets version's layout
-        raise DataError(f"{folder}: cannot read the datasets folder (save_to_disk): {one_line(e)}") from None
-    if isinstance(ds, datasets.DatasetDict):
-        ds, split = _pick_split(ds, split, str(folder))
-        return ds, f"{folder}[{split}]"
-    if split is not None:
-        raise DataError(f"{folder}: a single dataset (Dataset.save_to_disk), which has no splits; "
-                        f"drop the split '{split}'")  # fmt: skip
-    return ds, str(folder)
-
-
-def _load_hub(name: str, split: str | None):
-    """(dataset, label) of hub dataset `name`: its copy in datasets' cache (found offline), else downloaded
-    when the hub answers within `opd.models.loading.HUB_TIMEOUT_S`, else a one-line DataError at once."""
-    import datasets
-    from datasets import config
-
-    dd = None
-    only = {"split": split} if split is not None else {}  # a split asked for: only its files are prepared
-    saved = config.HF_HUB_OFFLINE
-    config.HF_HUB_OFFLINE = True  # datasets then looks in its cache only (CachedDatasetModuleFactory)
-    try:
-        with _quiet_datasets():
-            dd = datasets.load_dataset(name, **only)
-    except Exception as e:  # not cached (ConnectionError, FileNotFoundError, DatasetNotFoundError, ...)
-        if split is not None and _unknown_split(e):  # cached, without that split
-            raise DataError(f"{name}: no split '{split}' ({one_line(e)})") from None
-        dd = None
-    finally:
-        config.HF_HUB_OFFLINE = saved
-    if dd is None:
-        from opd.models.loading import hub_reachable
-
-        if not hub_reachable():
-            raise DataError(f"{name}: not a local file or folder, not in the datasets cache ({config.HF_DATASETS_CACHE}), "
-                            "and the hub cannot be reached (offline)")  # fmt: skip
-        try:
-            with _quiet_datasets():
-                dd = datasets.load_dataset(name, **only)
-        except Exception as e:
-            if split is not None and _unknown_split(e):
-                raise DataError(f"{name}: no split '{split}' ({one_line(e)})") from None
-            raise DataError(f"{name}: cannot load the dataset from the hub: {one_line(e)}") from None
-    if isinstance(dd, datasets.DatasetDict):
-        ds, split = _pick_split(dd, split, name)
-    else:
-        ds, split = dd, split or str(getattr(dd, "split", None) or "train")
-    return ds, f"{name}[{split}]"
-
-
-def _unknown_split(exc: BaseException) -> bool:
-    """Whether `datasets.load_dataset(..., split=S)` failed because the dataset has no split S."""
-    text = str(exc)
-    return isinstance(exc, ValueError) and text.startswith(("Unknown split", "Bad split"))
+    return hub.load_hub(source, split) if hub_id else hub.load_from_disk(Path(source), split)
 
 
 def _is_hub_id(text: str) -> bool:
@@ -290,20 +202,18 @@ def load_records(path: str | Path, split: str | None = None, columns: dict[str, 
     """Reads the training data at `path`: a JSONL file, a parquet file or folder, a save_to_disk folder or a hub id
     (see the module docstring), with `split` for a source of splits and `columns` (column -> field, or the
     command line's "question=problem" string) for names that differ. `image_cache` is where embedded images
-    are written (default `opd.tiny.cache_dir()/data-images`).
+    are written (default `opd.storage.cache_dir()/data-images`).
 
     JSONL: blank lines are skipped, anything else must be a valid record. Rows are parsed in file order and
     their images decoded on a few threads; the first bad row in order is the one reported. A built-in name ('toy',
     'tiny': `opd.builtin`) is its training JSONL, built on first use."""
-    from opd.builtin import builtin_path
-
     path = builtin_path(path, "data") or path
     columns = _check_columns(columns)
     text = str(path)
     path = Path(path)
     if path.is_dir():
         if (path / "state.json").is_file() or (path / "dataset_dict.json").is_file():
-            ds, label = _load_from_disk(path, split)
+            ds, label = _from_datasets(str(path), split, hub_id=False)
             records = _parse_tables(_dataset_batches(ds, label, columns), path, columns, image_cache)
         elif any(p.is_file() for p in path.rglob("*.parquet")):
             files = _parquet_files(path, split)
@@ -317,7 +227,7 @@ def load_records(path: str | Path, split: str | None = None, columns: dict[str, 
         return records
     if not path.is_file():
         if not path.exists() and _is_hub_id(text):
-            ds, label = _load_hub(text, split)
+            ds, label = _from_datasets(text, split, hub_id=True)
             records = _parse_tables(_dataset_batches(ds, label, columns), Path.cwd(), columns, image_cache)
             if not records:
                 raise DataError(f"{label}: no records")

@@ -19,23 +19,21 @@ from __future__ import annotations
 from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
-from typing import TYPE_CHECKING
 
-from opd.models import lora as lora_mod
+import torch
+
 from opd.builtin import builtin_path, is_builtin, model_source, teacher_source
+from opd.cli import UserError
+from opd.data.routes import load_routes
 from opd.loop.checkpoint import load_sharded, load_state
 from opd.loop.optim import adamw
-from opd.cli import UserError
+from opd.models import lora as lora_mod
 from opd.models.adapter_teacher import AdapterTeacher
-from opd.models.ema_teacher import EMATeacher, Teacher, TeacherSet
 from opd.models.chat import lm_head_weight
-from opd.data.routes import load_routes
+from opd.models.ema_teacher import EMATeacher, Teacher, TeacherSet
 from opd.models.external_teachers import build_routed, load_teacher
-
-if TYPE_CHECKING:
-    import torch
-
-
+from opd.models.loading import load_model, load_processor, resolve_model_source
+from opd.models.sharding import load_sharded_model, local_pairs, shard_model
 
 
 def default_sources(model: str | None, data: str | None, accelerator, vllm: bool = False) -> tuple[str, str]:
@@ -43,8 +41,6 @@ def default_sources(model: str | None, data: str | None, accelerator, vllm: bool
     built once by rank 0, then read by every rank; what is not given (`--preset tiny`, a TrainConfig without a
     preset) is the built-in tiny one, with `vllm` (--rollout-engine vllm) the tiny model's vLLM-servable variant; a
     train.py run folder as --model is its policy/."""
-    from opd.models.loading import resolve_model_source
-
     wanted = [(model or "tiny", "model", vllm and model is None), (data or "tiny", "data", False)]
     if any(is_builtin(name, kind) for name, kind, _ in wanted):
         if accelerator.is_main_process:
@@ -130,17 +126,12 @@ class ModelBuilder:
 
     def load_frozen(self, path: str, role: str) -> torch.nn.Module:
         """A frozen model (an external teacher, DAPD's base), identified first, sharded like the policy under --fsdp."""
-        from opd.models.loading import load_model
-        from opd.models.sharding import load_sharded_model
-
         path = self.folder.identify(path, role)
         if self.cfg.model.fsdp:
             return load_sharded_model(path, **self.shard).eval()
         return load_model(path, self.cfg.model.dtype, self.acc.device)
 
     def build(self, objective_cls) -> Models:
-        from opd.models.loading import load_processor
-
         cfg, resume = self.cfg, self.resume
         model_path, teacher_path = self.initial_model, None
         if resume is not None and not cfg.model.fsdp:  # sharded: the weights are in ckpt/sharded, loaded after sharding
@@ -166,8 +157,6 @@ class ModelBuilder:
 
     def _replicated(self, model_path: str, teacher_path: str | None):
         """Full fine-tuning, DDP: the policy prepared by accelerate; the EMA teacher a copy (or the resumed one)."""
-        from opd.models.loading import load_model
-
         cfg = self.cfg
         student = load_model(model_path, cfg.model.dtype, self.acc.device).train()  # from_pretrained: eval mode
         if cfg.model.grad_checkpointing:
@@ -183,8 +172,6 @@ class ModelBuilder:
 
     def _sharded(self, model_path: str):
         """Full fine-tuning, FSDP2: every rank holds 1/world of the policy, its optimizer state and the teacher."""
-        from opd.models.sharding import load_sharded_model, local_pairs
-
         cfg = self.cfg
         student = load_sharded_model(model_path, grad_checkpointing=cfg.model.grad_checkpointing, **self.shard)
         teacher = None
@@ -198,11 +185,6 @@ class ModelBuilder:
         teacher is the adapter `teacher` on the same base (a fixed one, --ema-tau 0: the base alone); a resume loads
         both adapters from the checkpoint (sharded: from its shards). Also returns the initial-weights teacher (the
         base with the adapter disabled) for DAPD's base and OPOD's reference."""
-        import torch
-
-        from opd.models.loading import load_model
-        from opd.models.sharding import shard_model
-
         cfg, device = self.cfg, self.acc.device
         ema = not cfg.teacher.external and cfg.ema.tau > 0
         adapters = ("teacher",) if ema else ()
@@ -232,8 +214,6 @@ class ModelBuilder:
     def _external(self, processor, model) -> TeacherSet:
         """--teacher-model (one frozen teacher) or --teachers (one per route, each checkpoint loaded once); `model`:
         the policy unwrapped (its vocabulary is the teachers' to match)."""
-        from opd.models.loading import load_processor
-
         cfg, vocab = self.cfg.teacher, lm_head_weight(model).shape[0]
         if cfg.teacher_model:
             what = f"--teacher-model {cfg.teacher_model}"

@@ -27,6 +27,13 @@ import os
 import shutil
 from pathlib import Path
 
+import torch
+import torch.distributed as dist
+import torch.distributed.checkpoint as dcp
+from torch.distributed.checkpoint.state_dict import (get_model_state_dict, get_state_dict, set_model_state_dict,
+                                                     set_state_dict)
+
+from opd.models.lora import save_adapter
 from opd.models.sharding import export_pretrained
 from opd.run_folder import find_latest
 from opd.storage import disk_full, is_full, write_atomic
@@ -74,11 +81,7 @@ def save_checkpoint(out_dir: str | Path, step: int, model, processor, teacher, s
 
 
 def _write_checkpoint(tmp: Path, model, processor, teacher, state: dict, step: int, adapters: dict | None) -> None:
-    import torch
-
     if adapters is not None:
-        from opd.models.lora import save_adapter
-
         save_adapter(model, adapters["policy"], tmp / "policy")
         if adapters.get("teacher"):
             save_adapter(model, adapters["teacher"], tmp / "teacher")
@@ -138,8 +141,6 @@ def prune(out_dir: Path, keep: int) -> None:
 
 def _sharded_state(model, teacher, optimizer) -> dict:
     """The DCP state of a sharded run: {policy, teacher, optimizer}, each rank's shards (DTensors)."""
-    from torch.distributed.checkpoint.state_dict import get_model_state_dict, get_state_dict
-
     model_sd, optim_sd = get_state_dict(model, optimizer)
     state = {"policy": model_sd, "optimizer": optim_sd}
     if teacher is not None:  # None: a frozen external teacher (not saved)
@@ -152,10 +153,6 @@ def save_sharded(out_dir: str | Path, step: int, model, teacher, optimizer, stat
     """Every rank: checkpoint-{step} with sharded/ (DCP: model, teacher, AdamW), state.pt and
     train_config.json written by rank 0; with `processor` also the policy/ and teacher/ export. Renamed into
     place by rank 0 once every rank has written; returns the final folder."""
-    import torch
-    import torch.distributed as dist
-    import torch.distributed.checkpoint as dcp
-
     out_dir = Path(out_dir)
     final = out_dir / f"checkpoint-{step:06d}"
     tmp = out_dir / f".checkpoint-{step:06d}.tmp"
@@ -194,9 +191,6 @@ def _export_sharded(tmp: Path, model, teacher, processor, adapters: dict | None)
 def load_sharded(ckpt: str | Path, model, teacher, optimizer) -> None:
     """Restores a `save_sharded` checkpoint into a sharded model, teacher and optimizer (every rank reads
     its own shards; the world size may differ from the one that wrote it)."""
-    import torch.distributed.checkpoint as dcp
-    from torch.distributed.checkpoint.state_dict import set_model_state_dict, set_state_dict
-
     path = Path(ckpt) / "sharded"
     if not (path / ".metadata").is_file():
         raise FileNotFoundError(f"{ckpt} has no sharded checkpoint ({path}/.metadata): was it written with --fsdp?")
@@ -208,6 +202,4 @@ def load_sharded(ckpt: str | Path, model, teacher, optimizer) -> None:
 
 
 def load_state(ckpt: Path) -> dict:
-    import torch
-
     return torch.load(Path(ckpt) / "state.pt", map_location="cpu", weights_only=False)

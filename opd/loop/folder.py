@@ -20,7 +20,11 @@ import shutil
 import sys
 from pathlib import Path
 
+import torch
+
+from opd.builtin import is_builtin
 from opd.cli import UserError
+from opd.eval.config import run_evaluations
 from opd.loop.settings import FolderConfig
 from opd.models.identity import DigestCache, model_identity
 from opd.run_folder import (DIGESTS, DROPPING, LOCK_NAME, OVERWRITING, OVERWRITTEN, LockedError, acquire, put_back, recover,
@@ -32,8 +36,6 @@ def eval_command(out: Path, eval_data: str | None, data: str | None) -> str:
     the built-in benchmark of its built-in --data ('toy'; none or 'tiny': the tiny one), else a placeholder DIR (a
     folder with one sub-folder per benchmark, docs/EVAL.md). The interpreter is this one (the venv's), relative to
     the current folder when it lies below it."""
-    from opd.builtin import is_builtin
-
     bench = eval_data or ((data or "tiny") if data is None or is_builtin(data, "bench") else "DIR")
     python, script = Path(sys.executable), Path(__file__).resolve().parents[2] / "eval.py"
     here = [_below_cwd(p) for p in (python, script if script.is_file() else Path("eval.py"))]
@@ -70,8 +72,6 @@ class RunFolder:
 
     def lock(self) -> None:
         """Rank 0 takes --out's lock (`opd.run_folder`); every rank refuses alike when another run holds it."""
-        import torch
-
         error = ""
         if self.main:
             try:
@@ -99,8 +99,6 @@ class RunFolder:
         """A new run refuses a folder that holds a run, unless --overwrite; returns what it would replace: the run's
         files and eval.py's default evaluations of it (`opd.eval.config.run_evaluations`: they score the old
         weights)."""
-        from opd.eval.config import run_evaluations
-
         found = [] if self.cfg.resume else run_files(self.out)
         if found and not self.cfg.overwrite:
             names = ", ".join(p.name for p in found[:4]) + (", ..." if len(found) > 4 else "")

@@ -117,14 +117,15 @@ def teacher_views(rows: list[dict]) -> list[str]:
     return list(dict.fromkeys(k.removeprefix("teacher_rows_") for r in rows for k in r if k.startswith("teacher_rows_")))
 
 
-def format_summary(summary: dict, name: str = "this run") -> str:
+def format_summary(summary: dict, name: str = "this run", scores=None) -> str:
     """The summary in Markdown: the live evaluations first when the run had them (--eval-every; --eval-before's
     scores as 'before training', with the full-image change beside the teacher's query ratio), then the paper's
-    Table 7 (supervision counts) and Table 8 (observed time)."""
+    Table 7 (supervision counts) and Table 8 (observed time). `scores`: (label, format) of an evaluation's score
+    keys (`opd.eval.live.score_label`, `format_score`, given by `opd.loop.run`); None leaves the evaluations out."""
     s = summary
     return "\n".join(
         [
-            *_evaluation_lines(s.get("evaluations"), s),
+            *_evaluation_lines(s.get("evaluations"), s, scores),
             "| Policy | Candidates | Teacher calls | Query ratio | Scored tokens | Tokens vs. all candidates | Max overrun |",
             "| --- | ---: | ---: | ---: | ---: | ---: | ---: |",
             f"| {name} | {s['candidates']:,} | {s['calls']:,} | {100 * s['query_ratio']:.2f}% | "
@@ -170,13 +171,12 @@ def _model_lines(models: dict) -> list[str]:
     ]
 
 
-def _evaluation_lines(evaluations: dict | None, summary: dict) -> list[str]:
+def _evaluation_lines(evaluations: dict | None, summary: dict, scores) -> list[str]:
     """summary.json's `evaluations` as a table (one row per evaluation) and, with a 'before training' row, one line:
     each benchmark's full-image score before and after, beside the share of candidates the teacher scored."""
-    if not evaluations or not evaluations.get("rows"):
+    if not evaluations or not evaluations.get("rows") or scores is None:
         return []
-    from opd.eval.live import format_score, score_label
-
+    score_label, format_score = scores
     rows = evaluations["rows"]
     keys = list(dict.fromkeys(k for r in rows for k in r if k.startswith("eval/")))
     data = f" on --eval-data {evaluations['data']}" if evaluations.get("data") else ""

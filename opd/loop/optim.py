@@ -12,21 +12,15 @@ recipes"). The gradient-norm clip is the step's own (`opd.loop.step.clip_gradien
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING
+import torch
+from transformers import get_scheduler
 
 from opd.loop.settings import OptimConfig
-
-
-if TYPE_CHECKING:
-    import torch
-
 
 
 def lr_scheduler(optimizer: torch.optim.Optimizer, schedule: str, warmup_steps: int, span: int):
     """The LambdaLR of `schedule` over `span` steps with `warmup_steps` of linear warm-up from 0, held at its
     value of step `span` from there on: lr(s) = lr_peak * f(min(s, T))."""
-    from transformers import get_scheduler
-
     name = "constant_with_warmup" if schedule == "constant" and warmup_steps else schedule
     span = max(1, span)
     scheduler = get_scheduler(name, optimizer, num_warmup_steps=warmup_steps, num_training_steps=span)
@@ -48,7 +42,5 @@ def restore_group_lr(optimizer: torch.optim.Optimizer, scheduler) -> None:
 
 def adamw(cfg: OptimConfig, params) -> torch.optim.AdamW:
     """AdamW over `params` with the run's --lr, --adam-beta1/2, --adam-eps and --weight-decay."""
-    import torch
-
     return torch.optim.AdamW(params, lr=cfg.lr, betas=(cfg.adam_beta1, cfg.adam_beta2), eps=cfg.adam_eps,
                              weight_decay=cfg.weight_decay)  # fmt: skip

@@ -18,6 +18,7 @@ from functools import partial
 from pathlib import Path
 
 import torch
+import torch.distributed as dist
 from accelerate import Accelerator, PartialState
 from tqdm.auto import tqdm
 
@@ -27,7 +28,7 @@ from opd.cli import UserError
 from opd.config import TrainConfig, refuse_changed_settings
 from opd.data.settings import parse_columns
 from opd.data.sources import load_records
-from opd.eval.live import LiveEval, evaluations, format_scores
+from opd.eval.live import LiveEval, evaluations, format_score, format_scores, score_label
 from opd.loop.ledger import Ledger, format_summary, summarize, write_atomic
 from opd.models.loading import autocast, special_ids
 from opd.methods.objective import ObjectiveContext
@@ -52,8 +53,6 @@ def end_processes() -> None:
     """After a finished run, on every rank: a barrier, then the process group destroyed (under torchrun or accelerate
     launch), so that no rank exits while another still communicates and no gloo/NCCL thread is left running at the
     interpreter's exit (which aborted a rank with "terminate called without an active exception")."""
-    import torch.distributed as dist
-
     if dist.is_available() and dist.is_initialized():
         dist.barrier()
         PartialState().destroy_process_group()
@@ -340,7 +339,7 @@ class Run:
         summary = {}
         if self.acc.is_main_process:
             summary = self.summary()
-            table = format_summary(summary, self.run_name)
+            table = format_summary(summary, self.run_name, (score_label, format_score))
             for name in ("summary.json", "summary.md"):  # a kill mid-write of an earlier launch (the folder is ours)
                 drop_temporaries(self.out / name)
             write_atomic(self.out / "summary.json", json.dumps(summary, indent=2) + "\n")

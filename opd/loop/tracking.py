@@ -25,13 +25,18 @@ its step; the evaluation in row k scored the weights after k + 1 updates).
 
 from __future__ import annotations
 
+import contextlib
 import json
 import math
 import os
 import re
 import shlex
+import shutil
+import sys
 import uuid
 from pathlib import Path
+
+from accelerate.tracking import LOGGER_TYPE_TO_CLASS
 
 from opd.loop.settings import MLFLOW_DB, TrackerConfig
 from opd.storage import write_atomic
@@ -93,8 +98,6 @@ class Trackers:
         self._set_env: list[str] = []  # what this run set in the process's environment (MLflow's), for finish()
         if not names:
             return
-        from accelerate.tracking import LOGGER_TYPE_TO_CLASS
-
         path = self.out / STATE
         if resume and path.is_file():
             self.state = json.loads(path.read_text())
@@ -136,8 +139,7 @@ class Trackers:
         self.state["mlflow_uri"] = uri
         logging_dir = None
         if not os.environ.get("MLFLOW_TRACKING_URI") and self.acc.is_main_process:
-            import mlflow
-
+            mlflow = _import_mlflow()
             if uri.startswith("file:") and "MLFLOW_ALLOW_FILE_STORE" not in os.environ:  # a run begun before the
                 os.environ["MLFLOW_ALLOW_FILE_STORE"] = "true"  # SQLite default: MLflow 3 keeps its file store opt-in
                 self._set_env.append("MLFLOW_ALLOW_FILE_STORE")
@@ -170,12 +172,18 @@ class Trackers:
                 tracker.finish()
             self.acc.trackers = []
         if "MLFLOW_TRACKING_URI" in self._set_env:  # the process's MLflow as before the run: a later run in the same
-            import mlflow  # process (a test, an experiment script) must not take this store for the user's
-
-            mlflow.set_tracking_uri(None)
+            # process (a test, an experiment script) must not take this store for the user's
+            _import_mlflow().set_tracking_uri(None)
         for name in self._set_env:
             os.environ.pop(name, None)
         self._set_env = []
+
+
+def _import_mlflow():
+    """The `mlflow` package, imported only for a run that reports to MLflow."""
+    import mlflow  # optional: requirements-trackers.txt (mlflow-skinny), only for --report-to mlflow
+
+    return mlflow
 
 
 def _config(config: dict) -> dict:
@@ -199,10 +207,6 @@ def mlflow_store(out: Path, state: dict) -> str:
 def venv_command(name: str) -> str:
     """The command `name` as this interpreter's environment installs it (.venv/bin/tensorboard beside .venv/bin/python,
     relative to the current folder when below it), so that a printed hint runs as printed; else on $PATH, as is."""
-    import contextlib
-    import shutil
-    import sys
-
     path = Path(sys.executable).parent / name
     if not path.is_file():
         return shutil.which(name) or name

@@ -8,14 +8,12 @@ the default's full fine-tuning, built by `opd.loop.build` when LoRA is on (`opd.
 from __future__ import annotations
 
 import contextlib
-from typing import TYPE_CHECKING
+
+import torch
 
 from opd.models.chat import response_hidden, response_logits
 from opd.models.ema_teacher import Teacher, ema_
 from opd.models.lora import active_adapter, adapter_pairs
-
-if TYPE_CHECKING:
-    import torch
 
 
 class AdapterTeacher(Teacher):
@@ -34,8 +32,6 @@ class AdapterTeacher(Teacher):
 
     @contextlib.contextmanager
     def _active(self):
-        import torch
-
         was_training = self.model.training
         self.model.eval()
         try:
@@ -57,7 +53,5 @@ class AdapterTeacher(Teacher):
     def update(self, student: torch.nn.Module, tau: float) -> None:
         """Algorithm 1, line 13 on the adapter: theta-bar <- (1 - tau) theta-bar + tau theta (the base is shared)."""
         if self.adapter is not None:
-            import torch
-
             with torch.no_grad():
                 ema_(adapter_pairs(self.model, self.adapter), tau)  # the adapters' parameters (tau = 1: a copy)

@@ -26,6 +26,13 @@ if TYPE_CHECKING:
     import torch
 
 
+def _no_grad():
+    """`torch.no_grad()`, torch imported when a teacher computes."""
+    import torch  # torch-free module: train.py --help imports it (via the method table's objectives)
+
+    return torch.no_grad()
+
+
 class Teacher:
     """A frozen teacher: a model that scores the student's responses after its own prompt, detached, and
     counts every row and batch it is asked about (the budget audit). `update` leaves it as it is.
@@ -67,18 +74,14 @@ class Teacher:
 
     def logits(self, inputs: dict[str, torch.Tensor], n_response: int) -> torch.Tensor:
         """Eq. 2 of the paper: p^T_{i,t} = p_theta-bar(. | x~_i, q_i, y_{i,<t}) as detached logits (n, T, V)."""
-        import torch
-
         self._record(inputs)
-        with torch.no_grad():
+        with _no_grad():
             return response_logits(self.model, inputs, n_response).detach()
 
     def hidden(self, inputs: dict[str, torch.Tensor], n_response: int) -> torch.Tensor:
         """Eq. 2 as final hidden states (n, T, H): logits = hidden @ lm_head_weight(model)^T."""
-        import torch
-
         self._record(inputs)
-        with torch.no_grad():
+        with _no_grad():
             return response_hidden(self.model, inputs, n_response).detach()
 
 
@@ -90,9 +93,7 @@ def update_due(every: int, step: int) -> bool:
 def ema_(pairs, tau: float) -> None:
     """Algorithm 1, line 13 on (teacher tensor, student tensor) pairs, in place: theta-bar <- (1 - tau) theta-bar +
     tau theta (`lerp_`, the student cast to the teacher's dtype); tau = 1 copies (DAPD's snapshot refresh)."""
-    import torch
-
-    with torch.no_grad():
+    with _no_grad():
         for t, s in pairs:
             if tau == 1.0:
                 t.copy_(s.detach())
@@ -117,13 +118,10 @@ class EMATeacher(Teacher):
         self.pairs = pairs
 
     def copy_from(self, student: torch.nn.Module) -> None:
-        """Algorithm 1, line 1 for a teacher built separately: theta-bar <- theta, shard by shard."""
-        import torch
-
-        from opd.models.sharding import local_pairs
-
-        with torch.no_grad():
-            for t, s in local_pairs(self.model, student):
+        """Algorithm 1, line 1 for a teacher built separately: theta-bar <- theta, shard by shard (`pairs`: a sharded
+        teacher's `opd.models.sharding.local_pairs`)."""
+        with _no_grad():
+            for t, s in (self.pairs or parameter_pairs)(self.model, student):
                 t.copy_(s)
             for t, s in zip(self.model.buffers(), student.buffers(), strict=True):
                 t.copy_(s)
@@ -131,9 +129,7 @@ class EMATeacher(Teacher):
     def update(self, student: torch.nn.Module, tau: float) -> None:
         """Algorithm 1, line 13: theta-bar <- (1 - tau) theta-bar + tau theta (parameters; buffers copied).
         Sharded models: on each rank's local shards (`pairs`). tau = 1 copies the student (DAPD's snapshot refresh)."""
-        import torch
-
-        with torch.no_grad():
+        with _no_grad():
             ema_((self.pairs or parameter_pairs)(self.model, student), tau)
             for t, s in zip(self.model.buffers(), student.buffers(), strict=True):
                 t.copy_(s)

@@ -13,6 +13,9 @@ import json
 import sys
 from pathlib import Path
 
+from opd.models.loading import cached_snapshot
+from opd.storage import write_atomic
+
 MODEL_FILES = (".safetensors", ".bin", ".json", ".jinja", ".txt", ".model", ".tiktoken")  # what outputs depend on
 HASH_BLOCK = 16 << 20  # bytes read per hashlib update
 
@@ -62,8 +65,6 @@ class DigestCache:
     def save(self) -> None:
         if not self.dirty:
             return
-        from opd.storage import write_atomic  # a full disk: one line, no temporary file left
-
         write_atomic(self.path, json.dumps(self.entries, indent=1, sort_keys=True))
         self.dirty = False
 
@@ -98,8 +99,6 @@ def model_identity(source: str, digests: DigestCache) -> dict:
         if hub is not None:
             return {"model": f"hf:{hub[0]}", "model_revision": hub[1], "model_path": source}
         return {"model": "sha256:" + digests.folder(folder), "model_revision": None, "model_path": source}
-    from opd.models.loading import cached_snapshot
-
     snapshot = cached_snapshot(source)
     if snapshot is not None:
         return {**model_identity(snapshot, digests), "model_path": source}

@@ -13,6 +13,7 @@ missing kernels and the install line instead.
 
 import contextlib
 import importlib.util
+import json
 import logging
 import os
 import re
@@ -21,10 +22,14 @@ import threading
 import warnings
 
 import torch
-from transformers import AutoModelForImageTextToText, AutoProcessor, GenerationConfig
+import transformers
+from huggingface_hub import constants, snapshot_download
+from huggingface_hub.utils import get_session
+from transformers import CONFIG_MAPPING, AutoModelForImageTextToText, AutoProcessor, GenerationConfig
 
 from opd.cli import UserError
 from opd.models.kernel_warnings import KERNEL_FALLBACK, KernelFallbackFilter
+from opd.models.lora import is_adapter_folder, merged
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16, "float64": torch.float64}
 
@@ -52,8 +57,6 @@ def _looks_like_path(path: str) -> bool:
 
 def hub_offline() -> bool:
     """HF_HUB_OFFLINE (or TRANSFORMERS_OFFLINE) is set to a true value."""
-    from huggingface_hub import constants
-
     flags = (os.environ.get(k, "").strip().upper() for k in ("HF_HUB_OFFLINE", "TRANSFORMERS_OFFLINE"))
     return bool(constants.HF_HUB_OFFLINE) or any(f in ("1", "ON", "YES", "TRUE") for f in flags)
 
@@ -68,9 +71,6 @@ def hub_reachable(timeout: float | None = None) -> bool:
     if hub_offline():
         return False
     timeout = HUB_TIMEOUT_S if timeout is None else timeout
-    from huggingface_hub import constants
-    from huggingface_hub.utils import get_session
-
     answered = []
 
     def probe():
@@ -90,8 +90,6 @@ def hub_reachable(timeout: float | None = None) -> bool:
 def cached_snapshot(repo_id: str) -> str | None:
     """The local snapshot folder of hub model `repo_id` in the Hugging Face cache, if it holds a
     config.json and weights; no network is used."""
-    from huggingface_hub import snapshot_download
-
     try:
         folder = snapshot_download(repo_id, local_files_only=True)
     except Exception:  # not cached (LocalEntryNotFoundError), an invalid id, an unreadable cache
@@ -137,10 +135,6 @@ def resolve_model_source(path: str) -> str:
 
 def check_model_type(config_path: str) -> None:
     """Refuses, in one line, a config.json that is not JSON or whose model_type transformers does not know."""
-    import json
-
-    from transformers import CONFIG_MAPPING
-
     try:
         with open(config_path, encoding="utf-8") as f:
             config = json.load(f)
@@ -148,8 +142,6 @@ def check_model_type(config_path: str) -> None:
         raise UserError(f"{config_path}: not a JSON config ({exc})") from None
     kind = config.get("model_type") if isinstance(config, dict) else None
     if not isinstance(kind, str) or kind not in CONFIG_MAPPING:
-        import transformers
-
         raise UserError(f"{config_path}: field 'model_type': {kind!r} is not a model type transformers "
                         f"{transformers.__version__} knows (a newer transformers, or another checkpoint)")
 
@@ -206,8 +198,6 @@ def load_model(path: str, dtype: str = "float32", device: torch.device | str = "
         raise ValueError(f"unknown dtype {dtype!r}; known: {', '.join(DTYPES)}")
     source = resolve_model_source(path)
     quiet_kernel_warnings(device)
-    from opd.models.lora import is_adapter_folder, merged
-
     if is_adapter_folder(source):  # a LoRA run's policy: its base with the adapter merged in
         return merged(source, lambda base: load_model(base, dtype, "cpu")).to(device)
     try:

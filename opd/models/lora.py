@@ -29,14 +29,15 @@ import json
 import re
 import warnings
 from pathlib import Path
-from typing import TYPE_CHECKING
 
-from opd.lazy import no_grad
+import torch
+from peft import LoraConfig, PeftModel, get_peft_model, get_peft_model_state_dict, set_peft_model_state_dict
+from peft.tuners.tuners_utils import BaseTunerLayer
+from safetensors.torch import load_file, save_file
+from torch import nn
+from torch.distributed.tensor import DTensor
+
 from opd.models.settings import LoRAConfig
-
-if TYPE_CHECKING:
-    import torch
-    from torch import nn
 
 STUDENT = "default"
 
@@ -50,8 +51,6 @@ def target_modules(targets: str):
 
 def matched_modules(model: nn.Module, targets: str) -> list[str]:
     """The names of the linear modules `targets` would adapt (the check behind a one-line error)."""
-    from torch import nn
-
     spec = target_modules(targets)
     names = [n for n, m in model.named_modules() if isinstance(m, nn.Linear)]
     if isinstance(spec, str):
@@ -62,8 +61,6 @@ def matched_modules(model: nn.Module, targets: str) -> list[str]:
 def wrap(model: nn.Module, lora: LoRAConfig, adapters: tuple[str, ...] = ()) -> nn.Module:
     """The peft model: `model` (frozen) with the trainable adapter `default` and, for each name of `adapters`, a
     frozen copy of it (the EMA teacher, DAPD's snapshot)."""
-    from peft import LoraConfig, get_peft_model
-
     config = LoraConfig(r=lora.r, lora_alpha=lora.scale_alpha, lora_dropout=lora.dropout,
                         target_modules=target_modules(lora.targets), bias="none")  # fmt: skip
     with warnings.catch_warnings():  # peft reads transformers' deprecated `is_gradient_checkpointing` (a v6 rename)
@@ -85,14 +82,10 @@ def _set_trainable(model: nn.Module) -> None:
 
 
 def _tuner_layers(model: nn.Module):
-    from peft.tuners.tuners_utils import BaseTunerLayer
-
     return [m for m in model.modules() if isinstance(m, BaseTunerLayer)]
 
 
 def is_lora(model: nn.Module) -> bool:
-    from peft import PeftModel
-
     return isinstance(model, PeftModel)
 
 
@@ -115,8 +108,6 @@ def active_adapter(model: nn.Module, name: str | None):
 
 def adapter_pairs(model: nn.Module, target: str, source: str = STUDENT):
     """(target adapter parameter, source adapter parameter) pairs by name, local shards when sharded."""
-    from torch.distributed.tensor import DTensor
-
     params = dict(model.named_parameters())
     for name, t in params.items():
         if f".{target}." not in name or "lora_" not in name:
@@ -128,7 +119,7 @@ def adapter_pairs(model: nn.Module, target: str, source: str = STUDENT):
             yield t, s
 
 
-@no_grad
+@torch.no_grad()
 def copy_adapter(model: nn.Module, source: str, target: str) -> None:
     for t, s in adapter_pairs(model, target, source):
         t.copy_(s)
@@ -136,16 +127,12 @@ def copy_adapter(model: nn.Module, source: str, target: str) -> None:
 
 def adapter_state(model: nn.Module, name: str, state_dict: dict | None = None) -> dict[str, torch.Tensor]:
     """The adapter's weights under peft's names for `name` = default (CPU copies)."""
-    from peft import get_peft_model_state_dict
-
     sd = get_peft_model_state_dict(model, state_dict=state_dict, adapter_name=name)
     return {k: v.detach().cpu().clone() for k, v in sd.items()}
 
 
 def save_adapter(model: nn.Module, name: str, folder: Path, state_dict: dict | None = None) -> None:
     """`folder`/adapter_model.safetensors + adapter_config.json (loadable by peft as the default adapter)."""
-    from safetensors.torch import save_file
-
     folder = Path(folder)
     folder.mkdir(parents=True, exist_ok=True)
     save_file(adapter_state(model, name, state_dict), str(folder / "adapter_model.safetensors"))
@@ -158,9 +145,6 @@ def load_adapter(model: nn.Module, name: str, folder: Path) -> None:
     """Loads `folder`'s adapter weights (saved by `save_adapter`) into the adapter `name`. Every LoRA tensor of that
     adapter must come from the file: a missing one (another --lora-targets or rank, a truncated file) would keep
     its initial value silently, so it is an error, as is a tensor the model has no place for."""
-    from peft import set_peft_model_state_dict
-    from safetensors.torch import load_file
-
     path = Path(folder) / "adapter_model.safetensors"
     result = set_peft_model_state_dict(model, load_file(str(path)), adapter_name=name)
     unexpected = list(getattr(result, "unexpected_keys", []))
@@ -180,8 +164,6 @@ def is_adapter_folder(path: str | Path) -> bool:
 
 def merged(path: str | Path, load_base) -> nn.Module:
     """The model of an adapter folder: its base (`load_base(base path)`) with the adapter merged in."""
-    from peft import PeftModel
-
     base_path = json.loads((Path(path) / "adapter_config.json").read_text())["base_model_name_or_path"]
     with warnings.catch_warnings():
         warnings.filterwarnings("ignore", message=".*is_gradient_checkpointing.*", category=FutureWarning)
@@ -197,8 +179,6 @@ def merged_state_dict(state: dict[str, torch.Tensor], scaling: float, adapter: s
 
     and every other tensor as it is; the adapters' own tensors (every adapter's) are left out. The model being
     trained is not touched (peft's `merge_adapter` would change it in place)."""
-    import torch
-
     out: dict[str, torch.Tensor] = {}
     for key, value in state.items():
         if "lora_" in key:

@@ -21,6 +21,7 @@ from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 from torch.distributed.fsdp import FSDPModule, MixedPrecisionPolicy, fully_shard
 from torch.distributed.tensor import DTensor
 
+from opd.models.loading import load_model
 from opd.models.lora import save_adapter
 
 GENERATION = ("gathered", "layerwise")
@@ -79,8 +80,6 @@ def load_sharded_model(
     """`opd.models.loading.load_model` into CPU memory, then `shard_model` (each rank keeps its shards, on `device`), in
     train mode. Every rank reads the whole checkpoint once; weights it lacks are initialised from one seed on
     every rank, so the shards fit together."""
-    from opd.models.loading import load_model
-
     with torch.random.fork_rng(devices=[]):
         torch.manual_seed(0)
         model = load_model(path, dtype, "cpu").train()
