@@ -34,6 +34,7 @@ Memory: the full policy in its training dtype (float32: 4 bytes per parameter, 1
 
 from __future__ import annotations
 
+import json
 import os
 import shutil
 import sys
@@ -42,7 +43,21 @@ import time
 import warnings
 from pathlib import Path
 
+import torch
+import torch.distributed.checkpoint as dcp
+from peft import LoraConfig, get_peft_model
+from torch.distributed.checkpoint import FileSystemReader
+from torch.distributed.checkpoint.api import CheckpointException
+from torch.distributed.checkpoint.metadata import TensorStorageMetadata
+from transformers import AutoConfig, AutoModelForImageTextToText, GenerationConfig
+
+from opd.builtin import is_builtin, model_source
 from opd.cli import Parser, UserError, run_cli
+from opd.models.loading import DTYPES, load_model, load_processor, resolve_model_source
+from opd.models.lora import STUDENT, is_adapter_folder
+from opd.run_folder import find_checkpoint, load_config
+from opd.storage import room
+from opd.tiny import tiny_defaults
 
 POLICY = "policy."  # the DCP key prefix of the policy's entries (opd.loop.checkpoint._sharded_state)
 MERGED = "merged"  # a LoRA checkpoint's export: checkpoint-N/merged/ (its policy/ is the adapter)
@@ -50,8 +65,6 @@ MERGED = "merged"  # a LoRA checkpoint's export: checkpoint-N/merged/ (its polic
 
 def run_config(ckpt: Path) -> dict:
     """The run's settings stored with a checkpoint (train_config.json), or a one-line UserError."""
-    from opd.run_folder import load_config
-
     try:
         return load_config(ckpt)
     except (OSError, ValueError) as exc:
@@ -63,15 +76,10 @@ def run_model_source(ckpt: Path, config: dict | None = None) -> tuple[str, dict]
     UserError when that model is gone. The stored --model is read as train.py was given it: a relative path is
     relative to the current folder (train.py's, when run from where the run was started); when it is not there,
     the error names train_config.json's field `model` and the folder it was looked for in."""
-    from opd.builtin import is_builtin
-    from opd.builtin import model_source
-    from opd.models.loading import resolve_model_source
-
     config = run_config(ckpt) if config is None else config
     name = config.get("model")
     if name is None:  # --preset tiny without --model: the built-in tiny model (rebuilt if its cache is gone; its
-        from opd.tiny import tiny_defaults  # vLLM-servable variant for a --rollout-engine vllm run, opd.loop.build)
-
+        # vLLM-servable variant for a --rollout-engine vllm run, opd.loop.build)
         return str(tiny_defaults(vllm=config.get("rollout_engine") == "vllm")[0]), config
     try:
         return resolve_model_source(model_source(name, f"--model {name}")), config
@@ -86,9 +94,6 @@ def run_model_source(ckpt: Path, config: dict | None = None) -> tuple[str, dict]
 def _policy_metadata(ckpt: Path, sharded: Path) -> tuple[dict, dict]:
     """(name -> DCP tensor metadata of the policy's entries (the prefix removed), DCP's storage index: where each
     entry lies in which file); an unreadable .metadata is a one-line UserError."""
-    from torch.distributed.checkpoint import FileSystemReader
-    from torch.distributed.checkpoint.metadata import TensorStorageMetadata
-
     try:
         meta = FileSystemReader(str(sharded)).read_metadata()
     except Exception as exc:  # noqa: BLE001 (a truncated or foreign pickle: any unpickling error)
@@ -139,11 +144,6 @@ def check_shards(ckpt: Path, sharded: Path, storage: dict, names) -> None:
 
 def _skeleton(source: str, dtype: str):
     """The run's model class and config on the meta device (no weights), with the model's generation config."""
-    import torch
-    from transformers import AutoConfig, AutoModelForImageTextToText, GenerationConfig
-
-    from opd.models.loading import DTYPES
-
     config = AutoConfig.from_pretrained(source)
     with torch.device("meta"):
         model = AutoModelForImageTextToText.from_config(config, dtype=DTYPES.get(dtype, torch.float32))
@@ -157,11 +157,6 @@ def _skeleton(source: str, dtype: str):
 def _lora_skeleton(ckpt: Path, model, entries: dict, config: dict):
     """`model` (on the meta device) wrapped by peft as the run's policy was: the adapter `default` on the modules
     the shards hold one for, of the rank their lora_A records, scaled by the run's --lora-alpha (0: 2 r)."""
-    import torch
-    from peft import LoraConfig, get_peft_model
-
-    from opd.models.lora import STUDENT
-
     marker = f".lora_A.{STUDENT}.weight"
     targets = sorted(k[: -len(marker)].removeprefix("base_model.model.") for k in entries if k.endswith(marker))
     ranks = {int(entries[f"base_model.model.{t}{marker}"].size[0]) for t in targets}
@@ -178,8 +173,6 @@ def _lora_skeleton(ckpt: Path, model, entries: dict, config: dict):
 def _fit(ckpt: Path, model, entries: dict, source: str, lora: bool) -> list[str]:
     """The names of `model`'s state that the checkpoint's policy entries give, one for one, or a UserError naming
     what is missing or unexpected (a LoRA run's other adapters, its EMA teacher's, are left out)."""
-    from opd.models.lora import STUDENT
-
     names = set(model.state_dict())
     extra = entries.keys() - names
     if lora:
@@ -196,10 +189,6 @@ def _fit(ckpt: Path, model, entries: dict, source: str, lora: bool) -> list[str]
 def _read_policy(ckpt: Path, sharded: Path, entries: dict, names: list[str]) -> dict:
     """The policy's entries `names` as CPU tensors of their recorded shapes and dtypes, read by DCP in this process;
     a shard that still fails to read is one UserError."""
-    import torch
-    import torch.distributed.checkpoint as dcp
-    from torch.distributed.checkpoint.api import CheckpointException
-
     state = {k: torch.empty(tuple(entries[k].size), dtype=entries[k].properties.dtype) for k in names}
     with warnings.catch_warnings():  # "torch.distributed is disabled ...: assuming ... a single process": meant
         warnings.filterwarnings("ignore", message="torch.distributed is disabled")
@@ -235,10 +224,6 @@ def from_adapter(ckpt: Path, config: dict):
     """(model, None, processor source) of a LoRA checkpoint's policy/ adapter: its base (adapter_config.json's
     base_model_name_or_path) with the adapter merged, in the run's --dtype: the model `eval.py --model` merges in
     memory (`opd.models.loading.load_model`, `opd.models.lora.merged`), weight for weight."""
-    import json
-
-    from opd.models.loading import load_model
-
     policy = ckpt / "policy"
     try:
         base = json.loads((policy / "adapter_config.json").read_text())["base_model_name_or_path"]
@@ -263,9 +248,6 @@ def write_export(model, state: dict | None, processor_source: str, out: Path) ->
     """`model.save_pretrained(out, state_dict=state)` (as `opd.models.sharding.export_pretrained`) with the processor, into
     a temporary sibling renamed into place; a full disk is one line naming the folder and the model's size, and
     leaves no temporary folder."""
-    from opd.models.loading import load_processor
-    from opd.storage import room
-
     with room(out.parent, f"the export {out.name}/", _needed(model, state)):
         out.parent.mkdir(parents=True, exist_ok=True)
         tmp = Path(tempfile.mkdtemp(prefix=f".{out.name}.export-", dir=out.parent))
@@ -296,9 +278,6 @@ def export_checkpoint(ckpt: str | Path, out: str | Path | None = None) -> Path:
     default to checkpoint-N/merged/). One process, no torch.distributed process group; a one-line UserError for a
     folder that holds nothing to export, a missing or truncated shard, a run model that is gone or does not match
     the checkpoint's parameters, or an `out` that exists."""
-    from opd.run_folder import find_checkpoint
-    from opd.models.lora import is_adapter_folder
-
     try:
         ckpt = find_checkpoint(Path(ckpt).expanduser())
     except FileNotFoundError as exc:
@@ -328,8 +307,6 @@ def sharded_without_export(path: str | Path) -> Path | None:
     """The checkpoint a train.py run or checkpoint folder names (its latest), when it is sharded and has no
     policy/ export yet; None for anything else (left to `opd.builtin.model_source`). A sharded folder
     without DCP metadata (an incomplete write) is a UserError."""
-    from opd.run_folder import find_checkpoint
-
     folder = Path(path).expanduser()
     run_like = (folder / "latest").is_file() or (folder / "state.pt").is_file()
     if not folder.is_dir() or (folder / "config.json").is_file() or not run_like:

@@ -28,6 +28,8 @@ from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
+import torch
+
 from opd.cli import UserError
 from opd.engine.rollout import Rollouts, response_mask
 from opd.seeding import mix_seed
@@ -154,8 +156,6 @@ def generate_rollouts_vllm(
     same responses, up to bf16 batch-shape nondeterminism of the engine's kernels; on a CPU only when no prompt's
     prefill was split across scheduler steps: docs/DEPARTURES.md item 54).
     """
-    import torch
-
     image_token_id = _image_token_id(vision, image_token_id)
     bias = {str(t): SUPPRESS_BIAS for t in vision or []}
 

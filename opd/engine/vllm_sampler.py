@@ -13,9 +13,15 @@ import shutil
 import tempfile
 from pathlib import Path
 
-from opd.models.loading import special_ids
+from accelerate.utils import broadcast_object_list
+
 from opd.engine.rollout import Rollouts
 from opd.engine.sampling import SamplingConfig
+from opd.engine.vllm_rollouts import generate_rollouts_vllm
+from opd.engine.vllm_server import VLLMServer, check_servable, check_venv
+from opd.models.loading import special_ids
+from opd.models.lora import merged_state_dict
+from opd.models.sharding import export_pretrained, full_state_dict, is_sharded
 from opd.run_folder import VLLM_PUSH
 
 
@@ -36,10 +42,6 @@ class VLLMSampler:
         """--rollout-engine vllm: --vllm-url's server, or one started by rank 0 for the run's initial weights (its URL
         handed to every rank); a missing venv or a model the engine cannot serve is one line before anything is
         written. A resumed run's weights are pushed before its first step."""
-        from accelerate.utils import broadcast_object_list
-
-        from opd.engine.vllm_server import VLLMServer, check_servable, check_venv
-
         self.sharded = sharded
         if self.engine_cfg.vllm_url:
             self.server = VLLMServer.connect(self.engine_cfg.vllm_url)
@@ -58,8 +60,6 @@ class VLLMSampler:
 
     def __call__(self, step: int, records: list, prompts: list) -> tuple[Rollouts, bool]:
         """(this rank's rollouts of step `step`, whether their token entropies are known: no)."""
-        from opd.engine.vllm_rollouts import generate_rollouts_vllm
-
         cfg = self.cfg
         if self.stale:  # the policy's weights, then the engine samples
             self.push()
@@ -80,8 +80,6 @@ class VLLMSampler:
         if self.lora_scaling is not None:
             self._push_merged()
         elif self.sharded:
-            from opd.models.sharding import export_pretrained
-
             folder = self.out / VLLM_PUSH  # one shared path for every rank (and machine); removed at the end
             export_pretrained(self.model(), folder)
             if self.acc.is_main_process:
@@ -94,9 +92,6 @@ class VLLMSampler:
     def _push_merged(self) -> None:
         """A LoRA policy's merged weights written to DIR/.vllm-push by rank 0 (a sharded one gathered first: a
         collective on every rank), then pushed."""
-        from opd.models.lora import merged_state_dict
-        from opd.models.sharding import full_state_dict, is_sharded
-
         model = self.model()
         state = full_state_dict(model) if is_sharded(model) else model.state_dict()
         if self.acc.is_main_process:

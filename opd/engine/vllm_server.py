@@ -120,7 +120,7 @@ def unservable(model_dir: str | Path) -> str | None:
     """Why vLLM cannot serve the Qwen3.5 checkpoint in `model_dir` (read from its config.json), or None: its M-RoPE
     sections must add up to half the rotary dimension (vLLM asserts sum(mrope_section) == rotary_dim // 2, with
     rotary_dim = head_dim x partial_rotary_factor), and on a CPU its head sizes must be ones the backend has."""
-    import torch
+    import torch  # torch-free module: EngineConfig is a train.py setting (opd.config)
 
     path = Path(model_dir) / "config.json"
     if not path.is_file():
@@ -399,7 +399,7 @@ class VLLMServer:
         GPU on both sides (NCCL has no CPU transport), so this CPU-tested client keeps the disk path; the
         cache resets are needed either way.
         """
-        import torch
+        import torch  # torch-free module: EngineConfig is a train.py setting (opd.config)
 
         t0 = time.perf_counter()
         if isinstance(model_or_dir, (str, Path)):

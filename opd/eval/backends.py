@@ -27,10 +27,17 @@ from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from types import SimpleNamespace
 
-from opd.cli import UserError
-from opd.eval.bench_items import BenchItem, item_origin, prompt_text
+from transformers import AutoConfig, GenerationConfig
 
-BACKENDS = ("hf", "openai", "vllm")
+from opd.cli import UserError
+from opd.engine import vllm_server
+from opd.engine.vllm_rollouts import SUPPRESS_BIAS, generate_text, image_url
+from opd.eval.bench_items import BenchItem, item_origin, prompt_text
+from opd.eval.inference import VIEWS, item_error, item_image
+from opd.models.chat import encode_prompt, user_message
+from opd.models.loading import load_processor, resolve_model_source, special_ids
+from opd.models.lora import is_adapter_folder
+
 CONNECT_TIMEOUT = 5.0  # seconds /v1/models (or a --vllm-url's /health) may take before the server counts as unreachable
 TEMPLATE_KWARGS = ("vllm", "sglang", "transformers")  # the server kinds that take chat_template_kwargs
 RETRY_WAIT = 1.0  # seconds before a failed request's second try, doubled before each later one (both backends)
@@ -48,10 +55,6 @@ def api_base(url: str, flag: str = "--base-url") -> str:
 
 def chat_messages(item: BenchItem, view: str = "full") -> list[dict]:
     """The item's user turn in OpenAI form: `opd.models.chat.user_message`'s parts, each image as an image_url."""
-    from opd.models.chat import user_message
-    from opd.engine.vllm_rollouts import image_url
-    from opd.eval.inference import VIEWS, item_error, item_image
-
     if view not in VIEWS:
         raise ValueError(f"unknown view {view!r}; known: {', '.join(VIEWS)}")
     try:
@@ -68,11 +71,8 @@ def config_source(source: str) -> str:
     """Where a checkpoint's config is: the checkpoint, or for a LoRA adapter folder (a LoRA run's policy/:
     adapter_config.json, no config.json) its base model's (`base_model_name_or_path`), whose token ids the
     adapter keeps."""
-    from opd.models.lora import is_adapter_folder
-
     if not is_adapter_folder(source):
         return source
-    from opd.models.loading import resolve_model_source
 
     path = Path(source) / "adapter_config.json"
     try:
@@ -88,10 +88,6 @@ def config_source(source: str) -> str:
 def config_special_ids(source: str) -> dict:
     """`opd.models.loading.special_ids` of a checkpoint from its config and generation config alone (no weights); a LoRA
     adapter folder's are its base's (`config_source`)."""
-    from transformers import AutoConfig, GenerationConfig
-
-    from opd.models.loading import special_ids
-
     source = config_source(source)
     config = AutoConfig.from_pretrained(source)
     try:
@@ -171,9 +167,6 @@ class OpenAIBackend:
 
     def body(self, item: BenchItem, view: str, max_new_tokens: int, enable_thinking: bool) -> dict:
         """The chat completion request of one item (greedy, neutral: see the module docstring)."""
-        from opd.engine.vllm_rollouts import SUPPRESS_BIAS  # -100.0, the OpenAI bound; a float: transformers serve
-        # refuses an int
-
         body = {
             "model": self.served_model, "messages": chat_messages(item, view), "max_tokens": max_new_tokens,
             "temperature": 0.0, "top_p": 1.0, "seed": self.seed, "frequency_penalty": 0.0, "stream": False,
@@ -182,7 +175,8 @@ class OpenAIBackend:
             body["chat_template_kwargs"] = {"enable_thinking": enable_thinking}
         vision = (self.ids or {}).get("vision") or []
         if vision:
-            body["logit_bias"] = {str(t): SUPPRESS_BIAS for t in vision}
+            body["logit_bias"] = {str(t): SUPPRESS_BIAS for t in vision}  # -100.0: a float (transformers serve
+            # refuses an int), the OpenAI bound
         if self.kind == "transformers" and self.ids:  # its default: the checkpoint's generation_config.json
             body["generation_config"] = json.dumps({
                 "eos_token_id": self.ids["eos"], "pad_token_id": self.ids["pad"], "do_sample": False,
@@ -272,8 +266,6 @@ def _get_json(url: str, api_key: str | None, timeout: float):
 def refuse_adapter(model_dir: str, backend: str) -> None:
     """A one-line UserError for a LoRA adapter folder (a LoRA run's policy/: adapter_config.json, no config.json)
     given to a backend that serves whole checkpoints."""
-    from opd.models.lora import is_adapter_folder
-
     if model_dir and is_adapter_folder(model_dir):
         raise UserError(f"--backend {backend} --model {model_dir}: a LoRA adapter (adapter_config.json, no "
                         "config.json), which a vLLM server does not load as a model; evaluate it with --backend hf "
@@ -334,21 +326,16 @@ class VLLMBackend:
         (`opd.engine.vllm_server.check_venv`: a missing venv is a one-line UserError naming scripts/install_vllm.sh).
         A LoRA adapter folder is refused in one line (`refuse_adapter`). `say` (a callable taking a line) is told
         when a started server starts, with its log, and when it answers (`VLLMServer.start`)."""
-        from transformers import AutoConfig
-
-        from opd.engine.vllm_server import VLLMServer, check_venv
-        from opd.models.loading import load_processor
-
         refuse_adapter(model_dir, "vllm")
         config = AutoConfig.from_pretrained(model_dir)
         if vllm_url:
-            server = VLLMServer.connect(vllm_url, dtype=dtype)
+            server = vllm_server.VLLMServer.connect(vllm_url, dtype=dtype)
         else:
-            check_venv()
+            vllm_server.check_venv()
             if max_model_len is None:
                 max_model_len = min(int(getattr(config.get_text_config(), "max_position_embeddings", 4096)), 32768)
-            server = VLLMServer.start(model_dir, seed=seed, dtype=dtype, max_model_len=max_model_len,
-                                      log_path=log_path, env=env, say=say)
+            server = vllm_server.VLLMServer.start(model_dir, seed=seed, dtype=dtype, max_model_len=max_model_len,
+                                                  log_path=log_path, env=env, say=say)
         return cls(server, load_processor(model_dir), config_special_ids(model_dir),
                    getattr(config, "image_token_id", None), timeout)
 
@@ -356,10 +343,6 @@ class VLLMBackend:
                      enable_thinking: bool = False, view: str = "full",
                      max_prompt_len: int | None = None) -> Iterator[tuple[BenchItem, str]]:
         """(item, reply) for every item, in order; `batch_size` requests in flight (the engine batches them)."""
-        from opd.models.chat import encode_prompt
-        from opd.engine.vllm_rollouts import generate_text
-        from opd.eval.inference import item_error, item_image
-
         for chunk in _chunks(items, max(1, batch_size)):
             prompts, images = [], []
             for item in chunk:

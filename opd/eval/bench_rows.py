@@ -18,6 +18,7 @@ from pathlib import Path
 from typing import Iterator
 
 from opd.answers.options import clean_question, split_options
+from opd.data.sources import jsonl_lines  # the training reader's decoding (UTF-8, a byte-order mark allowed)
 from opd.eval.bench_items import BenchItem, BenchmarkDataError, ImageRef
 
 
@@ -37,8 +38,6 @@ Row = tuple[dict, str]  # (fields, "file line N" / "file row N")
 
 
 def _read_jsonl(path: Path) -> Iterator[Row]:
-    from opd.data.sources import jsonl_lines  # the training reader's decoding (UTF-8, a byte-order mark allowed)
-
     for n, line in jsonl_lines(path, lambda n, message: BenchmarkDataError(f"{path} line {n}: {message}")):
         try:
             row = json.loads(line)
@@ -91,7 +90,7 @@ def _delimited_rows(path: Path, delimiter: str) -> Iterator[Row]:
 
 def _read_parquet(path: Path) -> Iterator[Row]:
     try:
-        import pyarrow.parquet as pq
+        import pyarrow.parquet as pq  # optional: parquet files only; eval.py reads every other layout without it
     except ImportError as exc:
         raise ImportError(f"reading {path} needs pyarrow: pip install pyarrow") from exc
     try:

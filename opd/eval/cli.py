@@ -5,28 +5,28 @@
 
 `main(argv)` is the whole command (eval.py is a thin wrapper around it, and code such as the toy studies'
 experiments/harness/experiment.py calls it directly): it refuses impossible settings and missing benchmark files up
-front (`check_config`, one line naming the flag), takes the lock of --out (`opd.eval.lock`: one run per folder), and
-runs the evaluation (`opd.eval.run.evaluate`); `--compare` prints stored runs side by side instead
-(`opd.eval.report.compare_runs`). A user error is a `UserError`; `opd.cli.run_cli` prints it as one line.
+front (`check_config`, one line naming the flag), and runs the evaluation under the lock of --out
+(`opd.eval.run.evaluate_locked`: `opd.eval.lock`, one run per folder; imported when it runs, as the run imports torch);
+`--compare` prints stored runs side by side instead (`opd.eval.report.compare_runs`). A user error is a `UserError`;
+`opd.cli.run_cli` prints it as one line.
 """
 
 from __future__ import annotations
 
+import dataclasses
 from pathlib import Path
 
 from opd.builtin import builtin_path, is_builtin
 from opd.cli import UserError, build_parser
-from opd.eval.backends import BACKENDS
 from opd.eval.benchmarks import LOADERS, expected_files, has_files
-from opd.eval.config import PRESETS, EvalConfig, default_out
+from opd.eval.config import BACKENDS, PRESETS, EvalConfig, default_out
+from opd.eval.report import compare_runs
 
 DESCRIPTION = ("Evaluation on the paper's seven benchmarks (Table 1), or the family's six (--preset family), from "
                "their shipped local files.")
 
 def parse_args(argv: list[str] | None) -> tuple[EvalConfig, list[str] | None]:
     """(config, runs to compare or None): the EvalConfig flags plus ``--compare RUN [RUN ...]``."""
-    import dataclasses
-
     parser = build_parser(EvalConfig, PRESETS, DESCRIPTION)
     parser.add_argument("--compare", nargs="+", metavar="RUN",
                         help="Print these runs (folders or results.json files) side by side with deltas, then exit.")
@@ -101,8 +101,6 @@ def check_config(cfg: EvalConfig) -> list[str]:
 def builtin_data(cfg: EvalConfig, names: list[str]) -> EvalConfig:
     """`cfg` with a built-in --data-dir ('toy', 'tiny': `opd.builtin`) as its folder, built on first use, and its files
     checked; any other --data-dir unchanged."""
-    import dataclasses
-
     folder = builtin_path(cfg.data_dir, "bench")
     if folder is None:
         return cfg
@@ -137,8 +135,6 @@ def main(argv: list[str] | None = None) -> dict:
     --out's lock (every launched process calls it alike). Returns what `opd.eval.run.evaluate` returns."""
     cfg, compare = parse_args(argv)
     if compare:
-        from opd.eval.report import compare_runs
-
         try:
             text = compare_runs(compare)
         except (FileNotFoundError, ValueError) as exc:  # a missing or foreign results file, named
@@ -147,17 +143,6 @@ def main(argv: list[str] | None = None) -> dict:
         return {"compare": text}
     names = check_config(cfg)
     cfg = builtin_data(cfg, names)
+    from opd.eval.run import evaluate_locked  # torch-free module: eval.py --help (the run imports torch)
 
-    from opd.eval.lock import holding
-    from opd.eval.parallel import init_ranks
-    from opd.eval.run import evaluate
-
-    ranks = init_ranks()
-    try:
-        with holding(Path(cfg.out), ranks):  # one run per --out: a second one is refused at once
-            result = evaluate(cfg, names, ranks)
-    except BaseException:
-        ranks.close(ok=False)  # no barrier: the other ranks may wait in another collective (opd.eval.parallel)
-        raise
-    ranks.close()
-    return result
+    return evaluate_locked(cfg, names)

@@ -12,6 +12,7 @@ from opd.cli import Section, resumable
 from opd.eval.benchmarks import FAMILY, LOADERS, PAPER, expected_files, has_files
 
 ALL_BENCHMARKS = ",".join(PAPER)  # the paper's seven, Table 1 order
+BACKENDS = ("hf", "openai", "vllm")  # --backend's choices (`opd.eval.backends`)
 
 
 @dataclass

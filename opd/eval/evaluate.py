@@ -31,12 +31,15 @@ import shutil
 from collections.abc import Callable, Iterator
 from pathlib import Path
 
+from tqdm.auto import tqdm
+
 from opd.answers.grade import grade
 from opd.answers.text import strip_thinking
 from opd.cli import UserError
 from opd.eval import inference
 from opd.eval.bench_items import BenchItem
 from opd.eval.metrics import score
+from opd.eval.parallel import Ranks
 from opd.models.identity import DigestCache, file_sha256, hub_snapshot, model_identity  # noqa: F401 (eval.py's resume key)
 from opd.storage import Appender, append_jsonl, write_atomic, write_jsonl_atomic  # noqa: F401 (judge, scoring)
 
@@ -196,10 +199,6 @@ def predict(
     items into its own part file, and rank 0 merges them (`merge_parts`); every process returns the same
     records.
     """
-    from tqdm.auto import tqdm
-
-    from opd.eval.parallel import Ranks
-
     ranks = ranks or Ranks()
     folder = Path(folder)
     order = [item.index for item in items]

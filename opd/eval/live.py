@@ -24,9 +24,15 @@ console and lists them in summary.md (`format_scores`, `opd.loop.ledger.format_s
 
 from __future__ import annotations
 
+from accelerate.utils import gather_object
 
+from opd.builtin import builtin_path
 from opd.cli import UserError
+from opd.eval import benchmarks, inference
+from opd.eval.bench_items import BenchmarkDataError
 from opd.eval.config import LiveEvalConfig
+from opd.eval.evaluate import score_view
+from opd.eval.metrics import zoom_gap
 
 CROP = "_crop"
 """The crop view's suffix of a live-evaluation metric (`eval/zoombench_crop`, `eval/zoombench_crop_gap`): '@', eval.py's
@@ -37,10 +43,6 @@ class LiveEval:
     """The held subsets, loaded once; `due(step)` and `__call__` (every rank alike)."""
 
     def __init__(self, settings: LiveEvalConfig, steps: int):
-        from opd.builtin import builtin_path
-        from opd.eval.bench_items import BenchmarkDataError
-        from opd.eval.benchmarks import load_benchmark
-
         self.settings, self.steps = settings, steps
         self.replies: dict[tuple[str, str], dict[str, str]] = {}
         """The last evaluation's replies, index -> reply by (benchmark, view), every rank's (gathered): kept for
@@ -49,7 +51,7 @@ class LiveEval:
         data = builtin_path(settings.data, "bench") or settings.data  # 'toy': built here on first use
         for name in settings.names():
             try:
-                items = load_benchmark(name, data)
+                items = benchmarks.load_benchmark(name, data)
             except (BenchmarkDataError, ImportError) as exc:  # a bad file (named with row and field); no pyarrow
                 raise UserError(f"--eval-data: benchmark '{name}': {exc}") from None
             for view in settings.view_list():
@@ -66,11 +68,6 @@ class LiveEval:
     def __call__(self, accelerator, policy, processor, enable_thinking: bool, generation) -> dict[str, float]:
         """{'eval/<name>' (the full view) or 'eval/<name>_crop': score, 'eval/<name>_crop_gap': crop - full} on every
         rank; `generation()` is the policy's generation context (a sharded one gathers there)."""
-        from accelerate.utils import gather_object
-
-        from opd.eval.evaluate import score_view
-        from opd.eval.metrics import zoom_gap
-
         s = self.settings
         rank, world = accelerator.process_index, accelerator.num_processes
         gather = gather_object if world > 1 else (lambda x: x)
@@ -102,8 +99,6 @@ def _answer(policy, processor, items, batch: int, max_new_tokens: int, enable_th
     batch's generate every rank gathers every rank's encoding error (None when its prompts encoded): the same
     collective on every rank, so a prompt that fails on one rank raises its one-line UserError on all of them
     (printed once, by rank 0, naming the rank) instead of leaving the others in the sharded policy's collectives."""
-    from opd.eval.inference import encode_item, generate_replies
-
     was_training = policy.training
     policy.eval()
     replies: list[str] = []
@@ -111,7 +106,7 @@ def _answer(policy, processor, items, batch: int, max_new_tokens: int, enable_th
         for start in range(0, len(items), batch):
             chunk, prompts, error = items[start : start + batch], [], None
             try:
-                prompts = [encode_item(processor, item, view, enable_thinking) for item in chunk]
+                prompts = [inference.encode_item(processor, item, view, enable_thinking) for item in chunk]
             except UserError as exc:  # an image that does not decode (named with its file, row and item)
                 error = str(exc)
             everyone = gather([error])  # one entry per rank
@@ -119,7 +114,7 @@ def _answer(policy, processor, items, batch: int, max_new_tokens: int, enable_th
             if errors:
                 where, message = errors[0]
                 raise UserError(f"--eval-data: {message}" + (f" (met by rank {where})" if len(everyone) > 1 else ""))
-            replies += generate_replies(policy, processor, prompts, max_new_tokens)
+            replies += inference.generate_replies(policy, processor, prompts, max_new_tokens)
     finally:
         policy.train(was_training)
     return replies

@@ -18,12 +18,11 @@ from pathlib import Path
 
 from opd import run_folder as runlock
 from opd.cli import UserError
+from opd.storage import disk_full, is_full
 
 
 def take(out: Path) -> bool:
     """Locks `out` (creating it); True when this call created the folder. A held folder is a UserError."""
-    from opd.storage import disk_full, is_full
-
     created = not out.exists()
     try:
         runlock.acquire(out)

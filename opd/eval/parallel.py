@@ -19,6 +19,8 @@ import os
 from collections.abc import Callable
 from dataclasses import dataclass
 
+import torch.distributed as dist
+
 from opd.cli import UserError
 
 TIMEOUT = datetime.timedelta(hours=6)
@@ -43,15 +45,12 @@ class Ranks:
 
     def barrier(self) -> None:
         if self.world > 1:
-            import torch.distributed as dist
-
             dist.barrier()
 
     def broadcast(self, obj):
         """Rank 0's `obj` on every rank (pickled)."""
         if self.world == 1:
             return obj
-        import torch.distributed as dist
 
         box = [obj if self.main else None]
         dist.broadcast_object_list(box, src=0)
@@ -83,7 +82,6 @@ class Ranks:
         """Every rank's `obj`, in rank order, on every rank (pickled; a collective: every rank calls it)."""
         if self.world == 1:
             return [obj]
-        import torch.distributed as dist
 
         box: list = [None] * self.world
         dist.all_gather_object(box, obj)
@@ -95,8 +93,6 @@ class Ranks:
         destroyed at once, without a barrier: the other ranks may be waiting in another collective, which a
         barrier would never match (a hang until TIMEOUT); this process exits and the launcher stops the rest."""
         if self.world > 1:
-            import torch.distributed as dist
-
             if dist.is_initialized():
                 try:
                     if ok:
@@ -111,7 +107,6 @@ def init_ranks() -> Ranks:
     world = int(os.environ.get("WORLD_SIZE", "1") or 1)
     if world <= 1:
         return Ranks()
-    import torch.distributed as dist
 
     if not dist.is_initialized():
         dist.init_process_group("gloo", timeout=TIMEOUT)

@@ -1,7 +1,7 @@
 """One eval.py evaluation: the model (resolved, exported or served), each benchmark and view answered and scored,
 the results written.
 
-`evaluate(cfg, names, ranks)` is the run behind `opd.eval.cli.main` (which holds --out's lock around it):
+`evaluate(cfg, names, ranks)` is the run behind `opd.eval.cli.main` (`evaluate_locked` holds --out's lock around it):
 
 1. `model_setup`: what answers, before anything is written (a server that does not answer is refused in
    seconds; a sharded or LoRA checkpoint is exported first, `resolve_model`);
@@ -13,14 +13,31 @@ the results written.
 
 from __future__ import annotations
 
+import os
 import time
 from dataclasses import asdict
 from pathlib import Path
 
+import torch
+from transformers import set_seed
+
+from opd.builtin import model_source
 from opd.cli import UserError
+from opd.engine import vllm_server
+from opd.eval.backends import CONNECT_TIMEOUT, OpenAIBackend, VLLMBackend, config_special_ids, refuse_adapter
 from opd.eval.bench_items import BenchmarkDataError
 from opd.eval.benchmarks import load_benchmark
-from opd.eval.config import EvalConfig
+from opd.eval.config import EvalConfig, default_out, model_name
+from opd.eval.evaluate import predict, score_view
+from opd.eval.judge import judge_from_env
+from opd.eval.lock import holding
+from opd.eval.metrics import zoom_gap
+from opd.eval.parallel import Ranks, init_ranks, rank_device, visible_gpu
+from opd.eval.report import default_label, markdown_table, write_results
+from opd.export import ensure_export
+from opd.models.identity import DigestCache, model_identity
+from opd.models.loading import load_model, load_processor, resolve_model_source
+from opd.storage import write_atomic, write_jsonl_atomic
 
 
 def say(line: str) -> None:
@@ -33,11 +50,6 @@ def resolve_model(path: str, ranks=None) -> str:
     policy/), then `opd.models.loading.resolve_model_source` (a checkpoint folder, made absolute, or a hub id). A sharded
     (--fsdp) checkpoint without policy/ is exported first (`opd.export.ensure_export`, one line saying so; by rank 0
     alone under a launcher): to its policy/, a LoRA run's to merged/ (its adapter merged into the base)."""
-    from opd.builtin import model_source
-    from opd.eval.parallel import Ranks
-    from opd.export import ensure_export
-    from opd.models.loading import resolve_model_source
-
     exported = (ranks or Ranks()).on_main(ensure_export, path, "--model", say)
     source = resolve_model_source(str(exported) if exported is not None else model_source(path, f"--model {path}"))
     return str(Path(source).resolve()) if Path(source).is_dir() else source
@@ -46,10 +58,6 @@ def resolve_model(path: str, ranks=None) -> str:
 def runtime(cfg: EvalConfig, ranks=None) -> tuple[str, str]:
     """(device, dtype) of this process: under a launcher a bare cuda is cuda:<local rank>. A server backend
     computes where and how its server does: ('server', 'server') for openai, the engine's dtype for vllm."""
-    import torch
-
-    from opd.eval.parallel import Ranks, rank_device
-
     if cfg.backend == "openai":
         return "server", "server"
     if cfg.backend == "vllm":
@@ -67,20 +75,12 @@ def model_setup(cfg: EvalConfig, ranks) -> tuple[str | None, object | None]:
     LoRA adapter, unless --vllm-url names a server, which must answer /health within 5 s."""
     server = None
     if cfg.backend == "openai":  # first: an unreachable server is refused in seconds
-        import os
-
-        from opd.eval.backends import OpenAIBackend
-
         server = ranks.on_main(OpenAIBackend.connect, cfg.base_url, cfg.served_model, None,
                                os.environ.get(cfg.api_key_env) or None, cfg.request_timeout, cfg.seed)
     if cfg.backend == "vllm" and not cfg.vllm_url:
-        from opd.engine.vllm_server import check_venv
-
-        check_venv()  # a one-line error naming scripts/install_vllm.sh
+        vllm_server.check_venv()  # a one-line error naming scripts/install_vllm.sh
     model_path = resolve_model(cfg.model, ranks) if cfg.model is not None else None
     if cfg.backend == "vllm":
-        from opd.eval.backends import refuse_adapter
-
         refuse_adapter(model_path, "vllm")
         if not cfg.vllm_url and not Path(model_path).is_dir():  # a hub id the local cache does not hold
             raise UserError(f"--backend vllm --model {cfg.model}: not in the local Hugging Face cache, and a vLLM "
@@ -89,18 +89,13 @@ def model_setup(cfg: EvalConfig, ranks) -> tuple[str | None, object | None]:
         if cfg.vllm_url:
             ranks.on_main(check_vllm_url, cfg.vllm_url)
     if server is not None and model_path is not None:
-        from opd.eval.backends import config_special_ids
-
         server.ids = config_special_ids(model_path)  # vision ids to suppress, EOS and pad
     return model_path, server
 
 
 def check_vllm_url(url: str) -> None:
     """A one-line UserError unless the server at --vllm-url answers /health within CONNECT_TIMEOUT seconds."""
-    from opd.engine.vllm_server import VLLMServer
-    from opd.eval.backends import CONNECT_TIMEOUT
-
-    if not VLLMServer(url.strip()).healthy(CONNECT_TIMEOUT):
+    if not vllm_server.VLLMServer(url.strip()).healthy(CONNECT_TIMEOUT):
         raise UserError(f"--vllm-url {url}: no vLLM server answers GET {url.strip().rstrip('/')}/health within "
                         f"{CONNECT_TIMEOUT:g} s")
 
@@ -146,8 +141,6 @@ class Engine:
             t0 = time.perf_counter()
             self.engine = self._open()
             if self.identity["model"].startswith("hf:"):  # a hub model downloaded just now: its commit is known
-                from opd.models.identity import model_identity
-
                 self.identity.update(model_identity(self.model_path, self.digests))
             if self.ranks.main:
                 self.digests.save()
@@ -159,9 +152,6 @@ class Engine:
         if cfg.backend == "openai":
             return self.server
         if cfg.backend == "vllm":
-            from opd.eval.backends import VLLMBackend
-            from opd.eval.parallel import visible_gpu
-
             env = None
             if ranks.world > 1 and not cfg.vllm_url:  # one engine per process, each on its own GPU
                 env = {"CUDA_VISIBLE_DEVICES": visible_gpu(ranks.local_rank)}
@@ -172,7 +162,6 @@ class Engine:
                                         cfg.request_timeout, say=say if ranks.main else None)
             except UserError as exc:  # this process's own server (rank k's may fail alone): it says so
                 raise UserError(str(exc), local=True) from None
-        from opd.models.loading import load_model, load_processor
 
         return load_model(self.model_path, self.dtype, self.device), load_processor(self.model_path)
 
@@ -187,14 +176,24 @@ class Engine:
             self.engine.close()  # a vLLM server this run started
 
 
+def evaluate_locked(cfg: EvalConfig, names: list[str]) -> dict:
+    """`evaluate` on this process's ranks (`opd.eval.parallel.init_ranks`) under --out's lock (`opd.eval.lock`: one
+    run per folder, a second one is refused at once): the run behind `opd.eval.cli.main`."""
+    ranks = init_ranks()
+    try:
+        with holding(Path(cfg.out), ranks):  # one run per --out: a second one is refused at once
+            result = evaluate(cfg, names, ranks)
+    except BaseException:
+        ranks.close(ok=False)  # no barrier: the other ranks may wait in another collective (opd.eval.parallel)
+        raise
+    ranks.close()
+    return result
+
+
 def evaluate(cfg: EvalConfig, names: list[str], ranks) -> dict:
     """The evaluation of `names` with `cfg` on this process's `ranks` (the module docstring's steps); rank 0 returns
     {"results", "meta", "table"}, every other rank {"rank", "world_size"}."""
     model_path, server = model_setup(cfg, ranks)  # first: a server that does not answer is refused in seconds
-
-    from transformers import set_seed
-
-    from opd.models.identity import DigestCache, model_identity
 
     set_seed(cfg.seed)
     digests = DigestCache(Path(cfg.out) / "model_digests.json")
@@ -206,8 +205,6 @@ def evaluate(cfg: EvalConfig, names: list[str], ranks) -> dict:
     engine = Engine(cfg, ranks, model_path, server, identity, digests)
     judge = None
     if cfg.judge_url and ranks.main:
-        from opd.eval.judge import judge_from_env
-
         judge = judge_from_env(cfg.judge_url, cfg.judge_model, Path(cfg.out) / "judge_cache.jsonl",
                                cfg.judge_key_env, cfg.judge_timeout)
     try:
@@ -253,9 +250,6 @@ def answer_view(cfg: EvalConfig, name: str, key: str, view: str, items: list, ra
                 judge) -> tuple[dict, list[dict]] | None:  # fmt: skip
     """Answers one view's items not yet stored (`opd.eval.evaluate.predict`); rank 0 returns (score dict, records),
     written to OUT/<key>/scored.jsonl, every other rank None."""
-    from opd.eval.evaluate import predict, score_view
-    from opd.storage import write_jsonl_atomic
-
     subset = [item for item in items if view == "full" or item.crop is not None]
     subset = subset[: cfg.limit] if cfg.limit else subset
     folder = Path(cfg.out) / key
@@ -273,8 +267,6 @@ def answer_view(cfg: EvalConfig, name: str, key: str, view: str, items: list, ra
 
 def gap_note(name: str, results: dict, by_view: dict) -> str:
     """Stores the zoom gap (`opd.eval.metrics.zoom_gap`) in results[name@crop]; returns its line under the table."""
-    from opd.eval.metrics import zoom_gap
-
     gap = results[f"{name}@crop"]["zoom_gap"] = zoom_gap(by_view["full"], by_view["crop"])
     if not gap["n"]:
         return f"{name} zoom gap: no item answered in both views (raise --limit)"
@@ -285,10 +277,6 @@ def gap_note(name: str, results: dict, by_view: dict) -> str:
 def write_outputs(cfg: EvalConfig, engine: Engine, results: dict, notes: list[str], judge, requests: int) -> dict:
     """Rank 0: results.json (scores and meta) and results.md (the Table 1 row of the benchmarks evaluated, also
     printed)."""
-    from opd.eval.config import default_out, model_name
-    from opd.eval.report import default_label, markdown_table, write_results
-    from opd.storage import write_atomic
-
     out = Path(cfg.out)
     identity, server = engine.identity, engine.server
     served = server.served_model if server is not None else None

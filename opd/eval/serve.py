@@ -17,7 +17,13 @@ import json
 import sys
 from pathlib import Path
 
+from transformers import AutoConfig
+
 from opd.cli import UserError, run_cli
+from opd.engine.vllm_server import VLLMServer, check_venv
+from opd.eval.backends import refuse_adapter
+from opd.eval.config import model_name
+from opd.eval.run import resolve_model
 
 LMMS_TASKS = "vstar_bench,hrbench4k,hrbench8k,mmerealworld,mmerealworld_cn"
 VLMEVALKIT_DATA = ("VStarBench", "HRBench4K", "HRBench8K", "MME-RealWorld", "MME-RealWorld-CN")
@@ -63,13 +69,6 @@ def _dataset_class(name: str) -> str:
 
 def start(args: argparse.Namespace, say=print):
     """The started server (a `VLLMServer`) and the files and lines `--model` is served with."""
-    from transformers import AutoConfig
-
-    from opd.engine.vllm_server import VLLMServer, check_venv
-    from opd.eval.backends import refuse_adapter
-    from opd.eval.config import model_name
-    from opd.eval.run import resolve_model
-
     check_venv()
     model_dir = resolve_model(args.model)
     refuse_adapter(model_dir, "vllm")
