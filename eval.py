@@ -18,7 +18,6 @@ import sys
 
 from opd.cli import run_cli
 from opd.eval.cli import EvalConfig, check_config, main, parse_args  # noqa: F401 (eval.main: tests and tools)
-from opd.eval.run import evaluate, resolve_model  # noqa: F401
 
 if __name__ == "__main__":
     run_cli(main, sys.argv[1:], "eval.py")

@@ -25,8 +25,7 @@ import yaml
 
 from opd.cli import Flag, Section, UserError, flag_text, resumable
 from opd.data.settings import DataConfig, TeacherConfig
-from opd.engine.sampling import SamplingConfig
-from opd.engine.vllm_server import EngineConfig
+from opd.engine.sampling import EngineConfig, SamplingConfig
 from opd.eval.config import LiveEvalConfig
 from opd.loop.settings import CheckpointConfig, FolderConfig, OptimConfig, TrackerConfig
 from opd.maths.loss import LossConfig

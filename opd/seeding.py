@@ -3,12 +3,8 @@ resume) are pure functions of (seed, step, ...) instead of a shared mutable gene
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING
-
 import numpy as np
-
-if TYPE_CHECKING:
-    import torch
+import torch
 
 
 def mix_seed(*keys: int) -> int:
@@ -18,6 +14,4 @@ def mix_seed(*keys: int) -> int:
 
 def seeded_generator(*keys: int) -> torch.Generator:
     """A CPU generator seeded by mix_seed(*keys), e.g. (selector seed, step, stream)."""
-    import torch  # torch-free module: train.py --help imports it (opd.data.records's mix_seed)
-
     return torch.Generator().manual_seed(mix_seed(*keys))

@@ -1,4 +1,4 @@
-"""Writes that survive a stop: atomic files, appended JSON lines, and a full disk as one line.
+"""Files that survive a stop: atomic files, appended JSON lines, a full disk as one line; JSONL read line by line.
 
 Every file eval.py writes goes through here, and train.py's summaries and checkpoints (`opd.loop.checkpoint`) (`write_atomic`, `Appender`, `write_jsonl_atomic`), and so does
 `opd.models.identity.DigestCache.save` and the export's folder (`opd.export`): a write that meets a full disk or a
@@ -178,3 +178,18 @@ def append_jsonl(path: str | Path, rows: Iterable[dict]) -> None:
 def cache_dir() -> Path:
     """Where the built-in default lives: $BAS_OPD_CACHE, else ~/.cache/bas-opd."""
     return Path(os.environ.get("BAS_OPD_CACHE", Path.home() / ".cache" / "bas-opd"))
+
+
+def jsonl_lines(path: Path, error) -> Iterator[tuple[int, str]]:
+    """(line number from 1, text) of each non-blank line of a UTF-8 JSONL file, a byte-order mark at its start
+    allowed; a line that is not UTF-8 raises `error(line number, message)` (the caller's error class and place).
+    Read line by line (bounded memory); the training data's reader (`opd.data.sources`) and the benchmarks'
+    (`opd.eval.bench_rows`)."""
+    with Path(path).open("rb") as f:
+        for lineno, raw in enumerate(f, start=1):
+            try:
+                line = raw.decode("utf-8-sig" if lineno == 1 else "utf-8")  # a byte-order mark is no error
+            except UnicodeDecodeError as e:
+                raise error(lineno, f"not UTF-8 text (byte 0x{raw[e.start]:02x} at column {e.start + 1})") from None
+            if line.strip():
+                yield lineno, line

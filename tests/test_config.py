@@ -153,7 +153,7 @@ print(",".join(m for m in ("torch", "transformers", "accelerate", "peft") if m i
                                   ["--config", "{file}", "--print-config"]])  # fmt: skip
 def test_help_and_print_config_load_neither_torch_nor_transformers(tmp_path, argv):
     """train.py --help and --print-config read the settings only (opd.config and the modules of its sections, the
-    method table and its objectives): torch and transformers are imported where a run computes (`opd.lazy`), so
+    method table and its objectives' specs): torch and transformers are imported only by the modules that compute, so
     neither is loaded here (they took 5-11 s of a 2-core machine's --help)."""
     root = Path(__file__).resolve().parents[1]
     (tmp_path / "run.yaml").write_text("preset: tiny\nrho: 0.5\n")

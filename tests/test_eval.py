@@ -526,11 +526,11 @@ def test_user_errors_are_one_line_with_exit_code_2(tiny, tmp_path):
 def test_an_incomplete_sharded_checkpoint_is_named_as_such(tmp_path):
     """A --fsdp checkpoint without policy/ is exported first (tests/test_export.py); one whose sharded/ lacks DCP's
     .metadata (a write that never finished) is refused in one line, not as a missing folder."""
-    import eval as eval_py
     from opd.cli import UserError
+    from opd.eval.run import resolve_model
 
     ckpt = tmp_path / "run" / "checkpoint-000004"
     (ckpt / "sharded").mkdir(parents=True)
     (ckpt / "state.pt").write_bytes(b"")
     with pytest.raises(UserError, match="sharded has no .metadata: an incomplete --fsdp checkpoint"):
-        eval_py.resolve_model(str(ckpt))
+        resolve_model(str(ckpt))

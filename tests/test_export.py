@@ -22,6 +22,7 @@ import torch.distributed.checkpoint as dcp
 from safetensors.torch import load_file
 
 from opd.cli import UserError
+from opd.eval.run import resolve_model
 from opd.export import export_checkpoint, sharded_without_export
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -221,4 +222,4 @@ def test_every_checkpoint_of_a_sharded_run_is_evaluable(tiny, tmp_path):
     import shutil
 
     shutil.rmtree(first / "policy")
-    assert eval_py.resolve_model(str(run)) == str((first / "policy").resolve())
+    assert resolve_model(str(run)) == str((first / "policy").resolve())

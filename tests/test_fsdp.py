@@ -173,10 +173,9 @@ def test_fsdp_resume_equals_uninterrupted_and_the_export_loads(tmp_path, tiny):
         for key in COUNTS + ("loss", "grad_norm", "utility_mean"):
             assert a[key] == pytest.approx(b[key], rel=1e-6, nan_ok=True), key
     assert (tmp_path / "split" / "checkpoint-000002").exists() is False  # keep_checkpoints 1
-    import importlib
+    from opd.eval.run import resolve_model  # eval.py's --model takes the run folder
 
-    evaluate = importlib.import_module("eval")  # eval.py: --model takes the run folder
-    assert evaluate.resolve_model(str(tmp_path / "split")) == str((tmp_path / "split" / "checkpoint-000003" / "policy").resolve())
+    assert resolve_model(str(tmp_path / "split")) == str((tmp_path / "split" / "checkpoint-000003" / "policy").resolve())
 
 
 @pytest.mark.slow

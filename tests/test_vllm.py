@@ -360,7 +360,7 @@ def test_a_started_server_says_so_with_its_log(tmp_path, vllm_model_dir, monkeyp
     log it writes, and that it answers; the stand-in server of `fake_venv` serves /health."""
     from types import SimpleNamespace
 
-    from opd.engine.vllm_server import EngineConfig
+    from opd.engine.sampling import EngineConfig
     from opd.engine.sampling import SamplingConfig
     from opd.engine.vllm_sampler import VLLMSampler as Sampler
 

@@ -19,9 +19,9 @@ from __future__ import annotations
 from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
-from typing import TYPE_CHECKING
 
 import numpy as np
+import torch
 from PIL import Image, UnidentifiedImageError
 
 from opd.cli import UserError
@@ -30,9 +30,6 @@ from opd.data.family_views import half_resolution, half_size, masked, reference_
 from opd.engine.rollout import Rollouts
 from opd.models.chat import encode_prompt
 from opd.seeding import mix_seed
-
-if TYPE_CHECKING:
-    import torch
 
 
 @dataclass(frozen=True)
@@ -279,8 +276,6 @@ class Prompts:
 
     def candidates(self, records: list[Record], rollouts: Rollouts) -> torch.Tensor:
         """(N_local,) bool: the rows that can be candidates (their record eligible, their response valid)."""
-        import torch
-
         rows = rollouts.prompt_index.tolist()
         return torch.tensor([self.eligible(records[j]) for j in rows], dtype=torch.bool) & rollouts.valid
 

@@ -46,7 +46,7 @@ from opd.builtin import builtin_path
 from opd.data.parse import one_line, parse_record
 from opd.data.records import Record
 from opd.data.settings import DataError, parse_columns
-from opd.storage import cache_dir
+from opd.storage import cache_dir, jsonl_lines
 
 NOT_JSONL = (".arrow", ".csv", ".tsv", ".zip", ".gz", ".tar")
 """File suffixes `load_records` refuses by name (a JSONL file is read line by line; parquet is read as a table)."""
@@ -269,15 +269,3 @@ def load_records(path: str | Path, split: str | None = None, columns: dict[str, 
         return list(pool.map(lambda r: parse_record(r[0], r[1], path.parent, names), rows))
 
 
-def jsonl_lines(path: Path, error) -> Iterator[tuple[int, str]]:
-    """(line number from 1, text) of each non-blank line of a UTF-8 JSONL file, a byte-order mark at its start
-    allowed; a line that is not UTF-8 raises `error(line number, message)` (the caller's error class and place).
-    Read line by line (bounded memory); the training data's reader and the benchmarks' (`opd.eval.bench_rows`)."""
-    with Path(path).open("rb") as f:
-        for lineno, raw in enumerate(f, start=1):
-            try:
-                line = raw.decode("utf-8-sig" if lineno == 1 else "utf-8")  # a byte-order mark is no error
-            except UnicodeDecodeError as e:
-                raise error(lineno, f"not UTF-8 text (byte 0x{raw[e.start]:02x} at column {e.start + 1})") from None
-            if line.strip():
-                yield lineno, line

@@ -7,24 +7,21 @@ log-probs and entropies it records are those of the distribution actually sample
 token entropies H_{i,t} that Eq. 5 needs are computed step by step inside `generate` by a logits
 processor that keeps one step of (rows, V) log-probs at a time: storing every step's full-vocabulary
 scores (1,024 steps x 224 rows x 248,320 ids) does not fit. Everything returned is detached. `Sampler` is the
-step's line 3 on one rank (its draws seeded by (seed, step, rank)); vLLM's is `opd.engine.vllm_sampler`. torch and
-transformers are imported in the functions: `opd.data.records` imports `Rollouts` on train.py --help's path.
+step's line 3 on one rank (its draws seeded by (seed, step, rank)); vLLM's is `opd.engine.vllm_sampler`.
 """
 
 from __future__ import annotations
 
 from contextlib import nullcontext
 from dataclasses import dataclass
-from typing import TYPE_CHECKING
 
-from opd.models.chat import collate
+import torch
+from transformers import LogitsProcessorList, TemperatureLogitsWarper, TopKLogitsWarper, TopPLogitsWarper
+
+from opd.engine.sampling import SamplingConfig
+from opd.models.chat import EncodedPrompt, collate
+from opd.models.loading import neutral_generation_config, special_ids
 from opd.seeding import mix_seed
-
-if TYPE_CHECKING:
-    import torch
-
-    from opd.engine.sampling import SamplingConfig
-    from opd.models.chat import EncodedPrompt
 
 
 class RolloutStats:
@@ -42,12 +39,6 @@ class RolloutStats:
     """
 
     def __init__(self, temperature: float = 1.0, top_k: int = 0, top_p: float = 1.0):
-        from transformers import (  # torch-free module: train.py --help
-            TemperatureLogitsWarper,
-            TopKLogitsWarper,
-            TopPLogitsWarper,
-        )
-
         self.logp: list[torch.Tensor] = []
         self.entropy: list[torch.Tensor] = []
         self._prev: torch.Tensor | None = None
@@ -58,8 +49,6 @@ class RolloutStats:
         self.logp.append(self._prev.gather(-1, tokens.unsqueeze(-1)).squeeze(-1))  # (N,)
 
     def __call__(self, input_ids: torch.Tensor, scores: torch.Tensor) -> torch.Tensor:
-        import torch  # torch-free module: train.py --help
-
         if self._prev is not None:
             self._gather_prev(input_ids[:, -1])
         for warp in self.warpers:  # temperature, top-k, top-p: the distribution sampled from
@@ -73,8 +62,6 @@ class RolloutStats:
 
     def finish(self, last_tokens: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """Gathers the last step and returns (logp, entropy), each (N, T)."""
-        import torch  # torch-free module: train.py --help
-
         if self._prev is not None:
             self._gather_prev(last_tokens)
             self._prev = None
@@ -104,8 +91,6 @@ class Rollouts:
 
 def response_mask(response_ids: torch.Tensor, eos_ids: list[int]) -> torch.Tensor:
     """m_{i,t}: true up to and including the first EOS, false after it (all true when no EOS)."""
-    import torch  # torch-free module: train.py --help
-
     is_eos = torch.isin(response_ids, torch.tensor(eos_ids, device=response_ids.device))  # (N, T)
     eos_before = torch.cumsum(is_eos.long(), dim=1) - is_eos.long()  # EOS strictly before t
     return eos_before == 0
@@ -120,8 +105,6 @@ def prefill_shared_cache(model, batch: dict[str, torch.Tensor], n: int):
     so is Qwen's M-RoPE offset (`rope_deltas`), which generate() reads without expanding it. Only the
     cache is used: the forward keeps one position's logits (logits_to_keep=1), not (prompts, L - 1, V).
     """
-    import torch  # torch-free module: train.py --help
-
     prefix = {k: (v[:, :-1] if k in ("input_ids", "attention_mask", "mm_token_type_ids") else v) for k, v in batch.items()}
     out = model(**prefix, use_cache=True, logits_to_keep=1)
     cache = getattr(out, "cache", None) or getattr(out, "past_key_values", None)
@@ -148,11 +131,7 @@ def generate_rollouts(model, prompts: list[EncodedPrompt], n_per_prompt: int, ma
     the model's `opd.models.loading.special_ids` and `neutral_generation_config`, which replaces model.generation_config
     while generating (no checkpoint sampling defaults leak in); None: computed here (`Sampler` computes them once).
     """
-    import torch  # torch-free module: train.py --help
-
     if ids is None or generation_config is None:
-        from opd.models.loading import neutral_generation_config, special_ids  # torch-free module: train.py --help
-
         ids = special_ids(model) if ids is None else ids
         generation_config = neutral_generation_config(model) if generation_config is None else generation_config
     n = n_per_prompt
@@ -194,8 +173,6 @@ def generate_rollouts(model, prompts: list[EncodedPrompt], n_per_prompt: int, ma
 def _generate(model, group: list[EncodedPrompt], n: int, pad: int, share_prefill: bool, sampling: dict,
               stats: RolloutStats) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """One generate() call: n rollouts of each prompt of `group` -> (response ids, logp, entropy) on the CPU."""
-    from transformers import LogitsProcessorList  # torch-free module: train.py --help
-
     device = next(model.parameters()).device
     unique = {k: v.to(device) for k, v in collate(group, pad).items()}
     cache = prefill_shared_cache(model, unique, n) if share_prefill else None
@@ -217,8 +194,6 @@ class Sampler:
     (`generate_rollouts`) are computed once, here."""
 
     def __init__(self, sampling: SamplingConfig, acc, model, autocast, seed: int, gather=nullcontext):
-        from opd.models.loading import neutral_generation_config, special_ids  # torch-free module: train.py --help
-
         self.cfg, self.acc, self.model, self.autocast = sampling, acc, model, autocast
         self.seed, self.gather = seed, gather
         policy = model()
@@ -227,8 +202,6 @@ class Sampler:
 
     def __call__(self, step: int, records: list, prompts: list) -> tuple[Rollouts, bool]:
         """(this rank's rollouts of step `step`, whether their token entropies are known: yes)."""
-        import torch  # torch-free module: train.py --help
-
         cfg = self.cfg
         torch.manual_seed(mix_seed(self.seed, step, self.acc.process_index))
         with self.autocast(), self.gather():

@@ -1,6 +1,8 @@
-"""The rollouts' settings (Algorithm 1, line 3): how many, how long, from which distribution (train.py's flags).
+"""The rollouts' settings (Algorithm 1, line 3): how many, how long, from which distribution, and who samples them
+(train.py's flags).
 
-Torch-free, so that the settings load without torch; the sampling itself is `opd.engine.rollout`.
+Torch-free, so that the settings load without torch; the sampling itself is `opd.engine.rollout` (HF generate) or
+`opd.engine.vllm_sampler` (a vLLM server).
 """
 
 from __future__ import annotations
@@ -56,3 +58,29 @@ class SamplingConfig(Section):
         if self.rollout_batch < 0:
             problems.append(f"--rollout-batch {self.rollout_batch}: must be >= 0 (0 = all rows at once)")
         return problems
+
+
+@dataclass
+class EngineConfig(Section):
+    """Who samples the rollouts."""
+
+    rollout_engine: str = "hf"
+    """Who samples the rollouts: hf (Hugging Face generate, the default and the reference) or vllm (a vLLM server in
+    its own venv, scripts/install_vllm.sh; the policy's weights pushed to it before each step's generation;
+    opd/engine/vllm_server.py). With vllm the token entropy is unavailable: Eq. 5's entropy feature is 0 and
+    Entropy-25 ranks by the mean sampled-token NLL (the paper's fallback)."""
+    vllm_url: str | None = resumable(None)
+    """A vLLM server already running (http://127.0.0.1:PORT, started with opd.engine.vllm_server.server_command's
+    flags) for --rollout-engine vllm; none: the run starts its own on rank 0 and stops it at the end."""
+
+    @property
+    def vllm(self) -> bool:
+        return self.rollout_engine == "vllm"
+
+    def check(self) -> list[str]:
+        if self.rollout_engine not in ("hf", "vllm"):
+            return [f"--rollout-engine {self.rollout_engine!r}: choose hf or vllm"]
+        if self.vllm_url and not self.vllm:
+            return [f"--vllm-url {self.vllm_url} has no effect with --rollout-engine hf: give --rollout-engine vllm "
+                    "to sample with that server, or drop --vllm-url"]
+        return []

@@ -29,40 +29,15 @@ import tempfile
 import time
 import urllib.error
 import urllib.request
-from dataclasses import dataclass
 from pathlib import Path
 
-from opd.cli import Section, UserError, resumable
+import torch
+
+from opd.cli import UserError
 
 ROOT = Path(__file__).resolve().parents[2]
 DEFAULT_VENV = ROOT / ".venv-vllm"  # or $BAS_OPD_VLLM_VENV (e.g. a venv kept outside CI's fresh clone)
 INSTALL = "scripts/install_vllm.sh"
-
-
-@dataclass
-class EngineConfig(Section):
-    """Who samples the rollouts."""
-
-    rollout_engine: str = "hf"
-    """Who samples the rollouts: hf (Hugging Face generate, the default and the reference) or vllm (a vLLM server in
-    its own venv, scripts/install_vllm.sh; the policy's weights pushed to it before each step's generation;
-    opd/engine/vllm_server.py). With vllm the token entropy is unavailable: Eq. 5's entropy feature is 0 and
-    Entropy-25 ranks by the mean sampled-token NLL (the paper's fallback)."""
-    vllm_url: str | None = resumable(None)
-    """A vLLM server already running (http://127.0.0.1:PORT, started with opd.engine.vllm_server.server_command's
-    flags) for --rollout-engine vllm; none: the run starts its own on rank 0 and stops it at the end."""
-
-    @property
-    def vllm(self) -> bool:
-        return self.rollout_engine == "vllm"
-
-    def check(self) -> list[str]:
-        if self.rollout_engine not in ("hf", "vllm"):
-            return [f"--rollout-engine {self.rollout_engine!r}: choose hf or vllm"]
-        if self.vllm_url and not self.vllm:
-            return [f"--vllm-url {self.vllm_url} has no effect with --rollout-engine hf: give --rollout-engine vllm "
-                    "to sample with that server, or drop --vllm-url"]
-        return []
 
 
 MARKER = ".opd-vllm-complete"  # written by scripts/install_vllm.sh once the venv imports
@@ -120,8 +95,6 @@ def unservable(model_dir: str | Path) -> str | None:
     """Why vLLM cannot serve the Qwen3.5 checkpoint in `model_dir` (read from its config.json), or None: its M-RoPE
     sections must add up to half the rotary dimension (vLLM asserts sum(mrope_section) == rotary_dim // 2, with
     rotary_dim = head_dim x partial_rotary_factor), and on a CPU its head sizes must be ones the backend has."""
-    import torch  # torch-free module: EngineConfig is a train.py setting (opd.config)
-
     path = Path(model_dir) / "config.json"
     if not path.is_file():
         return None  # a hub id: vLLM reads it itself
@@ -399,8 +372,6 @@ class VLLMServer:
         GPU on both sides (NCCL has no CPU transport), so this CPU-tested client keeps the disk path; the
         cache resets are needed either way.
         """
-        import torch  # torch-free module: EngineConfig is a train.py setting (opd.config)
-
         t0 = time.perf_counter()
         if isinstance(model_or_dir, (str, Path)):
             path = Path(model_or_dir).resolve()

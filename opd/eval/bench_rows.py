@@ -18,7 +18,7 @@ from pathlib import Path
 from typing import Iterator
 
 from opd.answers.options import clean_question, split_options
-from opd.data.sources import jsonl_lines  # the training reader's decoding (UTF-8, a byte-order mark allowed)
+from opd.storage import jsonl_lines  # the training reader's decoding (UTF-8, a byte-order mark allowed)
 from opd.eval.bench_items import BenchItem, BenchmarkDataError, ImageRef
 
 

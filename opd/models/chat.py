@@ -11,12 +11,9 @@ them are the last T + 1 positions minus one.
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import TYPE_CHECKING
 
+import torch
 from PIL import Image
-
-if TYPE_CHECKING:
-    import torch
 
 IMAGE_MARK = "<image>"
 
@@ -62,8 +59,6 @@ def encode_prompt(
     processor, images: list[Image.Image], problem: str, enable_thinking: bool = False, max_len: int | None = None
 ) -> EncodedPrompt:
     """Encodes one prompt with the model's own processor; refuses prompts over `max_len` tokens."""
-    import torch  # torch-free module: train.py --help imports it (via the method table, opd.data.records)
-
     text = prompt_text(processor, problem, len(images), enable_thinking)
     enc = processor(text=[text], images=images or None, return_tensors="pt")
     ids = enc["input_ids"][0]
@@ -108,8 +103,6 @@ def collate(
     response), and pixel_values / image_grid_thw concatenated in row order. Response positions after
     EOS get attention 0; they come after every valid position, so no valid position attends to them.
     """
-    import torch  # torch-free module: train.py --help imports it (via the method table, opd.data.records)
-
     width = max(len(p) for p in prompts)
     n = len(prompts)
     ids = torch.full((n, width), pad_id, dtype=torch.long)  # (n, P)
@@ -149,8 +142,6 @@ def completion_inputs(
 ) -> tuple[dict[str, torch.Tensor], torch.Tensor, torch.Tensor, int]:
     """Model inputs for prompts each followed by its own completion ids (1-D), right-padded to the longest:
     (inputs, mask (n, T), completion ids (n, T), T). The completions of DAPD's reference and OPOD's answer."""
-    import torch  # torch-free module: train.py --help imports it (via the method table, opd.data.records)
-
     width = max(1, max(len(c) for c in completions))
     ids = torch.full((len(completions), width), pad_id, dtype=torch.long)  # (n, T)
     mask = torch.zeros((len(completions), width), dtype=torch.bool)  # (n, T)

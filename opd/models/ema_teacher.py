@@ -18,19 +18,10 @@ from __future__ import annotations
 import contextlib
 import copy
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING
+
+import torch
 
 from opd.models.chat import response_hidden, response_logits
-
-if TYPE_CHECKING:
-    import torch
-
-
-def _no_grad():
-    """`torch.no_grad()`, torch imported when a teacher computes."""
-    import torch  # torch-free module: train.py --help imports it (via the method table's objectives)
-
-    return torch.no_grad()
 
 
 class Teacher:
@@ -75,13 +66,13 @@ class Teacher:
     def logits(self, inputs: dict[str, torch.Tensor], n_response: int) -> torch.Tensor:
         """Eq. 2 of the paper: p^T_{i,t} = p_theta-bar(. | x~_i, q_i, y_{i,<t}) as detached logits (n, T, V)."""
         self._record(inputs)
-        with _no_grad():
+        with torch.no_grad():
             return response_logits(self.model, inputs, n_response).detach()
 
     def hidden(self, inputs: dict[str, torch.Tensor], n_response: int) -> torch.Tensor:
         """Eq. 2 as final hidden states (n, T, H): logits = hidden @ lm_head_weight(model)^T."""
         self._record(inputs)
-        with _no_grad():
+        with torch.no_grad():
             return response_hidden(self.model, inputs, n_response).detach()
 
 
@@ -93,7 +84,7 @@ def update_due(every: int, step: int) -> bool:
 def ema_(pairs, tau: float) -> None:
     """Algorithm 1, line 13 on (teacher tensor, student tensor) pairs, in place: theta-bar <- (1 - tau) theta-bar +
     tau theta (`lerp_`, the student cast to the teacher's dtype); tau = 1 copies (DAPD's snapshot refresh)."""
-    with _no_grad():
+    with torch.no_grad():
         for t, s in pairs:
             if tau == 1.0:
                 t.copy_(s.detach())
@@ -120,7 +111,7 @@ class EMATeacher(Teacher):
     def copy_from(self, student: torch.nn.Module) -> None:
         """Algorithm 1, line 1 for a teacher built separately: theta-bar <- theta, shard by shard (`pairs`: a sharded
         teacher's `opd.models.sharding.local_pairs`)."""
-        with _no_grad():
+        with torch.no_grad():
             for t, s in (self.pairs or parameter_pairs)(self.model, student):
                 t.copy_(s)
             for t, s in zip(self.model.buffers(), student.buffers(), strict=True):
@@ -129,7 +120,7 @@ class EMATeacher(Teacher):
     def update(self, student: torch.nn.Module, tau: float) -> None:
         """Algorithm 1, line 13: theta-bar <- (1 - tau) theta-bar + tau theta (parameters; buffers copied).
         Sharded models: on each rank's local shards (`pairs`). tau = 1 copies the student (DAPD's snapshot refresh)."""
-        with _no_grad():
+        with torch.no_grad():
             ema_((self.pairs or parameter_pairs)(self.model, student), tau)
             for t, s in zip(self.model.buffers(), student.buffers(), strict=True):
                 t.copy_(s)
