@@ -1,4 +1,4 @@
-"""BAS-OPD training: the command line of Algorithm 1's loop (opd/loop/run.py) on accelerate (DDP, or FSDP2 with --fsdp).
+"""BAS-OPD training: the command line of Algorithm 1's loop (opd/run.py) on accelerate (DDP, or FSDP2 with --fsdp).
 
     python train.py --policy learned --rho 0.25                       # the toy world (the default), one process, ~2 min
     accelerate launch train.py --preset paper-4b --data train.jsonl   # Qwen3.5-4B, the paper's settings
@@ -7,7 +7,7 @@
     python train.py --method opsd --print-config > opsd.yaml          # the merged settings, as a config file
 
 Parse (the flags, a --config file under them), build the settings (the preset, the method's paper settings and
-published recipe, the file, the flags; or a resumed run's own: `opd.config`), run (`opd.loop.run.Run`), report (the
+published recipe, the file, the flags; or a resumed run's own: `opd.config`), run (`opd.run.Run`), report (the
 cost summary, printed and written to summary.md). Every flag is a field of a component's section
 (`opd.config.SECTIONS`), documented where the component lives.
 """
@@ -49,7 +49,7 @@ def main(argv: list[str] | None = None) -> dict:
         return cfg.flags()
     from transformers.utils import logging as hf_logging
 
-    from opd.loop.run import Run, end_processes
+    from opd.run import Run, end_processes
 
     hf_logging.disable_progress_bar()  # weight loading/saving bars would break the training bar
     summary = Run(cfg).train()

@@ -11,7 +11,7 @@ of --methods' teacher methods (gkd, tm-opd). A tiny dataset: --prompts x --steps
 Then, per method, `train.py --preset paper-4b --lora-r 64 --dtype bfloat16` (bf16 autocast, activation
 checkpointing, micro-batch 4, learned policy at rho 0.25 for bas-opd; gkd queries every row) with the batch reduced
 to --prompts x --rollouts and --response-len new tokens, for --steps steps, in a fresh process: train.py's `main`,
-so `opd.loop.run.Run` end to end (load, generation, selection, teacher, chunked loss, backward, AdamW, EMA, the selector,
+so `opd.run.Run` end to end (load, generation, selection, teacher, chunked loss, backward, AdamW, EMA, the selector,
 the adapter checkpoint and the summary). It prints each ledger phase's seconds per step, the load and wall time,
 and the peak resident set: the process's VmHWM, reset at every phase boundary so each phase (and, inside the
 objective, the teacher forward, the student forward, the chunked loss and the backward) has its own peak, the run's
@@ -230,12 +230,12 @@ def instrument(windows: Windows, runs: list) -> None:
     import opd.models.ema_teacher
     import opd.models.adapter_teacher
     import opd.loop.step
-    import opd.loop.run
+    import opd.run
     import opd.methods.lockstep
 
-    init = opd.loop.run.Run.__init__
-    opd.loop.run.Run.__init__ = lambda self, *args, **kw: runs.append(self) or init(self, *args, **kw)
-    windows.wrap(opd.loop.run.Run, "__init__", "load")
+    init = opd.run.Run.__init__
+    opd.run.Run.__init__ = lambda self, *args, **kw: runs.append(self) or init(self, *args, **kw)
+    windows.wrap(opd.run.Run, "__init__", "load")
     timer_call = opd.loop.step.PhaseTimer.__call__
 
     @contextmanager
@@ -252,7 +252,7 @@ def instrument(windows: Windows, runs: list) -> None:
     windows.wrap(opd.methods.micro_batch, "response_logits", "objective: student forward")
     windows.wrap(opd.methods.micro_batch, "budgeted_loss_from_hidden", "objective: chunked loss")
     windows.wrap(opd.methods.lockstep.MicroBatch, "backward", "objective: backward")
-    windows.wrap(opd.loop.run.Run, "step", "step (outside phases)")
+    windows.wrap(opd.run.Run, "step", "step (outside phases)")
 
 
 def train_case(argv: list[str], out: str) -> dict:
@@ -264,7 +264,7 @@ def train_case(argv: list[str], out: str) -> dict:
     import torch  # noqa: F401
     import transformers  # noqa: F401
 
-    import opd.loop.run  # noqa: F401
+    import opd.run  # noqa: F401
     import train
     from opd.loop.ledger import read_ledger
     from opd.models.lora import _tuner_layers

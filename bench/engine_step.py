@@ -2,7 +2,7 @@
 
 Builds a mid-size random-weight Qwen3.5 that vLLM's CPU backend can load (opd.tiny.build_tiny_vllm_model: hidden
 512, 8 layers, vision depth 4, attention head_dim 32, linear-attention head dims 64; 384-pixel images), then runs
-`opd.loop.run.Run` for a few steps with `--rollout-engine hf` and with `--rollout-engine vllm` (one server for the run,
+`opd.run.Run` for a few steps with `--rollout-engine hf` and with `--rollout-engine vllm` (one server for the run,
 started once, weights pushed before each step's generation), the same settings otherwise (the tiny preset's 4
 prompts x 8 rollouts, --max-response-len tokens, learned policy, rho 0.25), and reports the mean seconds of each
 ledger phase over the steps after the first (a warm-up; with --steps 1 that one step, flagged) and generation's
@@ -28,7 +28,7 @@ PHASES = ("generation", "teacher_forward", "student", "optimizer", "select", "se
 
 def run_engine(engine: str, model: Path, data: Path, steps: int, response: int, url: str | None) -> dict:
     import opd.config
-    import opd.loop.run
+    import opd.run
     from opd.loop.ledger import read_ledger
 
     out = Path(tempfile.mkdtemp(prefix=f"engine-{engine}-"))
@@ -37,7 +37,7 @@ def run_engine(engine: str, model: Path, data: Path, steps: int, response: int, 
                                    "max_response_len": response, "out": str(out), "save_every": 0, "report_to": "none",
                                    "rollout_engine": engine, "vllm_url": url, "max_prompt_len": 2048})  # fmt: skip
         t0 = time.perf_counter()
-        opd.loop.run.Run(cfg).train()
+        opd.run.Run(cfg).train()
         wall = time.perf_counter() - t0
         ledger = read_ledger(out / "ledger.jsonl")
     finally:
@@ -75,7 +75,7 @@ def main(argv=None) -> dict:
         p.error(f"--steps {a.steps}: must be at least 1")
     import torch
 
-    device = "cuda" if torch.cuda.is_available() else "cpu"  # where opd.loop.run.Run trains (accelerate's device)
+    device = "cuda" if torch.cuda.is_available() else "cpu"  # where opd.run.Run trains (accelerate's device)
     if device == "cpu":
         set_threads(a.threads)
     info = start(0, device, a.threads if device == "cpu" else 0)

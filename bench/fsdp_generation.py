@@ -3,7 +3,7 @@
 `--fsdp-generation gathered` all-gathers every FSDP group of the policy before `generate` and frees them
 after (one all-gather per group per call; a full copy of the weights held meanwhile); `layerwise` lets
 every forward gather and free layer by layer (one all-gather per group per generated token; HF's
-`synced_gpus` keeps finished ranks stepping). For each mode and model kind this runs `opd.loop.run.Run.step`
+`synced_gpus` keeps finished ranks stepping). For each mode and model kind this runs `opd.run.Run.step`
 with real generation (the tiny preset's batch: 4 prompts x 8 rollouts, 16-token responses, learned
 policy, rho 0.25) under `torchrun --nproc_per_node 2` on the CPU (gloo), each case in a fresh pair of
 processes, and reports per mode the mean step and generation seconds over the steps after the first (a
@@ -64,7 +64,7 @@ def measure(model: str, mode: str, steps: int, out_dir: str, quick: bool = False
     import torch
 
     from opd.config import PRESETS, TrainConfig
-    from opd.loop.run import Run
+    from opd.run import Run
     from opd.engine.rollout import generate_rollouts
     from opd.seeding import mix_seed
     from opd.models.sharding import generation

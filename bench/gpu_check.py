@@ -4,7 +4,7 @@ Builds a random-weight Qwen3.5 with Qwen3.5-4B's exact configuration (bench/conf
 its special-token ids remapped to the built-in character tokenizer, the vocabulary kept at 248,320, so
 the LM head, the loss and the sampling cost what they cost on the real model) and writes it once in
 bfloat16; the run loads it in float32 as training does. Then, for each strategy (DDP, then FSDP2 over
-a one-GPU process group), a `opd.loop.run.Run` with `--preset paper-4b`'s settings (bf16 autocast, float32
+a one-GPU process group), a `opd.run.Run` with `--preset paper-4b`'s settings (bf16 autocast, float32
 weights, --grad-checkpointing, --micro-batch 4, learned policy, rho 0.25) except the batch, reduced to
 fit a few minutes: --prompts (4 instead of 28) x 8 rollouts, --response-len (256 instead of 1,024)
 new tokens, --image-size (448 x 448 images). Each strategy runs one step on fixed rollouts
@@ -187,7 +187,7 @@ def run_strategy(strategy: str, model_dir: Path, data: Path, a, out: Path) -> di
     import torch
 
     import opd.config
-    import opd.loop.run
+    import opd.run
     import opd.engine.rollout
     from opd.models.sharding import full_state_dict
     from opd.engine.synthetic import fixed_rollouts
@@ -201,7 +201,7 @@ def run_strategy(strategy: str, model_dir: Path, data: Path, a, out: Path) -> di
                 "steps": a.steps + 1, "replay_start": 8, "replay_batch": 32, "save_every": 0, "policy": "learned",
                 "rho": 0.25, "mixed_precision": a.mixed_precision, "fsdp": strategy == "fsdp"}  # fmt: skip
     t0 = time.perf_counter()
-    run = opd.loop.run.Run(opd.config.TrainConfig(**settings))
+    run = opd.run.Run(opd.config.TrainConfig(**settings))
     load_s = time.perf_counter() - t0
     flops = TeacherFlops(run)
     selected, select = [], run.selector.select

@@ -1,6 +1,6 @@
 """Where a training step's time goes (issue 5, benchmark 3): the ledger's per-phase seconds.
 
-Runs `opd.loop.run.Run.step` with real rollout generation for a few steps on the tiny default (`--preset
+Runs `opd.run.Run.step` with real rollout generation for a few steps on the tiny default (`--preset
 tiny`: 4 prompts x 8 rollouts, 16-token responses, learned policy, rho 0.25) and on a mid-size
 random-weight Qwen3.5 (hidden 512, 8 layers, vision depth 4, 384-pixel images; same preset
 otherwise), each in a fresh process, and reports the mean seconds and share of step time of each
@@ -68,7 +68,7 @@ def measure(
     import torch
 
     from opd.config import PRESETS, TrainConfig
-    from opd.loop.run import Run
+    from opd.run import Run
 
     if mixed_precision == "auto":
         mixed_precision = "bf16" if torch.cuda.is_available() else "no"

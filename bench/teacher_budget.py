@@ -1,6 +1,6 @@
 """Teacher cost against the query budget (issue 5, benchmark 2).
 
-One training step (`opd.loop.run.Run.step`) on the same fixed rollouts (response lengths uniform in
+One training step (`opd.run.Run.step`) on the same fixed rollouts (response lengths uniform in
 [--min-len, --max-len]) with the random policy at each rho, read from the ledger row: teacher-forward
 seconds, selected rows, scored tokens (valid response tokens of S), teacher tokens (prompt + response,
 real) and teacher padded tokens (the teacher's input batches). Each rho is stepped --repeats times,
@@ -73,7 +73,7 @@ def measure(model: str, rhos: list[float], prompts_per_step: int, rollouts_per_p
     import torch
 
     from opd.config import PRESETS, TrainConfig
-    from opd.loop.run import Run
+    from opd.run import Run
 
     if mixed_precision == "auto":
         mixed_precision = "bf16" if torch.cuda.is_available() else "no"

@@ -13,7 +13,7 @@
 2. Each base's privileged-minus-plain gap: greedy accuracy on the held-out items in every view its
    methods use, built as training builds them (`harness.family.view_accuracy`).
 3. For each method, Full querying (the method as published), Random-25 and Learned-25 (BAS-OPD's
-   budget on top), over `--seeds` seeds, through `opd.loop.run.Run` with the method's paper settings; each run is
+   budget on top), over `--seeds` seeds, through `opd.run.Run` with the method's paper settings; each run is
    scored by eval.py on the held-out benchmark in the student's view at the original resolution (the
    full canvas) and, for the crop methods, on the crops (the teacher's pathway); OPSD's and DAPD's trained
    students also with the hint (the privilege illusion), RP-OPSD's at half resolution, OPOD's per route. Extra
@@ -224,7 +224,7 @@ def trust_region_profile(root: Path, cfg: FamilyConfig, prompts: int = 16) -> di
     from opd.config import TrainConfig
     from opd.methods.objective import micro_batch_inputs
     from opd.models.chat import lm_head_weight
-    from opd.loop.run import Run
+    from opd.run import Run
     from opd.engine.rollout import generate_rollouts
     from opd.seeding import mix_seed
     from opd.maths.weights import trust_region

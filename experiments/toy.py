@@ -8,7 +8,7 @@
    layout (read as `zoombench`, crops included).
 2. The base (`opd.toy.sft`): a tiny Qwen3.5 trained by teacher forcing on the crops only, so it reads the
    crop well and the full image poorly. eval.py measures both views (the regional-to-global gap).
-3. OPD runs through `opd.loop.run.Run` on the same base: Full, Random-25, Entropy-25, Learned-25 and
+3. OPD runs through `opd.run.Run` on the same base: Full, Random-25, Entropy-25, Learned-25 and
    Learned-10/50, over `--seeds` seeds (Learned-100 is Full querying: identical selection, reused).
    Each run is evaluated by eval.py on the held-out benchmark (full view and, as a check of the
    teacher's pathway, crop view). Learned-25 runs also get the Figure 3 audit (`harness.audit`) at the

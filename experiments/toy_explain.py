@@ -11,7 +11,7 @@ here. Answer: C").
 1. The world (`export_world`) and the base (`opd.toy.sft.train_base(task=EXPLAIN)`): a tiny Qwen3.5 taught
    the explained answers on crops only; eval.py (its answer parser reads the final answer) measures the
    full-image and crop views, and OUT/base_samples.json holds 8 sampled rollouts of a few prompts.
-2. OPD runs through `opd.loop.run.Run`: Full, Random-25, Entropy-25, Learned-10/25/50 (Table 3), and Learned-25
+2. OPD runs through `opd.run.Run`: Full, Random-25, Entropy-25, Learned-10/25/50 (Table 3), and Learned-25
    without overlap, confidence, ranking loss or exploration (Table 4, train.py's --no-* switches), each
    over `--seeds` seeds, each scored by eval.py in both views. Every run writes trace.jsonl: per step the
    candidates, S, every rollout's length and entropy, and the utility labels of S (`harness.experiment.Trace`).

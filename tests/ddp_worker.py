@@ -18,7 +18,7 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from opd.config import TrainConfig
-from opd.loop.run import Run
+from opd.run import Run
 from opd.methods.table import METHODS  # noqa: E402
 from opd.engine.synthetic import fixed_rollouts  # noqa: E402
 

@@ -33,7 +33,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from opd.models.chat import collate  # noqa: E402
 from opd.config import TrainConfig
-from opd.loop.run import Run
+from opd.run import Run
 from opd.methods.table import METHODS  # noqa: E402
 from opd.models.loading import load_model  # noqa: E402
 from opd.engine.rollout import generate_rollouts  # noqa: E402

@@ -16,7 +16,7 @@ from opd.maths.chunked import (
 )
 from opd.maths.divergence import generalized_jsd, topk_support, utility_terms
 from opd.maths.family import clamped_forward_kl, topk_divergence
-from opd.loop.run import Run
+from opd.run import Run
 from opd.methods.lockstep import Stopwatch, plan_micro_batches
 from opd.engine.synthetic import fixed_rollouts
 from opd.maths.weights import TokenWeight, importance_ratio, teacher_gate, token_weight

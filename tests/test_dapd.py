@@ -11,7 +11,7 @@ from opd.models.chat import encode_prompt
 from opd.methods.dapd import PAIRS, student_groups
 from opd.data.records import full_image
 from opd.loop.ledger import read_ledger
-from opd.loop.run import Run
+from opd.run import Run
 from opd.engine.rollout import Rollouts
 from opd.engine.synthetic import fixed_rollouts
 from opd.data.family_views import reference_prompt

@@ -15,7 +15,7 @@ from pathlib import Path
 import pytest
 from tracker_readers import mlflow_history
 
-import opd.loop.run
+import opd.run
 import train
 from opd.cli import UserError
 from opd.eval.config import run_evaluations
@@ -142,7 +142,7 @@ def test_ctrl_c_before_the_first_checkpoint_says_plainly_nothing_can_be_resumed(
     """The README's first run checkpoints only at its end: Ctrl-C before it offered --resume, which then failed.
     What it prints, and what the same command then says, are run as printed."""
     out = tmp_path / "run"
-    real = opd.loop.run.Run.step
+    real = opd.run.Run.step
 
     def interrupted(self, step, rollouts=None):
         if step == 1:
@@ -150,7 +150,7 @@ def test_ctrl_c_before_the_first_checkpoint_says_plainly_nothing_can_be_resumed(
         return real(self, step, rollouts)
 
     with monkeypatch.context() as m:
-        m.setattr(opd.loop.run.Run, "step", interrupted)
+        m.setattr(opd.run.Run, "step", interrupted)
         with pytest.raises(KeyboardInterrupt, match="at step 1, before its first checkpoint .*nothing can be resumed; "
                            "the same command with --overwrite starts over"):  # fmt: skip
             train.main([*TINY, "--steps", "3", "--save-every", "0", "--out", str(out)])
@@ -249,11 +249,11 @@ def test_the_rank_whose_peer_failed_says_one_line(tmp_path, tiny):
     ('Connection closed by peer'); now one line."""
     worker = tmp_path / "worker.py"
     worker.write_text("\n".join([
-        "import sys", "sys.path.insert(0, sys.argv.pop(1))", "import opd.loop.run, train",
-        "from opd.cli import UserError, run_cli", "real = opd.loop.run.Run.step",
+        "import sys", "sys.path.insert(0, sys.argv.pop(1))", "import opd.run, train",
+        "from opd.cli import UserError, run_cli", "real = opd.run.Run.step",
         "def step(self, step, rollouts=None):", "    if step == 1 and self.acc.process_index == 1:",
         "        raise UserError('a prompt of its own shard (test)', local=True)", "    return real(self, step, rollouts)",
-        "opd.loop.run.Run.step = step", "run_cli(train.main, sys.argv[1:], 'train.py')", "",
+        "opd.run.Run.step = step", "run_cli(train.main, sys.argv[1:], 'train.py')", "",
     ]))  # fmt: skip
     cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", "2", str(worker),
            str(ROOT), *TINY, "--steps", "3", "--out", str(tmp_path / "two")]  # fmt: skip
@@ -300,9 +300,9 @@ def test_a_sigkill_while_overwrite_starts_loses_nothing(tmp_path, tiny):
     before = _files(out)
     worker = tmp_path / "worker.py"
     worker.write_text("\n".join([
-        "import sys, time", "sys.path.insert(0, sys.argv.pop(1))", "import opd.loop.run, train",
+        "import sys, time", "sys.path.insert(0, sys.argv.pop(1))", "import opd.run, train",
         "def stalled(*args, **kwargs):", "    print('aside', flush=True)", "    time.sleep(600)",
-        "opd.loop.run.Trackers = stalled", "train.main(sys.argv[1:])", "",
+        "opd.run.Trackers = stalled", "train.main(sys.argv[1:])", "",
     ]))  # fmt: skip
     proc = subprocess.Popen([sys.executable, str(worker), str(ROOT), *TINY, "--steps", "2", "--out", str(out),
                              "--overwrite"], stdout=subprocess.PIPE, text=True)  # fmt: skip

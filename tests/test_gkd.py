@@ -14,7 +14,7 @@ import train
 from opd.maths.chunked import budgeted_loss_from_hidden, topk_divergence_from_logits
 from opd.maths.family import topk_divergence
 from opd.loop.ledger import read_ledger
-from opd.loop.run import Run
+from opd.run import Run
 from opd.methods.table import get_method
 from opd.engine.synthetic import fixed_rollouts
 from opd.tiny import build_tiny_model

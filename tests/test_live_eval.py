@@ -12,7 +12,7 @@ from bench_fixtures import write_all_fixtures
 import eval as eval_py
 import opd.cli
 import opd.config
-import opd.loop.run
+import opd.run
 import train
 from opd.cli import UserError
 from opd.loop.ledger import read_ledger
@@ -33,7 +33,7 @@ def test_eval_rows_are_logged_and_equal_eval_py_on_the_checkpoint(tmp_path, tiny
     out = tmp_path / "run"
     flags = ["--steps", "2", "--save-every", "2", "--keep-checkpoints", "2", "--eval-every", "2", "--eval-data", str(bench), "--eval-benchmarks",
              "pope,zoombench", "--eval-limit", "20", "--eval-views", "full,crop", "--eval-max-new-tokens", "6"]  # fmt: skip
-    run = opd.loop.run.Run(opd.config.TrainConfig(**{**opd.config.PRESETS["tiny"], **opd.cli.given_flags(opd.config.TrainConfig, opd.config.PRESETS,
+    run = opd.run.Run(opd.config.TrainConfig(**{**opd.config.PRESETS["tiny"], **opd.cli.given_flags(opd.config.TrainConfig, opd.config.PRESETS,
                                                                                       flags + ["--out", str(out)])}))  # fmt: skip
     run.train()
     at_step_2 = dict(run.live.replies)

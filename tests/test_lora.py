@@ -14,7 +14,7 @@ import torch
 from bench_fixtures import write_vstar_fixture
 from test_training import small_config
 
-import opd.loop.run
+import opd.run
 import train
 from opd.models.chat import collate, encode_prompt
 from opd.maths.chunked import budgeted_loss_from_hidden
@@ -46,7 +46,7 @@ def storages(*models) -> dict[int, int]:
 def test_a_lora_runs_teachers_share_the_students_base(tmp_path, tiny):
     """One copy of the base in memory: the EMA teacher is an adapter of the policy itself; AdamW holds the student's
     adapter alone; the teacher's adapter starts as the student's copy and moves only by the EMA."""
-    run = opd.loop.run.Run(small_config(tmp_path, lora_r=4, policy="full", rho=1.0))
+    run = opd.run.Run(small_config(tmp_path, lora_r=4, policy="full", rho=1.0))
     assert isinstance(run.teacher, AdapterTeacher) and run.teacher.model is run.model and run.teacher.adapter == "teacher"
     plain = load_model(str(tiny[0]))
     base = sum(p.numel() for p in plain.parameters())
@@ -274,13 +274,13 @@ def test_each_aggregation_against_an_explicit_loop():
 
 
 def test_a_sequence_mean_training_step_is_the_mean_of_each_rows_token_mean(tmp_path, tiny):
-    """--loss-agg sequence-mean through opd.loop.run.Run (float64): the step's loss is (1 / |S|) sum_i mean_t D_it from full
+    """--loss-agg sequence-mean through opd.run.Run (float64): the step's loss is (1 / |S|) sum_i mean_t D_it from full
     logits (a different number from the token mean, since the rows differ in length)."""
     from float64 import float64_model
     from test_training import divergence_before_update, perturb
 
     float64_model()
-    run = opd.loop.run.Run(small_config(tmp_path, policy="full", rho=1.0, loss_agg="sequence-mean", dtype="float64", lr=0.0))
+    run = opd.run.Run(small_config(tmp_path, policy="full", rho=1.0, loss_agg="sequence-mean", dtype="float64", lr=0.0))
     perturb(run.teacher.model)
     rollouts = fixed_rollouts(run, 0)
     records = run.prompts.of_step(0)

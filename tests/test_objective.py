@@ -1,5 +1,5 @@
 """The objective seam (opd/methods/objective.py): an objective runs with an ObjectiveContext alone, built here by hand from a
-model, a teacher and an encoder, with no opd.loop.run.Run; its result is Eq. 11 written out on full logits."""
+model, a teacher and an encoder, with no opd.run.Run; its result is Eq. 11 written out on full logits."""
 
 from contextlib import nullcontext
 

@@ -9,7 +9,7 @@ from test_teachers import route_file, routed_data, teacher_models  # noqa: F401 
 from test_training import TIMING, params_of, small_config
 
 from opd.loop.ledger import read_ledger
-from opd.loop.run import Run
+from opd.run import Run
 from opd.methods.table import METHODS
 from opd.engine.synthetic import fixed_rollouts
 

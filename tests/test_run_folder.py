@@ -13,7 +13,7 @@ import pytest
 import torch
 from test_training import small_config
 
-import opd.loop.run
+import opd.run
 import opd.loop.folder
 import train
 from opd import run_folder as runlock
@@ -105,7 +105,7 @@ def test_overwrite_deletes_nothing_until_every_input_is_built(tmp_path, tiny, ot
         raise RuntimeError("wandb: not logged in")
 
     with monkeypatch.context() as m:
-        m.setattr(opd.loop.run, "Trackers", failing)
+        m.setattr(opd.run, "Trackers", failing)
         with pytest.raises(RuntimeError, match="not logged in"):
             train.main(["--preset", "tiny", "--steps", "3", "--out", str(out), "--overwrite"])
     assert snapshot(out) == before and not (out / opd.loop.folder.OVERWRITTEN).exists()
@@ -271,12 +271,12 @@ def test_every_prompt_is_checked_before_step_0(tmp_path, tiny):
     rows = tiny_rows(tiny)
     long = write_rows(tmp_path / "long.jsonl", rows[:20] + [rows[20] | {"problem": "word " * 600}] + rows[21:])
     with pytest.raises(UserError, match=r"long.jsonl:21: its 'full' prompt has \d+ tokens, over --max-prompt-len 512"):
-        opd.loop.run.Run(small_config(tmp_path, data=str(long)))
+        opd.run.Run(small_config(tmp_path, data=str(long)))
     assert not (tmp_path / "run" / "ledger.jsonl").exists()
     ref = write_rows(tmp_path / "ref.jsonl", rows[:7] + [rows[7] | {"solution": "step " * 600}] + rows[8:])
-    opd.loop.run.Run(small_config(tmp_path, data=str(ref), out=str(tmp_path / "bas")))  # bas-opd's views do not show it
+    opd.run.Run(small_config(tmp_path, data=str(ref), out=str(tmp_path / "bas")))  # bas-opd's views do not show it
     with pytest.raises(UserError, match=r"ref.jsonl:8: its 'reference_answer' prompt has \d+ tokens"):
-        opd.loop.run.Run(small_config(tmp_path, data=str(ref), method="opsd", out=str(tmp_path / "opsd")))
+        opd.run.Run(small_config(tmp_path, data=str(ref), method="opsd", out=str(tmp_path / "opsd")))
 
 
 @pytest.mark.parametrize("view", sorted(VIEWS))
@@ -344,7 +344,7 @@ def test_model_accepts_a_train_py_run_folder_as_eval_py_does(tmp_path, tiny):
     --teacher-model take it."""
     first = tmp_path / "first"
     train.main(["--preset", "tiny", "--steps", "1", "--out", str(first)])
-    run = opd.loop.run.Run(small_config(tmp_path, model=str(first)))
+    run = opd.run.Run(small_config(tmp_path, model=str(first)))
     ckpt = first / (first / "latest").read_text().strip()
     assert run.initial_model == str(ckpt / "policy")
     exported = load_processor(str(ckpt / "policy"))

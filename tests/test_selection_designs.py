@@ -9,7 +9,7 @@ import torch
 from test_training import small_config
 
 import opd.cli
-import opd.loop.run
+import opd.run
 import train
 from opd.config import TrainConfig
 from opd.maths.family import aggregation_weights, loss_denominator
@@ -297,7 +297,7 @@ def test_one_training_step_takes_the_horvitz_thompson_form(tmp_path, tiny, strat
     from test_training import divergence_before_update, perturb
 
     float64_model()
-    run = opd.loop.run.Run(small_config(tmp_path, policy="entropy", unbiased=True, estimator="ht", strata=strata, rho=0.5,
+    run = opd.run.Run(small_config(tmp_path, policy="entropy", unbiased=True, estimator="ht", strata=strata, rho=0.5,
                                     dtype="float64"))  # fmt: skip
     perturb(run.teacher.model)
     rollouts = fixed_rollouts(run, 0)
@@ -335,7 +335,7 @@ def test_the_audit_takes_the_horvitz_thompson_form(tmp_path, tiny):
     from harness import audit
 
     float64_model()
-    run = opd.loop.run.Run(small_config(tmp_path, policy="entropy", rho=0.5, dtype="float64"))
+    run = opd.run.Run(small_config(tmp_path, policy="entropy", rho=0.5, dtype="float64"))
     ctx = audit.AuditContext.of(run)
     records = run.prompts.of_step(0)
     ro = fixed_rollouts(run, 0)

@@ -14,7 +14,7 @@ from opd.cli import UserError
 from opd.data.sources import load_records
 from opd.data.routes import load_routes
 from opd.loop.ledger import read_ledger
-from opd.loop.run import Run
+from opd.run import Run
 from opd.engine.synthetic import fixed_rollouts
 from opd.tiny import build_tiny_model
 

@@ -17,7 +17,7 @@ from float64 import float64_model
 from opd.models.chat import micro_batch_inputs
 from opd.config import resolve
 from opd.models.chat import response_logits
-from opd.loop.run import Run
+from opd.run import Run
 from opd.engine.synthetic import fixed_rollouts
 from opd.tiny import build_tiny_model
 from opd.methods.tm_opd import discounted_future_sum, token_advantages

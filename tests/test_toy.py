@@ -141,7 +141,7 @@ def test_audit_on_a_run_leaves_it_unchanged_and_gradients_add_up(tiny, tmp_path,
     from float64 import F32_EPS
 
     from opd.config import TrainConfig
-    from opd.loop.run import Run
+    from opd.run import Run
 
     model, data = tiny
     cfg = TrainConfig(model=str(model), data=str(data), out=str(tmp_path / "run"), prompts_per_step=4,

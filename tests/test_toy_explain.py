@@ -249,7 +249,7 @@ def test_a_diagnosed_run_is_the_same_run_and_its_labels_match(letter_world, tmp_
     of the two groupings left them 3e-3 apart relative (the bound was 1e-3)."""
     from float64 import F32_EPS, assert_same_weights
 
-    from opd.loop.run import Run
+    from opd.run import Run
     from harness.diagnose import Diagnosed
 
     plain = Run(_config(letter_world, tmp_path / "plain", dtype="float64"))

@@ -14,7 +14,7 @@ import opd.maths.chunked
 import opd.methods.objective
 import opd.methods.micro_batch
 import opd.config
-import opd.loop.run
+import opd.run
 import opd.methods.table
 import opd.engine.rollout
 import opd.methods.lockstep
@@ -27,7 +27,7 @@ from opd.data.sources import load_records
 from opd.data.records import step_prompt_indices, student_view
 from opd.models.chat import response_logits
 from opd.loop.ledger import read_ledger
-from opd.loop.run import Run
+from opd.run import Run
 from opd.models.loading import load_model, load_processor, special_ids
 from opd.engine.rollout import generate_rollouts, response_mask
 from opd.engine.synthetic import fixed_rollouts
@@ -454,14 +454,14 @@ def test_a_new_run_refuses_a_folder_holding_a_run_and_overwrite_replaces_it(tmp_
 
 def test_ctrl_c_keeps_the_checkpoints_and_says_how_to_go_on(tmp_path, tiny, monkeypatch, capsys):
     out = tmp_path / "c"
-    step = opd.loop.run.Run.step
+    step = opd.run.Run.step
 
     def stopped_at_2(self, k):
         if k == 2:
             raise KeyboardInterrupt
         return step(self, k)
 
-    monkeypatch.setattr(opd.loop.run.Run, "step", stopped_at_2)
+    monkeypatch.setattr(opd.run.Run, "step", stopped_at_2)
     with pytest.raises(SystemExit) as stop:
         train.run_cli(train.main, ["--preset", "tiny", "--steps", "4", "--save-every", "1", "--out", str(out)], "train.py")
     assert stop.value.code == 130
@@ -473,7 +473,7 @@ def test_ctrl_c_keeps_the_checkpoints_and_says_how_to_go_on(tmp_path, tiny, monk
     with pytest.raises(UserError, match="no checkpoint in .*nothing can be resumed: start over with the same command "
                        "and --overwrite"):  # fmt: skip
         train.main(["--resume", str(tmp_path / "d")])
-    monkeypatch.setattr(opd.loop.run.Run, "step", step)
+    monkeypatch.setattr(opd.run.Run, "step", step)
     train.main(["--resume", str(out)])
     assert [r["step"] for r in read_ledger(out / "ledger.jsonl")] == [0, 1, 2, 3]
 

@@ -9,7 +9,7 @@ import torch
 from test_training import _run_worker, small_config
 
 import opd.cli
-import opd.loop.run
+import opd.run
 import train
 from opd.maths.family import budgeted_loss
 from opd.loop.ledger import read_ledger
@@ -232,7 +232,7 @@ def test_unbiased_training_weighs_each_selected_row_by_one_over_pi(tmp_path, tin
     from opd.models.chat import response_logits
 
     float64_model()
-    run = opd.loop.run.Run(small_config(tmp_path, policy="entropy", unbiased=True, rho=0.5, dtype="float64"))
+    run = opd.run.Run(small_config(tmp_path, policy="entropy", unbiased=True, rho=0.5, dtype="float64"))
     perturb(run.teacher.model)  # D far above rounding
     rollouts = fixed_rollouts(run, 0)
     records = run.prompts.of_step(0)
@@ -353,7 +353,7 @@ def test_the_audits_sample_and_aggregate_as_the_run_trains(tmp_path, tiny, monke
     from harness import audit
 
     float64_model()
-    run = opd.loop.run.Run(small_config(tmp_path, policy="entropy", rho=0.5, loss_agg="sequence-mean", dtype="float64",
+    run = opd.run.Run(small_config(tmp_path, policy="entropy", rho=0.5, loss_agg="sequence-mean", dtype="float64",
                                  sample_temperature=1.3, sample_top_k=5, sample_top_p=0.9, share_prefill=False))  # fmt: skip
     calls = []
     generate = audit.generate_rollouts

@@ -478,7 +478,7 @@ def test_engine_step_measures_one_step_and_leaves_no_folder(monkeypatch):
     steps, and each run's temporary output folder is removed once its ledger is read."""
     import json as json_
 
-    import opd.loop.run
+    import opd.run
     from bench import engine_step
 
     outs = []
@@ -492,7 +492,7 @@ def test_engine_step_measures_one_step_and_leaves_no_folder(monkeypatch):
             row = {f"{p}_s": 1.0 for p in engine_step.PHASES} | {"step_s": 8.0, "candidate_tokens": 32}
             (self.out / "ledger.jsonl").write_text(json_.dumps(row) + "\n")
 
-    monkeypatch.setattr(opd.loop.run, "Run", FakeRun)
+    monkeypatch.setattr(opd.run, "Run", FakeRun)
     result = engine_step.run_engine("hf", Path("model"), Path("data"), 1, 8, None)
     assert result["steps_measured"] == 1 and result["warmup_included"] and result["generation_share"] == 1.0 / 8.0
     assert len(outs) == 1 and not outs[0].exists()

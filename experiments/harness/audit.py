@@ -1,7 +1,7 @@
 """Selection diagnostics of the paper's Figures 3 and 4, for any run (the toy or a real model).
 
 The audits receive what they read of a run, not the run: an `AuditContext` (`AuditContext.of(run)` builds it from an
-`opd.loop.run.Run`) and, where they score or select, the run's selector. On held batches sampled as the run samples,
+`opd.run.Run`) and, where they score or select, the run's selector. On held batches sampled as the run samples,
 the teacher scores *every* candidate, so the true utility u_i (Eq. 9) of all of them is known:
 
 - Figure 3 (`audit_utility`): the utility the frozen selector's ranking captures (`capture_curve`, `pooled_capture`)
@@ -199,7 +199,7 @@ class AuditContext:
 
     @classmethod
     def of(cls, run) -> AuditContext:
-        """The context of an `opd.loop.run.Run`."""
+        """The context of an `opd.run.Run`."""
         cfg = run.cfg
         return cls(run.context, run.prompts, cfg.sampling, cfg.selection.rho, cfg.data.prompts_per_step,
                    not cfg.engine.vllm, cfg.model.fsdp and run.acc.num_processes > 1)  # fmt: skip

@@ -1,6 +1,6 @@
 """Step-by-step diagnostics of a toy OPD run (the collapse investigation, experiments/toy_collapse.py).
 
-`Diagnosed(run)` wraps an `opd.loop.run.Run` of the first toy task (one-letter answers) and trains it step by step
+`Diagnosed(run)` wraps an `opd.run.Run` of the first toy task (one-letter answers) and trains it step by step
 exactly as `run.step(step)` would (the same rollouts, selections and updates: a test checks the ledger against an
 undiagnosed run), while recording what the step's selection did: every candidate's utility u_i (Eq. 9, by
 `harness.audit.score_utility`, before the step), the teacher's and the student's option-letter probabilities, and
@@ -27,7 +27,7 @@ from opd.config import TrainConfig
 from opd.data.sources import load_records
 from opd.engine.rollout import generate_rollouts
 from opd.loop.ledger import write_atomic
-from opd.loop.run import Run
+from opd.run import Run
 from opd.models.chat import collate
 from opd.seeding import mix_seed
 from opd.selection.selectors import query_budget, rollout_features, top_subset

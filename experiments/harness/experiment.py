@@ -1,4 +1,4 @@
-"""Running a toy experiment: one OPD run (opd.loop.run.Run, audits, eval.py), the runs in parallel, the ledger
+"""Running a toy experiment: one OPD run (opd.run.Run, audits, eval.py), the runs in parallel, the ledger
 checks and reading the results back. Shared by the experiment scripts (experiments/toy.py, toy_explain.py,
 toy_collapse.py, family.py), whose `main()` starts with `harness.entry.Entry`.
 
@@ -37,7 +37,7 @@ from opd.config import TrainConfig
 from opd.data.sources import load_records
 from opd.eval.cli import main as eval_main
 from opd.loop.ledger import read_ledger, summarize, write_atomic
-from opd.loop.run import Run
+from opd.run import Run
 
 
 def quiet() -> None:

@@ -13,7 +13,7 @@ from opd.seeding import seeded_generator
 def fixed_rollouts(
     run, step: int, min_len: int = 2, max_len: int = 9, seed: int = 123, high_entropy_below: int | None = None
 ) -> Rollouts:
-    """This rank's rows of step `step` of a `opd.loop.run.Run`: random character responses with lengths
+    """This rank's rows of step `step` of a `opd.run.Run`: random character responses with lengths
     uniform in [min_len, max_len] (EOS last), random log-probs and entropies. Rows whose global index is
     below `high_entropy_below` get 10 nats more entropy (so the entropy policy selects only them)."""
     records = run.prompts.of_step(step)

@@ -121,7 +121,7 @@ def format_summary(summary: dict, name: str = "this run", scores=None) -> str:
     """The summary in Markdown: the live evaluations first when the run had them (--eval-every; --eval-before's
     scores as 'before training', with the full-image change beside the teacher's query ratio), then the paper's
     Table 7 (supervision counts) and Table 8 (observed time). `scores`: (label, format) of an evaluation's score
-    keys (`opd.eval.live.score_label`, `format_score`, given by `opd.loop.run`); None leaves the evaluations out."""
+    keys (`opd.eval.live.score_label`, `format_score`, given by `opd.run`); None leaves the evaluations out."""
     s = summary
     return "\n".join(
         [

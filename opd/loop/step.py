@@ -12,7 +12,7 @@ Every rank makes the same selection from the all-gathered features (a seed share
 the same collectives in the same order. Notation: C the step's candidates (rows whose views can be built), S the
 selected subset, K = floor(rho |C|) its budget, pi_i a sampled row's inclusion probability (1 / pi_i its weight in
 Eq. 11). `LedgerRow` gathers the step's ledger row (DIR/ledger.jsonl, Appendix C's cost ledger; its fields:
-docs/TRAINING.md#the-ledger); the run around the steps is `opd.loop.run.Run`.
+docs/TRAINING.md#the-ledger); the run around the steps is `opd.run.Run`.
 """
 
 from __future__ import annotations
@@ -191,7 +191,7 @@ def clip_gradients(accelerator, student, max_norm: float) -> float:
 
 @dataclass
 class Stepper:
-    """Algorithm 1's step and update over a run's parts (built by `opd.loop.run.Run`)."""
+    """Algorithm 1's step and update over a run's parts (built by `opd.run.Run`)."""
 
     acc: object
     """The accelerator (DDP, or FSDP2 with --fsdp)."""

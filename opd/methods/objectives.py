@@ -1,7 +1,7 @@
 """The objective classes by name: where the run gets the class that runs a method's objective.
 
 The method table (`opd.methods.table`) names each method's objective by its torch-free spec (`opd.methods.specs`), so
-that train.py's settings load without torch; the run (`opd.loop.run`) asks `objective_class(method.objective)` for
+that train.py's settings load without torch; the run (`opd.run`) asks `objective_class(method.objective)` for
 the class (`opd.methods.objective.Objective`). A new objective is one entry of `OBJECTIVES`.
 """
 

@@ -1,7 +1,7 @@
 """The family of on-policy self-distillation methods that share Algorithm 1's loop, as data.
 
 Each method names the student's view, the teacher's view(s), the support of the per-token
-divergence, the divergence, and the per-token weight; the loop (`opd/loop/run.py`) reads the table and never branches
+divergence, the divergence, and the per-token weight; the loop (`opd/run.py`) reads the table and never branches
 on a method's name. BAS-OPD's budgeted selection (Eq. 4, Algorithm 1 lines 4-9) sits on top of any
 of them: `--policy` / `--rho` decide which rows the method's teacher(s) score, before any teacher
 computation, and K = floor(rho |C|) counts rows (a row scored by two teachers is one call of the
@@ -24,7 +24,7 @@ Each method names its objective by its torch-free spec (`opd.methods.specs`), so
 the family's distillation for every method that is a loss and a view (`Distillation`), DAPD (six KL pairs against two
 anchors), OPOD (the gated distillation, the per-teacher controller and the verified-reward policy gradient) and TM-OPD
 (the teacher's per-token reverse-KL advantage through an importance-sampled policy gradient); the run gets the class
-from `opd.methods.objectives.objective_class`. This table is the one registry of methods: the loop (`opd.loop.run`)
+from `opd.methods.objectives.objective_class`. This table is the one registry of methods: the loop (`opd.run`)
 imports no objective and never tests a method's name. docs/EXTENDING.md: adding a method.
 """
 

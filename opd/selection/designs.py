@@ -40,7 +40,7 @@ def selector(policy: str, epsilon: float = 0.10, predictor: PredictorConfig | No
 
 
 def selector_from_config(selection: SelectionConfig, predictor: PredictorConfig) -> Selector:
-    """The run's selector (`opd.loop.run.Run`)."""
+    """The run's selector (`opd.run.Run`)."""
     return selector(selection.policy, selection.epsilon, predictor, selection.unbiased, selection.max_per_prompt,
                     selection.estimator, selection.strata, selection.inclusion_size)  # fmt: skip
 

@@ -1,4 +1,4 @@
-"""One training run on accelerate (DDP, or FSDP2 with --fsdp): Algorithm 1's steps and the run around them.
+"""One training run on accelerate (DDP, or FSDP2 with --fsdp): the composition root, above every part it builds.
 
 The steps are `opd.loop.step.Stepper` (Algorithm 1, lines 3-14, on every rank in lockstep). `Run` is their lifecycle:
 it builds and checks everything before anything is replaced (`_build`: the settings checked, the folder locked, the
