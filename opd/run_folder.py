@@ -1,7 +1,8 @@
 """A training run's folder on disk, for everything that reads or writes one (training, evaluation, export, the engine).
 
-- Its layout: what a run writes (`RUN_FILES`, `RUN_PREFIXES`), where its checkpoints are (`find_latest`,
-  `find_checkpoint`, `checkpoint_of`), its stored settings (`load_config`), its exported policy (`policy_of`).
+- Its layout: what a run writes (`RUN_FILES`, `RUN_PREFIXES`), eval.py's evaluations in it (`run_evaluations`),
+  its checkpoints (`find_latest`, `find_checkpoint`, `checkpoint_of`), its stored settings (`load_config`), its
+  exported policy (`policy_of`).
 - Its lock: one run per folder, an `fcntl.flock` on DIR/.lock that the operating system releases when the process
   ends, however it ends (a SIGKILL included); the file keeps the holder's pid and host for the refusal. Re-entrant
   within one process; another process is refused at once. Departure: `flock` is advisory and, on some network file
@@ -16,6 +17,7 @@ import contextlib
 import fcntl
 import json
 import os
+import re
 import shutil
 import socket
 import sys
@@ -86,6 +88,27 @@ siblings of the checkpoints and of the summaries, RUN_PREFIXES)."""
 RUN_PREFIXES = ("checkpoint-", ".checkpoint-", ".summary.", ".ledger.", ".latest.", ".train_config.")
 DIGESTS = ".digests.json"
 """DIR/.digests.json: the digest cache of the frozen models a run loads (`opd.models.identity.DigestCache`)."""
+
+
+RUN_EVAL = "eval"
+"""A train.py run's evaluations by eval.py without --out: RUN/eval, RUN/eval-<checkpoint>[-merged] (`opd.eval.config.default_out`).
+They score the run's own weights, so an --overwrite of the run replaces them with it (`run_evaluations`)."""
+
+
+RUN_EVAL_NAME = re.compile(rf"{RUN_EVAL}(-checkpoint-\d+(-merged)?)?")
+"""The names `default_out` gives a run's evaluations, and only those: RUN/eval-mynotes is the user's."""
+
+
+EVAL_MARKERS = (".lock", "results.json")
+"""What eval.py leaves in every --out it ran in (its lock file, `opd.eval.lock`; its results): a folder with the
+right name but neither was not written by eval.py."""
+
+
+def run_evaluations(run: Path) -> list[Path]:
+    """The evaluations eval.py wrote by default into the train.py run folder `run` (`opd.eval.config.default_out`): a folder with one
+    of its names (`RUN_EVAL_NAME`) holding eval.py's lock file or results (`EVAL_MARKERS`)."""
+    return sorted(p for p in run.iterdir() if p.is_dir() and RUN_EVAL_NAME.fullmatch(p.name)
+                  and any((p / m).is_file() for m in EVAL_MARKERS))  # fmt: skip
 
 
 def find_latest(out_dir: Path) -> Path | None:

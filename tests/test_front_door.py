@@ -18,7 +18,6 @@ from tracker_readers import mlflow_history
 import opd.run
 import train
 from opd.cli import UserError
-from opd.eval.config import run_evaluations
 from opd import run_folder as runfolder
 from opd.loop.ledger import read_ledger
 
@@ -92,7 +91,7 @@ def test_overwrite_replaces_only_the_evaluations_eval_py_wrote(tmp_path):
         if marker:
             (tmp_path / name / marker).write_text("x")
     (tmp_path / "eval-file").write_text("a file")
-    found = [p.name for p in run_evaluations(tmp_path)]
+    found = [p.name for p in runfolder.run_evaluations(tmp_path)]
     assert found == ["eval", "eval-checkpoint-000060", "eval-checkpoint-000060-merged"]
 
 

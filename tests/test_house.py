@@ -9,7 +9,8 @@
 - the library never imports a script (train.py, eval.py, experiments/) or the harness;
 - no import cycle among opd's modules, nor among the harness's; each harness module's docstring is at most 15 lines;
 - the run's machinery (opd.loop) imports no objective; an objective imports no other objective and no evaluation code;
-- no import runs up the layers (`LAYERS`), and at most 20 sit inside functions, each saying why.
+- no import runs up the layers (`LAYERS`), and at most 20 sit inside functions, each saying why; evaluation is
+  its own package, which training imports in one place (the run's live evaluation).
 """
 
 import ast
@@ -249,6 +250,16 @@ def objectives() -> set[str]:
     from opd.methods.table import METHODS
 
     return {objective_class(m.objective).__module__ for m in METHODS.values()}
+
+
+def test_training_calls_evaluation_in_one_place():
+    """Evaluation (opd/eval/) is its own package: outside it only the run imports it (`opd.run`: live evaluation),
+    besides the settings (`opd.config` reads `opd.eval.config.LiveEvalConfig`, torch-free)."""
+    edges = graph()
+    users = {m: {t for t in ts if t.startswith("opd.eval")} for m, ts in edges.items()
+             if not m.startswith("opd.eval") and any(t.startswith("opd.eval") for t in ts)}  # fmt: skip
+    assert set(users) <= {"opd.run", "opd.config"}, users
+    assert users.get("opd.config", set()) <= {"opd.eval", "opd.eval.config"}, users
 
 
 def test_the_loop_imports_no_objective(objectives):

@@ -8,6 +8,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from opd.builtin import is_builtin
+from opd.run_folder import RUN_EVAL
 from opd.cli import Section, resumable
 from opd.eval.benchmarks import FAMILY, LOADERS, PAPER, expected_files, has_files
 
@@ -147,23 +148,6 @@ def model_name(model: str | None, served_model: str | None = None) -> str:
     if run is not None:
         return _folder_name(f"{run.name}-{below}" if below else run.name)
     return _folder_name(Path(model).expanduser().resolve().name)
-
-
-RUN_EVAL = "eval"
-"""A train.py run's evaluations by eval.py without --out: RUN/eval, RUN/eval-<checkpoint>[-merged] (`default_out`).
-They score the run's own weights, so an --overwrite of the run replaces them with it (`run_evaluations`)."""
-RUN_EVAL_NAME = re.compile(rf"{RUN_EVAL}(-checkpoint-\d+(-merged)?)?")
-"""The names `default_out` gives a run's evaluations, and only those: RUN/eval-mynotes is the user's."""
-EVAL_MARKERS = (".lock", "results.json")
-"""What eval.py leaves in every --out it ran in (its lock file, `opd.eval.lock`; its results): a folder with the
-right name but neither was not written by eval.py."""
-
-
-def run_evaluations(run: Path) -> list[Path]:
-    """The evaluations eval.py wrote by default into the train.py run folder `run` (`default_out`): a folder with one
-    of its names (`RUN_EVAL_NAME`) holding eval.py's lock file or results (`EVAL_MARKERS`)."""
-    return sorted(p for p in run.iterdir() if p.is_dir() and RUN_EVAL_NAME.fullmatch(p.name)
-                  and any((p / m).is_file() for m in EVAL_MARKERS))  # fmt: skip
 
 
 def default_out(model: str | None, served_model: str | None = None) -> str:

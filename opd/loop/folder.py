@@ -24,11 +24,10 @@ import torch
 
 from opd.builtin import is_builtin
 from opd.cli import UserError
-from opd.eval.config import run_evaluations
 from opd.loop.settings import FolderConfig
 from opd.models.identity import DigestCache, model_identity
 from opd.run_folder import (DIGESTS, DROPPING, LOCK_NAME, OVERWRITING, OVERWRITTEN, LockedError, acquire, put_back, recover,
-                             release, remove_path, run_files)
+                             release, remove_path, run_evaluations, run_files)
 
 
 def eval_command(out: Path, eval_data: str | None, data: str | None) -> str:
@@ -97,7 +96,7 @@ class RunFolder:
 
     def existing_run(self) -> list[Path]:
         """A new run refuses a folder that holds a run, unless --overwrite; returns what it would replace: the run's
-        files and eval.py's default evaluations of it (`opd.eval.config.run_evaluations`: they score the old
+        files and eval.py's default evaluations of it (`opd.run_folder.run_evaluations`: they score the old
         weights)."""
         found = [] if self.cfg.resume else run_files(self.out)
         if found and not self.cfg.overwrite:
