@@ -19,7 +19,6 @@ from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
 OPD = str(ROOT / "opd")
-LAZY = str(ROOT / "opd" / "lazy.py")  # a decorator's wrapper (`no_grad`): the same call, not one more
 DEFAULT = ["--policy", "learned", "--rho", "0.25", "--steps", "8", "--no-eval-before",
            "--report-to", "none", "--save-every", "0"]  # fmt: skip
 """The README's default command through the selector's first updates (the replay reaches 96 labels at step 5, so
@@ -103,7 +102,7 @@ class Tracer:
         if code in self.codes:
             calls, f = 1, frame.f_back
             while f is not None and f.f_code is not self.root:
-                calls += f.f_code.co_filename.startswith(OPD) and f.f_code.co_filename != LAZY
+                calls += f.f_code.co_filename.startswith(OPD)
                 f = f.f_back
             what = self.codes[code]
             self.out.depths[what] = min(self.out.depths.get(what, calls), calls)
