@@ -4,32 +4,12 @@
     python -m opd.export RUN --out exports/step4          # RUN's latest checkpoint, elsewhere
     python -m opd.export LORA_RUN                         # LoRA: writes LORA_RUN/checkpoint-N/merged/
 
-Sharded: a `--fsdp` run writes every checkpoint as checkpoint-N/sharded/, one torch.distributed.checkpoint (DCP)
-of {"policy", "teacher", "optimizer"}, and only its last checkpoint also as policy/ in `save_pretrained` form
-(`opd.loop.checkpoint.save_sharded`). `export_checkpoint` turns any of them into that form without a launcher or a
-process group: DCP reads its own shards in one process (`dcp.load(..., no_dist=True)`), and only the "policy"
-entries are read, into CPU tensors of the shapes and dtypes the checkpoint records. The model class, config,
-generation config and processor come from the run's own `--model` (checkpoint-N/train_config.json: `model`,
-none = the built-in tiny model), built on the meta device (no weights are initialised or read from it); its
-parameter names must be the checkpoint's, one for one. The folder is written by the same call the trainer's
-export makes (`model.save_pretrained(folder, state_dict=full)`, `opd.models.sharding.export_pretrained`) into a
-temporary sibling and renamed into place, so the weights are the ones the trainer would have exported at that
-step, bit for bit. Before anything is read, every shard file holding the policy must be there and long enough
-for the entries DCP's index puts in it (`check_shards`): a missing or truncated one is one line naming it.
-
-LoRA (`--lora-r`): a checkpoint's policy/ is an adapter (`opd.models.lora.save_adapter`), which transformers, vLLM and
-other tools do not load as a model. The export is ONE merged model: the adapter's base with the adapter merged
-in (peft's merge_and_unload), in the run's --dtype, written to checkpoint-N/merged/ by default (policy/ keeps the
-adapter; `--out` puts it elsewhere). From policy/ it is the model `eval.py --model RUN` merges in memory
-(`opd.models.loading.load_model`), weight for weight, so both score the same; an intermediate --fsdp + LoRA checkpoint
-(sharded/ only, under peft's names) is merged from its shards: the run's --model on the meta device, wrapped by
-peft with the adapter the shards hold (its rank from lora_A, scaled by --lora-alpha), loaded, merged.
-
-eval.py calls `ensure_export` when given a sharded checkpoint without policy/. A full disk while writing is one
-line naming the folder and the model's size, and leaves no temporary folder (`opd.storage`). Nothing here
-depends on the current folder but a relative --model in train_config.json (read as train.py was given it).
-
-Memory: the full policy in its training dtype (float32: 4 bytes per parameter, 16 GB for a 4B model) on the CPU.
+Sharded: `export_checkpoint` reads the DCP shards' "policy" entries in one process (no launcher), into the run's own
+`--model` built on the meta device, and writes the folder with the trainer's own export call, so the weights are
+bit for bit the trainer's; missing or truncated shards are one line (`check_shards`). LoRA: the adapter's base with
+the adapter merged in (peft's merge_and_unload), written to checkpoint-N/merged/ by default. eval.py calls
+`ensure_export` for a sharded checkpoint without policy/. Memory: the full policy in its training dtype on the CPU.
+Details: docs/MODULES.md#opdexport.
 """
 
 from __future__ import annotations

@@ -1,36 +1,14 @@
 """Training data sources: JSONL, parquet files and folders, `datasets` save_to_disk folders and hub ids, the
 column mapping, and the data settings (`DataConfig`); each row becomes a `opd.data.records.Record`.
 
-`load_records(path, split=None, columns=None)` reads, by what `path` is:
-
-- a JSONL file, one JSON object per line (any file but a parquet one or the suffixes of `NOT_JSONL`);
-- a parquet file (`*.parquet`, or any file that starts with parquet's magic bytes `PAR1`);
-- a folder of parquet files (found recursively, read in sorted path order); with a `split`, only that split's
-  files by the hub's naming: a folder named after the split, or a file name `SPLIT`, `SPLIT-*`, `SPLIT_*`
-  or `SPLIT.*` (`train-00000-of-00002.parquet`). Without one, files of two or more known split names
-  (`SPLIT_NAMES`) are refused rather than mixed;
-- a folder written by `datasets.Dataset.save_to_disk` (it holds state.json), or by `DatasetDict.save_to_disk`
-  (dataset_dict.json) with a `split`;
-- a hub id `org/name` that is no local path, with a `split`: the copy in the `datasets` cache when it is there
-  (looked up in datasets' offline mode, without the network), else `datasets.load_dataset` downloads it into
-  that cache when the hub answers within `opd.models.loading.HUB_TIMEOUT_S`, else a one-line error at once; given a
-  `split`, only that split is loaded (`load_dataset(..., split=)`: the other splits are not prepared).
-
-A source of several splits given no `split` is refused naming them, unless it has one only (that one is
-read); a `split` given for a source without splits (JSONL, a parquet file, a Dataset's folder) is refused.
-`datasets` is imported only for a save_to_disk folder or a hub id (their reader: `opd.data.hub`; parquet is read
-with pyarrow, batch by batch, without a copy into datasets' cache), so JSONL users never load it.
-
-In a table (parquet, datasets) the fields are columns and a null cell is an absent field (a row without a
-crop has teacher_images null). An image is a path string, relative to the parquet file's folder or to the
-folder given (parquet shards, save_to_disk) unless absolute, or the `datasets` Image feature (a struct
-{bytes, path}: its bytes, when there, are the image file itself; else its path is read as a path string),
-alone or in a list of one; raw bytes are an embedded image too. A table without the columns of a record
-(an image, problem, answer) is refused in one line naming the missing fields and the columns it has.
-`columns` maps a source's column (or JSONL key) to a record field, e.g. {"question": "problem",
-"img": "images"}; `parse_columns` reads the command line's "question=problem,img=images". A mapped column the
-table lacks, or a mapped key no JSONL row has, is refused in one line. Errors name the row's own column.
-Images (paths, embedded bytes, the image cache), the record forms and their checks are `opd.data.parse`'.
+`load_records(path, split=None, columns=None)` reads by what `path` is: a JSONL file, a parquet file or folder of
+them (a `split` picks that split's files by the hub's naming), a `save_to_disk` folder, or a hub id `org/name` (the
+`datasets` cache first, else a download within `opd.models.loading.HUB_TIMEOUT_S`, else a one-line error). Several
+splits without a `split`, or a `split` for a source without splits, are refused. `datasets` is imported only for a
+save_to_disk folder or a hub id (`opd.data.hub`); parquet is read with pyarrow. `columns` maps a source's column to
+a record field (`parse_columns` reads "question=problem,img=images"); a missing column is refused in one line.
+Images, the record forms and their checks are `opd.data.parse`'.
+Details (splits, tables, images): docs/MODULES.md#opddatasources.
 """
 
 import json

@@ -4,20 +4,11 @@
 - `generate_rollouts_vllm(...)` samples rollouts and returns the HF path's `opd.engine.rollout.Rollouts`;
   `generate_text(...)` answers greedily for eval.py.
 
-Prompts are sent as token ids: each prompt is exactly `opd.models.chat.encode_prompt(...).input_ids` of the trainer
-(chat template, image placeholders expanded by the trainer's processor), posted to vLLM's tokens-in endpoint
-`/inference/v1/generate` (server flag `--enable-scale-out`) with its images as `content_parts` (PNG data
-URLs). vLLM expands each `<|image_pad|>` itself, so every run of image-pad tokens is collapsed to one token
-before sending; the server returns its final prompt ids (`return_token_ids`) and every request checks them
-against the trainer's: a mismatch (another image token count, e.g. a processor setting the server lacks)
-is an error, never a silent difference. The completions endpoint takes token ids but no images, and the chat
-endpoint takes images but applies its own chat template, so neither gives that guarantee.
-
-Differences from `opd.engine.rollout.generate_rollouts`, all documented on `EngineRollouts`: the engine computes in
-bf16 on CPU (sampled-token log-probs within a bf16 tolerance of the trainer's float32 ones), it returns the
-sampled token's log-prob and at most a top-20 but never the full distribution, so the token entropy H_t of
-Eq. 5 is not available (zeros, `entropy_available=False`), and sampling randomness is vLLM's per-request
-seed instead of the global torch generator.
+Prompts are sent as the trainer's token ids (`opd.models.chat.encode_prompt`) to vLLM's tokens-in endpoint with
+their images, and every request checks the server's final prompt ids against the trainer's: a mismatch is an error.
+Departures from `opd.engine.rollout.generate_rollouts` (documented on `EngineRollouts`): bf16 log-probs, no full
+distribution (so no token entropy H_t of Eq. 5: `entropy_available=False`), vLLM's per-request seeds.
+Details: docs/MODULES.md#opdenginevllm_rollouts.
 """
 
 from __future__ import annotations

@@ -1,27 +1,11 @@
 """The resumable per-benchmark evaluation loop behind eval.py.
 
-For each benchmark (and view) ``OUT/<key>/`` holds, with ``key`` the benchmark name or
-``<name>@crop`` for the crop view:
-
-* ``predictions.jsonl``: one graded record per answered item (`opd.answers.grade.grade`: index, reply,
-  pred, correct, ...), appended and flushed as the replies come. A restarted run skips the items
-  whose ``index`` is already there; a torn last line (a run killed mid-write) is dropped and the
-  item answered again.
-* ``settings.json``: what the predictions depend on: the model's identity (`model_identity`: a
-  sha256 over its files, or a hub id and commit; the path is kept only as a note), view, thinking,
-  max new tokens, dtype. A resume with different settings is refused instead of mixing two runs in
-  one file. It is written only once the model has loaded, just before the first reply is stored, so
-  a start that fails leaves the folder untouched.
-* ``predictions.rank<r>.jsonl``: under a launcher (`opd.eval.parallel`), process r's replies as they come;
-  rank 0 moves them into predictions.jsonl in item order once every process is done (`merge_parts`), and a
-  later run merges what a stopped one left before deciding what is unanswered.
-* ``scored.jsonl``: the final records of the last scoring: every reply re-graded with the current
-  parsers and, for free-form answers, the judge's verdict when a judge is used.
-
-``OUT/model_digests.json`` remembers each hashed file's sha256 by (path, size, mtime, ctime), so a
-resumed or rescored run does not re-read an unchanged 8 GB checkpoint.
-
-Scoring reads the stored replies, so rescoring (another parser, a judge) never regenerates.
+For each benchmark (and view) ``OUT/<key>/`` holds ``predictions.jsonl`` (graded records, appended as the replies
+come; a restart skips answered items), ``settings.json`` (what the predictions depend on: a resume with different
+settings is refused), ``predictions.rank<r>.jsonl`` under a launcher (merged by rank 0, `merge_parts`) and
+``scored.jsonl`` (the last scoring). ``OUT/model_digests.json`` caches the model files' sha256. Scoring reads the
+stored replies, so rescoring (another parser, a judge) never regenerates.
+Details: docs/MODULES.md#opdevalevaluate.
 """
 
 from __future__ import annotations

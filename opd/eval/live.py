@@ -1,25 +1,13 @@
 """Evaluation while training (`train.py --eval-every N --eval-data DIR`): the current policy scored on a held subset
-of the paper's benchmarks with eval.py's protocol, logged to the ledger and the trackers as `eval/<benchmark>` (the
-full view), `eval/<benchmark>_crop` and `eval/<benchmark>_crop_gap`: names every tracker accepts, the same in the
-ledger and the trackers (eval.py's own results name the crop view `<benchmark>@crop`).
+of the paper's benchmarks with eval.py's protocol, logged to the ledger and the trackers as `eval/<benchmark>`,
+`eval/<benchmark>_crop` and `eval/<benchmark>_crop_gap` (eval.py's own results name the crop view `<benchmark>@crop`).
 
-Every N steps (after the step's update) and at the last step, each benchmark's first `--eval-limit` items (those with
-a crop, in the crop view) are answered greedily (`opd.eval.inference.answer_items`: the model's own chat template,
-the non-thinking prompt unless --enable-thinking, a neutral generation config) in each of `--eval-views` (full; crop:
-the collapse warning sign, the teacher's pathway), and graded and scored as eval.py does (`opd.eval.evaluate.score_view`,
-`opd.eval.metrics`); `eval/<name>_crop_gap` is eval.py's zoom gap (`opd.eval.metrics.zoom_gap`: crop minus full
-accuracy on the items answered in both views). Every rank takes part: it answers its share of the items (items r,
-r + N, ...), padded to the longest share so that every rank runs the same number of `generate` calls (a sharded
-policy gathers collectively), and the replies are gathered to every rank; rank 0's scores go into the row. Before
-each batch's `generate` every rank says whether it could encode its prompts (a gather, on every rank alike): a
-prompt that fails on one rank (an image that does not decode) stops every rank with that one-line error, instead of
-leaving the others waiting in the policy's collectives. Nothing is written besides the ledger row and the trackers:
-eval.py stays the tool for the reported numbers (its own resumable folder).
-
-`--eval-before` also scores the policy once before step 0 (the weights the run starts from: the "before" of a
-before/after comparison; the ledger's first row holds it as `eval_before`). `--eval-data toy` is the toy world's
-held-out items (`opd.builtin`, built on first use): the default preset's. The run prints every evaluation on the
-console and lists them in summary.md (`format_scores`, `opd.loop.ledger.format_summary`).
+Every N steps and at the last step, each benchmark's first `--eval-limit` items are answered greedily in each of
+`--eval-views` and scored as eval.py does (`opd.eval.evaluate.score_view`, `opd.eval.metrics`). Every rank answers its
+share, padded so every rank runs the same number of `generate` calls; a prompt that fails on one rank stops every
+rank with one line. Nothing is written besides the ledger row and the trackers. `--eval-before` scores the policy
+once before step 0; `--eval-data toy` is the toy world's held-out items.
+Details: docs/MODULES.md#opdevallive.
 """
 
 from __future__ import annotations

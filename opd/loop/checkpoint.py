@@ -1,24 +1,15 @@
 """Checkpoints: everything a run needs to continue to the same result, written atomically.
 
-DIR/checkpoint-NNNNNN/ holds policy/ (HF `save_pretrained` with its processor, loadable by eval.py),
-teacher/ (the EMA teacher or DAPD's snapshot, same format; a frozen external teacher is not saved: a
-resumed run reloads it from its `--teacher-model` / `--teachers` path), state.pt (step, policy optimizer,
-selector - network, normalizer, replay, optimizer - the objective's state (OPOD's controller) and the config;
-no global RNG state, since each step seeds its draws from the run's seed and the step) and train_config.json
-(the run's settings, readable without loading the optimizer state, for `train.py --resume`). It is written into
-a temporary folder, flushed to disk and renamed into place; DIR/train_config.json (the same settings, for
-`train.py --config`) and DIR/latest then name it (each also replaced atomically).
-Older checkpoints beyond `keep` are removed only after the new one is complete.
+DIR/checkpoint-NNNNNN/ holds policy/ (`save_pretrained`, loadable by eval.py), teacher/ (the EMA teacher or DAPD's
+snapshot; a frozen external teacher is reloaded from its path instead), state.pt (step, optimizer, selector, the
+objective's state and the config; no global RNG state: draws are seeded from the run's seed and the step) and
+train_config.json. It is written into a temporary folder and renamed into place; DIR/latest then names it. Older
+checkpoints beyond `keep` are removed only after the new one is complete.
 
-Sharded runs (`--fsdp`, `save_sharded`): checkpoint-NNNNNN/sharded/ is one torch.distributed.checkpoint
-(DCP) of the policy, the EMA teacher and the AdamW state, each rank writing its own shards (in parallel;
-on several machines the output folder must be one shared file system); state.pt and train_config.json
-are as above, without the optimizer. The run's last checkpoint is also exported: policy/ and teacher/
-in `save_pretrained` form (the full weights gathered to rank 0's CPU memory), so `eval.py --model` reads
-it like any other. `load_sharded` restores the shards into freshly sharded models and optimizer: a
-resumed sharded run first builds them from the run's own `--model` (which must still be there), then
-overwrites every weight and moment from sharded/. DCP reshards on load, so another number of processes
-can resume it; the same number continues to the same result (rollouts are seeded per rank).
+Sharded runs (`save_sharded`, `load_sharded`): checkpoint-NNNNNN/sharded/ is one torch.distributed.checkpoint of the
+policy, the EMA teacher and the AdamW state; the last checkpoint is also exported in `save_pretrained` form. DCP
+reshards on load, so another number of processes can resume it.
+Details: docs/MODULES.md#opdloopcheckpoint.
 """
 
 import contextlib

@@ -1,19 +1,10 @@
 """The teacher-supervision cost ledger (Appendix C; Tables 7 and 8).
 
-`DIR/ledger.jsonl` holds one JSON object per training step. The fields the paper's cost tables
-need: candidates |C|, budget K (Eq. 4), selected |S| (teacher calls), scored_tokens sum_{i in S} T_i,
-candidate_tokens sum_{i in C} T_i, teacher_forward_s and step_s (the slowest rank's), overrun
-max(0, |S| - K). Lines are appended and flushed as steps finish; a resumed run first cuts the file
-back to its checkpoint's step, so no step is counted twice.
-
-Per teacher: each row also has `teacher_rows_<label>`, `teacher_tokens_<label>` and
-`teacher_forward_s_<label>` per teacher label: the view with the run's one teacher (`crop`), or
-`<teacher>:<view>` with several (routed teachers, DAPD's anchors: `base:inference_rollout`); the
-summary adds them up per label (`teachers`) and per teacher (`teacher_models`).
-
-Interpretation: the paper's "Tokens vs. Full" divides by a separate full-querying run's scored tokens.
-A single run's summary divides by the tokens of all its candidates instead (the tokens a full-query
-pass over the same rollouts would have scored).
+`DIR/ledger.jsonl` holds one JSON object per training step with the fields the paper's cost tables need (|C|, K,
+|S|, scored and candidate tokens, teacher and step seconds, overrun), and per teacher label its rows, tokens and
+seconds; a resumed run first cuts the file back to its checkpoint's step. Departure: the paper's "Tokens vs. Full"
+divides by a separate full-querying run's scored tokens, a single run's summary by the tokens of all its candidates.
+Details: docs/MODULES.md#opdloopledger.
 """
 
 import json

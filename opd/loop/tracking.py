@@ -1,26 +1,13 @@
 """Experiment trackers through accelerate: TensorBoard, Weights & Biases, MLflow, trackio, Comet, Aim, ClearML,
 DVCLive, SwanLab (`--report-to`, accelerate's names, comma-separated; `none` for none).
 
-Every tracker is accelerate's own (`accelerate.tracking`), started by `Accelerator.init_trackers` on the main
-process only, with the run's settings as its configuration and each ledger row logged at its step under fixed
-namespaces (`metrics`): `loss/` (Eq. 11, the gradient norm, the selector's loss), `select/` (budget, |S|,
-utility, prompt coverage, inclusion probabilities), `cost/` (teacher rows, tokens, seconds, the step's phases)
-and the objective's own under its name (`dapd/kl_*`, `opod/beta_*`, ...).
-
-Where things go: TensorBoard writes DIR/tb (the run prints the venv's `tensorboard --logdir DIR/tb`); MLflow the
-SQLite store DIR/mlflow.db (MLflow's recommended store, which its defaults read: the run prints a read-back on
-MLflow's client API that runs with mlflow-skinny, `MLFLOW_READ`; the UI, `mlflow ui --backend-store-uri
-sqlite:///DIR/mlflow.db`, is the full `mlflow` package's) unless MLFLOW_TRACKING_URI says otherwise; W&B its files
-under DIR/wandb (WANDB_MODE=offline keeps them there). A resumed run continues the same tracker run where the tracker allows: DIR/trackers.json keeps
-W&B's run id (resume "allow") and MLflow's run id and store (a run begun before the SQLite default keeps its file
-store DIR/mlruns, read with MLFLOW_ALLOW_FILE_STORE=true); TensorBoard appends to DIR/tb. Trackers are optional
-installs (requirements-trackers.txt) but TensorBoard (requirements.txt): a tracker that is not installed is a
-one-line error naming its pip package.
-
---eval-before's scores (the ledger's first row, `eval_before`) reach every tracker at step 0 as
-`eval/before/<name>` (`eval/before/zoombench`, `eval/before/zoombench_crop`, ...; its seconds `cost/eval_before_s`):
-a name of their own, since the evaluation after step 0 is `eval/<name>` at step 0 too (a row's metrics are logged at
-its step; the evaluation in row k scored the weights after k + 1 updates).
+Every tracker is accelerate's own, started on the main process only, with the run's settings as its configuration
+and each ledger row logged at its step under fixed namespaces (`metrics`): `loss/`, `select/`, `cost/` and the
+objective's own (`dapd/kl_*`, `opod/beta_*`, ...). TensorBoard writes DIR/tb, MLflow the SQLite store DIR/mlflow.db
+(unless MLFLOW_TRACKING_URI says otherwise), W&B DIR/wandb; a resumed run continues the same tracker run where the
+tracker allows (DIR/trackers.json). Trackers but TensorBoard are optional installs: a missing one is a one-line
+error. --eval-before's scores reach every tracker at step 0 as `eval/before/<name>`.
+Details: docs/MODULES.md#opdlooptracking.
 """
 
 from __future__ import annotations

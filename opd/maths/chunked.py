@@ -1,72 +1,18 @@
 """Eq. 3 and the utility terms of Eq. 7-8 without (positions x vocabulary) tensors beyond one chunk.
 
-With Qwen3.5's 248,320-token vocabulary one position's fp32 logits take about 1 MB, so logits over a
-micro-batch of responses do not fit. Two functions compute a method's per-position divergence D on
-its top-k support (`family.topk_divergence`: BAS-OPD's student top-k + tail bucket with the JSD
-of Eq. 3 by default, or the seed family's teacher top-k supports and the bias-corrected reverse KL)
-and the detached utility terms d, o, c of Eq. 7-8, with an analytic gradient instead of autograd's
-stored intermediates:
+With Qwen3.5's 248,320-token vocabulary a micro-batch's logits do not fit, so a method's per-position divergence D
+on its top-k support (`family.topk_divergence`) and the detached utility terms of Eq. 7-8 are computed one chunk of
+positions at a time, with an analytic gradient instead of autograd's stored intermediates:
 
-- `budgeted_loss_from_hidden` (Eq. 11, the function training calls): from the student's and teacher's final
-  hidden states (P, H) and the
-  LM-head weights, one chunk of positions at a time: both sides' logits, the loss terms, and the
-  chunk's gradient contributions, which are accumulated into dL/dh (P, H) and dL/dW (V, H) during the
-  forward (dL/dW starts as the first chunk's product, not a zero-filled buffer); the chunk's logits
-  are then dropped. Backward hands the buffers to autograd as they are (a scaled copy only when the
-  loss was scaled after the call), so dL/dW can become .grad without a (V, H) copy. Four LM-head
-  products in all (student, teacher, dL/dh, dL/dW), the minimum; memory O(P k + V H). A frozen LM head
-  (LoRA; any weight that needs no gradient) gets no dL/dW: three products, no (V, H) buffer, memory O(P k)
-  beyond the chunk (the same for `clamped_kl_from_hidden` and `weighted_logp_from_hidden`).
-  It returns the weighted sum of Eq. 11 directly (per-token weights are the Eq. 11 weights, times the
-  method's token weight `opd.maths.weights.TokenWeight` computed from the chunk's logits), and can book the
-  teacher's LM-head time separately (`timing`, measured by the caller's `stopwatch`).
-- `topk_divergence_from_logits` (alias `topk_jsd_from_logits`): the same per-position D from given
-  logits, `chunk` positions at a time; backward builds the gradient in one (N, V) buffer.
-- `sampled_logp_from_hidden`: detached log p(y_t) of the sampled tokens from hidden states, at a temperature,
-  chunk by chunk (OPD-V's negative teacher at the loss temperature; OPOD's answer log-probs and KL reference);
-  `sampled_logp` the same from given logits.
-- `clamped_kl_from_hidden`: DAPD's full-vocabulary clamped forward KL(anchor || student) at a temperature
-  (`family.clamped_forward_kl`), one or several anchors against one student forward, with its own
-  analytic chunk-local gradient (in its docstring).
-- `weighted_logp_from_hidden`: sum_p a_p log p(y_p) with gradient (OPOD's policy-gradient term), chunk by chunk.
+- `budgeted_loss_from_hidden` (Eq. 11, what training calls): from final hidden states and the LM head, four LM-head
+  products in all, memory O(P k + V H) (a frozen LM head: three products, O(P k));
+- `topk_divergence_from_logits` (alias `topk_jsd_from_logits`): the same D from given logits;
+- `sampled_logp_from_hidden` / `sampled_logp`: detached log p(y_t) of the sampled tokens;
+- `clamped_kl_from_hidden`: DAPD's clamped forward KL(anchor || student);
+- `weighted_logp_from_hidden`: sum_p a_p log p(y_p) with gradient (OPOD's policy-gradient term).
 
-The gradient. At one position let z be the student's logits, p = softmax(z), lse(.) = logsumexp,
-I the support's k ids, s the student's support log-probs, g = dD/ds and G = sum of every entry of g.
-
-Student top-k + tail (support 'student_tail'; Vision-OPD, BAS-OPD): I = the student's top-k,
-s = [z_I - lse(z), log q], the tail log q = lse(z_{v not in I}) - lse(z), q = sum_{v not in I} p_v,
-computed exactly (the top-k masked to -inf). Then
-
-    dD/dz_v = g_v - p_v G                       for v in I,
-    dD/dz_v = g_tail p_v / q - p_v G
-            = r_v (g_tail - q G)                for v not in I,  r_v = exp(z_v - lse(z_{not I})) = p_v / q.
-
-The second form has no 1 / q (q may underflow, or be 0 at k = V) and r_v, q <= 1, so nothing large is
-added and subtracted again: the buffer is filled with r_v (g_tail - q G) and the top-k entries are
-then overwritten with g_v - p_v G. At k = V the tail is empty (log q = -inf, g_tail = 0).
-
-Teacher top-k, full softmax, no tail (support 'teacher'; RP-OPSD): I = the teacher's top-k,
-s = z_I - lse(z), so ds_i/dz_v = [v = i] - p_v and
-
-    dD/dz_v = [v in I] g_v - p_v G              (the buffer holds -p_v G, the top-k entries g_v - p_v G).
-
-Teacher top-k renormalised (support 'teacher_renorm'; OPSD): s = z_I - lse(z_I), P = exp(s), so
-
-    dD/dz_v = [v in I] (g_v - P_v G)            (zero outside I).
-
-Full vocabulary (support 'full'; GKD, OPSD's full-vocabulary recipe): s = z - lse(z), so
-
-    dD/dz_v = g_v - p_v G                       for every v (g is (C, V): O(C V) memory per chunk).
-
-g comes from autograd on the support only ((C, k + 1) with the tail, (C, k) without it, (C, V) for 'full'):
-generalized_jsd with alpha (divergence 'jsd') or bias_corrected_reverse_kl ('bc_rkl'). The importance ratio is
-detached and only scales a row's g. For 'full' the log-probs s, t overwrite the chunk's own logits, D, g and dD/dz
-are formed 1/FULL_BLOCKS of the chunk's rows at a time and g overwrites t: two (C, V) buffers and a block's
-temporaries at once (autograd through the divergence over the whole chunk held about ten more; issue 36).
-
-Tests compare values and gradients with `topk_divergence` on full logits (every support and
-divergence), with autograd through an exact float64 support (the endpoints alpha = 0 and 1, k = V,
-peaked logits) and with gradcheck.
+Tests compare values and gradients with `topk_divergence` on full logits, autograd in float64 and gradcheck.
+Details (the gradient per support, memory): docs/MODULES.md#opdmathschunked.
 """
 
 from collections.abc import Callable

@@ -1,61 +1,15 @@
 """DAPD: dual-anchored policy distillation (arXiv 2608.01735; uanu2002/DAPD), on Algorithm 1's loop.
 
-OPSD's teacher sees a reference the student never sees at inference; the student can learn to act as if
-it did (the "privilege illusion"). DAPD pairs contexts of matched information instead: six forward KL terms
-KL(anchor || student), each on one completion, with the anchor and the student each given a context, and
-the anchor one of two frozen copies of the policy: `base` (the initial weights) or `snapshot` (the trained
-weights, refreshed every N steps). Source: dapd/objective.py (the pairs and weights), dapd/trainer.py (the
-views, the clamped KL, the snapshot), dapd/data.py (the prompts).
-
-| pair | completion | anchor's context | student's context | anchor | weight |
-| --- | --- | --- | --- | --- | --- |
-| entangled_rollout (plain OPSD) | rollout | reference | none | snapshot | 2/15 |
-| inference_reference | reference | none | reference | base | 2/15 |
-| privileged_rollout | rollout | reference | rollout | base | 2/15 |
-| entangled_reference | reference | rollout | none | snapshot | 2/5 |
-| inference_rollout | rollout | none | rollout | base | 2/5 |
-| privileged_reference | reference | rollout | reference | base | 4/5 |
-
-Weights sum to 2. Each term is `family.clamped_forward_kl` at temperature 1.1 with each vocabulary
-entry's contribution clamped at 0.05 (`--dapd-temperature`, `--dapd-clip`), a token mean over the pair's
-completion tokens, computed chunk by chunk from hidden states (`chunked.clamped_kl_from_hidden`; pairs that
-share the student's context share its forward). The loss is sum_p w_p L_p.
-
-Contexts, in this project (`context_text`): the student's own view (the full image) with
-- none: the plain question (the student's prompt);
-- reference: the question and the record's reference (its `solution`, else its `answer`) in OPSD's
-  template `family_views.REFERENCE_TEMPLATE` (the `reference_answer` view);
-- rollout: the same template with the row's own rollout (decoded, special tokens dropped) in the
-  reference's slot (DAPD's "self-conditioned bridge").
-Completions: rollout = the row's sampled response (its valid tokens, EOS included); reference = the
-reference's tokens followed by EOS, cut at --max-response-len (DAPD: the chat template's assistant turn).
-
-The budget: a DAPD example is one (prompt, reference, rollout); K = floor(rho |C|) rollouts are selected
-before any anchor forward, and every selected rollout enters all six pairs (five of them need it; the
-rollout-free `inference_reference` pair is computed once per selected rollout too, so a prompt's reference
-pair weighs as many times as it has selected rollouts: DAPD itself samples one rollout per prompt). An
-unselected rollout enters no pair and no anchor forward. Anchor forwards per selected rollout: six (four
-of the base, two of the snapshot), each counted in the ledger under `<anchor>:<pair>`; `teacher_rows` =
-6 |S|. The selector's utility label u_i (Eq. 9) comes from pair 1, the OPSD pair (the snapshot with the
-reference against the student without), at temperature 1 on the student's top-k.
-
-The anchors: `snapshot` is the run's teacher (`opd.models.ema_teacher.EMATeacher`, saved in every checkpoint) updated
-with tau = 1 every `--ema-every` steps (DAPD's method settings: `--ema-tau 1 --ema-every 100`; DAPD
-refreshes when its global step, counted after the update, is a multiple of 100, as here: after step index
-s when (s + 1) % 100 == 0), so it equals `base` until the first refresh; `base` is loaded from the run's
-initial `--model` (frozen; reloaded on resume). Full fine-tuning: DAPD trains a LoRA and reads its base by
-disabling the adapter; here the base is a separate frozen copy (one more model in memory).
-
-Departures from DAPD's code (each also in the README): contexts carry the student's image; the rollout
-context of a rollout completion is the reference template with the rollout in its slot (DAPD's code
-appends the rollout after the student's own prompt and rollout instead, a repeat); `--method dapd` samples as
-DAPD does (temperature 1.1, top-p 0.95, top-k 20: its recipe, `opd.methods.table`) but with the run's rollouts per
-prompt (DAPD: one); each pair's token mean is over the global (all ranks) tokens of S (docs/DEPARTURES.md, 36).
-
-Sharded (`--fsdp`): both anchors are sharded like the policy (the snapshot refresh runs on local shards); every
-rank runs as many micro-batches as the busiest one, the missing ones zero-weighted padding on its row 0 (six
-anchor forwards and four student forwards and backwards each, not counted); the anchors' gathered roots (their
-LM heads) are freed after each micro-batch.
+Six forward KL terms KL(anchor || student), each on one completion (the rollout or the reference), with the anchor
+and the student each given a context (none, the reference, or the row's own rollout) and the anchor one of two
+frozen copies of the policy: `base` (the initial weights) or `snapshot` (refreshed every `--ema-every` steps with
+tau = 1). Weights sum to 2; each term is `family.clamped_forward_kl` at temperature 1.1, clip 0.05, a token mean,
+computed chunk by chunk (`chunked.clamped_kl_from_hidden`). The budget selects K = floor(rho |C|) rollouts before
+any anchor forward; each enters all six pairs (`teacher_rows` = 6 |S|); the label u_i comes from the OPSD pair.
+Departures from DAPD's code: contexts carry the student's image; the rollout context is the reference template with
+the rollout in its slot; the run's rollouts per prompt (DAPD: one); each pair's token mean is over the global tokens
+of S (docs/DEPARTURES.md, 36); full fine-tuning keeps the base as a separate frozen copy.
+Details (the pair table, contexts, sharding): docs/MODULES.md#opdmethodsdapd.
 """
 
 from __future__ import annotations

@@ -1,59 +1,18 @@
 """OPOD: on-policy omni distillation (arXiv 2607.20918), on Algorithm 1's loop. Medium confidence.
 
-There is no public code; the formulas come from a third-party transcription
-(summarised in docs/FAMILY.md). Every constant the transcription does not give is a flag of
-`train.py` with a stated default (marked "guess" below).
+There is no public code; the formulas come from a third-party transcription (summarised in docs/FAMILY.md), and
+every constant it does not give is a flag of `train.py` with a stated default (a guess). Each response is routed to
+the teacher of its kind (`--teachers route.json`, or `--teacher-model`). Per step, on the selected rows S:
 
-Each response is routed to the teacher of its kind (`--teachers route.json`: a record field such as `task`
-or `modality` -> a teacher checkpoint; `--teacher-model` for one), separate frozen checkpoints, not the
-policy's own weights. Per step, on the selected rows S (K = floor(rho |C|) rows, chosen before any teacher
-forward; OPOD queries every row: its settings are --policy full --rho 1):
+1. gated distillation: Eq. 3 weighted per token by beta_m ReLU(log pi_T - log pi_theta) (guess: a per-token weight);
+2. the per-teacher controller (`GateController`) moving beta_m towards its warm-up gate level;
+3. the verification reward (`verified_reward`): task correctness (`opd.answers`) + 0.2 A + 0.1 B, B costing two
+   teacher forwards per row (`--opod-reward-b 0` skips them);
+4. a group-relative policy-gradient term over each prompt's rows in S (`group_advantages`), plus an optional KL.
 
-1. Gated distillation (`opd.methods.objective` with the token weight 'gate'). For row i routed to teacher m_i:
-
-       c_t = ReLU(log pi_T(y_t) - log pi_theta(y_t))        (`weights.teacher_gate`, detached)
-       L_tc = sum_{i in S, t} beta_{m_i} c_t D_t / sum_{i in S} T_i
-
-   D_t the family's Eq. 3 (student top-k + tail, JSD_alpha) against the routed teacher. Guess: the
-   transcription's L_tc = mean_i beta_{m_i} c_i has no gradient with a detached gate; we read c_t as the
-   weight of the per-token divergence (as OPD-V's trust region), with the family's token mean.
-2. The per-teacher controller (`GateController`, `controller_step`): after a valid update,
-
-       beta_m <- clip(beta_m + eta (cbar_m - eps_m), beta_min, beta_max)
-
-   cbar_m the step's mean gate over teacher m's tokens (all ranks), eps_m = max(mean of cbar_m over the
-   first `--opod-warmup` (10) steps with tokens of m, `--opod-eps-floor` 0.02). beta_m stays at
-   `--opod-beta-init` during its warm-up (guess). beta_min 0.1 (paper); beta_init 1.0, beta_max 2.0,
-   eta 0.1 (guesses).
-3. The verification reward (`verified_reward`) of each row of S:
-
-       A = 1[correct] clip(mean_t log pi_T(y_t), -C, 0)                 (`answer_confidence`)
-       B = clip(log pi_T(a* | x, z) - log pi_T(a* | x), -C, C)         (`verification_gain`)
-       r = r_task + 0.2 A + 0.1 B,  C = 2
-
-   r_task = 1 when the project's answer parser (`opd.answers`, `task_reward`) finds the record's
-   answer in the decoded response, else 0. Guesses: A's "answer tokens" are all of the response's valid
-   tokens (our responses are the answer); "x, z" is the teacher's view with the response z in the reference
-   slot of `family_views.REFERENCE_TEMPLATE` (DAPD's bridge), "x" the teacher's own prompt, a* the answer's tokens
-   (no EOS), log-probs summed over a*. B costs two more teacher forwards per row: the ledger counts them
-   under the views 'verify' (one per row) and 'answer' (one per prompt with a selected row);
-   `--opod-reward-b 0` skips them.
-4. A group-relative policy-gradient term over each prompt's rows in S (`group_advantages`):
-
-       Ahat_i = (r_i - mean_g r) / (std_g r + eps)       (std with Bessel's correction, as TRL's GRPO; eps 1e-4)
-       L_pg = - sum_{i in S, t} Ahat_i log pi_theta(y_t) / sum_{i in S} T_i
-
-   on-policy (one update per batch: the importance ratio is 1 and PPO's clip inactive), so its gradient is
-   the REINFORCE form computed here (`chunked.weighted_logp_from_hidden`). A group is the rows of S from one
-   prompt (the reward needs the teacher, which never sees an unselected row); a group of one row has
-   advantage 0. Total: L_tc + `--opod-pg-weight` (1) L_pg + `--opod-kl` (0, guess: the paper's weight is not
-   known) KL(pi_theta || pi_ref), the KL by the k3 estimator on the sampled tokens against the initial policy,
-   its coefficient from the sampling log-probs (on-policy).
-
-The teachers see the student's own view by default (`--teacher-view` changes it). Sharded (`--fsdp`): the
-teachers (and the KL's reference) are sharded like the policy; the distillation pass, B's forwards and the
-policy-gradient pass each run as many micro-batches per model on every rank as on the busiest one, the missing
-ones zero-weighted (or uncounted) forwards on the rank's row 0.
+Sharded (`--fsdp`): teachers and the KL's reference are sharded like the policy; every rank runs as many
+micro-batches as the busiest one.
+Details (formulas, guesses, constants): docs/MODULES.md#opdmethodsopod.
 """
 
 from __future__ import annotations

@@ -1,24 +1,12 @@
 """The policy-gradient pass objectives share: OPOD's group-relative term and Thinking Machines' on-policy
 distillation (`opd.methods.opod`, `opd.methods.tm_opd`), on the selected rows S only.
 
-With a per-token advantage A_it (detached) and unbiased selection's row weights w_i (1 / pi_i; else 1):
-
-    L_pg = - lambda sum_{i in S, t} w_i A_it log pi_theta(y_it) / N                 (REINFORCE: OPOD)
-    L_is = - lambda sum_{i in S, t} w_i A_it pi_theta(y_it) / pi_old(y_it) / N      (importance sampling: tinker's
-                                                                                    `importance_sampling` loss)
-
-lambda a weight, N the objective's denominator (a token count; 1 for tinker's token sum), pi_old the policy that
-sampled y (the rollouts' log-probs). On-policy, one update per batch, the two gradients agree up to the ratio
-rho = pi_theta / pi_old, 1 but for the sampling's rounding. Optionally + kl KL(pi_theta || pi_ref) by the k3
-estimator on the sampled tokens against a reference model (OPOD's initial policy), its coefficient from the
-sampling log-probs (on-policy).
-
-The advantage comes from a hook `advantage(mb, mask, h, w) -> (P,)`, run in the micro-batch after the student's
-forward (h, w: its detached final hidden states at the valid positions and its LM head): a precomputed table (OPOD:
-one A_i per row) or a teacher forward of its own (TM-OPD: the teacher's log-prob of each sampled token, and the
-selector's labels from both sides' hidden states), so that a teacher never runs outside the lockstep. Every rank runs
-as many micro-batches as the busiest one (`opd.methods.lockstep.lockstep`); the last backward synchronises DDP (a rank
-without rows: a zero-weighted one).
+With a detached per-token advantage A_it and row weights w_i (1 / pi_i under unbiased selection; else 1), the loss
+is REINFORCE (OPOD) or tinker's `importance_sampling` loss (the ratio pi_theta / pi_old), optionally plus a k3 KL
+against a reference model. The advantage comes from a hook `advantage(mb, mask, h, w) -> (P,)` run in the
+micro-batch after the student's forward (a precomputed table, or a teacher forward of its own), so a teacher never
+runs outside the lockstep (`opd.methods.lockstep.lockstep`).
+Details (the formulas): docs/MODULES.md#opdmethodspolicy_gradient.
 """
 
 from __future__ import annotations

@@ -1,31 +1,12 @@
 """The family of on-policy self-distillation methods that share Algorithm 1's loop, as data.
 
-Each method names the student's view, the teacher's view(s), the support of the per-token
-divergence, the divergence, and the per-token weight; the loop (`opd/run.py`) reads the table and never branches
-on a method's name. BAS-OPD's budgeted selection (Eq. 4, Algorithm 1 lines 4-9) sits on top of any
-of them: `--policy` / `--rho` decide which rows the method's teacher(s) score, before any teacher
-computation, and K = floor(rho |C|) counts rows (a row scored by two teachers is one call of the
-budget and two teacher forwards in the ledger). `settings` are the method's paper settings, applied
-over `--preset` and under the flags given.
-
-| method | paper | student view | teacher view(s) | support | divergence | token weight |
-| --- | --- | --- | --- | --- | --- | --- |
-| bas-opd | BAS-OPD (this paper) | full | crop | student top-k + tail | JSD_alpha | 1 |
-| vision-opd | Vision-OPD | full | crop | student top-k + tail | JSD_alpha | 1 |
-| rp-opsd | RP-OPSD | half resolution | full (original resolution) | teacher top-k, no tail | bias-corrected reverse KL | 1 |
-| opd-v | OPD-V | full | crop (+), masked crop (-) | student top-k + tail | JSD_alpha | ReLU(log pi_T+ - log pi_T-) |
-| opsd | OPSD | full | full + reference answer text | teacher top-k, renormalised | JSD_alpha | 1 |
-| dapd | DAPD | full (+ reference or own rollout as context) | anchors base / snapshot, six pairs | full vocabulary | clamped forward KL at tau 1.1 | pair weights (sum 2) |
-| opod | OPOD | full | routed external teachers, full | student top-k + tail | JSD_alpha + group-relative PG | beta_m ReLU(log pi_T - log pi_theta) |
-| gkd | GKD (TRL's GKDTrainer) | full | an external teacher (`--teacher-model`), full | full vocabulary | JSD_beta (`--alpha` is GKD's beta) | 1 |
-| tm-opd | Thinking Machines' on-policy distillation | full | an external teacher, full | (labels: student top-k + tail) | importance-sampled PG of A_t = -(log pi_old - log pi_T) | 1 |
-
-Each method names its objective by its torch-free spec (`opd.methods.specs`), so that the settings load without torch:
-the family's distillation for every method that is a loss and a view (`Distillation`), DAPD (six KL pairs against two
-anchors), OPOD (the gated distillation, the per-teacher controller and the verified-reward policy gradient) and TM-OPD
-(the teacher's per-token reverse-KL advantage through an importance-sampled policy gradient); the run gets the class
-from `opd.methods.objectives.objective_class`. This table is the one registry of methods: the loop (`opd.run`)
-imports no objective and never tests a method's name. docs/EXTENDING.md: adding a method.
+Each method names the student's view, the teacher's view(s), the support of the per-token divergence, the
+divergence, the per-token weight and its objective's torch-free spec (`opd.methods.specs`); the loop (`opd/run.py`)
+reads the table and never branches on a method's name. BAS-OPD's budgeted selection (Eq. 4, Algorithm 1 lines 4-9)
+sits on top of any of them: K = floor(rho |C|) counts rows. `settings` are the method's paper settings, applied over
+`--preset` and under the flags given. Methods: bas-opd, vision-opd, rp-opsd, opd-v, opsd, dapd, opod, gkd, tm-opd.
+This table is the one registry of methods; docs/EXTENDING.md: adding a method.
+Details (the method table): docs/MODULES.md#opdmethodstable.
 """
 
 from dataclasses import dataclass, field

@@ -2,31 +2,13 @@
 `tinker_cookbook/distillation/train_on_policy.py`; the blog post "On-Policy Distillation", 2025), on Algorithm 1's
 loop, with BAS-OPD's budget on top like every method.
 
-A frozen teacher (a separate checkpoint: --teacher-model, or --teachers routed by a record field) scores the
-student's own sampled tokens, and each token's advantage is the negative one-sample reverse KL (their
-`incorporate_kl_penalty`):
-
-    A_t = -lambda (log pi_old(y_t) - log pi_T(y_t))                        (`token_advantages`; lambda = 1)
-    with gamma > 0:  A_t <- sum_{s >= t} gamma^(s - t) A_s                 (`discounted_future_sum`; gamma = 0)
-
-pi_old(y_t) the sampling policy's log-prob (the rollouts'), pi_T(y_t) the teacher's at temperature 1 on its view
-of the prompt (theirs: the student's own prompt, `--teacher-view full`, the method's). The loss is tinker's
-`importance_sampling` loss, a sum over tokens (`opd.methods.policy_gradient`, `--loss-agg token-sum`; token-mean divides it
-by S's tokens):
-
-    L = - sum_{i in S, t} w_i A_t pi_theta(y_t) / pi_old(y_t)                (w_i = 1 / pi_i under --unbiased; else 1)
-
-The budget: K = floor(rho |C|) rows, chosen before any teacher forward; the teacher runs on S only, one forward per
-row (`teacher_rows` = |S|). The selector's label u_i is Eq. 9 (the top-k JSD times overlap and confidence) of the
-student's and the teacher's distributions at the row's tokens, computed from both sides' hidden states in the same
-micro-batch (no gradient), as every method's label.
-
-Their recipe (`opd.methods.table`; docs/FAMILY.md): LoRA rank 128 (recipes/distillation/on_policy_distillation.py; the
-library's Config default is 32), lr 1e-4 constant, 4 rollouts per prompt (group_size), sampling at temperature 1,
-AdamW beta1 0.9, beta2 0.95, eps 1e-8 (rl/train.py, enqueue_optim_step), no weight decay and no gradient clip
-(tinker's AdamParams defaults). Where this departs from their code (docs/DEPARTURES.md): the LoRA alpha (tinker's,
-server-side, is not in their code: ours 2 r); the environment's reward advantages (zero for their prompt-only
-distillation datasets) are absent; --max-response-len is the preset's, not their max_tokens 4096.
+A frozen teacher scores the student's own sampled tokens; each token's advantage is the negative one-sample reverse
+KL, A_t = -lambda (log pi_old(y_t) - log pi_T(y_t)) (`token_advantages`, optionally discounted), through tinker's
+`importance_sampling` loss (`opd.methods.policy_gradient`, `--loss-agg token-sum`). The teacher runs on S only, one
+forward per row; the label u_i is Eq. 9 from both sides' hidden states. Their recipe is in `opd.methods.table`.
+Departures from their code (docs/DEPARTURES.md): the LoRA alpha (ours 2 r); no environment reward advantages;
+--max-response-len is the preset's.
+Details: docs/MODULES.md#opdmethodstm_opd.
 """
 
 from __future__ import annotations

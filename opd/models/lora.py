@@ -1,25 +1,14 @@
 """LoRA through peft (`--lora-r`): the policy is a frozen base plus a trainable adapter, and its teachers are the
 same base with another adapter, or with none. One base in memory.
 
-- The student: the base with the adapter `default` (peft's `LoraConfig`: rank `--lora-r`, scale `--lora-alpha` / r,
-  `--lora-dropout`, on the modules `--lora-targets` names, a regex; by default the language model's linear layers:
-  attention q/k/v/o, the MLP's gate/up/down and Qwen3.5's linear-attention in_proj_qkv, in_proj_z and out_proj;
-  the vision tower and the LM head stay frozen). Only the adapter is trained: AdamW holds its parameters alone.
-- The EMA teacher (Algorithm 1, line 13, with LoRA): the adapter `teacher`, a copy of `default` at the start,
-  frozen, updated as theta-bar <- (1 - tau) theta-bar + tau theta on the adapter's parameters only (the base is
-  shared and never moves). A teacher forward activates its adapter for that forward (`active_adapter`: peft's
-  layers read `_active_adapter`; set directly, so no parameter's requires_grad changes) in eval mode (no LoRA
-  dropout), without gradient.
-- A fixed teacher (OPSD, `--ema-tau 0`) and DAPD's `base` anchor: the base with the adapter disabled, as OPSD's and
-  DAPD's code read it (`disable_adapter`); DAPD's `snapshot` is the EMA teacher, the adapter `teacher` (a copy of
-  `default` refreshed every `--ema-every` steps by DAPD's tau = 1).
+- The student: the base with the adapter `default` (rank `--lora-r`, `--lora-alpha`, `--lora-targets`); only the
+  adapter is trained.
+- The EMA teacher: the adapter `teacher`, updated by EMA on the adapter's parameters only, activated per forward.
+- A fixed teacher (OPSD) and DAPD's `base` anchor: the base with the adapter disabled, as their code reads it.
 
-Checkpoints hold the adapters (`save_adapter`: adapter_model.safetensors + adapter_config.json, whose
-`base_model_name_or_path` is the run's initial model), not the base; `opd.models.loading.load_model` merges an adapter folder
-into its base, so `eval.py --model RUN` scores a LoRA run as any other.
-
-Sharded (`--fsdp`): the adapters are sharded with their layers (FSDP2 takes frozen and trainable parameters in one
-group); the EMA runs on the local shards of the two adapters' parameters, paired by name.
+Checkpoints hold the adapters (`save_adapter`), not the base; `opd.models.loading.load_model` merges an adapter
+folder into its base. Sharded (`--fsdp`): the adapters are sharded with their layers.
+Details: docs/MODULES.md#opdmodelslora.
 """
 
 from __future__ import annotations

@@ -1,28 +1,13 @@
 """Supervised training of the toy world's base model: the policy that BAS-OPD then distills.
 
-The architecture is `opd.tiny`'s Qwen3.5 (`Qwen3_5ForConditionalGeneration`, the character-level
-`Qwen3_5Tokenizer`, the `Qwen3VLProcessor`) with the sizes of `SFTConfig`: a hybrid stack of
-`layers` text layers (linear attention, then full attention, as Qwen3.5 interleaves them), a vision
-tower with `patch`-pixel patches merged `merge` x `merge` into one visual token, and a processor
-that resizes every image to the world's `resolution` (min_pixels = max_pixels). With the defaults
-(32 pixels, patch 8, merge 4) an image is 16 patches and one visual token: 8-pixel patches keep a
-4-pixel target a large part of its patch, which a 16-pixel patch does not (measured: a base with
-16-pixel patches barely learned the full view at all).
-
-Training is teacher forcing on the answer tokens only (the letter and <|im_end|>), AdamW with a
-linear warm-up and cosine decay, on samples of the world's "sft" split drawn on the fly: each one is
-shown as its crop with probability `crop_share`, else as the full image. The default base sees only
-crops (crop_share 1): it reads a large target well and a small one in a cluttered scene poorly - the
-regional-to-global gap that OPD is meant to close. Learning rate 1e-3 (3e-3 stalled in a two-class
-plateau, blue vs the rest) and 150 steps: the crop view is learned (100%) while the letter
-probabilities stay moderate (about 0.8); longer training makes the base over-confident on the full
-view, and then the OPD divergence mostly flattens it instead of correcting it (measured). The folder is written through `save_pretrained` (model and processor),
-so `train.py --model` and `eval.py --model` load it like any checkpoint; a finished folder is reused.
-
-`task` (optional) swaps the supervised targets for another task on the same world: an object with a
-`name` and `batch(processor, model, samples, views, rng)` returning (inputs, targets) with -100 on
-positions without a target (`EXPLAIN` of experiments/harness/explain.py: explanations of 5-60 tokens). Without it the
-targets are the letter and <|im_end|>, exactly as before.
+The architecture is `opd.tiny`'s Qwen3.5 with the sizes of `SFTConfig` (a hybrid stack, 8-pixel patches merged into
+one visual token per image at the defaults). Training is teacher forcing on the answer tokens only, AdamW with
+warm-up and cosine decay, on the world's "sft" split drawn on the fly, each sample shown as its crop with probability
+`crop_share` (default 1: the regional-to-global gap OPD is meant to close). Learning rate 1e-3 and 150 steps keep the
+letter probabilities moderate (measured). The folder is written through `save_pretrained`, so `train.py --model` and
+`eval.py --model` load it; a finished folder is reused. `task` (optional) swaps the supervised targets for another
+task on the same world.
+Details (the measurements behind the settings): docs/MODULES.md#opdtoysft.
 """
 
 from __future__ import annotations

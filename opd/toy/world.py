@@ -1,30 +1,13 @@
 """A toy world with a regional-to-global gap: one small target in a cluttered canvas.
 
-Each sample is a `canvas` x `canvas` image of muted texture (a grey level, 16-pixel blotches, pixel
-noise), `distractors` small blobs in muted off-palette hues (orange, purple, cyan, pink, lime, ...
-pulled toward grey by `distractor_saturation`) and one target shape (square, triangle or diamond,
-`target_min`..`target_max` pixels) in one of four option colours. The question asks for the
-target's colour, multiple choice with fixed options (A) red (B) green (C) blue (D) yellow; the answer
-is its letter. An evidence-centred crop around the target is known by its bounding box: its side is
-`crop_scale` x the target side (at least `crop_min`), with a random offset that keeps the target
-inside, so the crop-to-full area ratio a_i of Eq. 5 grows with the target.
-
-Why there is a gap: the model's processor resizes every image, full canvas and crop alike, to the
-same `resolution` x `resolution` (min_pixels = max_pixels). The full view halves the target to 4-8
-pixels among distractors and texture; the crop enlarges it to about half the image. The colour
-survives the downscale (a base that sees full images can learn it), but a base trained on crops
-reads it poorly.
-
-Everything is a pure function of (world seed, split, index): `sample(cfg, split, i)`. Splits:
-"sft" (base-model training, generated on the fly), "opd" (the OPD training JSONL), "audit" (held
-batches of the Figure 3/4 diagnostics, a training JSONL too) and "eval" (the held-out benchmark).
-`export_world(dir, cfg)` writes:
-
-- `train.jsonl` and `audit.jsonl` in the bbox form of `opd.data.records` (full image + bbox);
-- `bench/zoombench/toy.json`, a Vision-OPD evaluation JSON (`images`, `teacher_images` = the crop
-  file, `query`, `response`, `id`) that `eval.py --benchmarks zoombench --data-dir DIR/bench` reads,
-  `--view crop` answering from the crops too. The toy set sits in ZoomBench's slot because ZoomBench
-  is the paper's benchmark with crops (eval.py's Vision-OPD JSON layout is read for every benchmark).
+Each sample is a textured canvas with muted distractor blobs and one target shape in one of four option colours;
+the question asks for the target's colour (A) red (B) green (C) blue (D) yellow. An evidence-centred crop around the
+target is known by its bounding box. The processor resizes full canvas and crop alike to the same `resolution`, so
+the full view shrinks the target among distractors while the crop enlarges it: a base trained on crops reads the
+full view poorly. Everything is a pure function of (world seed, split, index): `sample(cfg, split, i)`; splits
+"sft", "opd", "audit" and "eval". `export_world(dir, cfg)` writes train.jsonl and audit.jsonl (bbox form) and
+`bench/zoombench/toy.json`, which eval.py reads in ZoomBench's slot.
+Details: docs/MODULES.md#opdtoyworld.
 """
 
 from __future__ import annotations
