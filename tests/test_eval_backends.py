@@ -171,8 +171,10 @@ def test_the_server_renders_the_trainers_prompt(transformers_serve, tiny, data):
 def test_vllm_backend_gives_hf_greedys_answers_where_the_tokens_agree(vllm_engine, data, tmp_path, monkeypatch):
     """Where the token ids eval.py's vllm backend decoded (recorded from its own `generate_greedy_ids` calls) equal HF
     float32 greedy's in eval.py's batches of 4 (the computation its hf backend runs, so the same ids), both backends
-    store the same reply and answer. Other items part at a bf16 near-tie (tests/test_vllm.py bounds those)."""
-    from vllm_fixtures import hf, hf_greedy_ids
+    store the same reply and answer. Every other item parts from HF's ids at a bf16 near-tie: HF float32's logits of
+    the two tokens (same prefix) lie closer than twice bf16's largest logit error there (tests/test_vllm.py's bound).
+    How many items part depends on the CPU's bf16 kernels (CI saw 26 of 38), so the test bounds each one instead."""
+    from vllm_fixtures import bf16_logit_error, common_prefix, hf, hf_greedy_ids, teacher_forced_argmax
 
     from opd.engine import vllm_rollouts as engine
     from opd.eval.benchmarks import load_benchmark
@@ -196,6 +198,7 @@ def test_vllm_backend_gives_hf_greedys_answers_where_the_tokens_agree(vllm_engin
     run_quiet(["--model", str(model_dir), "--device", "cpu", *argv(data.dir, hf_out)])
     model, processor, ids = hf(model_dir)
     agree = total = 0
+    every_prompt, hf_ids, vllm_ids = [], [], []
     for key in KEYS:  # eval.py's order: benchmarks as listed, a benchmark's crop view after its full view
         name, view = key.split("@")[0], "crop" if key.endswith("@crop") else "full"
         items = [i for i in load_benchmark(name, data.dir) if view == "full" or i.crop is not None]
@@ -207,13 +210,24 @@ def test_vllm_backend_gives_hf_greedys_answers_where_the_tokens_agree(vllm_engin
             sent, e = asked[total]
             assert sent == prompt.input_ids.tolist(), (key, item.index)  # the recorded request is this item's
             total += 1
+            every_prompt.append(prompt), hf_ids.append(h), vllm_ids.append(e)
             if e == h:
                 agree += 1
                 assert b[item.index]["reply"] == a[item.index]["reply"], (key, item.index)
                 assert b[item.index]["pred"] == a[item.index]["pred"], (key, item.index)
     assert total == len(asked)
-    say(f"--backend vllm: {total} items in {seconds:.1f} s; greedy tokens equal to HF float32's on {agree}/{total}")
-    assert agree >= total // 2
+    _, _, logits = teacher_forced_argmax(model, every_prompt, hf_ids, ids)  # (N, T, V): HF float32 on HF's own ids
+    tie = 2 * bf16_logit_error(model_dir, every_prompt, hf_ids, ids)
+    parted = []
+    for i, (e, h) in enumerate(zip(vllm_ids, hf_ids)):
+        if e != h:
+            k = common_prefix(e, h)
+            assert k < min(len(e), len(h)), f"item {i}: one is a prefix of the other ({len(e)} vs {len(h)} tokens)"
+            parted.append((i, k, float((logits[i, k, h[k]] - logits[i, k, e[k]]).abs())))
+    say(f"--backend vllm: {total} items in {seconds:.1f} s; greedy tokens equal to HF float32's on {agree}/{total}; "
+        f"parted (item, token, logit gap): {[(i, k, round(g, 3)) for i, k, g in parted]} (near-tie bound {tie:.3f})")
+    assert agree > 0, "no item to compare replies on"
+    assert all(gap <= tie for _, _, gap in parted), f"a part wider than the bf16 near-tie bound {tie:.3f}: {parted}"
     settings = json.loads((vllm_out / "vstar" / "settings.json").read_text())
     assert settings["backend"] == "vllm" and settings["dtype"] == "bfloat16"
     assert served["meta"]["device"] == "server"
