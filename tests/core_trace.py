@@ -19,10 +19,12 @@ from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
 OPD = str(ROOT / "opd")
-DEFAULT = ["--policy", "learned", "--rho", "0.25", "--steps", "8", "--no-eval-before",
+DEFAULT = ["--policy", "learned", "--rho", "0.25", "--steps", "8", "--eval-limit", "8",
            "--report-to", "none", "--save-every", "0"]  # fmt: skip
 """The README's default command through the selector's first updates (the replay reaches 96 labels at step 5, so
-steps 6-7 run every line of Algorithm 1), without what runs outside the steps (live evaluation, checkpoints)."""
+steps 6-7 run every line of Algorithm 1), with less of what runs outside the steps (live evaluation on 8 items, no
+checkpoint). Its evaluation before step 0 stays: the process's first forwards run there, as in the README's run
+(transformers logs its one-time notes in them, outside the steps)."""
 
 EQUATIONS = {
     "Eq. 1 (student)": ("opd.models.chat", "response_logits"),

@@ -11,7 +11,7 @@ from float64 import float64_model
 from opd.models.chat import collate, encode_prompt
 from opd.methods.dapd import DAPD
 from opd.data.sources import load_records
-from opd.methods.distillation import Distillation
+from opd.methods.objective import Distillation
 from opd.maths.family import budgeted_loss, topk_divergence
 from opd.models.ema_teacher import EMATeacher, Teacher, TeacherSet
 from opd.models.settings import EMAConfig

@@ -5,7 +5,7 @@ The step (`opd.loop.step.Stepper.step`) selects S, then calls the method's objec
 `ObjectiveResult`; after a valid optimizer step the loop calls `after_update`. An objective sees only
 `ObjectiveContext`, its own config (`Objective.Config`, flags `--<name>-<field>`) and `initial_teacher()`. The method
 table names each method's objective by its torch-free spec (`opd.methods.specs`; the class:
-`opd.methods.objectives.objective_class`). `distill` is the default objective's call (`opd.methods.distillation`;
+`opd.methods.objectives.objective_class`). `distill` is the default objective's call (`Distillation`, the family's;
 OPOD's gated term): a rank's rows of S in micro-batches by length, each running Eq. 2, 1 and 3 (through autograd), its
 share of Eq. 11 backpropagated at once and Eq. 7-9's labels. Memory per micro-batch: about five (n, T, V) float32
 tensors (20 n T V bytes; Qwen3.5's 4 x 1,024 x 248,320: 20 GB); past `opd.maths.loss.PLAIN_LOGITS_LIMIT` the fused
@@ -17,6 +17,7 @@ from __future__ import annotations
 
 from collections.abc import Callable
 from dataclasses import dataclass, field, fields
+from types import MethodType
 
 import torch
 
@@ -25,8 +26,9 @@ from opd.maths.divergence import generalized_jsd, labels_from_terms, upcast, uti
 from opd.maths.family import AGGREGATION_WEIGHTS, DENOMINATORS, SUPPORTS, bias_corrected_reverse_kl
 from opd.methods.lockstep import MicroBatch, Stopwatch, TeacherCost, lockstep, plan_rows, record_forward
 from opd.methods.micro_batch import micro_batch_loss
-from opd.methods.specs import ObjectiveSpec
+from opd.methods.specs import DISTILL_SPEC, ObjectiveSpec
 from opd.models.chat import micro_batch_inputs, response_logits
+from opd.models.ema_teacher import update_due
 
 
 def _no_labels() -> torch.Tensor:
@@ -163,7 +165,7 @@ def teacher_inputs(ctx: ObjectiveContext, batch: StepBatch, mb: MicroBatch, view
 
 
 class Objective:
-    """The interface of an objective (`opd.methods.distillation.Distillation`, `opd.methods.dapd.DAPD`, `opd.methods.opod.OPOD`,
+    """The interface of an objective (`Distillation` below, `opd.methods.dapd.DAPD`, `opd.methods.opod.OPOD`,
     `opd.methods.tm_opd.TMOPD`).
 
     Its class attributes `name`, `Config`, `refuses`, `needs_ema_teacher` and `aggregations` are its `spec`'s
@@ -285,3 +287,30 @@ def distill_labels(ctx) -> list[str]:
     """The ledger labels of the pass's teacher forwards: every teacher in every teacher view, in a fixed order."""
     t = ctx.teachers
     return [t.label(n, v) for n in t.names for v in ctx.teacher_views]
+
+
+class Distillation(Objective):
+    """Eq. 11 on S against the run's teacher(s), then the teachers' update after a valid step."""
+
+    spec = DISTILL_SPEC  # its name (`opd.methods.specs`)
+
+    @property
+    def labels(self) -> list[str]:
+        """The ledger labels of every teacher forward this objective can run, in a fixed order."""
+        return distill_labels(self.ctx)
+
+    @property
+    def __call__(self) -> Callable[[StepBatch], ObjectiveResult]:
+        """The pass itself, bound to this objective: `objective(batch)` is `distill(objective, batch)`, so the step's
+        call lands in the micro-batch loop where Eq. 1-3 and 11 run (a method calling `distill` would put one call
+        more between the step and Eq. 3: tests/test_house.py)."""
+        return MethodType(distill, self)
+
+    def after_update(self, step: int) -> None:
+        """Algorithm 1, line 13 after a valid update: theta-bar <- (1 - tau) theta-bar + tau theta for each of the run's
+        teachers once (a shared one once), every `ema.every` steps (DAPD's snapshot: tau = 1); frozen ones stay."""
+        ctx = self.ctx
+        if update_due(ctx.ema.every, step):
+            with torch.no_grad():
+                for t in dict.fromkeys(ctx.teachers.teachers.values()):
+                    t.update(ctx.model(), ctx.ema.tau)

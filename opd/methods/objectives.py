@@ -6,7 +6,7 @@ the class (`opd.methods.objective.Objective`). A new objective is one entry of `
 """
 
 from opd.methods.dapd import DAPD
-from opd.methods.distillation import Distillation
+from opd.methods.objective import Distillation
 from opd.methods.objective import Objective
 from opd.methods.opod import OPOD
 from opd.methods.specs import ObjectiveSpec

@@ -115,7 +115,7 @@ class TMOPDConfig(Section):
 
 
 DISTILL_SPEC = ObjectiveSpec("distill")
-"""The family's distillation (`opd.methods.distillation.Distillation`): every method that is a loss and a view."""
+"""The family's distillation (`opd.methods.objective.Distillation`): every method that is a loss and a view."""
 DAPD_SPEC = ObjectiveSpec(
     "dapd", DAPDConfig,
     refuses={"teacher_view": "its contexts are fixed: none, reference, rollout",
