@@ -223,7 +223,7 @@ def trust_region_profile(root: Path, cfg: FamilyConfig, prompts: int = 16) -> di
     from opd.maths.chunked import sampled_logp_from_hidden
     from opd.config import TrainConfig
     from opd.methods.objective import micro_batch_inputs
-    from opd.models.chat import lm_head_weight
+    from opd.models.hidden import lm_head_weight
     from opd.run import Run
     from opd.engine.rollout import generate_rollouts
     from opd.seeding import mix_seed

@@ -17,7 +17,8 @@ import opd.run
 import opd.loop.folder
 import train
 from opd import run_folder as runlock
-from opd.models.chat import encode_prompt, prompt_length
+from opd.models.chat import encode_prompt
+from opd.data.checks import prompt_length
 from opd.cli import UserError
 from opd.data.sources import load_records
 from opd.loop.ledger import read_ledger

@@ -1,12 +1,29 @@
 """The start-up checks of the run's data, before step 0 (none runs inside a step): enough records for a step and at
 least one crop (`check_records`, as soon as the records load), and once the models load, a route for every record
 (routed teachers) and every prompt of every view a record is used in within --max-prompt-len (`check_prompts`,
-without decoding an image: `opd.models.chat.prompt_length` of each view's `layout`).
+without decoding an image: `prompt_length` of each view's `layout`).
 """
+
+from PIL import Image
 
 from opd.cli import UserError
 from opd.data.records import VIEWS, Record, views_eligible
-from opd.models.chat import prompt_length
+from opd.models.chat import encode_prompt, prompt_text
+
+
+def prompt_length(processor, sizes: list[tuple[int, int]], problem: str, enable_thinking: bool = False) -> int:
+    """The token count `encode_prompt` gives for images of these (width, height) sizes, without decoding or
+    resizing any image: the templated text's tokens, each image placeholder expanded to the processor's
+    number of image tokens for its size (`_get_num_multimodal_tokens`, the count vLLM uses). A processor
+    without that method encodes blank images of the sizes instead (slower, the same count)."""
+    counter = getattr(processor, "_get_num_multimodal_tokens", None)
+    if counter is None or not sizes:
+        blanks = [Image.new("RGB", (max(1, w), max(1, h))) for w, h in sizes]
+        return len(encode_prompt(processor, blanks, problem, enable_thinking))
+    text = prompt_text(processor, problem, len(sizes), enable_thinking)  # one placeholder token per image
+    n_text = len(processor.tokenizer(text)["input_ids"])
+    per_image = counter(image_sizes=[(max(1, h), max(1, w)) for w, h in sizes])["num_image_tokens"]
+    return n_text - len(sizes) + sum(per_image)
 
 
 def check_records(records: list[Record], views, data_path, prompts_per_step: int, method_name: str) -> None:

@@ -1,17 +1,9 @@
-"""A training record, its views (the full image x_i, the crop x~_i) and the step's prompts, in reading order.
+"""Training records, their views (the full image x_i, the crop x~_i) and a step's prompts, in reading order.
 
-- `Record`: one row of the training data (x_i, q_i, and x~_i when it has one: a crop file or a bbox, which puts it in
-  the set C of Eq. 4); its other scalar fields in `Record.extra` (teacher routing); a_i of Eq. 5 (`area_ratio`). A row
-  becomes a Record in `opd.data.parse`.
-- `View` and the table `VIEWS`: what the student (Eq. 1) and a teacher (Eq. 2) see of a record, the images and the
-  question (the response tokens are always the student's own): `full` (x_i, q_i), `crop` (x~_i, q_i), and the other
-  methods' `half_resolution`, `masked`, `reference_answer` (their transforms: `opd.data.family_views`). A view is
-  eligible for a record when it can be built (`crop`, `masked`: a crop or bbox).
-- `Prompts`: the step's records, from a seeded permutation per epoch (`step_prompt_indices`) sharded over the ranks
-  (`shard`); the student's and the teachers' encoded prompts (a view's randomness, OPD-V's mask, seeded by (seed, step,
-  record id), so every rank encodes alike); the candidates C (every view of the method can be built and, with routed
-  teachers, the record has a teacher); the step's `StepBatch`, what the objective gets (`opd.methods.objective`).
-Start-up checks: `opd.data.checks`. Details: docs/MODULES.md#opddatarecords.
+`Record`: one row (x_i, q_i, and x~_i when it has a crop file or bbox: the set C of Eq. 4; a_i of Eq. 5). `VIEWS`:
+what the student (Eq. 1) and a teacher (Eq. 2) see: `full`, `crop` and the other methods' (`opd.data.family_views`).
+`Prompts`: a step's records, their encoded prompts, the candidates C and the `StepBatch` the objective gets.
+Rows become Records in `opd.data.parse`; start-up checks: `opd.data.checks`. Details: docs/MODULES.md#opddatarecords.
 """
 
 from __future__ import annotations
@@ -36,29 +28,17 @@ from opd.seeding import mix_seed
 class Record:
     """One training prompt x_i, q_i with its privileged crop x~_i when it has one."""
 
-    source: str
-    """The record's row, for error messages: 'file:line' (JSONL), 'file row N' (parquet), 'org/name[split] row N'."""
-    image: Path
-    """The full image x_i (an embedded image: its file in the content-addressed image cache)."""
-    problem: str
-    """The question q_i; '<image>' marks where the image goes (front when absent)."""
-    answer: str
-    """The reference answer (not used by OPD training; kept for evaluation and the toy world)."""
-    crop: Path | None = None
-    """A crop image file x~_i (Vision-OPD's `teacher_images`)."""
-    bbox: tuple[int, int, int, int] | None = None
-    """[x1, y1, x2, y2] in full-image pixels; the crop is cut from the full image."""
-    image_size: tuple[int, int] = (0, 0)
-    """(width, height) of the full image."""
-    crop_size: tuple[int, int] = (0, 0)
-    """(width, height) of the crop file, when there is one."""
-    image_key: str = "images"
-    """The record's own field of the full image ('images' or 'image', or the column mapped to it), for error messages."""
-    solution: str | None = None
-    """An optional worked solution (field `solution`), OPSD's privileged text when present."""
-    extra: tuple[tuple[str, str], ...] = ()
-    """Every other scalar field of the row as (name, text), in file order: e.g. `task` or `modality`, which a
-    routing table (`--teachers`, `opd.teachers`) maps to a teacher."""
+    source: str  # the row, for errors: 'file:line' (JSONL), 'file row N' (parquet), 'org/name[split] row N'
+    image: Path  # x_i (an embedded image: its file in the content-addressed image cache)
+    problem: str  # q_i; '<image>' marks where the image goes (front when absent)
+    answer: str  # the reference answer (unused by OPD training; for evaluation and the toy world)
+    crop: Path | None = None  # x~_i's file (Vision-OPD's `teacher_images`)
+    bbox: tuple[int, int, int, int] | None = None  # [x1, y1, x2, y2] in x_i's pixels; the crop is cut from x_i
+    image_size: tuple[int, int] = (0, 0)  # (width, height) of x_i
+    crop_size: tuple[int, int] = (0, 0)  # (width, height) of the crop file, when there is one
+    image_key: str = "images"  # the row's field of x_i ('images', 'image' or the column mapped to it), for errors
+    solution: str | None = None  # optional worked solution (field `solution`): OPSD's privileged text
+    extra: tuple[tuple[str, str], ...] = ()  # other scalar fields (name, text), file order: teacher routing (`task`)
 
     def field(self, name: str) -> str | None:
         """The text of one of the record's other fields (`extra`), or None when the row has no such field."""
@@ -66,18 +46,17 @@ class Record:
 
     @property
     def reference(self) -> str:
-        """The privileged text of OPSD's teacher: the solution when the record has one, else the answer."""
+        """OPSD teacher's privileged text: the solution when the record has one, else the answer."""
         return self.solution if self.solution else self.answer
 
     @property
     def eligible(self) -> bool:
-        """Whether the record belongs to the crop-eligible set C (Eq. 4)."""
+        """Whether the record is in the crop-eligible set C (Eq. 4)."""
         return self.crop is not None or self.bbox is not None
 
     @property
     def area_ratio(self) -> float:
-        """a_i of Eq. 5: crop area / full-image area, from the bbox, else from the crop file's size
-        (capped at 1: a crop cut at native resolution covers at most the whole image); 0 without a crop."""
+        """a_i of Eq. 5: crop area / full-image area (bbox, else crop file's size, capped at 1); 0 without a crop."""
         full = self.image_size[0] * self.image_size[1]
         if full == 0:
             return 0.0
@@ -116,9 +95,7 @@ def crop_image(record: Record) -> Image.Image:
 
 @dataclass(frozen=True)
 class View:
-    """One view: `fn(record, seed) -> (images, question)`; `needs_crop` when it cannot be built without one;
-    `layout(record) -> (image sizes, question)`: the (width, height) of each image `fn` gives and the question,
-    without decoding an image (the prompt-length check before step 0, `opd.models.chat.prompt_length`)."""
+    """A view: `fn(record, seed) -> (images, question)`; `layout(record) -> (image sizes, question)`, decoding none."""
 
     fn: Callable[[Record, int], tuple[list[Image.Image], str]]
     needs_crop: bool = False
@@ -142,7 +119,6 @@ def crop_size(record: Record) -> tuple[int, int]:
 VIEWS: dict[str, View] = {
     "full": View(lambda r, seed: ([full_image(r)], r.problem), layout=lambda r: ([r.image_size], r.problem)),
     "crop": View(lambda r, seed: ([crop_image(r)], r.problem), True, lambda r: ([crop_size(r)], r.problem)),
-    # the other methods' views (their transforms: opd.data.family_views)
     "half_resolution": View(lambda r, seed: ([half_resolution(full_image(r))], r.problem),
                             layout=lambda r: ([half_size(*r.image_size)], r.problem)),
     "masked": View(lambda r, seed: ([masked(crop_image(r), seed)], r.problem), True,
@@ -164,16 +140,11 @@ def views_eligible(record: Record, views) -> bool:
     return all(VIEWS[v].eligible(record) for v in views)
 
 
-student_view = VIEWS["full"]
-"""The student's input of the paper (Eq. 1): the full image x_i and the question q_i."""
+student_view = VIEWS["full"]  # the student's input (Eq. 1): x_i and q_i
 
 
 def step_prompt_indices(n_records: int, prompts_per_step: int, step: int, seed: int) -> list[int]:
-    """The record ids of training step `step`: epochs of a seeded permutation, last partial batch dropped.
-
-    Epoch e uses permutation seed (seed, e); one epoch is floor(n / B) steps (the paper's 111 steps of
-    28 prompts over 3,120 pairs). Pure function of its arguments, so a resumed run sees the same data.
-    """
+    """Record ids of step `step`: epoch e (floor(n / B) steps) is a permutation seeded by (seed, e); pure function."""
     steps_per_epoch = n_records // prompts_per_step
     if steps_per_epoch == 0:
         raise ValueError(f"{n_records} records cannot fill one step of {prompts_per_step} prompts")
@@ -192,29 +163,18 @@ def shard(items: list, rank: int, world: int) -> list:
 
 @dataclass
 class StepBatch:
-    """What the loop hands an objective for one step: this rank's part of it (`Prompts.batch`)."""
+    """This rank's part of one step, what the objective gets (made by `Prompts.batch`)."""
 
     step: int
-    records: list
-    """This rank's records of the step (local prompt j is records[j])."""
+    records: list  # local prompt j is records[j]
     record_ids: list[int]
     rollouts: Rollouts
-    student_prompts: list
-    """The student's encoded prompts (opd.models.chat.EncodedPrompt), one per local prompt."""
-    selected: torch.Tensor
-    """Local row ids of S."""
-    teacher_prompt: Callable
-    """(teacher name, view, j) -> local prompt j in a teacher's view, encoded once per step with that teacher's
-    processor; a view's randomness (the mask) is seeded by (seed, step, record id)."""
-    route: list
-    """Per local row: the name of its teacher (None outside C)."""
-    weights: torch.Tensor | None = None
-    """(N_local,) unbiased selection's w_i = 1 / pi_i for the rows of S (`opd.selection.designs`), which every objective
-    applies to its per-row terms (Eq. 11's Hajek form); None: every row 1 (top-K, uniform, full)."""
-    full_tokens: float | None = None
-    """Unbiased selection with --estimator ht: T_C, the valid response tokens of every candidate in C over all ranks
-    (`opd.selection.designs.Unbiased.full_query_tokens`), the token mean's Horvitz-Thompson denominator in place of the
-    Hajek form's sum_S w_i T_i (`opd.maths.family.loss_denominator`); None: the Hajek form, or no weights."""
+    student_prompts: list  # opd.models.chat.EncodedPrompt, one per local prompt
+    selected: torch.Tensor  # local row ids of S
+    teacher_prompt: Callable  # (teacher name, view, j) -> local prompt j in that teacher's view
+    route: list  # per local row: its teacher's name (None outside C)
+    weights: torch.Tensor | None = None  # (N_local,) w_i = 1 / pi_i on S, every per-row term (Eq. 11); None: all 1
+    full_tokens: float | None = None  # --estimator ht: T_C, the Horvitz-Thompson token denominator; None: Hajek
 
     def routed(self, teacher: str) -> torch.Tensor:
         """Local row ids of S routed to `teacher` (a name of the run's teacher set), in S's order."""
@@ -222,8 +182,7 @@ class StepBatch:
         return sel[[self.route[i] == teacher for i in sel.tolist()]] if sel.numel() else sel
 
     def position_weights(self, rows: torch.Tensor, mask: torch.Tensor, dtype) -> torch.Tensor | None:
-        """Unbiased selection's 1 / pi_i of each row of `rows`, at each of its valid positions (P,) in mask's
-        row-major order; None without it (every weight 1)."""
+        """(P,): 1 / pi_i of each of `rows` at each valid position, in mask's row-major order; None: all 1."""
         if self.weights is None:
             return None
         w = self.weights[rows].to(device=mask.device, dtype=dtype)  # (n,)
@@ -231,8 +190,7 @@ class StepBatch:
 
 
 class Prompts:
-    """The run's records, views and teachers: the prompts each step encodes, and the candidates C. `data`: the run's
-    `opd.data.settings.DataConfig`."""
+    """The run's records, views and teachers: each step's prompts and the candidates C (`data`: `DataConfig`)."""
 
     def __init__(self, records: list[Record], processor, method, teacher_views: tuple[str, ...], teachers,
                  data, seed: int, rank: int = 0, world: int = 1):  # fmt: skip
@@ -246,8 +204,7 @@ class Prompts:
         return (self.student_view, *self.teacher_views)
 
     def eligible(self, record: Record) -> bool:
-        """Whether the record's rows can be candidates (the set C): every view of the method can be built and, with
-        routed teachers, the record has a teacher."""
+        """In C: every view of the method can be built and, with routed teachers, the record has a teacher."""
         return views_eligible(record, self.views) and self.teachers.route(record) is not None
 
     def ids(self, step: int) -> list[int]:
@@ -260,8 +217,7 @@ class Prompts:
         return [self.records[i] for i in self.ids(step)]
 
     def encode(self, view, record: Record, seed: int = 0, processor=None, thinking: bool | None = None):
-        """One prompt of `view` (a View or its name); `seed` draws the view's randomness (the mask); `processor`: an
-        external teacher's (default: the policy's); `thinking`: the thinking prompt (default: --enable-thinking)."""
+        """One prompt of `view` (View or name); `seed`: its randomness; `processor`, `thinking`: None: the run's."""
         images, problem = get_view(view)(record, seed) if isinstance(view, str) else view(record, seed)
         thinking = self.data.enable_thinking if thinking is None else thinking
         try:
@@ -282,10 +238,7 @@ class Prompts:
     def batch(self, step: int, record_ids: list[int], rollouts: Rollouts, student_prompts: list,
               selected: torch.Tensor, weights: torch.Tensor | None = None,
               full_tokens: float | None = None) -> StepBatch:  # fmt: skip
-        """What the objective gets for one step on this rank (`StepBatch`): its records, rollouts and
-        prompts, the local rows of S (with unbiased selection their `weights` 1 / pi_i, and under --estimator ht C's
-        token total `full_tokens`), the teachers' prompts (encoded once per step, each with its teacher's processor;
-        a view's randomness seeded by (seed, step, record id)) and each row's teacher."""
+        """This rank's `StepBatch` of step `step`; teacher prompts encoded once per step, seeded by (seed, step, id)."""
         records = [self.records[i] for i in record_ids]
         cache: dict[tuple, object] = {}
         teachers = self.teachers.teachers

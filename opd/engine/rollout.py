@@ -1,13 +1,7 @@
-"""On-policy rollouts with plain Hugging Face `generate` (Algorithm 1, line 3).
+"""On-policy rollouts with plain Hugging Face `generate` (Algorithm 1, line 3): y_i ~ p_theta(. | x_i, q_i).
 
-y_i ~ p_theta(. | x_i, q_i): n rollouts per prompt, left padding, responses masked after EOS. Sampling is the
-paper's (temperature 1, no truncation) unless a method's recipe asks for a temperature, top-k or top-p (OPSD,
-DAPD: 1.1, 20, 0.95): `RolloutStats` then applies them itself (HF's order: temperature, top-k, top-p), so that the
-log-probs and entropies it records are those of the distribution actually sampled from. The sampled-token log-probs log p_old(y_{i,t} | ...) and the
-token entropies H_{i,t} that Eq. 5 needs are computed step by step inside `generate` by a logits
-processor that keeps one step of (rows, V) log-probs at a time: storing every step's full-vocabulary
-scores (1,024 steps x 224 rows x 248,320 ids) does not fit. Everything returned is detached. `Sampler` is the
-step's line 3 on one rank (its draws seeded by (seed, step, rank)); vLLM's is `opd.engine.vllm_sampler`.
+n rollouts per prompt, left padding, masked after EOS; `RolloutStats` records Eq. 5's log p_old(y_{i,t} | ...) and
+H_{i,t} while sampling; all detached. vLLM's: `opd.engine.vllm_sampler`. Details: docs/MODULES.md#opdenginerollout.
 """
 
 from __future__ import annotations
@@ -25,18 +19,7 @@ from opd.seeding import mix_seed
 
 
 class RolloutStats:
-    """Records log p(y_t) of each sampled token and the entropy H_t of the distribution it came from: a logits
-    processor (generate's `LogitsProcessorList` calls it with the tokens so far and the step's scores, as it calls a
-    `transformers.LogitsProcessor`; not a subclass, so that the settings path loads without transformers).
-
-    At step t the processor sees the scores of step t and the tokens sampled up to t - 1, so it
-    gathers the previous step's log-prob at the token just sampled and keeps only one step of
-    log-probs. It must see the final distribution: generate() runs it after the suppression
-    processors and before generate's own temperature/top-k/top-p warpers, which are identities at temperature 1,
-    top_k 0, top_p 1 (the only settings `generate_rollouts` gives generate). The run's own warping (`temperature`,
-    `top_k`, `top_p`) is applied here, before the statistics, and the warped scores are returned: generate samples
-    from exactly the distribution recorded.
-    """
+    """generate()'s logits processor: applies the run's warpers, records log p(y_t) and H_t of the distribution."""
 
     def __init__(self, temperature: float = 1.0, top_k: int = 0, top_p: float = 1.0):
         self.logp: list[torch.Tensor] = []
@@ -55,13 +38,12 @@ class RolloutStats:
             scores = warp(input_ids, scores)
         logp = torch.log_softmax(scores if scores.dtype == torch.float64 else scores.float(), dim=-1)  # (N, V)
         p = logp.exp()
-        # H_t = -sum_v p_v log p_v, with 0 log 0 = 0 for suppressed ids (logit -inf)
-        self.entropy.append(-torch.where(p > 0, p * logp, torch.zeros_like(p)).sum(-1))  # (N,)
+        self.entropy.append(-torch.where(p > 0, p * logp, torch.zeros_like(p)).sum(-1))  # (N,) H_t; 0 log 0 = 0
         self._prev = logp
         return scores
 
     def finish(self, last_tokens: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        """Gathers the last step and returns (logp, entropy), each (N, T)."""
+        """Gathers the last step; returns (logp, entropy), each (N, T)."""
         if self._prev is not None:
             self._gather_prev(last_tokens)
             self._prev = None
@@ -97,14 +79,7 @@ def response_mask(response_ids: torch.Tensor, eos_ids: list[int]) -> torch.Tenso
 
 
 def prefill_shared_cache(model, batch: dict[str, torch.Tensor], n: int):
-    """Encodes and prefills each prompt once and expands the cache to its n rollouts, or returns None
-    when the model's cache cannot be expanded (generate() then prefills every row itself).
-
-    The prompts minus their last token (a text token under left padding) go through one forward with
-    the images; the cache rows (KV and linear-attention states) are repeated n times in place, and
-    so is Qwen's M-RoPE offset (`rope_deltas`), which generate() reads without expanding it. Only the
-    cache is used: the forward keeps one position's logits (logits_to_keep=1), not (prompts, L - 1, V).
-    """
+    """Prefills each prompt once, expands the cache to its n rollouts; None if it cannot (generate() prefills all)."""
     prefix = {k: (v[:, :-1] if k in ("input_ids", "attention_mask", "mm_token_type_ids") else v) for k, v in batch.items()}
     out = model(**prefix, use_cache=True, logits_to_keep=1)
     cache = getattr(out, "cache", None) or getattr(out, "past_key_values", None)
@@ -121,16 +96,8 @@ def prefill_shared_cache(model, batch: dict[str, torch.Tensor], n: int):
 def generate_rollouts(model, prompts: list[EncodedPrompt], n_per_prompt: int, max_new_tokens: int, batch_rows: int = 0,
                       share_prefill: bool = True, temperature: float = 1.0, top_k: int = 0, top_p: float = 1.0,
                       ids: dict | None = None, generation_config=None) -> Rollouts:  # fmt: skip
-    """Samples `n_per_prompt` responses to each prompt; about `batch_rows` rows per generate() call (0: all).
-
-    With `share_prefill`, each prompt (and its image) is encoded and prefilled once for its n rollouts
-    (`prefill_shared_cache`); the sampled tokens are the same as without it (a test checks it).
-    Randomness comes from the global torch generator: the caller seeds it per step and rank, which
-    makes a resumed run sample the same responses as an uninterrupted one. `temperature`, `top_k`, `top_p`: the
-    sampling distribution (`RolloutStats`); the defaults are the paper's (plain sampling). `ids`, `generation_config`:
-    the model's `opd.models.loading.special_ids` and `neutral_generation_config`, which replaces model.generation_config
-    while generating (no checkpoint sampling defaults leak in); None: computed here (`Sampler` computes them once).
-    """
+    """`n_per_prompt` responses per prompt, about `batch_rows` rows per generate() call (0: all), from the global torch
+    generator (the caller seeds it); `ids`, `generation_config` None: `special_ids`, `neutral_generation_config`."""
     if ids is None or generation_config is None:
         ids = special_ids(model) if ids is None else ids
         generation_config = neutral_generation_config(model) if generation_config is None else generation_config
@@ -188,10 +155,7 @@ def _generate(model, group: list[EncodedPrompt], n: int, pad: int, share_prefill
 
 
 class Sampler:
-    """Algorithm 1, line 3 on one rank with Hugging Face `generate`: this rank's rollouts of a step, its draws seeded by
-    (seed, step, rank). `gather`: the context a generation runs in (a sharded policy gathered for the call,
-    `opd.models.sharding.generation`; nothing otherwise). The policy's special ids and neutral generation config
-    (`generate_rollouts`) are computed once, here."""
+    """Algorithm 1, line 3 on one rank, seeded by (seed, step, rank); `gather`: the context a generation runs in."""
 
     def __init__(self, sampling: SamplingConfig, acc, model, autocast, seed: int, gather=nullcontext):
         self.cfg, self.acc, self.model, self.autocast = sampling, acc, model, autocast

@@ -29,7 +29,7 @@ from opd.loop.checkpoint import load_sharded, load_state
 from opd.loop.optim import adamw
 from opd.models import lora as lora_mod
 from opd.models.adapter_teacher import AdapterTeacher
-from opd.models.chat import lm_head_weight
+from opd.models.hidden import lm_head_weight
 from opd.models.ema_teacher import EMATeacher, Teacher, TeacherSet
 from opd.models.external_teachers import build_routed, load_teacher
 from opd.models.loading import load_model, load_processor, resolve_model_source

@@ -3,16 +3,13 @@
     line 3       y_i ~ p_theta(. | x_i, q_i) for every prompt of this rank       `Sampler` (opd.engine.rollout)
     line 4       phi_i (Eq. 5), all-gathered; K = floor(rho |C|) (Eq. 4)         `rollout_features`, `query_budget`
     lines 5-9    S from the global candidates, before any teacher computation   `Selector.select` (opd.selection)
-    lines 11-12  the teacher on this rank's rows of S only; Eq. 11 backpropagated; the method's objective
-                 the labels u_i of S (Eq. 9)                                     (opd.methods.objective by default)
+    lines 11-12  the teacher on this rank's rows of S; Eq. 11 backpropagated; labels u_i (Eq. 9)    `Objective`
     line 13      AdamW, then theta-bar <- (1 - tau) theta-bar + tau theta        `Stepper.update`, `after_update`
     line 14      the labels of S gathered, (phi_i, u_i) into replay, psi updated  `Selector.observe`
 
-Every rank makes the same selection from the all-gathered features (a seed shared by the ranks), so every rank runs
-the same collectives in the same order. Notation: C the step's candidates (rows whose views can be built), S the
-selected subset, K = floor(rho |C|) its budget, pi_i a sampled row's inclusion probability (1 / pi_i its weight in
-Eq. 11). `LedgerRow` gathers the step's ledger row (DIR/ledger.jsonl, Appendix C's cost ledger; its fields:
-docs/TRAINING.md#the-ledger); the run around the steps is `opd.run.Run`.
+Every rank makes the same selection (a seed shared by the ranks), so every rank runs the same collectives in the same
+order. C: the candidates, S: the selected rows, pi_i: a row's inclusion probability; `LedgerRow`: the step's ledger row.
+Details: docs/MODULES.md#opdloopstep.
 """
 
 from __future__ import annotations
@@ -33,7 +30,6 @@ from opd.loop.ledger import PHASES
 
 class PhaseTimer:
     """Seconds per phase of one step; on CUDA the device is synchronised at each phase boundary."""
-
     def __init__(self, device: torch.device):
         self.device = torch.device(device)
         self.seconds: dict[str, float] = defaultdict(float)
@@ -55,7 +51,6 @@ class PhaseTimer:
 
 class LedgerRow:
     """One step's ledger row on this rank (the same row on every rank once gathered)."""
-
     def __init__(self, accelerator, step: int):
         self.acc, self.device = accelerator, accelerator.device
         self.t0 = time.perf_counter()
@@ -78,9 +73,7 @@ class LedgerRow:
             "selected": int(selected.numel()),
             "overrun": max(0, int(selected.numel()) - budget),
         }
-        # prompt coverage: distinct prompts among the candidates C and in S (a top-K spending the budget on a few
-        # prompts shows as selected_prompts far below min(K, candidate_prompts))
-        self.coverage = {
+        self.coverage = {  # prompt coverage: distinct prompts (and tokens) among C and in S
             "candidate_prompts": int(cand.prompt_of[rows].unique().numel()),
             "selected_prompts": int(cand.prompt_of[selected].unique().numel()),
             "scored_tokens": int(cand.lengths[selected].sum()),
@@ -89,9 +82,8 @@ class LedgerRow:
         self.pi = pi
 
     def objective(self, res, loss: float, seconds: float, rows_scored: int) -> None:
-        """The objective's result on this rank (Algorithm 1, lines 11-12): its teacher forwards (rows, real and padded
-        tokens, summed over ranks; seconds, the slowest rank's), and the step's loss (the ranks' shares summed by the
-        step). `seconds` the objective's wall time (teacher and student), `rows_scored` the teachers' rows this step."""
+        """Algorithm 1, lines 11-12 (collectives, every rank): teacher rows and tokens summed over ranks, seconds the
+        slowest rank's; `seconds` the objective's wall time, `rows_scored` the teachers' rows this step."""
         self.timer.seconds["teacher_forward"] += res.teacher_s
         self.timer.seconds["student"] += seconds - res.teacher_s
         self.labels = list(res.teachers)  # the objective's labels, the same on every rank
@@ -142,7 +134,6 @@ class LedgerRow:
 @dataclass
 class Candidates:
     """The step's rows over all ranks (rank 0's first): features phi (Eq. 5), eligibility (C), lengths, prompts."""
-
     phi: torch.Tensor  # (N, 6)
     eligible: torch.Tensor  # (N,) bool
     lengths: torch.Tensor  # (N,) valid response tokens
@@ -166,8 +157,7 @@ def gather_candidates(acc, phi_local, eligible_local, rollouts: Rollouts, prompt
 
 
 def local_rows(selected: torch.Tensor, pi: torch.Tensor | None, rank: int, n_local: int):
-    """This rank's rows of S (local ids) and, under unbiased selection, every local row's loss weight: 1 / pi_i for
-    the rows of S (Eq. 11's Hajek form), 1 elsewhere; None without it."""
+    """This rank's rows of S (local ids) and its rows' loss weights: 1 / pi_i on S (Eq. 11), else 1; None if pi is."""
     offset = rank * n_local
     mine = (selected >= offset) & (selected < offset + n_local)
     local = selected[mine] - offset
@@ -179,8 +169,7 @@ def local_rows(selected: torch.Tensor, pi: torch.Tensor | None, rank: int, n_loc
 
 
 def clip_gradients(accelerator, student, max_norm: float) -> float:
-    """The global gradient norm of the trained parameters, clipped to `max_norm` (0: not clipped). A parameter
-    without a gradient (an empty S) gets a zero one, so that AdamW still steps (weight decay, momentum)."""
+    """The trained parameters' global gradient norm, clipped to `max_norm` (0: no clip); a missing grad is zeroed."""
     trained = [p for p in student.parameters() if p.requires_grad]  # LoRA: the adapter only
     for p in trained:
         if p.grad is None:
@@ -192,35 +181,23 @@ def clip_gradients(accelerator, student, max_norm: float) -> float:
 @dataclass
 class Stepper:
     """Algorithm 1's step and update over a run's parts (built by `opd.run.Run`)."""
-
-    acc: object
-    """The accelerator (DDP, or FSDP2 with --fsdp)."""
-    rho: float
-    """The query ratio of Eq. 4."""
-    grad_clip: float
-    """The gradient-norm clip before AdamW (0: none)."""
+    acc: object  # the accelerator (DDP, or FSDP2 with --fsdp)
+    rho: float  # the query ratio of Eq. 4
+    grad_clip: float  # the gradient-norm clip before AdamW (0: none)
     records: list
-    prompts: object
-    """The run's prompts (`opd.data.records.Prompts`): each step's records, the student's and the teachers' inputs, C."""
-    sampler: object
-    """Line 3 (`opd.engine.rollout.Sampler`; vLLM's: `opd.engine.vllm_sampler`)."""
-    selector: object
-    """Lines 4-10 and 14 (`opd.selection.selectors.Selector`)."""
-    objective: object
-    """Lines 11-13: the method's objective (`opd.methods.objective.Objective`)."""
-    student: torch.nn.Module
-    """The policy as trained (DDP-wrapped or sharded)."""
+    prompts: object  # `opd.data.records.Prompts`: each step's records, the student's and the teachers' inputs, C
+    sampler: object  # line 3 (`opd.engine.rollout.Sampler`; vLLM's: `opd.engine.vllm_sampler`)
+    selector: object  # lines 4-10 and 14 (`opd.selection.selectors.Selector`)
+    objective: object  # lines 11-13: the method's objective (`opd.methods.objective.Objective`)
+    student: torch.nn.Module  # the policy as trained (DDP-wrapped or sharded)
     optimizer: object
     scheduler: object
-    teachers: object
-    """The run's teacher set (its rows scored, for the ledger)."""
+    teachers: object  # the run's teacher set (its rows scored, for the ledger)
     warned_no_eligible: bool = False
-    objective_keys: tuple = ()
-    """The objective's own ledger fields of the last step (its tracker namespace)."""
+    objective_keys: tuple = ()  # the objective's own ledger fields of the last step (its tracker namespace)
 
     def step(self, step: int, rollouts: Rollouts | None = None) -> dict:
-        """One iteration of Algorithm 1 on every rank; `rollouts` may stand in for sampling (tests). Returns the
-        ledger row."""
+        """Algorithm 1, lines 3-14, on every rank; `rollouts` may replace sampling (tests). Returns the ledger row."""
         ledger, acc = LedgerRow(self.acc, step), self.acc
         with ledger.phase("prompt"):
             ids = self.prompts.ids(step)
@@ -253,7 +230,7 @@ class Stepper:
         with ledger.phase("optimizer"):
             grad_norm = clip_gradients(acc, self.student, self.grad_clip)
         ledger.objective(res, loss, seconds, self.rows_scored() - before)
-        self.update(step, ledger, loss, grad_norm)  # Line 13: AdamW, then the teachers' update, after a valid step only.
+        self.update(step, ledger, loss, grad_norm)  # Line 13: AdamW, then the teachers' update (a valid step only).
         # Line 14: the labels of S (gathered), replay and the selector's update, on every rank alike.
         with ledger.phase("wait"):
             utility = acc.gather(res.utility.to(acc.device)).cpu()  # (N,) NaN outside S
@@ -264,8 +241,7 @@ class Stepper:
         return ledger.row()
 
     def update(self, step: int, ledger: LedgerRow, loss: float, grad_norm: float) -> None:
-        """Algorithm 1, line 13: AdamW and the teachers' update (`Objective.after_update`) when the loss and the gradient
-        are finite; the schedule moves either way."""
+        """Algorithm 1, line 13: AdamW and `after_update` if loss and gradient are finite; the schedule steps always."""
         valid = math.isfinite(loss) and math.isfinite(grad_norm)
         if valid:
             with ledger.phase("optimizer"):

@@ -1,17 +1,7 @@
 """BAS-OPD's losses: Eq. 3 (generalized JSD on the student's top-k plus a tail), Eq. 11's weights and denominator,
-and Eq. 7-9's utility labels u_i.
-
-Pure functions on tensors, differentiable by autograd: what the default step runs on a micro-batch's logits
-(`opd.methods.objective`). The family's other supports, divergences and aggregations, and `topk_divergence` (the
-plain reference on full logits) are `opd.maths.family`'s; the selector's loss (Eq. 10, 12) `opd.selection.selectors`'.
-
-Departures: the support is the student's top-k ids plus one tail bucket per side (Vision-OPD's convention; the paper
-says "top-100"), the tail computed exactly as logsumexp(z outside the top-k) - logsumexp(z); at alpha = 0 and 1
-`generalized_jsd` returns the limits KL(T || S) and KL(S || T). Eq. 7-8's P^S and P^T are renormalised over the
-student's top-k ids (no tail); Eq. 7's JSD is the symmetric one; o uses the teacher's own top-k over the full
-vocabulary (`use_overlap=False`, the paper's fallback, sets o = 1; `use_confidence=False` c = 1); k is capped at the
-vocabulary and must be at least 2 (c divides by log k). Details: docs/MODULES.md#opdmathsdivergence.
-"""
+and Eq. 7-9's utility labels u_i: pure functions on tensors, differentiable by autograd, run on a micro-batch's logits
+(`opd.methods.objective`); the family's other losses: `opd.maths.family`. Departures (exact tail, alpha's endpoints,
+Eq. 7-8 on the renormalised top-k, o's fallback, k >= 2) and details: docs/MODULES.md#opdmathsdivergence."""
 
 import math
 
@@ -27,12 +17,7 @@ def kl_divergence(p_logp: torch.Tensor, q_logp: torch.Tensor) -> torch.Tensor:
 
 
 def log_mixture(teacher_logp: torch.Tensor, student_logp: torch.Tensor, alpha: float) -> torch.Tensor:
-    """log M = log(alpha P^T + (1 - alpha) P^S), elementwise, 0 < alpha < 1.
-
-    An entry where both sides are 0 (an empty tail bucket at k = V) gives log M = -inf with a zero
-    gradient: logaddexp(-inf, -inf) alone has a NaN derivative, so those entries are swapped for 0
-    before it and set back to -inf after it.
-    """
+    """log M = log(alpha P^T + (1 - alpha) P^S), elementwise, 0 < alpha < 1; -inf (zero gradient) where both are 0."""
     empty = (teacher_logp == float("-inf")) & (student_logp == float("-inf"))  # (..., k)
     t = torch.where(empty, torch.zeros_like(teacher_logp), teacher_logp)
     s = torch.where(empty, torch.zeros_like(student_logp), student_logp)
@@ -41,16 +26,8 @@ def log_mixture(teacher_logp: torch.Tensor, student_logp: torch.Tensor, alpha: f
 
 
 def generalized_jsd(student_logp: torch.Tensor, teacher_logp: torch.Tensor, alpha: float = 0.5) -> torch.Tensor:
-    """Eq. 3 of the paper: the per-position divergence D_alpha(p^T || p^S).
-
-        M = alpha * P^T + (1 - alpha) * P^S
-        D_alpha = alpha * KL(P^T || M) + (1 - alpha) * KL(P^S || M)
-
-    alpha = 0.5 is the symmetric Jensen-Shannon divergence the paper trains with. Inputs are
-    log-probabilities over a shared support on the last dim (e.g. from `topk_support`); returns one
-    value per position, shape (...). Endpoints: alpha = 0 -> KL(P^T || P^S), alpha = 1 ->
-    KL(P^S || P^T) (the limits of D_alpha / alpha and D_alpha / (1 - alpha); see module docstring).
-    """
+    """Eq. 3: D_alpha = alpha KL(P^T || M) + (1 - alpha) KL(P^S || M), M = alpha P^T + (1 - alpha) P^S (paper: 0.5).
+    Log-probs over a shared support (..., k) -> (...); alpha = 0 / 1: the limits KL(P^T || P^S) / KL(P^S || P^T)."""
     if not 0.0 <= alpha <= 1.0:
         raise ValueError(f"alpha must lie in [0, 1], got {alpha}")
     if alpha == 0.0:
@@ -67,14 +44,8 @@ def upcast(x: torch.Tensor) -> torch.Tensor:
 
 
 def tail_logp(logits: torch.Tensor, ids: torch.Tensor) -> torch.Tensor:
-    """The tail bucket: log q with q = sum_{v not in I} p_v the mass outside the ids I, computed exactly
-
-        log q = logsumexp_{v not in I} z_v - logsumexp_v z_v
-
-    (the ids masked to -inf), never as log(1 - sum_{i in I} p_i), which cancels to rounding noise when
-    I holds nearly all the mass. logits (..., V), ids (..., k) -> (..., 1). I holding every id (k = V)
-    gives an empty tail, log q = -inf (a constant). Logits are assumed finite.
-    """
+    """The tail bucket, exact: log q = logsumexp_{v not in I} z_v - logsumexp_v z_v, never log(1 - sum_{i in I} p_i).
+    logits (..., V), ids I (..., k) -> (..., 1); k = V: an empty tail, log q = -inf (a constant). Logits finite."""
     lse = torch.logsumexp(logits, dim=-1, keepdim=True)  # (..., 1)
     if ids.shape[-1] >= logits.shape[-1]:
         return torch.full_like(lse, float("-inf")).detach()
@@ -85,16 +56,8 @@ def tail_logp(logits: torch.Tensor, ids: torch.Tensor) -> torch.Tensor:
 def topk_support(
     student_logits: torch.Tensor, teacher_logits: torch.Tensor, k: int = 100, tail: bool = True
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """The shared support of the top-k distillation loss (Eq. 3 is evaluated on it).
-
-    Takes the student's top-k ids I at each position and gathers both sides' full-vocabulary
-    log-probs there. With `tail` (Vision-OPD, BAS-OPD) each side gains one bucket log q = log of the
-    mass outside I (`tail_logp`, exact); without it each side is renormalised over I,
-    log P_i = z_i - logsumexp_{j in I} z_j. Either way each side is a distribution (Eq. 3 takes
-    distributions). The teacher is gathered at the *student's* ids (the teacher's own top-k matters
-    only for the overlap term of Eq. 9). Returns (student_logp, teacher_logp) of shape (..., k + 1)
-    with the tail or (..., k) without.
-    """
+    """Eq. 3's support: both sides' log-probs at the student's top-k ids I plus each side's tail bucket (`tail_logp`),
+    or without `tail` renormalised over I. Returns (student_logp, teacher_logp), (..., k + 1) or (..., k)."""
     if student_logits.shape != teacher_logits.shape:
         raise ValueError(f"student {tuple(student_logits.shape)}, teacher {tuple(teacher_logits.shape)} logits differ")
     k = min(k, student_logits.shape[-1])
@@ -116,15 +79,8 @@ def budgeted_weights(
     dtype: torch.dtype = torch.float32,
     sample_weights: torch.Tensor | None = None,
 ) -> torch.Tensor:
-    """Eq. 11's weight of each token: z_i m_{i,t} / max(1, sum_i sum_t z_i m_{i,t}), shape (N, T).
-
-    With sample weights w_i (unbiased selection's 1 / pi_i, `opd.selection.designs`) the Hajek form of the full-query token
-    mean: w_i z_i m_{i,t} / sum_i w_i z_i sum_t m_{i,t}, w_i in the numerator *and* the denominator (clamped at 1
-    only without weights). (A weight of the numerator alone, such as OPOD's beta, is `selected`'s value z_i, or
-    `opd.methods.objective`'s `row_weights`.) `denominator` replaces the sum when the batch is split: the training loop
-    evaluates Eq. 11 one micro-batch (and one rank) at a time with the global (weighted) count, so the parts add
-    up to Eq. 11.
-    """
+    """Eq. 11's token weights z_i m_it / max(1, sum_it z_i m_it), (N, T); with sample weights w_i (1 / pi_i) the
+    Hajek form w_i z_i m_it / sum_it w_i z_i m_it. `denominator`: the global count, for one micro-batch and rank."""
     zm = selected.to(dtype).unsqueeze(-1) * mask.to(dtype)  # (N, T)
     if sample_weights is not None:
         zm = zm * sample_weights.to(dtype).unsqueeze(-1)  # (N, T)
@@ -137,9 +93,7 @@ def budgeted_weights(
 def global_denominator(accelerator, lengths: torch.Tensor, selected: torch.Tensor, sample_weights=None,
                        full_tokens: float | None = None) -> float | int:  # fmt: skip
     """Eq. 11's denominator over all ranks (one all-reduce, run by every rank): the selected valid tokens, or with
-    unbiased selection's weights the Hajek form's sum_i w_i T_i (a float). `full_tokens` (--estimator ht,
-    `StepBatch.full_tokens`): the Horvitz-Thompson denominator T_C, the tokens of every candidate, returned instead
-    when S holds a token anywhere (0 otherwise), so that E[L_HT] = sum_{i in C} sum_t m_it D_it / T_C exactly."""
+    weights the Hajek sum_i w_i T_i (a float); `full_tokens` (--estimator ht): T_C instead, if S has a token at all."""
     device = accelerator.device
     if sample_weights is None:
         tokens = int(lengths[selected].sum()) if selected.numel() else 0
@@ -151,11 +105,7 @@ def global_denominator(accelerator, lengths: torch.Tensor, selected: torch.Tenso
 
 
 def weighted_sum(per_token: torch.Tensor, weights: torch.Tensor) -> torch.Tensor:
-    """sum_{i,t} w_{i,t} D_{i,t}, the sum of Eq. 11 for given weights (Eq. 11's, times any token weight).
-
-    Positions with weight 0 are left out, not multiplied: rows outside S may hold non-finite D (never
-    computed), and they must not leak into the sum. Training's whole-logits path calls it per micro-batch;
-    the chunked path (`opd.maths.chunked.budgeted_loss_from_hidden`) sums the same terms chunk by chunk."""
+    """sum_{i,t} w_{i,t} D_{i,t} (Eq. 11's sum), skipping weight-0 positions (rows outside S may hold non-finite D)."""
     return torch.where(weights > 0, per_token * weights, torch.zeros_like(per_token)).sum()
 
 
@@ -168,12 +118,12 @@ def topk_overlap(student_ids: torch.Tensor, teacher_ids: torch.Tensor) -> torch.
 
 
 def token_jsd(student_logp_k: torch.Tensor, teacher_logp_k: torch.Tensor) -> torch.Tensor:
-    """Eq. 7 of the paper: d_{i,t} = JSD(P^S_{i,t}, P^T_{i,t}) on the renormalized top-k support."""
+    """Eq. 7: d_{i,t} = JSD(P^S_{i,t}, P^T_{i,t}) on the renormalized top-k support."""
     return generalized_jsd(student_logp_k, teacher_logp_k, alpha=0.5)
 
 
 def teacher_confidence(teacher_logp_k: torch.Tensor) -> torch.Tensor:
-    """Eq. 8 of the paper: c_{i,t} = 1 - H(P^T_{i,t}) / log k, with P^T renormalized over k ids."""
+    """Eq. 8: c_{i,t} = 1 - H(P^T_{i,t}) / log k, with P^T renormalized over k ids."""
     k = teacher_logp_k.shape[-1]
     p = teacher_logp_k.exp()
     entropy = -torch.where(p > 0, p * teacher_logp_k, torch.zeros_like(p)).sum(-1)  # (...)
@@ -186,10 +136,7 @@ def utility_terms(
     k: int = 100,
     student_topk: tuple[torch.Tensor, torch.Tensor] | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """(d, o, c) per position from full-vocabulary logits (..., V); each (...).
-
-    `student_topk` = (values, ids) of the student's top-k logits, when the caller has them already.
-    """
+    """(d, o, c) per position from full-vocabulary logits (..., V), each (...); `student_topk`: its (values, ids)."""
     k = min(k, student_logits.shape[-1])
     if k < 2:
         raise ValueError(f"the utility needs k >= 2 (c divides by log k), got k = {k}")
@@ -204,20 +151,15 @@ def utility_terms(
 
 
 def sample_utility(d: torch.Tensor, o: torch.Tensor, c: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
-    """Eq. 9 of the paper: u_i = sum_t m_{i,t} d_{i,t} o_{i,t} c_{i,t} / sum_t m_{i,t}.
-
-    d, o, c, mask: (N, T) -> (N,). A row with no valid token gets 0.
-    """
+    """Eq. 9: u_i = sum_t m_it d_it o_it c_it / sum_t m_it; (N, T) -> (N,), 0 for a row with no valid token."""
     m = mask.to(d.dtype)
     return (m * d * o * c).sum(-1) / m.sum(-1).clamp(min=1.0)
 
 
 def labels_from_terms(terms: torch.Tensor, mask: torch.Tensor, use_overlap: bool = True,
                       use_confidence: bool = True) -> torch.Tensor:
-    """Eq. 9 from a loss pass's per-position terms (d, o, c) of Eq. 7-8: u_i per row, detached.
-
-    terms: (P, 3) at mask's valid positions (row-major, as `terms[mask]`) or (n, T, 3); mask: (n, T) -> (n,).
-    `use_overlap` / `use_confidence` False set o / c to 1 (the ablations of Table 4)."""
+    """Eq. 9's u_i per row, detached, from terms (d, o, c): (P, 3) at mask's valid positions or (n, T, 3); mask (n, T).
+    `use_overlap` / `use_confidence` False set o / c to 1 (Table 4's ablations)."""
     if terms.dim() == 2:  # the valid positions only: back onto the (n, T) grid
         grid = torch.zeros((*mask.shape, 3), dtype=terms.dtype, device=terms.device)
         grid[mask] = terms
@@ -237,10 +179,6 @@ def utility_labels(
     use_overlap: bool = True,
     use_confidence: bool = True,
 ) -> torch.Tensor:
-    """Eq. 7-9 of the paper: one detached utility label u_i per row.
-
-    student_logits, teacher_logits: (N, T, V) over the same response tokens; mask: (N, T).
-    `use_overlap` / `use_confidence` False set o / c to 1 (the ablations of Table 4).
-    """
+    """Eq. 7-9: one detached u_i per row from (N, T, V) logits; mask (N, T); ablations as `labels_from_terms`."""
     terms = torch.stack(utility_terms(student_logits.detach(), teacher_logits.detach(), k), -1)  # (N, T, 3)
     return labels_from_terms(terms, mask, use_overlap, use_confidence)

@@ -25,7 +25,7 @@ from opd.maths.divergence import global_denominator
 from opd.methods.lockstep import MicroBatch, Stopwatch, lockstep, plan_micro_batches, record_forward
 from opd.methods.objective import Objective, ObjectiveContext, ObjectiveResult
 from opd.methods.specs import DAPD_SPEC, DAPDConfig
-from opd.models.chat import completion_inputs, lm_head_weight, response_hidden
+from opd.models.hidden import completion_inputs, lm_head_weight, response_hidden
 from opd.models.ema_teacher import TeacherSet, update_due
 
 

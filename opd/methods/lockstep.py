@@ -1,13 +1,9 @@
-"""One lockstep schedule of micro-batches for every objective, and the teacher-cost accounting.
+"""One lockstep schedule of micro-batches for every objective (`lockstep`), and the teacher-cost accounting.
 
-Distributed, every rank must run the same collectives in the same order, also with nothing to do. DDP: a rank runs
-its micro-batches unsynchronised but the last (whose backward all-reduces the gradients); a rank with none runs one
-zero-weighted forward and backward (`dummy_backward`). FSDP2: every rank runs as many micro-batches per group as the
-busiest rank (one all-gather of the counts), the missing ones zero-weighted padding on its row 0.
-
-`lockstep` is that schedule, written once: it yields a `MicroBatch` per slot, which carries the padding rules and
-the synchronisation (`synced`). `TeacherCost` and `record_forward` book each teacher forward (rows, tokens, padded
-tokens, seconds) alike for every objective; `Stopwatch` times on the device.
+Distributed, every rank must run the same collectives in the same order, also with nothing to do. DDP: a rank syncs
+only its last micro-batch's backward, and one with none runs `dummy_backward`. FSDP2: every rank runs as many
+micro-batches per group as the busiest rank (one all-gather of the counts), the missing ones zero-weighted padding.
+`TeacherCost` and `record_forward` book each teacher forward alike for every objective; `Stopwatch` times on the device.
 Details: docs/MODULES.md#opdmethodslockstep.
 """
 
@@ -32,7 +28,6 @@ def cuda_sync(device: torch.device | str) -> None:
 
 class Stopwatch:
     """Seconds of device work: the device is synchronised before the start and at each reading."""
-
     def __init__(self, device: torch.device | str):
         self.device = device
         cuda_sync(device)
@@ -46,7 +41,6 @@ class Stopwatch:
 @dataclass
 class TeacherCost:
     """What one teacher label cost on this rank: forward rows, real and padded input tokens, seconds."""
-
     rows: int = 0
     tokens: int = 0
     padded_tokens: int = 0
@@ -54,8 +48,7 @@ class TeacherCost:
 
 
 def record_forward(cost: TeacherCost, inputs: dict, mask: torch.Tensor, prompt_tokens: int, seconds: float = 0.0) -> None:
-    """Books one teacher forward: its rows, its real tokens (prompts + valid completion tokens), its input tokens
-    with padding, and its seconds."""
+    """Books one teacher forward: rows, real tokens (prompts + valid completion tokens), padded tokens, seconds."""
     cost.rows += int(inputs["input_ids"].shape[0])
     cost.tokens += int(mask.sum()) + int(prompt_tokens)
     cost.padded_tokens += int(inputs["input_ids"].numel())
@@ -63,8 +56,7 @@ def record_forward(cost: TeacherCost, inputs: dict, mask: torch.Tensor, prompt_t
 
 
 def plan_micro_batches(lengths: torch.Tensor, max_rows: int, max_tokens: int = 0) -> list[torch.Tensor]:
-    """Groups rows by length: sorted longest first, filled greedily while rows <= max_rows and
-    rows x longest <= max_tokens (a row longer than max_tokens goes alone). Returns index tensors."""
+    """Index tensors of rows, longest first, filled greedily while rows <= max_rows and rows x longest <= max_tokens."""
     order = torch.sort(lengths, descending=True, stable=True).indices.tolist()
     batches, current = [], []
     for i in order:
@@ -79,8 +71,7 @@ def plan_micro_batches(lengths: torch.Tensor, max_rows: int, max_tokens: int = 0
 
 
 def slot_counts(accelerator, sharded: bool, plans: dict[str, list]) -> dict[str, int]:
-    """Micro-batches per group on this rank: its own counts; sharded, the busiest rank's per group (one
-    all-gather, run by every rank)."""
+    """Micro-batches per group: this rank's; sharded, the busiest rank's (one all-gather, run by every rank)."""
     counts = {g: len(p) for g, p in plans.items()}
     if sharded and plans:
         gathered = accelerator.gather(torch.tensor([list(counts.values())], device=accelerator.device))  # (world, G)
@@ -89,9 +80,8 @@ def slot_counts(accelerator, sharded: bool, plans: dict[str, list]) -> dict[str,
 
 
 def slots(accelerator, sharded: bool, plans: dict[str, list], sync: bool = True) -> Iterator[tuple[str, object, bool]]:
-    """The lockstep order of this rank's micro-batches: (group, item or None for padding, sync), groups in the
-    plans' order (the same on every rank). `sync` is True for the last real micro-batch when the caller syncs
-    (DDP: its backward all-reduces the step's gradients); never for padding (sharded runs sync every backward)."""
+    """Lockstep order of this rank's micro-batches: (group, item or None for padding, sync), groups in the plans' order;
+    `sync` True for the last real micro-batch when the caller syncs (DDP's all-reduce), never for padding."""
     counts = slot_counts(accelerator, sharded, plans)
     real = [(g, j) for g, p in plans.items() for j in range(len(p))]
     last = real[-1] if real else None
@@ -103,23 +93,15 @@ def slots(accelerator, sharded: bool, plans: dict[str, list], sync: bool = True)
 
 @dataclass
 class MicroBatch:
-    """One slot of the lockstep schedule (`lockstep`), and the padding rules every objective follows in it.
-
-    A real slot holds `item` (the plan's: local row ids, or an objective's job) of `group`. A padding slot (sharded:
-    this rank has fewer micro-batches of the group than the busiest rank) runs the same forwards and backward on the
-    rank's row 0: `rows` is [0], `weight` zeroes what it is given, `teacher` leaves a teacher's counters alone (its
-    forward is no teacher call), and `real` is False, so the objective books and labels nothing. `backward` frees
-    the teachers' gathered roots (their LM heads, sharded) before the student's backward; `synced` is the context of
-    the step's synchronising backward (DDP) or of one that is not."""
-
+    """One slot of `lockstep` with the padding rules: a real slot holds `item` (local row ids, or a job) of `group`; a
+    padding slot (sharded: fewer micro-batches here than on the busiest rank) runs the same forwards and backward on
+    row 0, zero-weighted, its teacher forwards uncounted, booking and labelling nothing (`real` False)."""
     group: str
     item: object
-    sync: bool
-    """This slot's last backward synchronises DDP's gradients (never a padding slot: sharded runs sync every one)."""
+    sync: bool  # this slot's last backward syncs DDP's gradients (never padding: sharded runs sync every one)
     accelerator: object
     student: object
-    release: tuple = ()
-    """Models whose gathered parameters `backward` frees first (the teachers, sharded)."""
+    release: tuple = ()  # models whose gathered parameters `backward` frees first (the teachers, sharded)
 
     @property
     def real(self) -> bool:
@@ -139,8 +121,7 @@ class MicroBatch:
         return teacher.uncounted() if not self.real else nullcontext()
 
     def synced(self, last: bool = True):
-        """The context of a forward and backward: synchronising DDP's gradients when this is the slot's (and, with
-        `last`, the objective's) final backward of the step."""
+        """Forward-and-backward context: syncs DDP's gradients on the slot's (`last`: objective's) final backward."""
         return synced(self.accelerator, self.student, (self.sync and last) or not self.real)
 
     def free(self) -> None:
@@ -149,20 +130,17 @@ class MicroBatch:
             reshard(model)
 
     def backward(self, loss: torch.Tensor, free: bool = True) -> None:
-        """The student's backward, the teachers freed first (free=False: an objective that still reads a teacher's LM
-        head in a later forward of this micro-batch frees them itself, `free`)."""
+        """The student's backward, the teachers freed first (free=False: the objective calls `free` itself, later)."""
         if free:
             self.free()
         self.accelerator.backward(loss)
 
 
 def lockstep(ctx, batch, plans: dict[str, list], sync: bool = True, release=()) -> Iterator[MicroBatch]:
-    """The micro-batches of `plans` ({group: [items]}, groups in the same order on every rank) as `MicroBatch`es in
-    lockstep (`slots`): sharded, every rank yields as many per group as the busiest rank, padding included.
-    Unsharded, a rank with nothing to run runs one zero-weighted forward and backward on its row 0
-    (`dummy_backward`) when `sync`, so that it joins DDP's gradient all-reduce; with sync=False a later pass of the
-    caller synchronises. `ctx` an `opd.methods.objective.ObjectiveContext`, `batch` the step's `StepBatch`; `release` the
-    teachers' models, resharded before each backward and at the end when sharded (`ctx.sharded`)."""
+    """`plans` ({group: [items]}, same group order on every rank) as `MicroBatch`es in lockstep: sharded, as many per
+    group as the busiest rank; unsharded, a rank with none runs `dummy_backward` if `sync` (else a later pass syncs).
+    `ctx` an `ObjectiveContext`, `batch` the `StepBatch`; `release` the teachers, resharded (sharded) before each
+    backward and at the end."""
     acc, student = ctx.accelerator, ctx.student
     release = tuple(release) if ctx.sharded else ()  # unsharded: nothing gathered, nothing to free
     ran = False
@@ -178,8 +156,7 @@ def lockstep(ctx, batch, plans: dict[str, list], sync: bool = True, release=()) 
 
 
 def dummy_backward(ctx, batch) -> None:
-    """A zero-weighted forward and backward on this rank's first row: a rank with nothing to train still joins DDP's
-    gradient all-reduce (every rank runs the same collectives)."""
+    """A zero-weighted forward and backward on this rank's row 0, so that it joins DDP's gradient all-reduce."""
     ro = batch.rollouts
     prompt = batch.student_prompts[int(ro.prompt_index[0])]
     inputs, _, _ = micro_batch_inputs([prompt], ro, torch.tensor([0]), ctx.ids["pad"], ctx.device)
@@ -199,8 +176,7 @@ def plan_rows(rollouts, teacher_prompt, selected: torch.Tensor, micro_batch: int
 
 
 def synced(accelerator, student, sync: bool):
-    """The context of a forward and backward: DDP's `no_sync` unless this one synchronises the step's gradients
-    (FSDP2 modules have no `no_sync`: accelerate then returns a null context)."""
+    """DDP's `no_sync` context unless this forward and backward syncs the step's gradients (FSDP2: a null context)."""
     return nullcontext() if sync else accelerator.no_sync(student)
 
 

@@ -17,7 +17,8 @@ from opd.maths.family import topk_divergence
 from opd.maths.loss import LossConfig
 from opd.maths.weights import SampledLogp, TokenWeight, token_weight
 from opd.methods.lockstep import Stopwatch, TeacherCost, timed
-from opd.models.chat import lm_head_weight, response_hidden, response_logits
+from opd.models.chat import response_logits
+from opd.models.hidden import lm_head_weight, response_hidden
 from opd.models.ema_teacher import Teacher
 
 

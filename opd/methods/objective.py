@@ -1,17 +1,10 @@
-"""The objective boundary, and the family's distillation pass behind it (Algorithm 1, lines 11-12).
+"""The objective boundary and the family's distillation pass behind it (Algorithm 1, lines 11-12).
 
-The step (`opd.loop.step.Stepper.step`) selects S, then calls the method's objective once with the step's `StepBatch`
-(`opd.data.records`); the objective runs the teacher(s) on S only, backpropagates its share of the loss and returns an
-`ObjectiveResult`; after a valid optimizer step the loop calls `after_update`. An objective sees only
-`ObjectiveContext`, its own config (`Objective.Config`, flags `--<name>-<field>`) and `initial_teacher()`. The method
-table names each method's objective by its torch-free spec (`opd.methods.specs`; the class:
-`opd.methods.objectives.objective_class`). `distill` is the default objective's call (`Distillation`, the family's;
-OPOD's gated term): a rank's rows of S in micro-batches by length, each running Eq. 2, 1 and 3 (through autograd), its
-share of Eq. 11 backpropagated at once and Eq. 7-9's labels. Memory per micro-batch: about five (n, T, V) float32
-tensors (20 n T V bytes; Qwen3.5's 4 x 1,024 x 248,320: 20 GB); past `opd.maths.loss.PLAIN_LOGITS_LIMIT` the fused
-kernel (`opd.methods.micro_batch`). Details: docs/MODULES.md#opdmethodsobjective, docs/TRAINING.md#the-distillation-pass;
-adding a method: docs/EXTENDING.md.
-"""
+The step calls an objective once with its `StepBatch`: it runs the teacher(s) on S only, backpropagates its share of
+the loss and returns an `ObjectiveResult`; `after_update` follows a valid optimizer step. `distill`, the default call,
+runs Eq. 2, 1, 3, its share of Eq. 11 and Eq. 7-9 per micro-batch of S. Memory per micro-batch: about five (n, T, V)
+float32 tensors (20 n T V bytes); the fused kernel (`opd.methods.micro_batch`) is opt-in (`--fused-kernel`; automatic
+past `opd.maths.loss.PLAIN_LOGITS_LIMIT`). Details: docs/MODULES.md#opdmethodsobjective."""
 
 from __future__ import annotations
 
@@ -32,7 +25,6 @@ from opd.models.ema_teacher import update_due
 
 
 def _no_labels() -> torch.Tensor:
-    """ObjectiveResult.utility's default: no row."""
     return torch.zeros(0)
 
 
@@ -41,21 +33,13 @@ class ObjectiveResult:
     """What an objective returns for one step on this rank."""
 
     loss_sum: float = 0.0
-    """This rank's share of the loss times `global_tokens`: the local part of the loss's numerator. Token-mean (Eq.
-    11): sum over this rank's selected valid tokens of w D (w the token weight times OPOD's beta; with unbiased
-    selection times 1 / pi_i); sequence-mean: sum over its rows of S of the row's mean D; micro-batch: sum over its
-    micro-batches of n_b times the micro-batch's token mean. OPOD: of its gated distillation term only (its
-    `loss_share` adds the policy gradient and the KL)."""
+    """This rank's share of the loss times `global_tokens`: the local numerator (OPOD: its gated term only)."""
     global_tokens: float = 0
-    """The loss's denominator over all ranks (`opd.maths.family.loss_denominator`): token-mean, the selected valid tokens
-    (an int), or sum_i w_i T_i with unbiased selection's weights (a float); sequence-mean and micro-batch, the
-    number |S| of selected rows with a valid token; DAPD, the rollout completions' tokens (weighted alike). 0: S is
-    empty everywhere."""
+    """The loss's denominator over all ranks (`opd.maths.family.DENOMINATORS`); 0: S is empty everywhere."""
     utility: torch.Tensor = field(default_factory=_no_labels)
     """(N_local,) u_i for selected rows, NaN for unselected rows (they get no label)."""
     teachers: dict[str, TeacherCost] = field(default_factory=dict)
-    """Per ledger label (teacher view, or teacher:view): rows, prompt + valid response tokens, input tokens
-    with padding, seconds."""
+    """Per ledger label (view, or teacher:view): rows, prompt + valid response tokens, padded tokens, seconds."""
     loss_share: float | None = None
     """This rank's share of the step's loss (summed over ranks: the loss); None: loss_sum / global_tokens."""
     metrics: dict = field(default_factory=dict)
@@ -63,10 +47,7 @@ class ObjectiveResult:
 
     @classmethod
     def begin(cls, ctx: ObjectiveContext, batch: StepBatch, labels: list[str]) -> ObjectiveResult:
-        """The step's result before any teacher forward: no row labelled (NaN), every label's cost zero, and the
-        loss's global denominator (`opd.maths.family.DENOMINATORS`, Eq. 11's `divergence.global_denominator`: one
-        all-reduce, run by every rank). `empty`: S holds no token on any rank, so no teacher runs and the distillation
-        term is zero (Appendix A.3)."""
+        """No row labelled (NaN), every cost zero, the loss's global denominator (one all-reduce, run by every rank)."""
         ro = batch.rollouts
         res = cls(utility=torch.full((len(ro),), float("nan")), teachers={lab: TeacherCost() for lab in labels})
         denominator = DENOMINATORS[ctx.loss.aggregation]
@@ -75,12 +56,10 @@ class ObjectiveResult:
 
     @property
     def empty(self) -> bool:
-        """S holds no valid token on any rank."""
         return self.global_tokens == 0
 
     def label(self, rows: torch.Tensor, terms: torch.Tensor, mask: torch.Tensor, loss) -> None:
-        """Eq. 9's labels u_i of `rows` from their per-position terms (d, o, c) ((P, 3) or (n, T, 3);
-        `opd.maths.divergence.labels_from_terms`), with the run's ablations (`loss`: the `opd.maths.loss.LossConfig`)."""
+        """Eq. 9's labels u_i of `rows` from their terms (d, o, c), (P, 3) or (n, T, 3), with `loss`'s ablations."""
         u = labels_from_terms(terms, mask, not loss.no_overlap, not loss.no_confidence)
         self.utility[rows] = u.float().cpu()
 
@@ -90,7 +69,6 @@ class ObjectiveResult:
 
     @property
     def share(self) -> float:
-        """This rank's share of the step's loss."""
         return self.loss_share if self.loss_share is not None else self.loss_sum / max(1, self.global_tokens)
 
 
@@ -106,27 +84,19 @@ class ObjectiveContext:
     teachers: object
     """The run's teachers (`opd.models.external_teachers.TeacherSet`), in a fixed order."""
     encode: Callable
-    """(view or View, record, seed=0, processor=None, thinking=None) -> EncodedPrompt, with the run's thinking flag
-    (unless `thinking` says otherwise) and --max-prompt-len; a prompt that does not fit is a one-line error naming
-    its record (`opd.data.records.Prompts.encode`)."""
-    processor: object
-    """The policy's processor (its tokenizer decodes rollouts)."""
-    ids: dict
-    """The policy's special ids (`opd.models.loading.special_ids`): eos, pad, vision."""
-    autocast: Callable
-    """() -> the mixed-precision context of the forwards."""
+    """(view, record, seed=0, processor=None, thinking=None) -> EncodedPrompt (`opd.data.records.Prompts.encode`)."""
+    processor: object  # the policy's processor (its tokenizer decodes rollouts)
+    ids: dict  # the policy's special ids: eos, pad, vision
+    autocast: Callable  # () -> the forwards' mixed-precision context
     student_view: str
     teacher_views: tuple[str, ...]
     """The teacher views of a scored row, the positive one first (OPD-V: crop, then masked)."""
     loss: object
-    """The shared loss settings (`opd.maths.loss.LossConfig`, resolved for the method: its support, divergence and token
-    weight): top-k, alpha, temperature, aggregation, micro-batch and chunk sizes, utility ablations."""
+    """The shared loss settings (`opd.maths.loss.LossConfig`, resolved for the method)."""
     max_response_len: int
     ema: object
-    """The teachers' update (`opd.models.settings.EMAConfig`): rate tau after a valid step (0: fixed; 1: a copy), every
-    `every` steps."""
-    sharded: bool = False
-    """The policy and teachers are FSDP2-sharded (`--fsdp`): `opd.methods.lockstep` pads and frees for it."""
+    """The teachers' update (`opd.models.settings.EMAConfig`): rate tau (0: fixed; 1: a copy), every `every` steps."""
+    sharded: bool = False  # FSDP2-sharded policy and teachers (`--fsdp`): the lockstep pads and frees for it
 
     @property
     def device(self) -> torch.device:
@@ -134,8 +104,6 @@ class ObjectiveContext:
 
     @property
     def teacher_models(self) -> list:
-        """The teachers' models, in the teachers' order: what a micro-batch frees before the student's backward
-        (`lockstep(..., release=)`, sharded)."""
         return [t.model for t in self.teachers.teachers.values()]
 
     @property
@@ -144,17 +112,14 @@ class ObjectiveContext:
 
 
 def teacher_plans(ctx: ObjectiveContext, batch: StepBatch, view: str) -> dict[str, list[torch.Tensor]]:
-    """S's rows routed to each teacher ({name: micro-batches of local row ids}, in the teachers' fixed order), each
-    teacher's rows grouped by their length in `view` (prompt + response; `opd.methods.lockstep.plan_rows`)."""
+    """{teacher name: micro-batches of its local row ids of S}, in order, grouped by length in `view` (`plan_rows`)."""
     cfg = ctx.loss
     return {n: plan_rows(batch.rollouts, lambda v, j, n=n: batch.teacher_prompt(n, v, j), batch.routed(n),
                          cfg.micro_batch, cfg.micro_batch_tokens, view) for n in ctx.teachers.names}  # fmt: skip
 
 
 def teacher_inputs(ctx: ObjectiveContext, batch: StepBatch, mb: MicroBatch, view: str, res: ObjectiveResult):
-    """The micro-batch's inputs for its teacher (`mb.group`) in `view`: (inputs, mask (n, T), width, cost). A real
-    slot's forward is booked (rows, tokens) under its ledger label and `cost` is that label's `TeacherCost` (for its
-    seconds); a padding slot runs on the student's prompts, booked nowhere (cost None)."""
+    """(inputs, mask (n, T), width, cost) of `mb` in `view`; a padding slot: the student's prompts, booked nowhere."""
     ro, pids = batch.rollouts, batch.rollouts.prompt_index[mb.rows].tolist()
     prompts = [batch.teacher_prompt(mb.group, view, p) if mb.real else batch.student_prompts[p] for p in pids]
     inputs, mask, width = micro_batch_inputs(prompts, ro, mb.rows, ctx.ids["pad"], ctx.device)
@@ -165,12 +130,7 @@ def teacher_inputs(ctx: ObjectiveContext, batch: StepBatch, mb: MicroBatch, view
 
 
 class Objective:
-    """The interface of an objective (`Distillation` below, `opd.methods.dapd.DAPD`, `opd.methods.opod.OPOD`,
-    `opd.methods.tm_opd.TMOPD`).
-
-    Its class attributes `name`, `Config`, `refuses`, `needs_ema_teacher` and `aggregations` are its `spec`'s
-    (`opd.methods.specs.ObjectiveSpec`, which says what each means; the settings read the spec without this code),
-    set when a subclass is made."""
+    """The interface of an objective; its class attributes are its `spec`'s (`opd.methods.specs`), set per subclass."""
 
     spec: ObjectiveSpec = ObjectiveSpec("")
     name: str = ""
@@ -180,15 +140,12 @@ class Objective:
     aggregations: tuple[str, ...] = ()
 
     def __init_subclass__(cls, **kwargs):
-        """The subclass's facts from its spec: one source (`opd.methods.specs`)."""
         super().__init_subclass__(**kwargs)
         for f in fields(ObjectiveSpec):
             setattr(cls, f.name, getattr(cls.spec, f.name))
 
     @classmethod
     def build_teachers(cls, teachers, initial_teacher: Callable[[], object]):
-        """The run's teacher set for this objective, from the loop's default (the EMA self-teacher or the external
-        ones); the default is kept."""
         return teachers
 
     def __init__(self, ctx: ObjectiveContext, config=None, initial_teacher: Callable[[], object] | None = None):
@@ -214,15 +171,8 @@ class Objective:
 
 def distill(objective, batch: StepBatch, row_weights: torch.Tensor | None = None, sync: bool = True,
             token_sums: dict | None = None, labels: list[str] | None = None) -> ObjectiveResult:  # fmt: skip
-    """Eq. 11 on S against the run's teacher(s), backpropagated micro-batch by micro-batch; returns its sums and the
-    labels u_i of S (Eq. 9). The default objective's call (`Distillation.__call__`), so each micro-batch's Eq. 1, 2, 3
-    and 11 run right here; the fused kernel, token weights and OPD-V's second view run `micro_batch_loss`.
-
-    `objective.ctx`: the run's `ObjectiveContext` (teachers in a fixed order, each row routed to one by `batch.route`).
-    row_weights (N_local,): each row's Eq. 11 weights, numerator only (OPOD's beta); `batch.weights`: unbiased
-    selection's 1 / pi_i (Eq. 11's Hajek form). sync=False: no backward synchronises DDP (the caller's later pass
-    does). token_sums (a dict), with a token weight: per row sums of w_t and log pi_T(y_t) (OPOD). labels: the
-    result's teacher labels (default `distill_labels`). Memory: module docstring."""
+    """Eq. 11 on S, backpropagated per micro-batch; returns its sums and Eq. 9's u_i. row_weights (N_local,): numerator
+    only (OPOD's beta); sync=False: no DDP sync; token_sums: per-row sums of w_t and log pi_T(y_t) (OPOD)."""
     ctx = objective.ctx
     cfg, ro, teachers = ctx.loss, batch.rollouts, ctx.teachers
     res = ObjectiveResult.begin(ctx, batch, labels or distill_labels(ctx))
@@ -279,12 +229,10 @@ def distill(objective, batch: StepBatch, row_weights: torch.Tensor | None = None
 
 
 def tempered(logits: torch.Tensor, temperature: float) -> torch.Tensor:
-    """Logits divided by the loss temperature (OPSD's 1.1; float64 stays float64); at 1 the logits themselves."""
     return logits if temperature == 1.0 else upcast(logits) / temperature
 
 
 def distill_labels(ctx) -> list[str]:
-    """The ledger labels of the pass's teacher forwards: every teacher in every teacher view, in a fixed order."""
     t = ctx.teachers
     return [t.label(n, v) for n in t.names for v in ctx.teacher_views]
 
@@ -296,19 +244,15 @@ class Distillation(Objective):
 
     @property
     def labels(self) -> list[str]:
-        """The ledger labels of every teacher forward this objective can run, in a fixed order."""
         return distill_labels(self.ctx)
 
     @property
     def __call__(self) -> Callable[[StepBatch], ObjectiveResult]:
-        """The pass itself, bound to this objective: `objective(batch)` is `distill(objective, batch)`, so the step's
-        call lands in the micro-batch loop where Eq. 1-3 and 11 run (a method calling `distill` would put one call
-        more between the step and Eq. 3: tests/test_house.py)."""
+        """`objective(batch)` is `distill(objective, batch)`: no call more between the step and Eq. 3."""
         return MethodType(distill, self)
 
     def after_update(self, step: int) -> None:
-        """Algorithm 1, line 13 after a valid update: theta-bar <- (1 - tau) theta-bar + tau theta for each of the run's
-        teachers once (a shared one once), every `ema.every` steps (DAPD's snapshot: tau = 1); frozen ones stay."""
+        """Algorithm 1, line 13: theta-bar <- (1 - tau) theta-bar + tau theta, each teacher once, every `ema.every`."""
         ctx = self.ctx
         if update_due(ctx.ema.every, step):
             with torch.no_grad():

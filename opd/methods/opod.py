@@ -32,7 +32,7 @@ from opd.methods.lockstep import MicroBatch, Stopwatch, lockstep, record_forward
 from opd.methods.objective import Objective, ObjectiveContext, ObjectiveResult, distill, distill_labels
 from opd.methods.policy_gradient import PolicyGradient, row_advantages
 from opd.methods.specs import OPOD_SPEC, OPODConfig
-from opd.models.chat import completion_inputs, lm_head_weight
+from opd.models.hidden import completion_inputs, lm_head_weight
 
 
 def task_reward(reply: str, problem: str, answer: str) -> float:

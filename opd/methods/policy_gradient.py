@@ -19,7 +19,8 @@ import torch
 from opd.data.records import StepBatch
 from opd.maths.chunked import sampled_logp_from_hidden, weighted_logp_from_hidden
 from opd.methods.lockstep import MicroBatch, lockstep, plan_micro_batches
-from opd.models.chat import lm_head_weight, micro_batch_inputs, response_hidden
+from opd.models.chat import micro_batch_inputs
+from opd.models.hidden import lm_head_weight, response_hidden
 
 
 def k3(ref_logp: torch.Tensor, old_logp: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:

@@ -22,7 +22,7 @@ from opd.methods.lockstep import MicroBatch, Stopwatch, timed
 from opd.methods.objective import Objective, ObjectiveContext, ObjectiveResult, teacher_inputs, teacher_plans
 from opd.methods.policy_gradient import PolicyGradient
 from opd.methods.specs import TM_OPD_SPEC, TMOPDConfig
-from opd.models.chat import lm_head_weight
+from opd.models.hidden import lm_head_weight
 
 
 def token_advantages(old_logp: torch.Tensor, teacher_logp: torch.Tensor, coef: float = 1.0) -> torch.Tensor:

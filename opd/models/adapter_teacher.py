@@ -11,7 +11,8 @@ import contextlib
 
 import torch
 
-from opd.models.chat import response_hidden, response_logits
+from opd.models.chat import response_logits
+from opd.models.hidden import response_hidden
 from opd.models.ema_teacher import Teacher, ema_
 from opd.models.lora import active_adapter, adapter_pairs
 

@@ -13,7 +13,7 @@ from __future__ import annotations
 
 
 from opd.cli import UserError
-from opd.models.chat import lm_head_weight
+from opd.models.hidden import lm_head_weight
 from opd.models.ema_teacher import Teacher, TeacherSet
 
 

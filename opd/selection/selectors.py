@@ -1,18 +1,12 @@
-"""Choosing S before any teacher computation (Algorithm 1, lines 4-10 and 14), in the paper's order: Eq. 4's budget,
-the policies (lines 5-9), Eq. 5's features phi_i and their running normalizer, Eq. 6's predictor f_psi, its loss
-(Eq. 10, 12) and the FIFO replay it learns from (line 14). (Not top-level: it would shadow the stdlib's selectors.)
-
-Every selector sees the *global* candidates (features all-gathered from every rank) and returns global row ids; every
-draw (the selection, psi's initialisation, the replay's minibatches) comes from a seed shared by the ranks, so every
-rank holds the same selector and makes the same selection. |S| <= K always holds (`select` checks it).
-
+"""Choosing S before any teacher computation (Algorithm 1, lines 4-10, 14): Eq. 4's budget, the policies (lines 5-9),
+Eq. 5's features phi_i and their running normalizer, Eq. 6's predictor f_psi, its loss (Eq. 10, 12) and its FIFO
+replay (line 14). Selectors see the *global* candidates (all ranks' features) and return global row ids; every draw
+comes from a seed shared by the ranks, so all ranks select alike. |S| <= K always. Top-K ties go to the lower row.
 - full: S = C (rho must be 1). random (Appendix A.1): K uniform picks without replacement.
 - entropy (Appendix A.1): the K rows of highest mean token entropy (mean sampled-token NLL without entropies).
-- learned (lines 5-9): uniform until f_psi's first update; then the top K - K_e rows by predicted utility plus
-  K_e = ceil(eps K) uniform picks from the rest. Ties in a top-K go to the lower row index.
-
-Other designs (a per-prompt cap, unbiased sampling): `opd.selection.designs`. Where the paper leaves a gap (the
-normalizer's start, Q_0.9, the ranking loss's mean, the budget's floor, Huber's delta): docs/DEPARTURES.md 8-10, 24."""
+- learned (lines 5-9): uniform until f_psi's first update, then the top K - K_e rows by u^ plus K_e = ceil(eps K)
+  uniform picks from the rest. Other designs: `opd.selection.designs`; the paper's gaps: docs/DEPARTURES.md 8-10, 24.
+Details: docs/MODULES.md#opdselectionselectors."""
 
 import math
 import numbers
@@ -27,11 +21,10 @@ from opd.selection.config import POLICIES, PredictorConfig
 
 
 def query_budget(rho: float, n_eligible: int) -> int:
-    """Eq. 4 of the paper: K = floor(rho |C|), rho in (0, 1]."""
+    """Eq. 4: K = floor(rho |C|), rho in (0, 1]; + 1e-9 against float error (0.29 * 100 must give 29)."""
     if isinstance(rho, bool) or not isinstance(rho, numbers.Real) or not 0.0 < float(rho) <= 1.0:
         raise ValueError(f"the query ratio rho must be a number in (0, 1], got {rho!r}")
     rho = float(rho)
-    # A tiny tolerance against float error: 0.29 * 100 = 28.999999999999996 must give 29.
     return int(math.floor(rho * n_eligible + 1e-9))
 
 
@@ -67,8 +60,7 @@ def entropy_scores(phi: torch.Tensor, has_entropy: bool) -> torch.Tensor:
 
 
 class Selector:
-    """One selection policy. `select` returns S (sorted global indices) and, under a design that samples S, their
-    inclusion probabilities pi (the loss weighs row i by 1 / pi_i; None otherwise); `observe` takes the labels."""
+    """One selection policy: `select` returns (S, pi), `observe` takes the utility labels (line 14)."""
 
     def __init__(self, policy: str, epsilon: float = 0.10, predictor: PredictorConfig | None = None, design=None):
         """`design` (`opd.selection.designs`): chooses S in place of the policy (None: the paper's policy)."""
@@ -86,9 +78,8 @@ class Selector:
 
     def select(self, phi: torch.Tensor, eligible: torch.Tensor, budget: int, step: int, has_entropy: bool = True,
                prompt_of: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor | None]:  # fmt: skip
-        """(S, pi) for one step: S the sorted global row ids (|S|,), and under a sampling design pi (|S|,) the
-        inclusion probabilities of S's rows, in S's order (None otherwise). phi (N, 6) global features (Eq. 5),
-        eligible (N,) bool, budget K (Eq. 4), prompt_of (N,) each row's prompt (for a design by prompt)."""
+        """S (|S|,) sorted global row ids; pi (|S|,) their inclusion probabilities under a sampling design, else None.
+        phi (N, 6) global features (Eq. 5), eligible (N,) bool, budget K (Eq. 4), prompt_of (N,) each row's prompt."""
         candidates = eligible.nonzero().squeeze(-1)  # (|C|,)
         generator = seeded_generator(self.cfg.seed, step)
         pi = None
@@ -130,19 +121,15 @@ class Selector:
 
 
 FEATURE_NAMES = ("mean_nll", "q90_nll", "mean_entropy", "response_len", "prompt_len", "crop_area")
-"""phi's columns (Eq. 5), in order: read one by name with `feature`."""
 
 
 def feature(phi: torch.Tensor, name: str) -> torch.Tensor:
-    """phi's column `name` (one of FEATURE_NAMES): (..., 6) -> (...)."""
+    """phi's column `name` (one of FEATURE_NAMES, Eq. 5's columns in order): (..., 6) -> (...)."""
     return phi[..., FEATURE_NAMES.index(name)]
 
 
 def masked_quantile(values: torch.Tensor, mask: torch.Tensor, q: float) -> torch.Tensor:
-    """Per-row q-quantile over the masked entries, linear interpolation; 0 for an empty row.
-
-    values, mask: (N, T) -> (N,).
-    """
+    """Per-row q-quantile over the masked entries, linear interpolation, 0 for an empty row: (N, T) -> (N,)."""
     n = mask.sum(-1)  # (N,)
     ordered = torch.where(mask, values, torch.full_like(values, float("inf"))).sort(-1).values  # (N, T)
     pos = q * (n - 1).clamp(min=0).to(values.dtype)  # (N,)
@@ -161,14 +148,9 @@ def rollout_features(
     prompt_len: torch.Tensor | None,
     area: torch.Tensor | None,
 ) -> torch.Tensor:
-    """Eq. 5 of the paper: phi_i = [mean l_i, Q_0.9(l_i), mean H_i, T_i, L_i, a_i].
-
-    l_{i,t} = -log p_old(y_{i,t} | x_i, q_i, y_{i,<t}) is the sampled-token NLL, H_{i,t} the token
-    entropy, T_i the response length, L_i the prompt length and a_i the crop-to-full area ratio.
-    logp, entropy, mask: (N, T); prompt_len, area: (N,). Unavailable entropy, prompt length or crop
-    area is represented by zero (Appendix A.2). Returns (N, 6) float32, from the detached rollout statistics (no
-    extra model forward pass).
-    """
+    """Eq. 5: phi_i = [mean l_i, Q_0.9(l_i), mean H_i, T_i, L_i, a_i] -> (N, 6) float32, from the rollout's statistics.
+    l = -logp (sampled-token NLL), H token entropy, T/L response/prompt length, a crop-to-full area ratio. logp,
+    entropy, mask: (N, T); prompt_len, area: (N,); a missing entropy, prompt length or area is 0 (Appendix A.2)."""
     mask = mask.bool()
     m = mask.to(torch.float32)
     t_i = m.sum(-1)  # (N,)
@@ -184,11 +166,7 @@ def rollout_features(
 
 
 class RunningNormalizer:
-    """Normalize(phi) of Eq. 6: (phi - mu) / sqrt(var + eps) with exponential running statistics.
-
-    Updated on crop-eligible candidates during feature extraction (Algorithm 1, line 4) and held
-    fixed during replay updates (Appendix A.3).
-    """
+    """Normalize of Eq. 6: (phi - mu) / sqrt(var + eps), running stats updated on C (line 4), fixed during replay."""
 
     def __init__(self, dim: int = 6, momentum: float = 0.99, eps: float = 1e-6):
         self.momentum = momentum
@@ -233,8 +211,7 @@ class UtilityPredictor(nn.Module):
 
 
 class OnlineUtilityModel:
-    """f_psi with its normalizer, replay buffer and optimizer: LayerNorm -> Linear(6, 32) -> SiLU -> Linear(32, 1) on
-    the CPU (Appendix A.2, Table 5), trained on Eq. 10 by its own Adam (lr 1e-3), separately from the MLLM."""
+    """f_psi (CPU, Table 5) with its normalizer, replay buffer and own Adam, trained on Eq. 10 apart from the MLLM."""
 
     def __init__(self, cfg: PredictorConfig, dim: int = 6):
         self.cfg = cfg
@@ -258,11 +235,8 @@ class OnlineUtilityModel:
         return self.net(self.normalizer(phi))
 
     def observe(self, phi: torch.Tensor, u: torch.Tensor, step: int) -> dict[str, float]:
-        """Algorithm 1, line 14: add the labelled pairs; if new pairs came and |R| >= M, update psi.
-
-        Each update draws a replay minibatch, normalizes it with the current (frozen) statistics,
-        weights items by recency and takes one Adam step on Eq. 10. Returns metrics.
-        """
+        """Algorithm 1, line 14: add the labelled pairs; if new pairs came and |R| >= M, Adam steps on Eq. 10, each on a
+        recency-weighted replay minibatch normalized with the current (frozen) statistics. Returns metrics."""
         added = self.replay.add(phi, u, step)
         metrics = {"select/replay_size": float(len(self.replay)), "select/labels_added": float(added)}
         if added == 0 or len(self.replay) < self.cfg.replay_start:
@@ -311,12 +285,8 @@ def weighted_huber(pred: torch.Tensor, target: torch.Tensor, weights: torch.Tens
 def pairwise_rank_loss(
     pred: torch.Tensor, target: torch.Tensor, weights: torch.Tensor, min_gap: float = 1e-6
 ) -> torch.Tensor:
-    """L_rank of Eq. 10 (Appendix A.3): the w_i w_j-weighted mean over pairs with |u_i - u_j| > min_gap of
-
-        softplus(-sgn(u_i - u_j) (u^_i - u^_j)).
-
-    Unordered pairs i < j (the term is symmetric in i, j); 0 when no pair qualifies.
-    """
+    """L_rank of Eq. 10 (App. A.3): w_i w_j-weighted mean of softplus(-sgn(u_i - u_j) (u^_i - u^_j)) over unordered
+    pairs i < j with |u_i - u_j| > min_gap; 0 when no pair qualifies."""
     du = target.unsqueeze(1) - target.unsqueeze(0)  # (B, B) u_i - u_j
     dp = pred.unsqueeze(1) - pred.unsqueeze(0)  # (B, B) u^_i - u^_j
     ww = weights.unsqueeze(1) * weights.unsqueeze(0)  # (B, B) w_i w_j
@@ -343,9 +313,7 @@ def selector_loss(
 
 
 class ReplayBuffer:
-    """The selector's replay R (Algorithm 1, line 14; Appendix A.3, Table 5): a bounded first-in, first-out buffer of
-    detached (phi_i, u_i, s_i): raw features (normalized at update time with the current statistics), the utility
-    label and the step it was collected at."""
+    """Replay R (line 14; App. A.3, Table 5): bounded FIFO of detached (raw phi_i, label u_i, collection step s_i)."""
 
     def __init__(self, capacity: int = 512, dim: int = 6):
         self.capacity = capacity
