@@ -192,7 +192,7 @@ PRESETS: dict[str, dict] = {
     # its 1920 training records (one epoch: 60 steps of 32 prompts x 2 rollouts, the setting where selection has
     # distinct prompts to choose between, docs/TOY.md), 4-token responses (a letter and <|im_end|>), the toy
     # experiments' lr 1.5e-4 and replay, scored on the 200 held-out items in both views before step 0 and at the end.
-    # Learned-25 measured +8 to +18 points of full-image accuracy over 6 seeds and 3 CPUs (README); 30 steps at
+    # Learned-25 measured +7.5 to +18 points of full-image accuracy over 6 seeds and 4 CPUs (README); 30 steps at
     # lr 3e-4 ranged from -3 to +18.5 (the crop view collapsing in some), 40 steps at 1.5e-4 from +4.5 to +9.
     "toy": dict(
         model="toy", data="toy", prompts_per_step=32, rollouts_per_prompt=2, max_prompt_len=512, max_response_len=4,
