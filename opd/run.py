@@ -31,6 +31,7 @@ from opd.data.sources import load_records
 from opd.eval.live import LiveEval, evaluations, format_score, format_scores, score_label
 from opd.loop.ledger import Ledger, format_summary, summarize, write_atomic
 from opd.models.loading import autocast, special_ids
+from opd.methods.micro_batch import fused, fused_distill
 from opd.methods.objective import ObjectiveContext
 from opd.methods.objectives import objective_class
 from opd.loop.optim import lr_scheduler, restore_group_lr
@@ -109,6 +110,7 @@ class Run:
             encode=self.prompts.encode, processor=self.processor, ids=self.ids, autocast=self.autocast,
             student_view=self.method.student_view, teacher_views=self.teacher_views,
             loss=loss, max_response_len=cfg.sampling.max_response_len, ema=cfg.ema, sharded=is_sharded(self.student),
+            distill_pass=fused_distill if fused(loss, self.teacher_views) else None,  # the extension, else the plain
         )  # fmt: skip
         self.objective = objective(self.context, cfg.objective(), models.initial_teacher)
         state = resume.state if resume is not None else {}

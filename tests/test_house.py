@@ -85,7 +85,7 @@ def test_train_py_is_the_command_line_and_the_step_is_its_own_small_stepper():
 
 CORE_FILES, CORE_LINES = 8, 1500
 """The issue-45 goal for the core: the files of opd/ whose code runs inside the default's steps, and their lines."""
-RATCHET_FILES, RATCHET_LINES = 10, 1959
+RATCHET_FILES, RATCHET_LINES = 10, 1958
 """What the default's steps run today (tests/core_trace.py): it may only shrink, towards CORE_FILES and CORE_LINES."""
 
 

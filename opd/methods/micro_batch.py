@@ -1,22 +1,24 @@
-"""One micro-batch of the distillation pass on every path the default does not take: the fused kernel, token weights,
-OPD-V's second teacher view.
+"""The distillation pass on every path the default does not take: the fused kernel, token weights, OPD-V's second
+teacher view (`fused_distill`, which the run puts in `opd.methods.objective.distill`'s place: `fused`).
 
 `opd.methods.objective.distill` runs Eq. 1-3, 9 and 11 itself on the plain path (one micro-batch's logits, autograd
 through `opd.maths.divergence`). A run with `--fused-kernel` (the paper-4b/-9b presets, or a vocabulary past
 `opd.maths.loss.PLAIN_LOGITS_LIMIT`), a method with a token weight (Vision-OPD's is_clip, OPOD's gate) or a second
-teacher view (OPD-V) runs `micro_batch_loss` instead: on logits (the plain arm, also the toy studies' and bench's) or
-on final hidden states with the LM head chunk by chunk (`opd.maths.chunked.budgeted_loss_from_hidden`, proven equal
-to the plain path in float64 by tests/test_chunked.py).
+teacher view (OPD-V) runs `micro_batch_loss` per micro-batch instead: on logits (the plain arm, also the toy studies'
+and bench's) or on final hidden states with the LM head chunk by chunk (`opd.maths.chunked.budgeted_loss_from_hidden`,
+proven equal to the plain path in float64 by tests/test_chunked.py).
 """
 
 import torch
 
 from opd.maths.chunked import budgeted_loss_from_hidden, sampled_logp, sampled_logp_from_hidden
+from opd.data.records import StepBatch
 from opd.maths.divergence import labels_from_terms, upcast, utility_terms, weighted_sum
-from opd.maths.family import topk_divergence
+from opd.maths.family import AGGREGATION_WEIGHTS, topk_divergence
 from opd.maths.loss import LossConfig
 from opd.maths.weights import SampledLogp, TokenWeight, token_weight
-from opd.methods.lockstep import Stopwatch, TeacherCost, timed
+from opd.methods.lockstep import Stopwatch, TeacherCost, lockstep, timed
+from opd.methods.objective import ObjectiveResult, book, distill_labels, row_scales, slot_inputs, teacher_plans
 from opd.models.chat import response_logits
 from opd.models.hidden import lm_head_weight, response_hidden
 from opd.models.ema_teacher import Teacher
@@ -94,3 +96,40 @@ def micro_batch_loss(student, teacher: Teacher, s_inputs, t_inputs: list, mask, 
         terms = flat_terms  # (P, 3) at the valid positions
     u = labels_from_terms(terms, mask, not cfg.no_overlap, not cfg.no_confidence)  # (n,) Eq. 9 from Eq. 7-8's terms
     return loss, per_token, u, [cost.seconds for cost in costs]
+
+
+def fused(loss: LossConfig, teacher_views) -> bool:
+    """Whether a run's distillation pass leaves the plain path: the fused kernel, a token weight, a second view."""
+    return bool(loss.kernel or loss.token_weight != "none" or loss.is_clip or len(teacher_views) > 1)
+
+
+def fused_distill(objective, batch: StepBatch, row_weights: torch.Tensor | None = None, sync: bool = True,
+                  token_sums: dict | None = None, labels: list[str] | None = None) -> ObjectiveResult:  # fmt: skip
+    """`opd.methods.objective.distill` with `micro_batch_loss` per micro-batch. token_sums (a dict), with a token
+    weight: per-row sums of w_t and log pi_T(y_t) (OPOD's gate and teacher log-probs)."""
+    ctx = objective.ctx
+    cfg, ro = ctx.loss, batch.rollouts
+    res = ObjectiveResult.begin(ctx, batch, labels or distill_labels(ctx))
+    sums: dict = {}
+    if token_sums is not None and (cfg.token_weight != "none" or cfg.is_clip):
+        sums = token_sums
+        sums.update(token_weight=torch.zeros(len(ro)), teacher_logp=torch.zeros(len(ro)))
+    if res.empty:  # S is empty everywhere: no teacher call, zero distillation term
+        return res
+    row_w, dtype, scale = row_scales(ctx, batch, row_weights)
+    for mb in lockstep(ctx, batch, teacher_plans(ctx, batch, ctx.teacher_views[0]), sync, release=ctx.teacher_models):
+        teacher, rows, views, s_inputs, w_i = slot_inputs(ctx, batch, mb, res)
+        mask, width, aggregate = views[0][1], views[0][2], AGGREGATION_WEIGHTS[cfg.aggregation]
+        weights = mb.weight(aggregate(row_w[rows].to(ctx.device), mask, res.global_tokens, dtype, w_i) * scale)  # (n, T)
+        extras: dict = {}
+        with mb.synced():
+            with ctx.autocast(), mb.teacher(teacher):
+                loss, _, u, seconds = micro_batch_loss(
+                    ctx.student, teacher, s_inputs, [v[0] for v in views], mask, width, weights, cfg,
+                    ro.response_ids[rows, :width].to(ctx.device), ro.logp[rows, :width].to(ctx.device), extras,
+                )  # fmt: skip
+            mb.backward(loss)
+        book(res, mb, rows, loss, u, views, seconds, scale)
+        for key in sums if mb.real else ():  # with a token weight: its per-row sums
+            sums[key][rows] = extras[key].sum(-1).float().cpu()
+    return res

@@ -18,7 +18,6 @@ from opd.data.records import StepBatch
 from opd.maths.divergence import generalized_jsd, labels_from_terms, upcast, utility_terms, weighted_sum
 from opd.maths.family import AGGREGATION_WEIGHTS, DENOMINATORS, SUPPORTS, bias_corrected_reverse_kl
 from opd.methods.lockstep import MicroBatch, Stopwatch, TeacherCost, lockstep, plan_rows, record_forward
-from opd.methods.micro_batch import micro_batch_loss
 from opd.methods.specs import DISTILL_SPEC, ObjectiveSpec
 from opd.models.chat import micro_batch_inputs, response_logits
 from opd.models.ema_teacher import update_due
@@ -97,6 +96,7 @@ class ObjectiveContext:
     ema: object
     """The teachers' update (`opd.models.settings.EMAConfig`): rate tau (0: fixed; 1: a copy), every `every` steps."""
     sharded: bool = False  # FSDP2-sharded policy and teachers (`--fsdp`): the lockstep pads and frees for it
+    distill_pass: Callable | None = None  # in `distill`'s place (the run's choice): `micro_batch.fused_distill`
 
     @property
     def device(self) -> torch.device:
@@ -171,61 +171,59 @@ class Objective:
 
 def distill(objective, batch: StepBatch, row_weights: torch.Tensor | None = None, sync: bool = True,
             token_sums: dict | None = None, labels: list[str] | None = None) -> ObjectiveResult:  # fmt: skip
-    """Eq. 11 on S, backpropagated per micro-batch; returns its sums and Eq. 9's u_i. row_weights (N_local,): numerator
-    only (OPOD's beta); sync=False: no DDP sync; token_sums: per-row sums of w_t and log pi_T(y_t) (OPOD)."""
-    ctx = objective.ctx
-    cfg, ro, teachers = ctx.loss, batch.rollouts, ctx.teachers
+    """Eq. 11 on S, backpropagated per micro-batch (plain path); returns its sums and Eq. 9's u_i. row_weights
+    (N_local,): numerator only (OPOD's beta); sync=False: no DDP sync; token_sums: the fused pass's (`distill_pass`)."""
+    ctx, cfg = objective.ctx, objective.ctx.loss
     res = ObjectiveResult.begin(ctx, batch, labels or distill_labels(ctx))
-    sums: dict = {}
-    if token_sums is not None and (cfg.token_weight != "none" or cfg.is_clip):
-        sums = token_sums
-        sums.update(token_weight=torch.zeros(len(ro)), teacher_logp=torch.zeros(len(ro)))
     if res.empty:  # S is empty everywhere: no teacher call, zero distillation term
         return res
-    row_w = torch.ones(len(ro)) if row_weights is None else row_weights.float().cpu()  # (N_local,) OPOD's beta
-    float64 = next(ctx.student.parameters()).dtype == torch.float64  # Eq. 11's weights in float64 for a float64 policy
-    dtype, scale = torch.float64 if float64 else torch.float32, ctx.accelerator.num_processes  # DDP averages ranks
-    weighted = cfg.token_weight != "none" or bool(cfg.is_clip)  # a token weight w_t (`opd.maths.weights`)
-    plain = not (cfg.kernel or weighted or len(ctx.teacher_views) > 1)
-    temp, k = cfg.temperature, cfg.topk
+    row_w, dtype, scale = row_scales(ctx, batch, row_weights)
     for mb in lockstep(ctx, batch, teacher_plans(ctx, batch, ctx.teacher_views[0]), sync, release=ctx.teacher_models):
-        teacher, rows = teachers.teachers[mb.group], mb.rows  # padding: zero weights, nothing counted or labelled
-        views = [teacher_inputs(ctx, batch, mb, view, res) for view in ctx.teacher_views]  # booked
-        mask, width = views[0][1], views[0][2]
-        s_inputs, _, _ = micro_batch_inputs([batch.student_prompts[p] for p in ro.prompt_index[rows].tolist()], ro,
-                                            rows, ctx.ids["pad"], ctx.device)  # fmt: skip
-        w_i = None if batch.weights is None else batch.weights[rows].to(ctx.device)  # (n,) 1 / pi_i
-        aggregate = AGGREGATION_WEIGHTS[cfg.aggregation]  # Eq. 11's budgeted_weights (or the method's aggregation)
+        teacher, rows, views, s_inputs, w_i = slot_inputs(ctx, batch, mb, res)  # padding: zero weights, nothing booked
+        (t_inputs, mask, width, _), aggregate = views[0], AGGREGATION_WEIGHTS[cfg.aggregation]  # Eq. 11's weights
         weights = mb.weight(aggregate(row_w[rows].to(ctx.device), mask, res.global_tokens, dtype, w_i) * scale)  # (n, T)
-        extras: dict = {}
         with mb.synced():
-            with ctx.autocast(), mb.teacher(teacher):
-                if plain:  # one micro-batch's logits (n, T, V), autograd through opd.maths.divergence
-                    watch = Stopwatch(ctx.device)
-                    t_logits = tempered(teacher.logits(views[0][0], width), temp)  # (n, T, V) Eq. 2, detached
-                    seconds = [watch.seconds()]
-                    s_logits = tempered(response_logits(ctx.student, s_inputs, width), temp)  # (n, T, V) Eq. 1
-                    s_logp, t_logp = SUPPORTS[cfg.support](s_logits, t_logits, k)  # (n, T, k + 1) Eq. 3's support
-                    d = (generalized_jsd(s_logp, t_logp, cfg.alpha) if cfg.divergence == "jsd"  # (n, T) Eq. 3
-                         else bias_corrected_reverse_kl(s_logp, t_logp))  # fmt: skip
-                    loss = weighted_sum(d, weights)  # this micro-batch's share of Eq. 11
-                    terms = torch.stack(utility_terms(s_logits.detach(), t_logits, k), -1)  # (n, T, 3) Eq. 7-8
-                    u = labels_from_terms(terms, mask, not cfg.no_overlap, not cfg.no_confidence)  # (n,) Eq. 9
-                else:
-                    loss, _, u, seconds = micro_batch_loss(
-                        ctx.student, teacher, s_inputs, [v[0] for v in views], mask, width, weights, cfg,
-                        ro.response_ids[rows, :width].to(ctx.device), ro.logp[rows, :width].to(ctx.device), extras,
-                    )  # fmt: skip
+            with ctx.autocast(), mb.teacher(teacher):  # one micro-batch's logits (n, T, V), autograd
+                watch = Stopwatch(ctx.device)
+                t_logits = tempered(teacher.logits(t_inputs, width), cfg.temperature)  # (n, T, V) Eq. 2, detached
+                seconds = [watch.seconds()]
+                s_logits = tempered(response_logits(ctx.student, s_inputs, width), cfg.temperature)  # (n, T, V) Eq. 1
+                s_logp, t_logp = SUPPORTS[cfg.support](s_logits, t_logits, cfg.topk)  # (n, T, k + 1) Eq. 3's support
+                d = (generalized_jsd(s_logp, t_logp, cfg.alpha) if cfg.divergence == "jsd"  # (n, T) Eq. 3
+                     else bias_corrected_reverse_kl(s_logp, t_logp))  # fmt: skip
+                loss = weighted_sum(d, weights)  # this micro-batch's share of Eq. 11
+                terms = torch.stack(utility_terms(s_logits.detach(), t_logits, cfg.topk), -1)  # (n, T, 3) Eq. 7-8
+                u = labels_from_terms(terms, mask, not cfg.no_overlap, not cfg.no_confidence)  # (n,) Eq. 9
             mb.backward(loss)  # sharded: the teacher's gathered root (LM head) is freed before the student's backward
-        if not mb.real:
-            continue
-        res.loss_sum += float(loss.detach()) * res.global_tokens / scale  # its share of the loss, times the denominator
-        res.utility[rows] = u.float().cpu()
-        for key in sums:  # with a token weight: its per-row sums (OPOD's gate and teacher log-probs)
-            sums[key][rows] = extras[key].sum(-1).float().cpu()
-        for (_, _, _, cost), sec in zip(views, seconds):
-            cost.seconds += sec
+        book(res, mb, rows, loss, u, views, seconds, scale)
     return res
+
+
+def row_scales(ctx: ObjectiveContext, batch: StepBatch, row_weights: torch.Tensor | None):
+    """(row_w (N_local,): OPOD's beta or ones, Eq. 11's dtype (float64 for a float64 policy), DDP's rank count)."""
+    row_w = torch.ones(len(batch.rollouts)) if row_weights is None else row_weights.float().cpu()
+    float64 = next(ctx.student.parameters()).dtype == torch.float64  # DDP averages ranks: times their count
+    return row_w, torch.float64 if float64 else torch.float32, ctx.accelerator.num_processes
+
+
+def slot_inputs(ctx: ObjectiveContext, batch: StepBatch, mb: MicroBatch, res: ObjectiveResult):
+    """A slot's (teacher, rows, teacher inputs per view (booked), student inputs, 1 / pi_i (n,) or None)."""
+    ro, rows = batch.rollouts, mb.rows
+    views = [teacher_inputs(ctx, batch, mb, view, res) for view in ctx.teacher_views]
+    prompts = [batch.student_prompts[p] for p in ro.prompt_index[rows].tolist()]
+    s_inputs, _, _ = micro_batch_inputs(prompts, ro, rows, ctx.ids["pad"], ctx.device)
+    w_i = None if batch.weights is None else batch.weights[rows].to(ctx.device)  # (n,) 1 / pi_i
+    return ctx.teachers.teachers[mb.group], rows, views, s_inputs, w_i
+
+
+def book(res: ObjectiveResult, mb: MicroBatch, rows, loss: torch.Tensor, u: torch.Tensor, views, seconds, scale):
+    """A real slot's share of the loss (times the denominator), its labels u_i and its teacher seconds per view."""
+    if not mb.real:
+        return
+    res.loss_sum += float(loss.detach()) * res.global_tokens / scale
+    res.utility[rows] = u.float().cpu()
+    for (_, _, _, cost), sec in zip(views, seconds):
+        cost.seconds += sec
 
 
 def tempered(logits: torch.Tensor, temperature: float) -> torch.Tensor:
@@ -248,8 +246,9 @@ class Distillation(Objective):
 
     @property
     def __call__(self) -> Callable[[StepBatch], ObjectiveResult]:
-        """`objective(batch)` is `distill(objective, batch)`: no call more between the step and Eq. 3."""
-        return MethodType(distill, self)
+        """`objective(batch)` is the run's pass (`distill`, the plain one, unless the run takes the fused one):
+        no call more between the step and Eq. 3."""
+        return MethodType(self.ctx.distill_pass or distill, self)
 
     def after_update(self, step: int) -> None:
         """Algorithm 1, line 13: theta-bar <- (1 - tau) theta-bar + tau theta, each teacher once, every `ema.every`."""

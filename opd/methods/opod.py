@@ -142,7 +142,8 @@ class OPOD(Objective):
         ro, sel, names = batch.rollouts, batch.selected, ctx.teachers.names
         beta = torch.tensor([self.controller.beta.get(r, 0.0) if r is not None else 0.0 for r in batch.route])
         token_sums: dict = {}  # per row: sum of the gate c_t and of log pi_T(y_t)
-        res = distill(self, batch, row_weights=beta, sync=False, token_sums=token_sums, labels=self.labels)  # 1. L_tc
+        pass_ = ctx.distill_pass or distill  # the run's pass (the fused one with a token weight)
+        res = pass_(self, batch, row_weights=beta, sync=False, token_sums=token_sums, labels=self.labels)  # 1. L_tc
         res.metrics = {f"beta_{n}": self.controller.beta[n] for n in names}
         self.pending = {}
         if res.empty:  # S is empty everywhere: nothing more to do (every rank alike)
