@@ -18,7 +18,7 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from opd.config import TrainConfig
-from opd.run import Run
+from opd.run import Run, end_processes
 from opd.methods.table import METHODS  # noqa: E402
 from opd.engine.synthetic import fixed_rollouts  # noqa: E402
 
@@ -65,6 +65,7 @@ def main() -> None:
         torch.save({"params": params, "teacher": teacher, "rows": rows, "teacher_rows": counts,
                     "selected": [s for s, _ in selected], "pi": [p for _, p in selected]}, Path(a.out) / "result.pt")  # fmt: skip
     run.acc.wait_for_everyone()
+    end_processes()  # no gloo thread left at the interpreter's exit (a rank aborted: "terminate called ...")
 
 
 if __name__ == "__main__":

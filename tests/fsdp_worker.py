@@ -33,7 +33,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from opd.models.chat import collate  # noqa: E402
 from opd.config import TrainConfig
-from opd.run import Run
+from opd.run import Run, end_processes
 from opd.methods.table import METHODS  # noqa: E402
 from opd.models.loading import load_model  # noqa: E402
 from opd.engine.rollout import generate_rollouts  # noqa: E402
@@ -192,6 +192,7 @@ def main() -> None:
 
         float64_model()
     {"steps": steps, "resume": resume, "generate": generate, "live": live}[a.scenario](a)
+    end_processes()  # no gloo thread left at the interpreter's exit (a rank aborted: "terminate called ...")
 
 
 if __name__ == "__main__":
