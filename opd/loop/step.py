@@ -157,7 +157,7 @@ def gather_candidates(acc, phi_local, eligible_local, rollouts: Rollouts, prompt
 
 
 def local_rows(selected: torch.Tensor, pi: torch.Tensor | None, rank: int, n_local: int):
-    """This rank's rows of S (local ids) and its rows' loss weights: 1 / pi_i on S (Eq. 11), else 1; None if pi is."""
+    """This rank's rows of S (local ids) and its rows' loss weights: 1 / pi_i on S (Eq. 11), else 1; None without pi."""
     offset = rank * n_local
     mine = (selected >= offset) & (selected < offset + n_local)
     local = selected[mine] - offset
