@@ -100,7 +100,7 @@ def micro_batch_loss(student, teacher: Teacher, s_inputs, t_inputs: list, mask, 
 
 def fused(loss: LossConfig, teacher_views) -> bool:
     """Whether a run's distillation pass leaves the plain path: the fused kernel, a token weight, a second view."""
-    return bool(loss.kernel or loss.token_weight != "none" or loss.is_clip or len(teacher_views) > 1)
+    return bool(loss.kernel or token_weight(loss.token_weight, loss.is_clip) or len(teacher_views) > 1)
 
 
 def fused_distill(objective, batch: StepBatch, row_weights: torch.Tensor | None = None, sync: bool = True,
@@ -111,7 +111,7 @@ def fused_distill(objective, batch: StepBatch, row_weights: torch.Tensor | None 
     cfg, ro = ctx.loss, batch.rollouts
     res = ObjectiveResult.begin(ctx, batch, labels or distill_labels(ctx))
     sums: dict = {}
-    if token_sums is not None and (cfg.token_weight != "none" or cfg.is_clip):
+    if token_sums is not None and token_weight(cfg.token_weight, cfg.is_clip) is not None:
         sums = token_sums
         sums.update(token_weight=torch.zeros(len(ro)), teacher_logp=torch.zeros(len(ro)))
     if res.empty:  # S is empty everywhere: no teacher call, zero distillation term
