@@ -66,7 +66,7 @@ def measure(model: str, mode: str, steps: int, out_dir: str, quick: bool = False
     from opd.config import PRESETS, TrainConfig
     from opd.run import Run
     from opd.engine.rollout import generate_rollouts
-    from opd.seeding import mix_seed
+    from opd.engine.rollout import mix_seed
     from opd.models.sharding import generation
 
     model_dir, data = model_and_data(model)

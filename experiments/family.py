@@ -226,7 +226,7 @@ def trust_region_profile(root: Path, cfg: FamilyConfig, prompts: int = 16) -> di
     from opd.models.hidden import lm_head_weight
     from opd.run import Run
     from opd.engine.rollout import generate_rollouts
-    from opd.seeding import mix_seed
+    from opd.engine.rollout import mix_seed
     from opd.maths.weights import trust_region
 
     run = Run(TrainConfig(model=str(root / "base-crop"), data=str(root / "world" / "train.jsonl"),

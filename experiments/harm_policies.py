@@ -24,7 +24,7 @@ import torch
 from harness.audit import AuditContext, HeldBatch, _micro_batches, _preserved, held_records, sample_batch, score_utility
 from opd.maths.divergence import utility_terms
 from opd.models.chat import response_logits
-from opd.seeding import seeded_generator
+from opd.engine.rollout import seeded_generator
 from opd.selection.selectors import exploration_count, top_subset, uniform_subset
 from opd.data.sources import load_records
 

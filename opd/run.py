@@ -30,9 +30,11 @@ from opd.data.settings import parse_columns
 from opd.data.sources import load_records
 from opd.eval.live import LiveEval, evaluations, format_score, format_scores, score_label
 from opd.loop.ledger import Ledger, format_summary, summarize, write_atomic
+from opd.loop.row import ledger_row
 from opd.models.loading import autocast, special_ids
 from opd.methods.micro_batch import fused, fused_distill
-from opd.methods.objective import ObjectiveContext
+from opd.methods.lockstep import lockstep
+from opd.methods.objective import ObjectiveContext, one_process
 from opd.methods.objectives import objective_class
 from opd.loop.optim import lr_scheduler, restore_group_lr
 from opd.data.checks import check_prompts, check_records
@@ -111,6 +113,7 @@ class Run:
             student_view=self.method.student_view, teacher_views=self.teacher_views,
             loss=loss, max_response_len=cfg.sampling.max_response_len, ema=cfg.ema, sharded=is_sharded(self.student),
             distill_pass=fused_distill if fused(loss, self.teacher_views) else None,  # the extension, else the plain
+            schedule=lockstep if is_sharded(self.student) or acc.num_processes > 1 else one_process,  # the ranks' order
         )  # fmt: skip
         self.objective = objective(self.context, cfg.objective(), models.initial_teacher)
         state = resume.state if resume is not None else {}
@@ -194,8 +197,8 @@ class Run:
 
     def step(self, step: int, rollouts: Rollouts | None = None) -> dict:
         """One iteration of Algorithm 1 on every rank (`opd.loop.step.Stepper.step`); `rollouts` may stand in for
-        sampling (tests). Returns the ledger row."""
-        return self.stepper.step(step, rollouts)
+        sampling (tests). Returns its ledger row (`opd.loop.row.ledger_row`)."""
+        return ledger_row(self.acc, self.stepper.step(step, rollouts))
 
     def save(self, next_step: int) -> None:
         """A checkpoint of the run after `next_step` steps (atomic; sharded: every rank writes its shards)."""

@@ -17,7 +17,8 @@ from opd.maths.chunked import (
 from opd.maths.divergence import generalized_jsd, topk_support, utility_terms
 from opd.maths.family import clamped_forward_kl, topk_divergence
 from opd.run import Run
-from opd.methods.lockstep import Stopwatch, plan_micro_batches
+from opd.methods.objective import plan_micro_batches
+from opd.models.ema_teacher import Stopwatch
 from opd.engine.synthetic import fixed_rollouts
 from opd.maths.weights import TokenWeight, importance_ratio, teacher_gate, token_weight
 

@@ -85,7 +85,7 @@ def test_train_py_is_the_command_line_and_the_step_is_its_own_small_stepper():
 
 CORE_FILES, CORE_LINES = 8, 1500
 """The issue-45 goal for the core: the files of opd/ whose code runs inside the default's steps, and their lines."""
-RATCHET_FILES, RATCHET_LINES = 10, 1958
+RATCHET_FILES, RATCHET_LINES = 8, 1778
 """What the default's steps run today (tests/core_trace.py): it may only shrink, towards CORE_FILES and CORE_LINES."""
 
 
@@ -176,7 +176,7 @@ def test_no_function_over_80_lines():
     assert not long, long
 
 
-LAYERS = ["cli", "storage seeding", "run_folder", "maths", "answers", "models", "tiny", "toy", "builtin", "export",
+LAYERS = ["cli", "storage", "run_folder", "maths", "answers", "models", "tiny", "toy", "builtin", "export",
           "engine", "data", "selection", "methods", "eval", "loop", "config", "run"]
 """opd's layers, low to high: a folder (opd/models/) or a root module (opd/cli.py); one imports only from its own
 layer's folder or below (issue 42). README's "Layout" says what each holds."""

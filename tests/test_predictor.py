@@ -11,7 +11,7 @@ from torch.testing import assert_close
 
 from opd.selection.config import PredictorConfig
 from opd.selection.selectors import OnlineUtilityModel, ReplayBuffer, UtilityPredictor
-from opd.seeding import seeded_generator
+from opd.engine.rollout import seeded_generator
 
 # ----------------------------------------------------------------------------- replay buffer
 

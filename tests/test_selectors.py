@@ -6,7 +6,7 @@ import pytest
 import torch
 
 from opd.selection.config import PredictorConfig
-from opd.seeding import seeded_generator
+from opd.engine.rollout import seeded_generator
 from opd.selection.selectors import (
     Selector,
     entropy_scores,

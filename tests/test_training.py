@@ -17,7 +17,6 @@ import opd.config
 import opd.run
 import opd.methods.table
 import opd.engine.rollout
-import opd.methods.lockstep
 import opd.data.records
 import train
 from opd.models.chat import collate, encode_prompt
@@ -156,8 +155,8 @@ def test_response_mask_keeps_tokens_up_to_the_first_eos():
 
 
 def test_teacher_sees_exactly_the_selected_rows(tmp_path, tiny, monkeypatch):
-    plan = Spy(opd.methods.lockstep.plan_micro_batches)
-    monkeypatch.setattr(opd.methods.lockstep, "plan_micro_batches", plan)
+    plan = Spy(opd.methods.objective.plan_micro_batches)
+    monkeypatch.setattr(opd.methods.objective, "plan_micro_batches", plan)
     run = Run(small_config(tmp_path, policy="random", rho=0.5, micro_batch=2))
     select = Spy(run.selector.select)
     run.selector.select = select

@@ -13,7 +13,7 @@ import opd.run
 import train
 from opd.maths.family import budgeted_loss
 from opd.loop.ledger import read_ledger
-from opd.seeding import seeded_generator
+from opd.engine.rollout import seeded_generator
 from opd.selection.designs import capped, inclusion_probabilities, sample_with_probabilities
 from opd.selection.designs import selector as Selector  # a Selector with the design its flags name
 from opd.selection.selectors import query_budget

@@ -33,8 +33,8 @@ from opd.maths.divergence import budgeted_weights
 from opd.maths.family import aggregation_weights
 from opd.engine.rollout import Rollouts, generate_rollouts
 from opd.engine.sampling import SamplingConfig
-from opd.methods.lockstep import plan_rows
-from opd.seeding import mix_seed
+from opd.methods.objective import plan_rows
+from opd.engine.rollout import mix_seed
 from opd.selection.selectors import entropy_scores, query_budget, rollout_features, top_subset
 
 # ----------------------------------------------------------------------------- statistics

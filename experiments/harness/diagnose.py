@@ -29,7 +29,7 @@ from opd.engine.rollout import generate_rollouts
 from opd.loop.ledger import write_atomic
 from opd.run import Run
 from opd.models.chat import collate
-from opd.seeding import mix_seed
+from opd.engine.rollout import mix_seed
 from opd.selection.selectors import query_budget, rollout_features, top_subset
 from opd.toy.world import OPTIONS
 

@@ -19,9 +19,8 @@ from PIL import Image, UnidentifiedImageError
 from opd.cli import UserError
 from opd.data.settings import DataError
 from opd.data.family_views import half_resolution, half_size, masked, reference_prompt
-from opd.engine.rollout import Rollouts
+from opd.engine.rollout import Rollouts, mix_seed
 from opd.models.chat import encode_prompt
-from opd.seeding import mix_seed
 
 
 @dataclass(frozen=True)

@@ -1,7 +1,8 @@
 """On-policy rollouts with plain Hugging Face `generate` (Algorithm 1, line 3): y_i ~ p_theta(. | x_i, q_i).
 
 n rollouts per prompt, left padding, masked after EOS; `RolloutStats` records Eq. 5's log p_old(y_{i,t} | ...) and
-H_{i,t} while sampling; all detached. vLLM's: `opd.engine.vllm_sampler`. Details: docs/MODULES.md#opdenginerollout.
+H_{i,t} while sampling; all detached; `mix_seed`: the seeds of a step's draws. vLLM's: `opd.engine.vllm_sampler`.
+Details: docs/MODULES.md#opdenginerollout.
 """
 
 from __future__ import annotations
@@ -9,13 +10,24 @@ from __future__ import annotations
 from contextlib import nullcontext
 from dataclasses import dataclass
 
+import numpy as np
 import torch
 from transformers import LogitsProcessorList, TemperatureLogitsWarper, TopKLogitsWarper, TopPLogitsWarper
 
 from opd.engine.sampling import SamplingConfig
 from opd.models.chat import EncodedPrompt, collate
 from opd.models.loading import neutral_generation_config, special_ids
-from opd.seeding import mix_seed
+
+
+def mix_seed(*keys: int) -> int:
+    """A 63-bit seed mixing integers (numpy's SeedSequence hash): every draw of a step that ranks (or a resume) must
+    repeat is a pure function of (seed, step, ...): the rollouts', the selector's, the views'."""
+    return int(np.random.SeedSequence([int(k) for k in keys]).generate_state(1, dtype=np.uint64)[0] >> 1)
+
+
+def seeded_generator(*keys: int) -> torch.Generator:
+    """A CPU generator seeded by mix_seed(*keys), e.g. (selector seed, step, stream)."""
+    return torch.Generator().manual_seed(mix_seed(*keys))
 
 
 class RolloutStats:

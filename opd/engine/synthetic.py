@@ -6,8 +6,7 @@ N-process run see the same global batch, whatever the split over ranks.
 
 import torch
 
-from opd.engine.rollout import Rollouts, response_mask
-from opd.seeding import seeded_generator
+from opd.engine.rollout import Rollouts, response_mask, seeded_generator
 
 
 def fixed_rollouts(

@@ -21,10 +21,9 @@ from dataclasses import dataclass
 import torch
 
 from opd.cli import UserError
-from opd.engine.rollout import Rollouts, response_mask
+from opd.engine.rollout import Rollouts, mix_seed, response_mask
 from opd.engine.vllm_server import VLLMServer
 from opd.models.chat import EncodedPrompt
-from opd.seeding import mix_seed
 
 SUPPRESS_BIAS = -100.0  # vLLM clamps logit_bias to [-100, 100] (the OpenAI bound): a vision token keeps e^-100 of its
 # probability; a float, as opd.eval.backends sends it too (transformers serve refuses an int bias)

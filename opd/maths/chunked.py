@@ -149,9 +149,9 @@ def _teacher_logits(h_t: torch.Tensor, w_t: torch.Tensor, timing: dict | None, s
 
 def _check_timing(timing: dict | None, stopwatch: Callable | None) -> None:
     """`timing` is measured by the caller's `stopwatch`: `stopwatch(device)` starts a timer whose `.seconds()` are
-    the seconds since (`opd.methods.lockstep.Stopwatch` synchronises the device before the start and at the reading)."""
+    the seconds since (`opd.models.ema_teacher.Stopwatch` synchronises the device before the start and at the reading)."""
     if timing is not None and stopwatch is None:
-        raise ValueError("timing needs the caller's stopwatch (e.g. opd.methods.lockstep.Stopwatch)")
+        raise ValueError("timing needs the caller's stopwatch (e.g. opd.models.ema_teacher.Stopwatch)")
 
 
 class _FromLogits(torch.autograd.Function):

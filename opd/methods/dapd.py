@@ -22,11 +22,11 @@ from opd.data.family_views import reference_prompt
 from opd.data.records import StepBatch, View, get_view
 from opd.maths.chunked import clamped_kl_from_hidden
 from opd.maths.divergence import global_denominator
-from opd.methods.lockstep import MicroBatch, Stopwatch, lockstep, plan_micro_batches, record_forward
-from opd.methods.objective import Objective, ObjectiveContext, ObjectiveResult
+from opd.methods.lockstep import MicroBatch, lockstep
+from opd.methods.objective import Objective, ObjectiveContext, ObjectiveResult, plan_micro_batches
 from opd.methods.specs import DAPD_SPEC, DAPDConfig
 from opd.models.hidden import completion_inputs, lm_head_weight, response_hidden
-from opd.models.ema_teacher import TeacherSet, update_due
+from opd.models.ema_teacher import Stopwatch, TeacherSet, record_forward, update_due
 
 
 @dataclass(frozen=True)

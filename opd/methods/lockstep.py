@@ -1,15 +1,14 @@
-"""One lockstep schedule of micro-batches for every objective (`lockstep`), and the teacher-cost accounting.
+"""The micro-batches of several ranks or shards in lockstep (`lockstep`), the run's schedule past one process.
 
-Distributed, every rank must run the same collectives in the same order, also with nothing to do. DDP: a rank syncs
-only its last micro-batch's backward, and one with none runs `dummy_backward`. FSDP2: every rank runs as many
-micro-batches per group as the busiest rank (one all-gather of the counts), the missing ones zero-weighted padding.
-`TeacherCost` and `record_forward` book each teacher forward alike for every objective; `Stopwatch` times on the device.
-Details: docs/MODULES.md#opdmethodslockstep.
+One process runs its micro-batches one after another (`opd.methods.objective.one_process`). Distributed, every rank
+must run the same collectives in the same order, also with nothing to do. DDP: a rank syncs only its last
+micro-batch's backward, and one with none runs `dummy_backward`. FSDP2: every rank runs as many micro-batches per group
+as the busiest rank (one all-gather of the counts), the missing ones zero-weighted padding, their teacher forwards
+uncounted. The family's objectives run it on one process too. Details: docs/MODULES.md#opdmethodslockstep.
 """
 
 from __future__ import annotations
 
-import time
 from collections.abc import Iterator
 from contextlib import contextmanager, nullcontext
 from dataclasses import dataclass
@@ -17,57 +16,8 @@ from dataclasses import dataclass
 import torch
 
 from opd.models.chat import micro_batch_inputs
+from opd.models.ema_teacher import Stopwatch, TeacherCost
 from opd.models.sharding import reshard
-
-
-def cuda_sync(device: torch.device | str) -> None:
-    """Waits for the device's queued work (CUDA only), so that host timers measure it."""
-    if torch.device(device).type == "cuda":
-        torch.cuda.synchronize(device)
-
-
-class Stopwatch:
-    """Seconds of device work: the device is synchronised before the start and at each reading."""
-    def __init__(self, device: torch.device | str):
-        self.device = device
-        cuda_sync(device)
-        self.t0 = time.perf_counter()
-
-    def seconds(self) -> float:
-        cuda_sync(self.device)
-        return time.perf_counter() - self.t0
-
-
-@dataclass
-class TeacherCost:
-    """What one teacher label cost on this rank: forward rows, real and padded input tokens, seconds."""
-    rows: int = 0
-    tokens: int = 0
-    padded_tokens: int = 0
-    seconds: float = 0.0
-
-
-def record_forward(cost: TeacherCost, inputs: dict, mask: torch.Tensor, prompt_tokens: int, seconds: float = 0.0) -> None:
-    """Books one teacher forward: rows, real tokens (prompts + valid completion tokens), padded tokens, seconds."""
-    cost.rows += int(inputs["input_ids"].shape[0])
-    cost.tokens += int(mask.sum()) + int(prompt_tokens)
-    cost.padded_tokens += int(inputs["input_ids"].numel())
-    cost.seconds += seconds
-
-
-def plan_micro_batches(lengths: torch.Tensor, max_rows: int, max_tokens: int = 0) -> list[torch.Tensor]:
-    """Index tensors of rows, longest first, filled greedily while rows <= max_rows and rows x longest <= max_tokens."""
-    order = torch.sort(lengths, descending=True, stable=True).indices.tolist()
-    batches, current = [], []
-    for i in order:
-        longest = int(lengths[current[0]]) if current else int(lengths[i])
-        if current and (len(current) == max_rows or (max_tokens and (len(current) + 1) * longest > max_tokens)):
-            batches.append(torch.tensor(current))
-            current = []
-        current.append(i)
-    if current:
-        batches.append(torch.tensor(current))
-    return batches
 
 
 def slot_counts(accelerator, sharded: bool, plans: dict[str, list]) -> dict[str, int]:
@@ -118,7 +68,7 @@ class MicroBatch:
 
     def teacher(self, teacher):
         """The context of a teacher forward: counted (`Teacher.rows_scored`) on a real slot only."""
-        return teacher.uncounted() if not self.real else nullcontext()
+        return uncounted(teacher) if not self.real else nullcontext()
 
     def synced(self, last: bool = True):
         """Forward-and-backward context: syncs DDP's gradients on the slot's (`last`: objective's) final backward."""
@@ -155,6 +105,16 @@ def lockstep(ctx, batch, plans: dict[str, list], sync: bool = True, release=()) 
             reshard(model)
 
 
+@contextmanager
+def uncounted(teacher):
+    """Forwards inside are not counted in `teacher.rows_scored` (a sharded rank's zero-weighted padding)."""
+    teacher.counting = False
+    try:
+        yield
+    finally:
+        teacher.counting = True
+
+
 def dummy_backward(ctx, batch) -> None:
     """A zero-weighted forward and backward on this rank's row 0, so that it joins DDP's gradient all-reduce."""
     ro = batch.rollouts
@@ -163,16 +123,6 @@ def dummy_backward(ctx, batch) -> None:
     with ctx.autocast():
         dummy = ctx.student(**inputs, logits_to_keep=1, use_cache=False).logits.float().sum() * 0.0
     ctx.accelerator.backward(dummy)
-
-
-def plan_rows(rollouts, teacher_prompt, selected: torch.Tensor, micro_batch: int, micro_batch_tokens: int,
-              view: str) -> list[torch.Tensor]:  # fmt: skip
-    """This rank's micro-batches of `selected` (local row ids), grouped by teacher length (prompt + response)."""
-    if not selected.numel():
-        return []
-    prompt_of = rollouts.prompt_index[selected].tolist()
-    t_len = torch.tensor([len(teacher_prompt(view, j)) for j in prompt_of]) + rollouts.lengths[selected]
-    return [selected[g] for g in plan_micro_batches(t_len, micro_batch, micro_batch_tokens)]
 
 
 def synced(accelerator, student, sync: bool):

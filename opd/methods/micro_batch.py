@@ -17,11 +17,11 @@ from opd.maths.divergence import labels_from_terms, upcast, utility_terms, weigh
 from opd.maths.family import AGGREGATION_WEIGHTS, topk_divergence
 from opd.maths.loss import LossConfig
 from opd.maths.weights import SampledLogp, TokenWeight, token_weight
-from opd.methods.lockstep import Stopwatch, TeacherCost, lockstep, timed
+from opd.methods.lockstep import lockstep, timed
 from opd.methods.objective import ObjectiveResult, book, distill_labels, row_scales, slot_inputs, teacher_plans
 from opd.models.chat import response_logits
 from opd.models.hidden import lm_head_weight, response_hidden
-from opd.models.ema_teacher import Teacher
+from opd.models.ema_teacher import Stopwatch, Teacher, TeacherCost
 
 
 def micro_batch_loss(student, teacher: Teacher, s_inputs, t_inputs: list, mask, width: int, weights, cfg: LossConfig,

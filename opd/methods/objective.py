@@ -8,7 +8,8 @@ past `opd.maths.loss.PLAIN_LOGITS_LIMIT`). Details: docs/MODULES.md#opdmethodsob
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
+from contextlib import nullcontext
 from dataclasses import dataclass, field, fields
 from types import MethodType
 
@@ -17,10 +18,9 @@ import torch
 from opd.data.records import StepBatch
 from opd.maths.divergence import generalized_jsd, labels_from_terms, upcast, utility_terms, weighted_sum
 from opd.maths.family import AGGREGATION_WEIGHTS, DENOMINATORS, SUPPORTS, bias_corrected_reverse_kl
-from opd.methods.lockstep import MicroBatch, Stopwatch, TeacherCost, lockstep, plan_rows, record_forward
 from opd.methods.specs import DISTILL_SPEC, ObjectiveSpec
 from opd.models.chat import micro_batch_inputs, response_logits
-from opd.models.ema_teacher import update_due
+from opd.models.ema_teacher import Stopwatch, TeacherCost, record_forward, update_due
 
 
 def _no_labels() -> torch.Tensor:
@@ -71,6 +71,57 @@ class ObjectiveResult:
         return self.loss_share if self.loss_share is not None else self.loss_sum / max(1, self.global_tokens)
 
 
+def plan_micro_batches(lengths: torch.Tensor, max_rows: int, max_tokens: int = 0) -> list[torch.Tensor]:
+    """Index tensors of rows, longest first, filled greedily while rows <= max_rows and rows x longest <= max_tokens."""
+    order = torch.sort(lengths, descending=True, stable=True).indices.tolist()
+    batches, current = [], []
+    for i in order:
+        longest = int(lengths[current[0]]) if current else int(lengths[i])
+        if current and (len(current) == max_rows or (max_tokens and (len(current) + 1) * longest > max_tokens)):
+            batches.append(torch.tensor(current))
+            current = []
+        current.append(i)
+    if current:
+        batches.append(torch.tensor(current))
+    return batches
+
+
+def plan_rows(rollouts, teacher_prompt, selected: torch.Tensor, micro_batch: int, micro_batch_tokens: int,
+              view: str) -> list[torch.Tensor]:  # fmt: skip
+    """This rank's micro-batches of `selected` (local row ids), grouped by teacher length (prompt + response)."""
+    if not selected.numel():
+        return []
+    prompt_of = rollouts.prompt_index[selected].tolist()
+    t_len = torch.tensor([len(teacher_prompt(view, j)) for j in prompt_of]) + rollouts.lengths[selected]
+    return [selected[g] for g in plan_micro_batches(t_len, micro_batch, micro_batch_tokens)]
+
+
+@dataclass
+class Slot:
+    """One micro-batch of S on one process: local row ids `rows` of teacher `group`. Several ranks or shards:
+    `opd.methods.lockstep.MicroBatch`, the same methods with padding slots (`real` False), syncing and freeing."""
+    group: str
+    rows: torch.Tensor
+    backward: Callable  # the accelerator's backward
+    real = True
+
+    def weight(self, w: torch.Tensor) -> torch.Tensor:
+        return w
+
+    def teacher(self, teacher):
+        return nullcontext()
+
+    def synced(self):
+        return nullcontext()
+
+
+def one_process(ctx, batch, plans: dict[str, list], sync: bool = True, release=()) -> Iterator[Slot]:
+    """The micro-batches of `plans` ({teacher: [rows]}) one after another: one process needs no lockstep."""
+    for group, plan in plans.items():
+        for rows in plan:
+            yield Slot(group, rows, ctx.accelerator.backward)
+
+
 @dataclass
 class ObjectiveContext:
     """Everything an objective may use, built once per run by the loop."""
@@ -97,6 +148,7 @@ class ObjectiveContext:
     """The teachers' update (`opd.models.settings.EMAConfig`): rate tau (0: fixed; 1: a copy), every `every` steps."""
     sharded: bool = False  # FSDP2-sharded policy and teachers (`--fsdp`): the lockstep pads and frees for it
     distill_pass: Callable | None = None  # in `distill`'s place (the run's choice): `micro_batch.fused_distill`
+    schedule: Callable = one_process  # `distill`'s micro-batches; several ranks or shards: `lockstep.lockstep`
 
     @property
     def device(self) -> torch.device:
@@ -118,7 +170,7 @@ def teacher_plans(ctx: ObjectiveContext, batch: StepBatch, view: str) -> dict[st
                          cfg.micro_batch, cfg.micro_batch_tokens, view) for n in ctx.teachers.names}  # fmt: skip
 
 
-def teacher_inputs(ctx: ObjectiveContext, batch: StepBatch, mb: MicroBatch, view: str, res: ObjectiveResult):
+def teacher_inputs(ctx: ObjectiveContext, batch: StepBatch, mb: Slot, view: str, res: ObjectiveResult):
     """(inputs, mask (n, T), width, cost) of `mb` in `view`; a padding slot: the student's prompts, booked nowhere."""
     ro, pids = batch.rollouts, batch.rollouts.prompt_index[mb.rows].tolist()
     prompts = [batch.teacher_prompt(mb.group, view, p) if mb.real else batch.student_prompts[p] for p in pids]
@@ -178,7 +230,7 @@ def distill(objective, batch: StepBatch, row_weights: torch.Tensor | None = None
     if res.empty:  # S is empty everywhere: no teacher call, zero distillation term
         return res
     row_w, dtype, scale = row_scales(ctx, batch, row_weights)
-    for mb in lockstep(ctx, batch, teacher_plans(ctx, batch, ctx.teacher_views[0]), sync, release=ctx.teacher_models):
+    for mb in ctx.schedule(ctx, batch, teacher_plans(ctx, batch, ctx.teacher_views[0]), sync, ctx.teacher_models):
         teacher, rows, views, s_inputs, w_i = slot_inputs(ctx, batch, mb, res)  # padding: zero weights, nothing booked
         (t_inputs, mask, width, _), aggregate = views[0], AGGREGATION_WEIGHTS[cfg.aggregation]  # Eq. 11's weights
         weights = mb.weight(aggregate(row_w[rows].to(ctx.device), mask, res.global_tokens, dtype, w_i) * scale)  # (n, T)
@@ -206,7 +258,7 @@ def row_scales(ctx: ObjectiveContext, batch: StepBatch, row_weights: torch.Tenso
     return row_w, torch.float64 if float64 else torch.float32, ctx.accelerator.num_processes
 
 
-def slot_inputs(ctx: ObjectiveContext, batch: StepBatch, mb: MicroBatch, res: ObjectiveResult):
+def slot_inputs(ctx: ObjectiveContext, batch: StepBatch, mb: Slot, res: ObjectiveResult):
     """A slot's (teacher, rows, teacher inputs per view (booked), student inputs, 1 / pi_i (n,) or None)."""
     ro, rows = batch.rollouts, mb.rows
     views = [teacher_inputs(ctx, batch, mb, view, res) for view in ctx.teacher_views]
@@ -216,7 +268,7 @@ def slot_inputs(ctx: ObjectiveContext, batch: StepBatch, mb: MicroBatch, res: Ob
     return ctx.teachers.teachers[mb.group], rows, views, s_inputs, w_i
 
 
-def book(res: ObjectiveResult, mb: MicroBatch, rows, loss: torch.Tensor, u: torch.Tensor, views, seconds, scale):
+def book(res: ObjectiveResult, mb: Slot, rows, loss: torch.Tensor, u: torch.Tensor, views, seconds, scale):
     """A real slot's share of the loss (times the denominator), its labels u_i and its teacher seconds per view."""
     if not mb.real:
         return

@@ -18,7 +18,8 @@ import torch
 
 from opd.data.records import StepBatch
 from opd.maths.chunked import sampled_logp_from_hidden, weighted_logp_from_hidden
-from opd.methods.lockstep import MicroBatch, lockstep, plan_micro_batches
+from opd.methods.lockstep import MicroBatch, lockstep
+from opd.methods.objective import plan_micro_batches
 from opd.models.chat import micro_batch_inputs
 from opd.models.hidden import lm_head_weight, response_hidden
 

@@ -18,10 +18,11 @@ import torch
 from opd.data.records import StepBatch
 from opd.maths.chunked import budgeted_loss_from_hidden
 from opd.maths.weights import TokenWeight
-from opd.methods.lockstep import MicroBatch, Stopwatch, timed
+from opd.methods.lockstep import MicroBatch, timed
 from opd.methods.objective import Objective, ObjectiveContext, ObjectiveResult, teacher_inputs, teacher_plans
 from opd.methods.policy_gradient import PolicyGradient
 from opd.methods.specs import TM_OPD_SPEC, TMOPDConfig
+from opd.models.ema_teacher import Stopwatch
 from opd.models.hidden import lm_head_weight
 
 

@@ -3,14 +3,14 @@
 `EMATeacher`: a gradient-free copy of the policy, moved only by line 13 after a valid update; it scores the
 student's own response tokens after its privileged prompt, for selected rows only, and counts every row it is
 asked about (`rows_scored`, `batches`: the budget audit). `Teacher` is a fixed one (an external checkpoint, DAPD's
-anchor); `TeacherSet` the run's teachers in a fixed order. LoRA's teacher: `opd.models.adapter_teacher`.
-Details (FSDP, uncounted forwards): docs/MODULES.md#opdmodelsema_teacher.
+anchor); `TeacherSet` the run's teachers in a fixed order; `TeacherCost` what a teacher's forwards cost (the ledger).
+LoRA's teacher: `opd.models.adapter_teacher`. Details (FSDP, uncounted forwards): docs/MODULES.md#opdmodelsema_teacher.
 """
 
 from __future__ import annotations
 
-import contextlib
 import copy
+import time
 from dataclasses import dataclass, field
 
 import torch
@@ -29,25 +29,16 @@ class Teacher:
         self.processor = processor
         self.rows_scored = 0
         self.batches: list[int] = []
-        self._counting = True
+        self.counting = True  # False: forwards not counted (`opd.methods.lockstep.uncounted`)
 
     trainable = False  # whether `update` changes the weights (then a checkpoint holds them)
 
     def _record(self, inputs: dict[str, torch.Tensor]) -> None:
-        if not self._counting:
+        if not self.counting:
             return
         n = inputs["input_ids"].shape[0]
         self.rows_scored += n
         self.batches.append(n)
-
-    @contextlib.contextmanager
-    def uncounted(self):
-        """Forwards inside are not counted (a sharded rank's zero-weighted padding)."""
-        self._counting = False
-        try:
-            yield
-        finally:
-            self._counting = True
 
     def update(self, student: torch.nn.Module, tau: float) -> None:
         """A frozen teacher does not follow the student."""
@@ -63,6 +54,41 @@ class Teacher:
         self._record(inputs)
         with torch.no_grad():
             return response_hidden(self.model, inputs, n_response).detach()
+
+
+def cuda_sync(device: torch.device | str) -> None:
+    """Waits for the device's queued work (CUDA only), so that host timers measure it."""
+    if torch.device(device).type == "cuda":
+        torch.cuda.synchronize(device)
+
+
+class Stopwatch:
+    """Seconds of device work: the device is synchronised before the start and at each reading."""
+    def __init__(self, device: torch.device | str):
+        self.device = device
+        cuda_sync(device)
+        self.t0 = time.perf_counter()
+
+    def seconds(self) -> float:
+        cuda_sync(self.device)
+        return time.perf_counter() - self.t0
+
+
+@dataclass
+class TeacherCost:
+    """What one teacher label cost on this rank: forward rows, real and padded input tokens, seconds."""
+    rows: int = 0
+    tokens: int = 0
+    padded_tokens: int = 0
+    seconds: float = 0.0
+
+
+def record_forward(cost: TeacherCost, inputs: dict, mask: torch.Tensor, prompt_tokens: int, seconds: float = 0.0) -> None:
+    """Books one teacher forward: rows, real tokens (prompts + valid completion tokens), padded tokens, seconds."""
+    cost.rows += int(inputs["input_ids"].shape[0])
+    cost.tokens += int(mask.sum()) + int(prompt_tokens)
+    cost.padded_tokens += int(inputs["input_ids"].numel())
+    cost.seconds += seconds
 
 
 def update_due(every: int, step: int) -> bool:

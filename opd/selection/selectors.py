@@ -16,7 +16,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from opd.seeding import seeded_generator
+from opd.engine.rollout import seeded_generator
 from opd.selection.config import POLICIES, PredictorConfig
 
 
