@@ -161,7 +161,7 @@ def cross_problems(cfg: TrainConfig, world: int) -> list[str]:
 
 
 def method_problems(cfg: TrainConfig) -> list[str]:
-    """What the method's objective refuses (`opd.methods.objective.Objective.refuses`) and its teachers' rules."""
+    """What the method's objective refuses (`opd.methods.interface.Objective.refuses`) and its teachers' rules."""
     method, name = cfg.method, cfg.run.method
     problems = []
     if method.external_teachers == "refused" and cfg.teacher.external:

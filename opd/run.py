@@ -34,7 +34,7 @@ from opd.loop.row import ledger_row
 from opd.models.loading import autocast, special_ids
 from opd.methods.micro_batch import fused, fused_distill
 from opd.methods.lockstep import lockstep
-from opd.methods.objective import ObjectiveContext, one_process
+from opd.methods.interface import ObjectiveContext
 from opd.methods.objectives import objective_class
 from opd.loop.optim import lr_scheduler, restore_group_lr
 from opd.data.checks import check_prompts, check_records
@@ -45,6 +45,7 @@ from opd.run_folder import checkpoint_of, find_latest, load_config
 from opd.engine.rollout import Sampler
 from opd.engine.vllm_sampler import VLLMSampler
 from opd.selection.designs import selector_from_config
+from opd.selection.state import load_selector_state, selector_state
 from opd.models.sharding import generation, is_sharded
 from opd.loop.step import Stepper
 from opd.storage import DiskFullError, drop_temporaries
@@ -113,7 +114,7 @@ class Run:
             student_view=self.method.student_view, teacher_views=self.teacher_views,
             loss=loss, max_response_len=cfg.sampling.max_response_len, ema=cfg.ema, sharded=is_sharded(self.student),
             distill_pass=fused_distill if fused(loss, self.teacher_views) else None,  # the extension, else the plain
-            schedule=lockstep if is_sharded(self.student) or acc.num_processes > 1 else one_process,  # the ranks' order
+            schedule=lockstep if is_sharded(self.student) or acc.num_processes > 1 else None,  # None: one process's
         )  # fmt: skip
         self.objective = objective(self.context, cfg.objective(), models.initial_teacher)
         state = resume.state if resume is not None else {}
@@ -160,7 +161,7 @@ class Run:
         if "scheduler" in state:
             self.scheduler.load_state_dict(state["scheduler"])
             restore_group_lr(self.optimizer, self.scheduler)  # the sharded path loaded the optimizer first
-        self.selector.load_state_dict(state["selector"])
+        load_selector_state(self.selector, state["selector"])
         self.objective.load_state_dict(state.get("objective", {}))
         self.stepper.warned_no_eligible = state.get("warned_no_eligible", False)
 
@@ -204,7 +205,7 @@ class Run:
         """A checkpoint of the run after `next_step` steps (atomic; sharded: every rank writes its shards)."""
         cfg = self.cfg
         state = {
-            "selector": self.selector.state_dict(), "config": cfg.flags(), "warned_no_eligible": self.stepper.warned_no_eligible,
+            "selector": selector_state(self.selector), "config": cfg.flags(), "warned_no_eligible": self.stepper.warned_no_eligible,
             "objective": self.objective.state_dict(), "identities": self.folder.identities,
             "world_size": self.acc.num_processes, "scheduler": self.scheduler.state_dict(),
             "schedule_span": self.schedule_span,

@@ -56,7 +56,7 @@ def test_the_six_pairs_see_the_specified_contexts_and_completions(tmp_path, tiny
     assert seen == want
     assert [len(v) for v in student_groups().values()] == [1, 2, 2, 1]  # four student forwards for six pairs
     assert all(res.teachers[f"{p.anchor}:{p.name}"].rows == 1 for p in PAIRS)
-    assert math.isfinite(res.share) and res.utility[0] >= 0
+    assert math.isfinite(res.loss_share) and res.utility[0] >= 0
 
 
 @pytest.mark.slow  # an end-to-end run (train, resume or export): -m slow
@@ -169,4 +169,4 @@ def test_thinking_contexts_are_encoded_once_per_step_and_hold_the_thinking_promp
         want += [(p.anchor, [context_ids[p.anchor_context](i) + completion[p.completion](i)]) for p in PAIRS]
         want += [("student", [context_ids[ctx](i) + completion[c](i)]) for c, ctx in student_groups()]
     assert sorted(seen) == sorted(want) and len(seen) == len(want) == 20
-    assert math.isfinite(res.share) and all(res.teachers[f"{p.anchor}:{p.name}"].rows == 2 for p in PAIRS)
+    assert math.isfinite(res.loss_share) and all(res.teachers[f"{p.anchor}:{p.name}"].rows == 2 for p in PAIRS)

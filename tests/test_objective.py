@@ -19,7 +19,7 @@ from opd.models.chat import response_logits
 from opd.maths.loss import LossConfig
 from opd.methods.table import METHODS
 from opd.models.loading import load_model, load_processor, special_ids
-from opd.methods.objective import Objective, ObjectiveContext
+from opd.methods.interface import Objective, ObjectiveContext
 from opd.methods.objectives import objective_class
 from opd.methods.specs import DAPDConfig
 from opd.engine.rollout import Rollouts, response_mask
@@ -102,7 +102,7 @@ def test_distillation_runs_with_the_context_alone_and_is_eq_11(tiny):
     z[sel] = 1.0
     want = budgeted_loss(d, z, ro.response_mask)  # Eq. 11
     assert res.global_tokens == int(ro.lengths[sel].sum()) and res.teachers["crop"].rows == 4
-    torch.testing.assert_close(torch.tensor(res.share, dtype=F64), want, rtol=1e-12, atol=0)
+    torch.testing.assert_close(torch.tensor(res.loss_share, dtype=F64), want, rtol=1e-12, atol=0)
     assert torch.isnan(res.utility[[1, 2, 5, 7]]).all() and torch.isfinite(res.utility[sel]).all()
     before = [p.clone() for p in ctx.teachers.teachers["teacher"].model.parameters()]
     Distillation(ctx).after_update(0)  # the EMA of Algorithm 1 line 13, with the context's tau

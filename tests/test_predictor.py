@@ -11,6 +11,7 @@ from torch.testing import assert_close
 
 from opd.selection.config import PredictorConfig
 from opd.selection.selectors import OnlineUtilityModel, ReplayBuffer, UtilityPredictor
+from opd.selection.state import load_model_state, load_replay_state, model_state, replay_state
 from opd.engine.rollout import seeded_generator
 
 # ----------------------------------------------------------------------------- replay buffer
@@ -75,7 +76,7 @@ def test_replay_state_dict_round_trip():
     phi, u = items(0, 9)
     buf.add(phi, u, step=5)
     other = ReplayBuffer(capacity=512, dim=6)
-    other.load_state_dict(buf.state_dict())
+    load_replay_state(other, replay_state(buf))
     assert other.capacity == 6
     assert torch.equal(other.u, buf.u) and torch.equal(other.phi, buf.phi) and torch.equal(other.step, buf.step)
     phi, u = items(20, 2)
@@ -266,13 +267,13 @@ def test_state_dict_round_trip_predicts_and_continues_identically():
     feed(a, range(8), seed=5)
     assert a.trained
     buf = io.BytesIO()
-    torch.save(a.state_dict(), buf)
+    torch.save(model_state(a), buf)
     buf.seek(0)
     b = OnlineUtilityModel(PredictorConfig(seed=0, replay_start=50))  # same config, as on a resume
     with torch.no_grad():
         for p in b.net.parameters():  # a state that the load must overwrite entirely
             p.add_(1.0)
-    b.load_state_dict(torch.load(buf, weights_only=False))
+    load_model_state(b, torch.load(buf, weights_only=False))
     assert b.updates == a.updates
     x = feats(30, torch.Generator().manual_seed(6))
     assert torch.equal(a.predict(x), b.predict(x))
@@ -290,10 +291,10 @@ def test_state_dict_without_optimizer_state_would_diverge():
     identically, so the round-trip test can detect a missing optimizer state."""
     a = OnlineUtilityModel(PredictorConfig(seed=0, replay_start=50))
     feed(a, range(8), seed=5)
-    state = copy.deepcopy(a.state_dict())
+    state = copy.deepcopy(model_state(a))
     b = OnlineUtilityModel(PredictorConfig(seed=0, replay_start=50))
     state["optimizer"] = b.optimizer.state_dict()  # fresh Adam moments
-    b.load_state_dict(state)
+    load_model_state(b, state)
     feed(a, range(8, 10), seed=7)
     feed(b, range(8, 10), seed=7)
     assert not torch.equal(a.net.net[1].weight, b.net.net[1].weight)

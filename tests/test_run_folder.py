@@ -25,6 +25,7 @@ from opd.loop.ledger import read_ledger
 from opd.models.loading import load_processor
 from opd.tiny import build_tiny_model
 from opd.data.records import VIEWS
+from opd.data.checks import LAYOUTS
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -290,7 +291,7 @@ def test_the_prompt_length_check_counts_what_the_encoder_gives(tiny, view):
     for r in records:
         for thinking in (False, True):
             images, question = VIEWS[view](r, seed=3)
-            sizes, text = VIEWS[view].layout(r)
+            sizes, text = LAYOUTS[view](r)
             assert sizes == [im.size for im in images] and text == question
             assert prompt_length(processor, sizes, text, thinking) == len(encode_prompt(processor, images, question, thinking))
 

@@ -16,6 +16,7 @@ from opd.selection.selectors import (
     top_subset,
     uniform_subset,
 )
+from opd.selection.state import load_selector_state, selector_state
 
 # ----------------------------------------------------------------------------- Eq. 4 and K_e
 
@@ -328,16 +329,16 @@ def test_learned_selector_updates_normalizer_on_candidates_only():
 
 def test_selector_state_dict_round_trip():
     a = trained_selector(seed=0, n_steps=3)
-    state = a.state_dict()
+    state = selector_state(a)
     b = Selector("learned", predictor=PredictorConfig(seed=0, replay_start=16))
     import copy
 
-    b.load_state_dict(copy.deepcopy(state))
+    load_selector_state(b, copy.deepcopy(state))
     phi = make_phi(50, seed=12)
     eligible = make_eligible(50, seed=12)
     assert torch.equal(a.select(phi, eligible, 10, 20)[0], b.select(phi, eligible, 10, 20)[0])
     with pytest.raises(ValueError):
-        Selector("random").load_state_dict(state)
+        load_selector_state(Selector("random"), state)
 
 
 def test_non_learned_policies_observe_nothing():

@@ -11,11 +11,18 @@ import pytest
 import torch
 from torch.testing import assert_close
 
-from opd.maths.divergence import sample_utility, teacher_confidence, token_jsd, topk_overlap, utility_labels, utility_terms
+from opd.maths.divergence import labels_from_terms, sample_utility, teacher_confidence, token_jsd, topk_overlap, utility_terms
 from opd.selection.selectors import pairwise_rank_loss, recency_weights, selector_loss
 
 F64 = torch.float64
 LN2 = math.log(2.0)
+
+
+@torch.no_grad()
+def utility_labels(student_logits, teacher_logits, mask, k=100, use_overlap=True, use_confidence=True):
+    """Eq. 7-9 composed as training composes them (`opd.methods.objective.distill`): one u_i per row of (N, T, V)."""
+    terms = torch.stack(utility_terms(student_logits.detach(), teacher_logits.detach(), k), -1)  # (N, T, 3)
+    return labels_from_terms(terms, mask, use_overlap, use_confidence)
 
 
 def H(ps) -> float:

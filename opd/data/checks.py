@@ -1,14 +1,33 @@
 """The start-up checks of the run's data, before step 0 (none runs inside a step): enough records for a step and at
 least one crop (`check_records`, as soon as the records load), and once the models load, a route for every record
 (routed teachers) and every prompt of every view a record is used in within --max-prompt-len (`check_prompts`,
-without decoding an image: `prompt_length` of each view's `layout`).
+without decoding an image: `prompt_length` of each view's layout, `LAYOUTS`).
 """
 
 from PIL import Image
 
 from opd.cli import UserError
-from opd.data.records import VIEWS, Record, views_eligible
+from opd.data.family_views import half_size, reference_prompt
+from opd.data.records import Record, views_eligible
 from opd.models.chat import encode_prompt, prompt_text
+
+
+def crop_size(record: Record) -> tuple[int, int]:
+    """(width, height) of `opd.data.records.crop_image(record)`: the bbox's, else the crop file's."""
+    if record.bbox is not None:
+        x1, y1, x2, y2 = record.bbox
+        return x2 - x1, y2 - y1
+    return record.crop_size
+
+
+LAYOUTS = {
+    "full": lambda r: ([r.image_size], r.problem),
+    "crop": lambda r: ([crop_size(r)], r.problem),
+    "half_resolution": lambda r: ([half_size(*r.image_size)], r.problem),
+    "masked": lambda r: ([crop_size(r)], r.problem),
+    "reference_answer": lambda r: ([r.image_size], reference_prompt(r.problem, r.reference)),
+}
+"""Each view of `opd.data.records.VIEWS` as (image sizes, question) without decoding an image."""
 
 
 def prompt_length(processor, sizes: list[tuple[int, int]], problem: str, enable_thinking: bool = False) -> int:
@@ -54,7 +73,7 @@ def check_prompts(prompts) -> None:
             processor = getattr(teacher, "processor", None) or prompts.processor
             uses += [(v, processor) for v in prompts.teacher_views]
         for view, processor in uses:
-            sizes, question = VIEWS[view].layout(record)
+            sizes, question = LAYOUTS[view](record)
             key = (id(processor), tuple(sizes), question)
             if key not in cache:
                 cache[key] = prompt_length(processor, sizes, question, prompts.data.enable_thinking)

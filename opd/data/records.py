@@ -18,7 +18,7 @@ from PIL import Image, UnidentifiedImageError
 
 from opd.cli import UserError
 from opd.data.settings import DataError
-from opd.data.family_views import half_resolution, half_size, masked, reference_prompt
+from opd.data.family_views import half_resolution, masked, reference_prompt
 from opd.engine.rollout import Rollouts, mix_seed
 from opd.models.chat import encode_prompt
 
@@ -94,11 +94,10 @@ def crop_image(record: Record) -> Image.Image:
 
 @dataclass(frozen=True)
 class View:
-    """A view: `fn(record, seed) -> (images, question)`; `layout(record) -> (image sizes, question)`, decoding none."""
+    """A view: `fn(record, seed) -> (images, question)` (its layout, decoding no image: `opd.data.checks.LAYOUTS`)."""
 
     fn: Callable[[Record, int], tuple[list[Image.Image], str]]
     needs_crop: bool = False
-    layout: Callable[[Record], tuple[list[tuple[int, int]], str]] | None = None
 
     def __call__(self, record: Record, seed: int = 0) -> tuple[list[Image.Image], str]:
         return self.fn(record, seed)
@@ -107,23 +106,12 @@ class View:
         return record.eligible or not self.needs_crop
 
 
-def crop_size(record: Record) -> tuple[int, int]:
-    """(width, height) of `crop_image(record)`: the bbox's, else the crop file's."""
-    if record.bbox is not None:
-        x1, y1, x2, y2 = record.bbox
-        return x2 - x1, y2 - y1
-    return record.crop_size
-
-
 VIEWS: dict[str, View] = {
-    "full": View(lambda r, seed: ([full_image(r)], r.problem), layout=lambda r: ([r.image_size], r.problem)),
-    "crop": View(lambda r, seed: ([crop_image(r)], r.problem), True, lambda r: ([crop_size(r)], r.problem)),
-    "half_resolution": View(lambda r, seed: ([half_resolution(full_image(r))], r.problem),
-                            layout=lambda r: ([half_size(*r.image_size)], r.problem)),
-    "masked": View(lambda r, seed: ([masked(crop_image(r), seed)], r.problem), True,
-                   lambda r: ([crop_size(r)], r.problem)),
-    "reference_answer": View(lambda r, seed: ([full_image(r)], reference_prompt(r.problem, r.reference)),
-                             layout=lambda r: ([r.image_size], reference_prompt(r.problem, r.reference))),
+    "full": View(lambda r, seed: ([full_image(r)], r.problem)),
+    "crop": View(lambda r, seed: ([crop_image(r)], r.problem), needs_crop=True),
+    "half_resolution": View(lambda r, seed: ([half_resolution(full_image(r))], r.problem)),
+    "masked": View(lambda r, seed: ([masked(crop_image(r), seed)], r.problem), needs_crop=True),
+    "reference_answer": View(lambda r, seed: ([full_image(r)], reference_prompt(r.problem, r.reference))),
 }
 
 
@@ -179,13 +167,6 @@ class StepBatch:
         """Local row ids of S routed to `teacher` (a name of the run's teacher set), in S's order."""
         sel = self.selected
         return sel[[self.route[i] == teacher for i in sel.tolist()]] if sel.numel() else sel
-
-    def position_weights(self, rows: torch.Tensor, mask: torch.Tensor, dtype) -> torch.Tensor | None:
-        """(P,): 1 / pi_i of each of `rows` at each valid position, in mask's row-major order; None: all 1."""
-        if self.weights is None:
-            return None
-        w = self.weights[rows].to(device=mask.device, dtype=dtype)  # (n,)
-        return w.unsqueeze(-1).expand(mask.shape)[mask]  # (P,)
 
 
 class Prompts:

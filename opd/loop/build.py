@@ -30,7 +30,7 @@ from opd.loop.optim import adamw
 from opd.models import lora as lora_mod
 from opd.models.adapter_teacher import AdapterTeacher
 from opd.models.hidden import lm_head_weight
-from opd.models.ema_teacher import EMATeacher, Teacher, TeacherSet
+from opd.models.ema_teacher import EMATeacher, Teacher, TeacherSet, parameter_pairs
 from opd.models.external_teachers import build_routed, load_teacher
 from opd.models.loading import load_model, load_processor, resolve_model_source
 from opd.models.sharding import load_sharded_model, local_pairs, shard_model
@@ -81,7 +81,7 @@ class Models:
     optimizer: torch.optim.Optimizer
     processor: object
     teachers: TeacherSet
-    """The objective's teachers (`opd.methods.objective.Objective.build_teachers`)."""
+    """The objective's teachers (`opd.methods.interface.Objective.build_teachers`)."""
     initial_teacher: Callable[[], Teacher]
     """A frozen teacher of the run's initial weights (DAPD's base anchor, OPOD's reference)."""
     lora: object = None
@@ -111,6 +111,15 @@ class Models:
     def lora_scaling(self) -> float | None:
         """alpha / r, the scale of the adapter merged into weights pushed to the vLLM engine; None without LoRA."""
         return None if self.lora is None else self.lora.scale_alpha / self.lora.r
+
+
+def copy_weights(teacher: EMATeacher, student: torch.nn.Module) -> None:
+    """Algorithm 1, line 1 for a teacher built apart (sharded): theta-bar <- theta, shard by shard, buffers too."""
+    with torch.no_grad():
+        for t, s in (teacher.pairs or parameter_pairs)(teacher.model, student):
+            t.copy_(s)
+        for t, s in zip(teacher.model.buffers(), student.buffers(), strict=True):
+            t.copy_(s)
 
 
 def _trainable(model) -> list:
@@ -177,7 +186,7 @@ class ModelBuilder:
         teacher = None
         if not cfg.teacher.external:
             teacher = EMATeacher(load_sharded_model(model_path, **self.shard), copy_weights=False, pairs=local_pairs)
-            teacher.copy_from(student)  # Algorithm 1, line 1, shard by shard
+            copy_weights(teacher, student)  # Algorithm 1, line 1, shard by shard
         return student, adamw(cfg.optim, student.parameters()), teacher
 
     def _lora(self):

@@ -126,7 +126,7 @@ class Stepper:
     prompts: object  # `opd.data.records.Prompts`: each step's records, the student's and the teachers' inputs, C
     sampler: object  # line 3 (`opd.engine.rollout.Sampler`; vLLM's: `opd.engine.vllm_sampler`)
     selector: object  # lines 4-10 and 14 (`opd.selection.selectors.Selector`)
-    objective: object  # lines 11-13: the method's objective (`opd.methods.objective.Objective`)
+    objective: object  # lines 11-13: the method's objective (`opd.methods.interface.Objective`)
     student: torch.nn.Module  # the policy as trained (DDP-wrapped or sharded)
     optimizer: object
     scheduler: object
@@ -163,7 +163,7 @@ class Stepper:
         res = self.objective(batch)
         seconds = time.perf_counter() - t_obj
         with timer("wait"):
-            loss = float(acc.reduce(torch.tensor(res.share, device=acc.device, dtype=torch.float64), "sum"))
+            loss = float(acc.reduce(torch.tensor(res.loss_share, device=acc.device, dtype=torch.float64), "sum"))
         with timer("optimizer"):
             grad_norm = clip_gradients(acc, self.student, self.grad_clip)
         rows_scored = self.rows_scored() - before

@@ -169,16 +169,3 @@ def labels_from_terms(terms: torch.Tensor, mask: torch.Tensor, use_overlap: bool
     c = c if use_confidence else torch.ones_like(c)
     return sample_utility(d, o, c, mask)
 
-
-@torch.no_grad()
-def utility_labels(
-    student_logits: torch.Tensor,
-    teacher_logits: torch.Tensor,
-    mask: torch.Tensor,
-    k: int = 100,
-    use_overlap: bool = True,
-    use_confidence: bool = True,
-) -> torch.Tensor:
-    """Eq. 7-9: one detached u_i per row from (N, T, V) logits; mask (N, T); ablations as `labels_from_terms`."""
-    terms = torch.stack(utility_terms(student_logits.detach(), teacher_logits.detach(), k), -1)  # (N, T, 3)
-    return labels_from_terms(terms, mask, use_overlap, use_confidence)

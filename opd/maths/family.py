@@ -238,7 +238,7 @@ DENOMINATORS = {
     "token-sum": token_sum_denominator,  # tinker
 }
 """Aggregation name -> f(accelerator, lengths, selected, sample_weights, full_tokens), the step's global denominator
-(one all-reduce, run by every rank); `ObjectiveResult.begin` looks it up (`opd.methods.objective`)."""
+(one all-reduce, run by every rank); `opd.methods.objective.begin` looks it up."""
 
 
 def support_logp(student_logits: torch.Tensor, teacher_logits: torch.Tensor, k: int = 100,

@@ -23,7 +23,9 @@ from opd.data.records import StepBatch, View, get_view
 from opd.maths.chunked import clamped_kl_from_hidden
 from opd.maths.divergence import global_denominator
 from opd.methods.lockstep import MicroBatch, lockstep
-from opd.methods.objective import Objective, ObjectiveContext, ObjectiveResult, plan_micro_batches
+from opd.methods.interface import Objective, ObjectiveContext, ObjectiveResult
+from opd.methods.objective import begin, plan_micro_batches
+from opd.methods.policy_gradient import position_weights
 from opd.methods.specs import DAPD_SPEC, DAPDConfig
 from opd.models.hidden import completion_inputs, lm_head_weight, response_hidden
 from opd.models.ema_teacher import Stopwatch, TeacherSet, record_forward, update_due
@@ -116,7 +118,7 @@ class DAPD(Objective):
         eos = ctx.ids["eos"][0]
         # Each completion's token count over all ranks (Hajek: sum_i w_i T_i), as the family's Eq. 11 denominator:
         # the rollouts' is the result's (`begin`), the references' one more all-reduce.
-        res = ObjectiveResult.begin(ctx, batch, self.labels)
+        res = begin(ctx, batch, self.labels)
         refs = {j: reference_completion(ctx.tokenizer, batch.records[j].reference, eos, ctx.max_response_len)
                 for j in {*ro.prompt_index[sel].tolist(), int(ro.prompt_index[0])}}  # fmt: skip (row 0: padding)
         w = batch.weights  # unbiased selection's 1 / pi_i (None: 1): every pair's token mean in its Hajek form
@@ -215,7 +217,7 @@ class DAPD(Objective):
                     h_s = response_hidden(ctx.student, inputs, width)[mask]  # (P, H)
                     w_s = lm_head_weight(getattr(ctx.student, "module", ctx.student))
                     weight = mb.weight(torch.ones(h_s.shape[0], device=device) * (scale / denominators[completion]))
-                    w_pos = batch.position_weights(rows, mask, weight.dtype) if mb.real else None  # (P,) 1 / pi_i
+                    w_pos = position_weights(batch, rows, mask, weight.dtype) if mb.real else None  # (P,) 1 / pi_i
                     if w_pos is not None:  # each position times its row's 1 / pi_i
                         weight = weight * w_pos
                     timing: dict[str, float] = {}

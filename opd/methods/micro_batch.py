@@ -18,7 +18,8 @@ from opd.maths.family import AGGREGATION_WEIGHTS, topk_divergence
 from opd.maths.loss import LossConfig
 from opd.maths.weights import SampledLogp, TokenWeight, token_weight
 from opd.methods.lockstep import lockstep, timed
-from opd.methods.objective import ObjectiveResult, book, distill_labels, row_scales, slot_inputs, teacher_plans
+from opd.methods.interface import ObjectiveResult
+from opd.methods.objective import begin, book, distill_labels, row_scales, slot_inputs, teacher_plans
 from opd.models.chat import response_logits
 from opd.models.hidden import lm_head_weight, response_hidden
 from opd.models.ema_teacher import Stopwatch, Teacher, TeacherCost
@@ -109,7 +110,7 @@ def fused_distill(objective, batch: StepBatch, row_weights: torch.Tensor | None 
     weight: per-row sums of w_t and log pi_T(y_t) (OPOD's gate and teacher log-probs)."""
     ctx = objective.ctx
     cfg, ro = ctx.loss, batch.rollouts
-    res = ObjectiveResult.begin(ctx, batch, labels or distill_labels(ctx))
+    res = begin(ctx, batch, labels or distill_labels(ctx))
     sums: dict = {}
     if token_sums is not None and token_weight(cfg.token_weight, cfg.is_clip) is not None:
         sums = token_sums
@@ -132,4 +133,5 @@ def fused_distill(objective, batch: StepBatch, row_weights: torch.Tensor | None 
         book(res, mb, rows, loss, u, views, seconds, scale)
         for key in sums if mb.real else ():  # with a token weight: its per-row sums
             sums[key][rows] = extras[key].sum(-1).float().cpu()
+    res.loss_share = res.loss_sum / max(1, res.global_tokens)  # summed over ranks: the step's loss
     return res

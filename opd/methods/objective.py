@@ -1,7 +1,7 @@
 """The objective boundary and the family's distillation pass behind it (Algorithm 1, lines 11-12).
 
-The step calls an objective once with its `StepBatch`: it runs the teacher(s) on S only, backpropagates its share of
-the loss and returns an `ObjectiveResult`; `after_update` follows a valid optimizer step. `distill`, the default call,
+The step calls an objective (`opd.methods.interface.Objective`) once with its `StepBatch`: it runs the teacher(s) on S
+only, backpropagates its share of the loss and returns an `ObjectiveResult`. `distill`, the default call,
 runs Eq. 2, 1, 3, its share of Eq. 11 and Eq. 7-9 per micro-batch of S. Memory per micro-batch: about five (n, T, V)
 float32 tensors (20 n T V bytes); the fused kernel (`opd.methods.micro_batch`) is opt-in (`--fused-kernel`; automatic
 past `opd.maths.loss.PLAIN_LOGITS_LIMIT`). Details: docs/MODULES.md#opdmethodsobjective."""
@@ -10,7 +10,7 @@ from __future__ import annotations
 
 from collections.abc import Callable, Iterator
 from contextlib import nullcontext
-from dataclasses import dataclass, field, fields
+from dataclasses import dataclass
 from types import MethodType
 
 import torch
@@ -18,57 +18,10 @@ import torch
 from opd.data.records import StepBatch
 from opd.maths.divergence import generalized_jsd, labels_from_terms, upcast, utility_terms, weighted_sum
 from opd.maths.family import AGGREGATION_WEIGHTS, DENOMINATORS, SUPPORTS, bias_corrected_reverse_kl
-from opd.methods.specs import DISTILL_SPEC, ObjectiveSpec
+from opd.methods.interface import Objective, ObjectiveContext, ObjectiveResult
+from opd.methods.specs import DISTILL_SPEC
 from opd.models.chat import micro_batch_inputs, response_logits
 from opd.models.ema_teacher import Stopwatch, TeacherCost, record_forward, update_due
-
-
-def _no_labels() -> torch.Tensor:
-    return torch.zeros(0)
-
-
-@dataclass
-class ObjectiveResult:
-    """What an objective returns for one step on this rank."""
-
-    loss_sum: float = 0.0
-    """This rank's share of the loss times `global_tokens`: the local numerator (OPOD: its gated term only)."""
-    global_tokens: float = 0
-    """The loss's denominator over all ranks (`opd.maths.family.DENOMINATORS`); 0: S is empty everywhere."""
-    utility: torch.Tensor = field(default_factory=_no_labels)
-    """(N_local,) u_i for selected rows, NaN for unselected rows (they get no label)."""
-    teachers: dict[str, TeacherCost] = field(default_factory=dict)
-    """Per ledger label (view, or teacher:view): rows, prompt + valid response tokens, padded tokens, seconds."""
-    loss_share: float | None = None
-    """This rank's share of the step's loss (summed over ranks: the loss); None: loss_sum / global_tokens."""
-    metrics: dict = field(default_factory=dict)
-    """Extra ledger fields of the objective (already the same on every rank)."""
-
-    @classmethod
-    def begin(cls, ctx: ObjectiveContext, batch: StepBatch, labels: list[str]) -> ObjectiveResult:
-        """No row labelled (NaN), every cost zero, the loss's global denominator (one all-reduce, run by every rank)."""
-        ro = batch.rollouts
-        res = cls(utility=torch.full((len(ro),), float("nan")), teachers={lab: TeacherCost() for lab in labels})
-        denominator = DENOMINATORS[ctx.loss.aggregation]
-        res.global_tokens = denominator(ctx.accelerator, ro.lengths, batch.selected, batch.weights, batch.full_tokens)
-        return res
-
-    @property
-    def empty(self) -> bool:
-        return self.global_tokens == 0
-
-    def label(self, rows: torch.Tensor, terms: torch.Tensor, mask: torch.Tensor, loss) -> None:
-        """Eq. 9's labels u_i of `rows` from their terms (d, o, c), (P, 3) or (n, T, 3), with `loss`'s ablations."""
-        u = labels_from_terms(terms, mask, not loss.no_overlap, not loss.no_confidence)
-        self.utility[rows] = u.float().cpu()
-
-    @property
-    def teacher_s(self) -> float:
-        return sum(c.seconds for c in self.teachers.values())
-
-    @property
-    def share(self) -> float:
-        return self.loss_share if self.loss_share is not None else self.loss_sum / max(1, self.global_tokens)
 
 
 def plan_micro_batches(lengths: torch.Tensor, max_rows: int, max_tokens: int = 0) -> list[torch.Tensor]:
@@ -122,47 +75,6 @@ def one_process(ctx, batch, plans: dict[str, list], sync: bool = True, release=(
             yield Slot(group, rows, ctx.accelerator.backward)
 
 
-@dataclass
-class ObjectiveContext:
-    """Everything an objective may use, built once per run by the loop."""
-
-    accelerator: object
-    student: torch.nn.Module
-    """The policy as trained (DDP-wrapped, or FSDP2-sharded): its forwards and backwards."""
-    model: Callable[[], torch.nn.Module]
-    """() -> the policy unwrapped (its config, its weights for the teachers' update)."""
-    teachers: object
-    """The run's teachers (`opd.models.external_teachers.TeacherSet`), in a fixed order."""
-    encode: Callable
-    """(view, record, seed=0, processor=None, thinking=None) -> EncodedPrompt (`opd.data.records.Prompts.encode`)."""
-    processor: object  # the policy's processor (its tokenizer decodes rollouts)
-    ids: dict  # the policy's special ids: eos, pad, vision
-    autocast: Callable  # () -> the forwards' mixed-precision context
-    student_view: str
-    teacher_views: tuple[str, ...]
-    """The teacher views of a scored row, the positive one first (OPD-V: crop, then masked)."""
-    loss: object
-    """The shared loss settings (`opd.maths.loss.LossConfig`, resolved for the method)."""
-    max_response_len: int
-    ema: object
-    """The teachers' update (`opd.models.settings.EMAConfig`): rate tau (0: fixed; 1: a copy), every `every` steps."""
-    sharded: bool = False  # FSDP2-sharded policy and teachers (`--fsdp`): the lockstep pads and frees for it
-    distill_pass: Callable | None = None  # in `distill`'s place (the run's choice): `micro_batch.fused_distill`
-    schedule: Callable = one_process  # `distill`'s micro-batches; several ranks or shards: `lockstep.lockstep`
-
-    @property
-    def device(self) -> torch.device:
-        return self.accelerator.device
-
-    @property
-    def teacher_models(self) -> list:
-        return [t.model for t in self.teachers.teachers.values()]
-
-    @property
-    def tokenizer(self):
-        return self.processor.tokenizer
-
-
 def teacher_plans(ctx: ObjectiveContext, batch: StepBatch, view: str) -> dict[str, list[torch.Tensor]]:
     """{teacher name: micro-batches of its local row ids of S}, in order, grouped by length in `view` (`plan_rows`)."""
     cfg = ctx.loss
@@ -174,69 +86,30 @@ def teacher_inputs(ctx: ObjectiveContext, batch: StepBatch, mb: Slot, view: str,
     """(inputs, mask (n, T), width, cost) of `mb` in `view`; a padding slot: the student's prompts, booked nowhere."""
     ro, pids = batch.rollouts, batch.rollouts.prompt_index[mb.rows].tolist()
     prompts = [batch.teacher_prompt(mb.group, view, p) if mb.real else batch.student_prompts[p] for p in pids]
-    inputs, mask, width = micro_batch_inputs(prompts, ro, mb.rows, ctx.ids["pad"], ctx.device)
+    inputs, mask, width = micro_batch_inputs(prompts, ro, mb.rows, ctx.ids["pad"], ctx.accelerator.device)
     cost = res.teachers[ctx.teachers.label(mb.group, view)] if mb.real else None
     if cost is not None:
         record_forward(cost, inputs, mask, sum(len(p) for p in prompts))
     return inputs, mask, width, cost
 
 
-class Objective:
-    """The interface of an objective; its class attributes are its `spec`'s (`opd.methods.specs`), set per subclass."""
-
-    spec: ObjectiveSpec = ObjectiveSpec("")
-    name: str = ""
-    Config: type | None = None
-    refuses: dict[str, str] = {}
-    needs_ema_teacher: str = ""
-    aggregations: tuple[str, ...] = ()
-
-    def __init_subclass__(cls, **kwargs):
-        super().__init_subclass__(**kwargs)
-        for f in fields(ObjectiveSpec):
-            setattr(cls, f.name, getattr(cls.spec, f.name))
-
-    @classmethod
-    def build_teachers(cls, teachers, initial_teacher: Callable[[], object]):
-        return teachers
-
-    def __init__(self, ctx: ObjectiveContext, config=None, initial_teacher: Callable[[], object] | None = None):
-        self.ctx, self.config, self.initial_teacher = ctx, config, initial_teacher
-
-    @property
-    def labels(self) -> list[str]:
-        """The ledger labels of every teacher forward this objective can run, in a fixed order."""
-        raise NotImplementedError
-
-    def __call__(self, batch: StepBatch) -> ObjectiveResult:
-        raise NotImplementedError
-
-    def after_update(self, step: int) -> None:
-        """After a valid optimizer step (step index `step`)."""
-
-    def state_dict(self) -> dict:
-        return {}
-
-    def load_state_dict(self, state: dict) -> None:
-        pass
-
-
 def distill(objective, batch: StepBatch, row_weights: torch.Tensor | None = None, sync: bool = True,
             token_sums: dict | None = None, labels: list[str] | None = None) -> ObjectiveResult:  # fmt: skip
     """Eq. 11 on S, backpropagated per micro-batch (plain path); returns its sums and Eq. 9's u_i. row_weights
     (N_local,): numerator only (OPOD's beta); sync=False: no DDP sync; token_sums: the fused pass's (`distill_pass`)."""
-    ctx, cfg = objective.ctx, objective.ctx.loss
-    res = ObjectiveResult.begin(ctx, batch, labels or distill_labels(ctx))
-    if res.empty:  # S is empty everywhere: no teacher call, zero distillation term
+    ctx, cfg, device = objective.ctx, objective.ctx.loss, objective.ctx.accelerator.device
+    res = begin(ctx, batch, labels or distill_labels(ctx))
+    if res.global_tokens == 0:  # S is empty everywhere: no teacher call, zero distillation term
         return res
     row_w, dtype, scale = row_scales(ctx, batch, row_weights)
-    for mb in ctx.schedule(ctx, batch, teacher_plans(ctx, batch, ctx.teacher_views[0]), sync, ctx.teacher_models):
+    plans, teachers = teacher_plans(ctx, batch, ctx.teacher_views[0]), [t.model for t in ctx.teachers.teachers.values()]
+    for mb in (ctx.schedule or one_process)(ctx, batch, plans, sync, teachers):
         teacher, rows, views, s_inputs, w_i = slot_inputs(ctx, batch, mb, res)  # padding: zero weights, nothing booked
         (t_inputs, mask, width, _), aggregate = views[0], AGGREGATION_WEIGHTS[cfg.aggregation]  # Eq. 11's weights
-        weights = mb.weight(aggregate(row_w[rows].to(ctx.device), mask, res.global_tokens, dtype, w_i) * scale)  # (n, T)
+        weights = mb.weight(aggregate(row_w[rows].to(device), mask, res.global_tokens, dtype, w_i) * scale)  # (n, T)
         with mb.synced():
             with ctx.autocast(), mb.teacher(teacher):  # one micro-batch's logits (n, T, V), autograd
-                watch = Stopwatch(ctx.device)
+                watch = Stopwatch(device)
                 t_logits = tempered(teacher.logits(t_inputs, width), cfg.temperature)  # (n, T, V) Eq. 2, detached
                 seconds = [watch.seconds()]
                 s_logits = tempered(response_logits(ctx.student, s_inputs, width), cfg.temperature)  # (n, T, V) Eq. 1
@@ -248,6 +121,17 @@ def distill(objective, batch: StepBatch, row_weights: torch.Tensor | None = None
                 u = labels_from_terms(terms, mask, not cfg.no_overlap, not cfg.no_confidence)  # (n,) Eq. 9
             mb.backward(loss)  # sharded: the teacher's gathered root (LM head) is freed before the student's backward
         book(res, mb, rows, loss, u, views, seconds, scale)
+    res.loss_share = res.loss_sum / max(1, res.global_tokens)  # summed over ranks: the step's loss
+    return res
+
+
+def begin(ctx: ObjectiveContext, batch: StepBatch, labels: list[str]) -> ObjectiveResult:
+    """A step's result before its first micro-batch: no row labelled (NaN), every teacher label's cost zero, and Eq.
+    11's denominator over all ranks (`opd.maths.family.DENOMINATORS`: one all-reduce, run by every rank)."""
+    ro = batch.rollouts
+    res = ObjectiveResult(utility=torch.full((len(ro),), float("nan")), teachers={lab: TeacherCost() for lab in labels})
+    denominator = DENOMINATORS[ctx.loss.aggregation]
+    res.global_tokens = denominator(ctx.accelerator, ro.lengths, batch.selected, batch.weights, batch.full_tokens)
     return res
 
 
@@ -263,8 +147,8 @@ def slot_inputs(ctx: ObjectiveContext, batch: StepBatch, mb: Slot, res: Objectiv
     ro, rows = batch.rollouts, mb.rows
     views = [teacher_inputs(ctx, batch, mb, view, res) for view in ctx.teacher_views]
     prompts = [batch.student_prompts[p] for p in ro.prompt_index[rows].tolist()]
-    s_inputs, _, _ = micro_batch_inputs(prompts, ro, rows, ctx.ids["pad"], ctx.device)
-    w_i = None if batch.weights is None else batch.weights[rows].to(ctx.device)  # (n,) 1 / pi_i
+    s_inputs, _, _ = micro_batch_inputs(prompts, ro, rows, ctx.ids["pad"], ctx.accelerator.device)
+    w_i = None if batch.weights is None else batch.weights[rows].to(ctx.accelerator.device)  # (n,) 1 / pi_i
     return ctx.teachers.teachers[mb.group], rows, views, s_inputs, w_i
 
 

@@ -2,12 +2,12 @@
 
 The method table (`opd.methods.table`) names each method's objective by its torch-free spec (`opd.methods.specs`), so
 that train.py's settings load without torch; the run (`opd.run`) asks `objective_class(method.objective)` for
-the class (`opd.methods.objective.Objective`). A new objective is one entry of `OBJECTIVES`.
+the class (`opd.methods.interface.Objective`). A new objective is one entry of `OBJECTIVES`.
 """
 
 from opd.methods.dapd import DAPD
 from opd.methods.objective import Distillation
-from opd.methods.objective import Objective
+from opd.methods.interface import Objective
 from opd.methods.opod import OPOD
 from opd.methods.specs import ObjectiveSpec
 from opd.methods.tm_opd import TMOPD

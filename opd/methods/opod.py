@@ -28,7 +28,8 @@ from opd.data.family_views import reference_prompt
 from opd.data.records import StepBatch, View, get_view
 from opd.maths.chunked import sampled_logp_from_hidden
 from opd.methods.lockstep import MicroBatch, lockstep
-from opd.methods.objective import Objective, ObjectiveContext, ObjectiveResult, distill, distill_labels
+from opd.methods.interface import Objective, ObjectiveContext, ObjectiveResult
+from opd.methods.objective import distill, distill_labels
 from opd.methods.policy_gradient import PolicyGradient, row_advantages
 from opd.methods.specs import OPOD_SPEC, OPODConfig
 from opd.models.ema_teacher import Stopwatch, record_forward

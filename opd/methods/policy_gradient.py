@@ -43,6 +43,14 @@ def row_advantages(advantages: dict[int, float]) -> Callable:
     return advantage
 
 
+def position_weights(batch: StepBatch, rows: torch.Tensor, mask: torch.Tensor, dtype) -> torch.Tensor | None:
+    """(P,): 1 / pi_i of each of `rows` at each valid position, in mask's row-major order; None: all 1."""
+    if batch.weights is None:
+        return None
+    w = batch.weights[rows].to(device=mask.device, dtype=dtype)  # (n,)
+    return w.unsqueeze(-1).expand(mask.shape)[mask]  # (P,)
+
+
 @dataclass
 class PolicyGradient:
     """One policy-gradient pass over S's micro-batches: `run` backpropagates and returns this rank's values."""
@@ -89,14 +97,14 @@ class PolicyGradient:
                 ref = sampled_logp_from_hidden(h_r, lm_head_weight(self.reference.model), y, chunk or max(1, h_r.shape[0]))
             mb.free()  # sharded: its gathered root (LM head) freed before the student's forward
             kl_terms, d_kl = k3(ref, old.to(ref.dtype))  # (P,) each
-            w_pos = batch.position_weights(rows, mask, kl_terms.dtype) if mb.real else None  # (P,) 1 / pi_i
+            w_pos = position_weights(batch, rows, mask, kl_terms.dtype) if mb.real else None  # (P,) 1 / pi_i
             if w_pos is not None:
                 kl_terms, d_kl = kl_terms * w_pos, d_kl * w_pos
         with ctx.autocast():
             h = response_hidden(ctx.student, inputs, width)[mask]  # (P, H)
             w = lm_head_weight(getattr(ctx.student, "module", ctx.student))
         a = advantage(mb, mask, h.detach(), w.detach()).to(device)  # (P,) A_it, detached
-        w_pos = batch.position_weights(rows, mask, a.dtype) if mb.real else None  # (P,) 1 / pi_i
+        w_pos = position_weights(batch, rows, mask, a.dtype) if mb.real else None  # (P,) 1 / pi_i
         if w_pos is not None:  # unbiased selection: each position times its row's 1 / pi_i
             a = a * w_pos
         coef = -self.weight * a / n  # (P,) d L_pg / d log pi(y_t)

@@ -1,7 +1,7 @@
 """What the settings know of each objective, without its code: its name, its section, what it refuses.
 
 `opd.config` builds train.py's flags and checks a run's settings from the method table (`opd.methods.table`), which
-names each method's objective by its `ObjectiveSpec`; the objectives' code (`opd.methods.objective.Objective` and its
+names each method's objective by its `ObjectiveSpec`; the objectives' code (`opd.methods.interface.Objective` and its
 subclasses, torch) takes its class-level facts from these specs, and `opd.methods.objectives.objective_class` maps a
 spec to its class. The objectives' own settings sections (DAPD's, OPOD's, TM-OPD's flags) live here for the same
 reason: `train.py --help` loads them without torch.
@@ -16,7 +16,7 @@ from opd.cli import Section
 
 @dataclass(frozen=True)
 class ObjectiveSpec:
-    """An objective's class-level facts (`opd.methods.objective.Objective` has each as a class attribute)."""
+    """An objective's class-level facts (`opd.methods.interface.Objective` has each as a class attribute)."""
 
     name: str
     """The prefix of its flags, its section in TrainConfig (`cfg.dapd`) and its trackers' namespace."""

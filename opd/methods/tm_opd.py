@@ -19,7 +19,8 @@ from opd.data.records import StepBatch
 from opd.maths.chunked import budgeted_loss_from_hidden
 from opd.maths.weights import TokenWeight
 from opd.methods.lockstep import MicroBatch, timed
-from opd.methods.objective import Objective, ObjectiveContext, ObjectiveResult, teacher_inputs, teacher_plans
+from opd.methods.interface import Objective, ObjectiveContext, ObjectiveResult
+from opd.methods.objective import begin, teacher_inputs, teacher_plans
 from opd.methods.policy_gradient import PolicyGradient
 from opd.methods.specs import TM_OPD_SPEC, TMOPDConfig
 from opd.models.ema_teacher import Stopwatch
@@ -63,7 +64,7 @@ class TMOPD(Objective):
 
     def __call__(self, batch: StepBatch) -> ObjectiveResult:
         ctx = self.ctx
-        res = ObjectiveResult.begin(ctx, batch, self.labels)
+        res = begin(ctx, batch, self.labels)
         if res.empty:  # S is empty everywhere: no teacher call, zero loss (every rank alike)
             res.loss_share, res.metrics = 0.0, {"teacher_kl": 0.0}
             return res

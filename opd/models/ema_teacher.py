@@ -116,17 +116,9 @@ class EMATeacher(Teacher):
 
     def __init__(self, student: torch.nn.Module, copy_weights: bool = True, pairs=None):
         """Line 1: theta-bar <- theta (copy_weights=False adopts `student` as the teacher, e.g. a sharded one built
-        apart, then `copy_from`). `pairs`: the tensor pairs line 13 moves (None: every parameter; sharded: local)."""
+        apart, then `opd.loop.build.copy_weights`). `pairs`: the pairs line 13 moves (None: every parameter)."""
         super().__init__(copy.deepcopy(student) if copy_weights else student)
         self.pairs = pairs
-
-    def copy_from(self, student: torch.nn.Module) -> None:
-        """Line 1 for a teacher built apart: theta-bar <- theta, shard by shard."""
-        with torch.no_grad():
-            for t, s in (self.pairs or parameter_pairs)(self.model, student):
-                t.copy_(s)
-            for t, s in zip(self.model.buffers(), student.buffers(), strict=True):
-                t.copy_(s)
 
     def update(self, student: torch.nn.Module, tau: float) -> None:
         """Line 13: theta-bar <- (1 - tau) theta-bar + tau theta (buffers copied; sharded: local shards)."""

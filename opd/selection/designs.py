@@ -1,4 +1,4 @@
-"""Selection designs beyond the paper's policies, called by `Selector.select` in place of the policy's choice.
+"""Selection designs beyond the paper's policies, which choose S in `Selector.select`'s place (`DesignSelector.choose`).
 
 - `PerPromptCap` (`--max-per-prompt N`): at most N rows of S per prompt, for the top-K and uniform policies
   (spreading the supervision over prompts; `capped`); with fewer than K rows allowed, S is smaller.
@@ -31,18 +31,31 @@ def selector(policy: str, epsilon: float = 0.10, predictor: PredictorConfig | No
         raise ValueError(f"unknown estimator {estimator!r}, strata {strata!r} or inclusion size {inclusion_size!r}")
     if not unbiased and (estimator, strata, inclusion_size) != ("hajek", "none", "score"):
         raise ValueError("the estimator, strata and inclusion size apply to unbiased (sampled) selection only")
-    design = None
     if unbiased:
-        design = Unbiased(estimator, strata, inclusion_size)
-    elif max_per_prompt:
-        design = PerPromptCap(max_per_prompt)
-    return Selector(policy, epsilon, predictor, design)
+        return DesignSelector(policy, epsilon, predictor, Unbiased(estimator, strata, inclusion_size))
+    if max_per_prompt:
+        return DesignSelector(policy, epsilon, predictor, PerPromptCap(max_per_prompt))
+    return Selector(policy, epsilon, predictor)
 
 
 def selector_from_config(selection: SelectionConfig, predictor: PredictorConfig) -> Selector:
     """The run's selector (`opd.run.Run`)."""
     return selector(selection.policy, selection.epsilon, predictor, selection.unbiased, selection.max_per_prompt,
                     selection.estimator, selection.strata, selection.inclusion_size)  # fmt: skip
+
+
+class DesignSelector(Selector):
+    """A `Selector` whose lines 5-9 are a design's (`PerPromptCap`, `Unbiased`) in place of the paper's policy."""
+
+    def __init__(self, policy: str, epsilon: float, predictor: PredictorConfig | None, design):
+        super().__init__(policy, epsilon, predictor)
+        self.design = design
+
+    def full_query_tokens(self, lengths: torch.Tensor, eligible: torch.Tensor) -> float | None:
+        return self.design.full_query_tokens(lengths, eligible)
+
+    def choose(self, phi, candidates, budget, has_entropy, generator, step, prompt_of):
+        return self.design(self, phi, candidates, budget, step, has_entropy, prompt_of, generator)
 
 
 class PerPromptCap:

@@ -62,19 +62,16 @@ def entropy_scores(phi: torch.Tensor, has_entropy: bool) -> torch.Tensor:
 class Selector:
     """One selection policy: `select` returns (S, pi), `observe` takes the utility labels (line 14)."""
 
-    def __init__(self, policy: str, epsilon: float = 0.10, predictor: PredictorConfig | None = None, design=None):
-        """`design` (`opd.selection.designs`): chooses S in place of the policy (None: the paper's policy)."""
+    def __init__(self, policy: str, epsilon: float = 0.10, predictor: PredictorConfig | None = None):
         if policy not in POLICIES:
             raise ValueError(f"unknown selection policy {policy!r}; known: {', '.join(POLICIES)}")
-        self.policy = policy
-        self.epsilon = epsilon
-        self.design = design
+        self.policy, self.epsilon = policy, epsilon
         self.cfg = predictor or PredictorConfig()
         self.model = OnlineUtilityModel(self.cfg) if policy == "learned" else None
 
     def full_query_tokens(self, lengths: torch.Tensor, eligible: torch.Tensor) -> float | None:
-        """Eq. 11's Horvitz-Thompson denominator T_C under a design that has one (`--estimator ht`), else None."""
-        return self.design.full_query_tokens(lengths, eligible) if self.design is not None else None
+        """Eq. 11's Horvitz-Thompson denominator T_C under a design with one (`opd.selection.designs`), else None."""
+        return None
 
     def select(self, phi: torch.Tensor, eligible: torch.Tensor, budget: int, step: int, has_entropy: bool = True,
                prompt_of: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor | None]:  # fmt: skip
@@ -82,25 +79,25 @@ class Selector:
         phi (N, 6) global features (Eq. 5), eligible (N,) bool, budget K (Eq. 4), prompt_of (N,) each row's prompt."""
         candidates = eligible.nonzero().squeeze(-1)  # (|C|,)
         generator = seeded_generator(self.cfg.seed, step)
-        pi = None
         if self.policy == "learned":
             self.model.normalizer.update(phi[candidates])  # Algorithm 1, line 4: update on C
-        if self.design is not None:
-            chosen, pi = self.design(self, phi, candidates, budget, step, has_entropy, prompt_of, generator)
-        elif self.policy == "full":
-            chosen = candidates
-        elif self.policy == "entropy":
-            chosen = top_subset(entropy_scores(phi, has_entropy), candidates, budget)
-        elif self.policy == "random" or not self.model.trained:  # learned: lines 5-6 before f_psi's first update
-            chosen = uniform_subset(candidates, budget, generator)
-        else:  # lines 8-9
-            n_explore = exploration_count(budget, self.epsilon)
-            chosen = learned_subset(self.model.predict(phi), candidates, budget, n_explore, generator)
+        chosen, pi = self.choose(phi, candidates, budget, has_entropy, generator, step, prompt_of)
         chosen, order = chosen.sort()
         pi = pi[order] if pi is not None else None
         if chosen.numel() > budget:  # Eq. 4's budget is never exceeded (an explicit check: not gone under -O)
             raise RuntimeError(f"the query budget was exceeded: |S| = {chosen.numel()} > K = {budget}")
         return chosen, pi
+
+    def choose(self, phi, candidates: torch.Tensor, budget: int, has_entropy: bool, generator, step: int, prompt_of):
+        """Lines 5-9 by the paper's policy: (S unsorted, None); a design chooses in its place (`designs`)."""
+        if self.policy == "full":
+            return candidates, None
+        if self.policy == "entropy":
+            return top_subset(entropy_scores(phi, has_entropy), candidates, budget), None
+        if self.policy == "random" or not self.model.trained:  # learned: lines 5-6 before f_psi's first update
+            return uniform_subset(candidates, budget, generator), None
+        n_explore = exploration_count(budget, self.epsilon)  # lines 8-9
+        return learned_subset(self.model.predict(phi), candidates, budget, n_explore, generator), None
 
     def predict(self, phi: torch.Tensor) -> torch.Tensor | None:
         """u^ for logging and audits (learned policy only)."""
@@ -109,15 +106,6 @@ class Selector:
     def observe(self, phi: torch.Tensor, u: torch.Tensor, step: int) -> dict[str, float]:
         """Algorithm 1, line 14 (learned policy only): labelled pairs into replay, then psi updates."""
         return self.model.observe(phi, u, step) if self.model is not None else {}
-
-    def state_dict(self) -> dict:
-        return {"policy": self.policy, "model": self.model.state_dict() if self.model is not None else None}
-
-    def load_state_dict(self, state: dict) -> None:
-        if state["policy"] != self.policy:
-            raise ValueError(f"checkpoint selector is {state['policy']!r}, this run uses {self.policy!r}")
-        if self.model is not None:
-            self.model.load_state_dict(state["model"])
 
 
 FEATURE_NAMES = ("mean_nll", "q90_nll", "mean_entropy", "response_len", "prompt_len", "crop_area")
@@ -192,12 +180,6 @@ class RunningNormalizer:
     def __call__(self, phi: torch.Tensor) -> torch.Tensor:
         return (phi.float() - self.mean) / torch.sqrt(self.var + self.eps)
 
-    def state_dict(self) -> dict:
-        return {"mean": self.mean.clone(), "var": self.var.clone(), "count": self.count}
-
-    def load_state_dict(self, state: dict) -> None:
-        self.mean, self.var, self.count = state["mean"].clone(), state["var"].clone(), int(state["count"])
-
 
 class UtilityPredictor(nn.Module):
     """Eq. 6 of the paper: u^_i = f_psi(Normalize(phi_i)), a LayerNorm + one SiLU hidden layer MLP."""
@@ -253,22 +235,6 @@ class OnlineUtilityModel:
             losses.append(loss.item())
         metrics["loss/selector"] = float(np.mean(losses))
         return metrics
-
-    def state_dict(self) -> dict:
-        return {
-            "net": self.net.state_dict(),
-            "normalizer": self.normalizer.state_dict(),
-            "replay": self.replay.state_dict(),
-            "optimizer": self.optimizer.state_dict(),
-            "updates": self.updates,
-        }
-
-    def load_state_dict(self, state: dict) -> None:
-        self.net.load_state_dict(state["net"])
-        self.normalizer.load_state_dict(state["normalizer"])
-        self.replay.load_state_dict(state["replay"])
-        self.optimizer.load_state_dict(state["optimizer"])
-        self.updates = int(state["updates"])
 
 
 def recency_weights(collected_at: torch.Tensor, step: int, half_life: float = 10.0) -> torch.Tensor:
@@ -337,10 +303,3 @@ class ReplayBuffer:
         """A uniform minibatch without replacement of min(size, len) items: (phi, u, s)."""
         idx = torch.randperm(len(self), generator=generator)[: min(size, len(self))]
         return self.phi[idx], self.u[idx], self.step[idx]
-
-    def state_dict(self) -> dict:
-        return {"phi": self.phi.clone(), "u": self.u.clone(), "step": self.step.clone(), "capacity": self.capacity}
-
-    def load_state_dict(self, state: dict) -> None:
-        self.phi, self.u, self.step = state["phi"].clone(), state["u"].clone(), state["step"].clone()
-        self.capacity = int(state["capacity"])
