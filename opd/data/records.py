@@ -3,8 +3,7 @@
 `Record`: one row (x_i, q_i, and x~_i when it has a crop file or bbox: the set C of Eq. 4; a_i of Eq. 5). `VIEWS`:
 what the student (Eq. 1) and a teacher (Eq. 2) see: `full`, `crop` and the other methods' (`opd.data.family_views`).
 `Prompts`: a step's records, their encoded prompts, the candidates C and the `StepBatch` the objective gets.
-Rows become Records in `opd.data.parse`; start-up checks: `opd.data.checks`. Details: docs/MODULES.md#opddatarecords.
-"""
+Rows become Records in `opd.data.parse`; start-up checks: `opd.data.checks`. Details: docs/MODULES.md#opddatarecords."""
 
 from __future__ import annotations
 

@@ -2,8 +2,7 @@
 
 n rollouts per prompt, left padding, masked after EOS; `RolloutStats` records Eq. 5's log p_old(y_{i,t} | ...) and
 H_{i,t} while sampling; all detached; `mix_seed`: the seeds of a step's draws. vLLM's: `opd.engine.vllm_sampler`.
-Details: docs/MODULES.md#opdenginerollout.
-"""
+Details: docs/MODULES.md#opdenginerollout."""
 
 from __future__ import annotations
 
@@ -34,8 +33,7 @@ class RolloutStats:
     """generate()'s logits processor: applies the run's warpers, records log p(y_t) and H_t of the distribution."""
 
     def __init__(self, temperature: float = 1.0, top_k: int = 0, top_p: float = 1.0):
-        self.logp: list[torch.Tensor] = []
-        self.entropy: list[torch.Tensor] = []
+        self.logp, self.entropy = [], []  # per generated position: (N,) each
         self._prev: torch.Tensor | None = None
         self.warpers = ([TemperatureLogitsWarper(temperature)] if temperature != 1.0 else []) + (
             [TopKLogitsWarper(top_k)] if top_k else []) + ([TopPLogitsWarper(top_p)] if top_p < 1.0 else [])  # fmt: skip

@@ -1,4 +1,4 @@
-"""One step's ledger row, booked after the step from what it did (`opd.loop.step.StepOutcome`).
+"""One step's ledger row, booked after the step from what it did (`StepOutcome`).
 
 Collectives, run by every rank in the same order: the teachers' rows and tokens summed over ranks, the slowest rank's
 seconds per teacher label and per phase; every rank returns the same row. Its fields: `opd.loop.ledger`.
@@ -7,13 +7,35 @@ seconds per teacher label and per phase; every rank returns the same row. Its fi
 from __future__ import annotations
 
 import time
+from dataclasses import dataclass
 
 import torch
 
 from opd.loop.ledger import PHASES
 
 
-def ledger_row(acc, out) -> dict:
+@dataclass
+class StepOutcome:
+    """What one step did on this rank (`opd.loop.step.Stepper.step` returns it), for its ledger row."""
+    step: int
+    t0: float  # the step's start (perf_counter)
+    timer: object  # `opd.loop.step.PhaseTimer`: seconds per phase (`opd.loop.ledger.PHASES`)
+    cand: object  # `opd.loop.step.Candidates`: C over all ranks
+    budget: int  # K (Eq. 4)
+    selected: torch.Tensor  # S, global row ids
+    pi: torch.Tensor | None  # S's inclusion probabilities under a sampling design
+    res: object  # the objective's `ObjectiveResult` (its teachers' costs, its metrics)
+    loss: float  # the step's loss (summed over ranks)
+    seconds: float  # the objective's wall time
+    rows_scored: int  # the teachers' forward rows of this step on this rank
+    grad_norm: float
+    lr: float  # the rate the update used
+    valid: bool  # whether the update was applied (finite loss and gradient)
+    utility_mean: float  # the mean label u_i of S
+    selector_metrics: dict
+
+
+def ledger_row(acc, out: StepOutcome) -> dict:
     """The ledger row of a step's outcome `out` on every rank (`acc` the accelerator)."""
     device, res, timer = acc.device, out.res, out.timer
     timer.seconds["teacher_forward"] += res.teacher_s

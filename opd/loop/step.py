@@ -9,8 +9,7 @@
 
 Every rank makes the same selection (a seed shared by the ranks), so every rank runs the same collectives in the same
 order. C: the candidates, S: the selected rows, pi_i: a row's inclusion probability. The step returns what it did
-(`StepOutcome`); its ledger row is booked after it (`opd.loop.row`). Details: docs/MODULES.md#opdloopstep.
-"""
+(`StepOutcome`); its ledger row is booked after it (`opd.loop.row`). Details: docs/MODULES.md#opdloopstep."""
 
 from __future__ import annotations
 
@@ -24,28 +23,23 @@ from dataclasses import dataclass
 import torch
 
 from opd.engine.rollout import Rollouts
+from opd.loop.row import StepOutcome
+from opd.models.ema_teacher import Stopwatch
 from opd.selection.selectors import query_budget, rollout_features
 
 
 class PhaseTimer:
-    """Seconds per phase of one step; on CUDA the device is synchronised at each phase boundary."""
+    """Seconds per phase of one step (`opd.loop.ledger.PHASES`), the device's work included (`Stopwatch`)."""
     def __init__(self, device: torch.device):
-        self.device = torch.device(device)
-        self.seconds: dict[str, float] = defaultdict(float)
-
-    def _sync(self) -> None:
-        if self.device.type == "cuda":
-            torch.cuda.synchronize(self.device)
+        self.device, self.seconds = device, defaultdict(float)
 
     @contextmanager
     def __call__(self, phase: str):
-        self._sync()
-        t0 = time.perf_counter()
+        watch = Stopwatch(self.device)
         try:
             yield
         finally:
-            self._sync()
-            self.seconds[phase] += time.perf_counter() - t0
+            self.seconds[phase] += watch.seconds()
 
 
 @dataclass
@@ -60,27 +54,6 @@ class Candidates:
     def size(self) -> int:
         """|C|."""
         return int(self.eligible.sum())
-
-
-@dataclass
-class StepOutcome:
-    """What one step did on this rank, for its ledger row (`opd.loop.row.ledger_row`, after the step)."""
-    step: int
-    t0: float  # the step's start (perf_counter)
-    timer: PhaseTimer  # seconds per phase (`opd.loop.ledger.PHASES`)
-    cand: Candidates  # C over all ranks
-    budget: int  # K (Eq. 4)
-    selected: torch.Tensor  # S, global row ids
-    pi: torch.Tensor | None  # S's inclusion probabilities under a sampling design
-    res: object  # the objective's `ObjectiveResult` (its teachers' costs, its metrics)
-    loss: float  # the step's loss (summed over ranks)
-    seconds: float  # the objective's wall time
-    rows_scored: int  # the teachers' forward rows of this step on this rank
-    grad_norm: float
-    lr: float  # the rate the update used
-    valid: bool  # whether the update was applied (finite loss and gradient)
-    utility_mean: float  # the mean label u_i of S
-    selector_metrics: dict
 
 
 def gather_candidates(acc, phi_local, eligible_local, rollouts: Rollouts, prompt_ids: torch.Tensor) -> Candidates:

@@ -53,9 +53,8 @@ def tail_logp(logits: torch.Tensor, ids: torch.Tensor) -> torch.Tensor:
     return torch.logsumexp(outside, dim=-1, keepdim=True) - lse  # (..., 1)
 
 
-def topk_support(
-    student_logits: torch.Tensor, teacher_logits: torch.Tensor, k: int = 100, tail: bool = True
-) -> tuple[torch.Tensor, torch.Tensor]:
+def topk_support(student_logits: torch.Tensor, teacher_logits: torch.Tensor, k: int = 100,
+                 tail: bool = True) -> tuple[torch.Tensor, torch.Tensor]:
     """Eq. 3's support: both sides' log-probs at the student's top-k ids I plus each side's tail bucket (`tail_logp`),
     or without `tail` renormalised over I. Returns (student_logp, teacher_logp), (..., k + 1) or (..., k)."""
     if student_logits.shape != teacher_logits.shape:
@@ -72,13 +71,8 @@ def topk_support(
     return s_logp, t_logp
 
 
-def budgeted_weights(
-    selected: torch.Tensor,
-    mask: torch.Tensor,
-    denominator: torch.Tensor | float | None = None,
-    dtype: torch.dtype = torch.float32,
-    sample_weights: torch.Tensor | None = None,
-) -> torch.Tensor:
+def budgeted_weights(selected: torch.Tensor, mask: torch.Tensor, denominator: torch.Tensor | float | None = None,
+                     dtype: torch.dtype = torch.float32, sample_weights: torch.Tensor | None = None) -> torch.Tensor:
     """Eq. 11's token weights z_i m_it / max(1, sum_it z_i m_it), (N, T); with sample weights w_i (1 / pi_i) the
     Hajek form w_i z_i m_it / sum_it w_i z_i m_it. `denominator`: the global count, for one micro-batch and rank."""
     zm = selected.to(dtype).unsqueeze(-1) * mask.to(dtype)  # (N, T)
@@ -130,12 +124,8 @@ def teacher_confidence(teacher_logp_k: torch.Tensor) -> torch.Tensor:
     return 1.0 - entropy / math.log(k)
 
 
-def utility_terms(
-    student_logits: torch.Tensor,
-    teacher_logits: torch.Tensor,
-    k: int = 100,
-    student_topk: tuple[torch.Tensor, torch.Tensor] | None = None,
-) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+def utility_terms(student_logits: torch.Tensor, teacher_logits: torch.Tensor, k: int = 100,
+                  student_topk: tuple[torch.Tensor, torch.Tensor] | None = None) -> tuple[torch.Tensor, ...]:
     """(d, o, c) per position from full-vocabulary logits (..., V), each (...); `student_topk`: its (values, ids)."""
     k = min(k, student_logits.shape[-1])
     if k < 2:

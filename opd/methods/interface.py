@@ -12,7 +12,15 @@ import torch
 
 from opd.maths.divergence import labels_from_terms
 from opd.methods.specs import ObjectiveSpec
-from opd.models.ema_teacher import TeacherCost
+
+
+@dataclass
+class TeacherCost:
+    """What one teacher label cost on this rank: forward rows, real and padded input tokens, seconds."""
+    rows: int = 0
+    tokens: int = 0
+    padded_tokens: int = 0
+    seconds: float = 0.0
 
 
 @dataclass

@@ -16,7 +16,8 @@ from dataclasses import dataclass
 import torch
 
 from opd.models.chat import micro_batch_inputs
-from opd.models.ema_teacher import Stopwatch, TeacherCost
+from opd.methods.interface import TeacherCost
+from opd.models.ema_teacher import Stopwatch
 from opd.models.sharding import reshard
 
 

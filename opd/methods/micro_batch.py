@@ -18,11 +18,11 @@ from opd.maths.family import AGGREGATION_WEIGHTS, topk_divergence
 from opd.maths.loss import LossConfig
 from opd.maths.weights import SampledLogp, TokenWeight, token_weight
 from opd.methods.lockstep import lockstep, timed
-from opd.methods.interface import ObjectiveResult
+from opd.methods.interface import ObjectiveResult, TeacherCost
 from opd.methods.objective import begin, book, distill_labels, row_scales, slot_inputs, teacher_plans
 from opd.models.chat import response_logits
 from opd.models.hidden import lm_head_weight, response_hidden
-from opd.models.ema_teacher import Stopwatch, Teacher, TeacherCost
+from opd.models.ema_teacher import Stopwatch, Teacher
 
 
 def micro_batch_loss(student, teacher: Teacher, s_inputs, t_inputs: list, mask, width: int, weights, cfg: LossConfig,

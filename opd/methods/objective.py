@@ -1,10 +1,8 @@
-"""The objective boundary and the family's distillation pass behind it (Algorithm 1, lines 11-12).
-
-The step calls an objective (`opd.methods.interface.Objective`) once with its `StepBatch`: it runs the teacher(s) on S
-only, backpropagates its share of the loss and returns an `ObjectiveResult`. `distill`, the default call,
-runs Eq. 2, 1, 3, its share of Eq. 11 and Eq. 7-9 per micro-batch of S. Memory per micro-batch: about five (n, T, V)
-float32 tensors (20 n T V bytes); the fused kernel (`opd.methods.micro_batch`) is opt-in (`--fused-kernel`; automatic
-past `opd.maths.loss.PLAIN_LOGITS_LIMIT`). Details: docs/MODULES.md#opdmethodsobjective."""
+"""The default objective (`Distillation`) and its pass (`distill`: Algorithm 1, lines 11-12) behind the seam of
+`opd.methods.interface`: per micro-batch of S, Eq. 2, 1, 3, its share of Eq. 11 backpropagated, and Eq. 7-9's labels.
+Memory per micro-batch: about five (n, T, V) float32 tensors (20 n T V bytes); the fused kernel
+(`opd.methods.micro_batch`) is opt-in (`--fused-kernel`; automatic past `opd.maths.loss.PLAIN_LOGITS_LIMIT`).
+Details: docs/MODULES.md#opdmethodsobjective."""
 
 from __future__ import annotations
 
@@ -18,10 +16,10 @@ import torch
 from opd.data.records import StepBatch
 from opd.maths.divergence import generalized_jsd, labels_from_terms, upcast, utility_terms, weighted_sum
 from opd.maths.family import AGGREGATION_WEIGHTS, DENOMINATORS, SUPPORTS, bias_corrected_reverse_kl
-from opd.methods.interface import Objective, ObjectiveContext, ObjectiveResult
+from opd.methods.interface import Objective, ObjectiveContext, ObjectiveResult, TeacherCost
 from opd.methods.specs import DISTILL_SPEC
 from opd.models.chat import micro_batch_inputs, response_logits
-from opd.models.ema_teacher import Stopwatch, TeacherCost, record_forward, update_due
+from opd.models.ema_teacher import Stopwatch, record_forward, update_due
 
 
 def plan_micro_batches(lengths: torch.Tensor, max_rows: int, max_tokens: int = 0) -> list[torch.Tensor]:

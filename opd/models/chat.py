@@ -2,8 +2,7 @@
 
 The student and the teacher see the same question and response tokens; only the images differ. A prompt is encoded
 alone (`encode_prompt`), then left-padded into a batch with the response block on the right (`collate`), so every
-row's response starts at the same column. Hidden-state forwards (the fused kernel): `opd.models.hidden`.
-"""
+row's response starts at the same column. Hidden-state forwards (the fused kernel): `opd.models.hidden`."""
 
 from __future__ import annotations
 
@@ -52,9 +51,8 @@ class EncodedPrompt:
         return self.input_ids.numel()
 
 
-def encode_prompt(
-    processor, images: list[Image.Image], problem: str, enable_thinking: bool = False, max_len: int | None = None
-) -> EncodedPrompt:
+def encode_prompt(processor, images: list[Image.Image], problem: str, enable_thinking: bool = False,
+                  max_len: int | None = None) -> EncodedPrompt:
     """Encodes one prompt with the model's own processor; refuses prompts over `max_len` tokens."""
     text = prompt_text(processor, problem, len(images), enable_thinking)
     enc = processor(text=[text], images=images or None, return_tensors="pt")
@@ -73,14 +71,8 @@ def encode_prompt(
     )
 
 
-
-
-def collate(
-    prompts: list[EncodedPrompt],
-    pad_id: int,
-    response_ids: torch.Tensor | None = None,
-    response_mask: torch.Tensor | None = None,
-) -> dict[str, torch.Tensor]:
+def collate(prompts: list[EncodedPrompt], pad_id: int, response_ids: torch.Tensor | None = None,
+            response_mask: torch.Tensor | None = None) -> dict[str, torch.Tensor]:
     """Left-pads prompts into a batch and appends a (n, T) response block: the model's inputs, images in row order.
     Response positions after EOS get attention 0 (no valid position comes after them)."""
     width = max(len(p) for p in prompts)
@@ -105,17 +97,14 @@ def collate(
     return batch
 
 
-def micro_batch_inputs(
-    prompts: list[EncodedPrompt], rollouts, rows: torch.Tensor, pad_id: int, device: torch.device
-) -> tuple[dict[str, torch.Tensor], torch.Tensor, int]:
+def micro_batch_inputs(prompts: list[EncodedPrompt], rollouts, rows: torch.Tensor, pad_id: int,
+                       device: torch.device) -> tuple[dict[str, torch.Tensor], torch.Tensor, int]:
     """Inputs for `rows` of the rollouts: prompts + responses cut to the longest valid one: (inputs, mask (n, T), T)."""
     width = int(rollouts.lengths[rows].max().clamp(min=1))
     response = rollouts.response_ids[rows, :width]  # (n, T)
     mask = rollouts.response_mask[rows, :width]  # (n, T)
     inputs = collate(prompts, pad_id, response, mask)
     return {k: v.to(device) for k, v in inputs.items()}, mask.to(device), width
-
-
 
 
 def response_logits(model, inputs: dict[str, torch.Tensor], n_response: int, **kwargs) -> torch.Tensor:

@@ -1,11 +1,10 @@
 """The crop-conditioned EMA teacher theta-bar (Eq. 2; Algorithm 1, lines 1, 11 and 13).
 
-`EMATeacher`: a gradient-free copy of the policy, moved only by line 13 after a valid update; it scores the
-student's own response tokens after its privileged prompt, for selected rows only, and counts every row it is
-asked about (`rows_scored`, `batches`: the budget audit). `Teacher` is a fixed one (an external checkpoint, DAPD's
-anchor); `TeacherSet` the run's teachers in a fixed order; `TeacherCost` what a teacher's forwards cost (the ledger).
-LoRA's teacher: `opd.models.adapter_teacher`. Details (FSDP, uncounted forwards): docs/MODULES.md#opdmodelsema_teacher.
-"""
+`EMATeacher`: a gradient-free copy of the policy, moved only by line 13 after a valid update; it scores the student's
+own response tokens after its privileged prompt, for selected rows only, and counts every row it is asked about
+(`rows_scored`: the budget audit). `Teacher`: a fixed one; `TeacherSet`: the run's teachers in a fixed order;
+`record_forward`: a forward's cost (the ledger). LoRA's: `opd.models.adapter_teacher`.
+Details: docs/MODULES.md#opdmodelsema_teacher."""
 
 from __future__ import annotations
 
@@ -74,17 +73,9 @@ class Stopwatch:
         return time.perf_counter() - self.t0
 
 
-@dataclass
-class TeacherCost:
-    """What one teacher label cost on this rank: forward rows, real and padded input tokens, seconds."""
-    rows: int = 0
-    tokens: int = 0
-    padded_tokens: int = 0
-    seconds: float = 0.0
-
-
-def record_forward(cost: TeacherCost, inputs: dict, mask: torch.Tensor, prompt_tokens: int, seconds: float = 0.0) -> None:
-    """Books one teacher forward: rows, real tokens (prompts + valid completion tokens), padded tokens, seconds."""
+def record_forward(cost, inputs: dict, mask: torch.Tensor, prompt_tokens: int, seconds: float = 0.0) -> None:
+    """Books one teacher forward in `cost` (`opd.methods.interface.TeacherCost`): rows, real tokens (prompts + valid
+    completion tokens), padded tokens, seconds."""
     cost.rows += int(inputs["input_ids"].shape[0])
     cost.tokens += int(mask.sum()) + int(prompt_tokens)
     cost.padded_tokens += int(inputs["input_ids"].numel())

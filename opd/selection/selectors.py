@@ -44,9 +44,8 @@ def top_subset(scores: torch.Tensor, candidates: torch.Tensor, n: int) -> torch.
     return candidates[order[:n]]
 
 
-def learned_subset(
-    predicted: torch.Tensor, candidates: torch.Tensor, budget: int, n_explore: int, generator: torch.Generator
-) -> torch.Tensor:
+def learned_subset(predicted: torch.Tensor, candidates: torch.Tensor, budget: int, n_explore: int,
+                   generator: torch.Generator) -> torch.Tensor:  # fmt: skip
     """Algorithm 1, line 9: top K - K_e by u^ plus K_e uniform picks from the remaining candidates."""
     n_explore = min(n_explore, budget)
     exploit = top_subset(predicted, candidates, budget - n_explore)
@@ -129,13 +128,8 @@ def masked_quantile(values: torch.Tensor, mask: torch.Tensor, q: float) -> torch
     return torch.where(n > 0, out, torch.zeros_like(out))
 
 
-def rollout_features(
-    logp: torch.Tensor,
-    entropy: torch.Tensor | None,
-    mask: torch.Tensor,
-    prompt_len: torch.Tensor | None,
-    area: torch.Tensor | None,
-) -> torch.Tensor:
+def rollout_features(logp: torch.Tensor, entropy: torch.Tensor | None, mask: torch.Tensor,
+                     prompt_len: torch.Tensor | None, area: torch.Tensor | None) -> torch.Tensor:  # fmt: skip
     """Eq. 5: phi_i = [mean l_i, Q_0.9(l_i), mean H_i, T_i, L_i, a_i] -> (N, 6) float32, from the rollout's statistics.
     l = -logp (sampled-token NLL), H token entropy, T/L response/prompt length, a crop-to-full area ratio. logp,
     entropy, mask: (N, T); prompt_len, area: (N,); a missing entropy, prompt length or area is 0 (Appendix A.2)."""
@@ -157,19 +151,14 @@ class RunningNormalizer:
     """Normalize of Eq. 6: (phi - mu) / sqrt(var + eps), running stats updated on C (line 4), fixed during replay."""
 
     def __init__(self, dim: int = 6, momentum: float = 0.99, eps: float = 1e-6):
-        self.momentum = momentum
-        self.eps = eps
-        self.mean = torch.zeros(dim)
-        self.var = torch.ones(dim)
-        self.count = 0
+        self.momentum, self.eps = momentum, eps
+        self.mean, self.var, self.count = torch.zeros(dim), torch.ones(dim), 0
 
     def update(self, phi: torch.Tensor) -> None:
         """mu <- m mu + (1 - m) mean(phi);  var <- m var + (1 - m) var(phi); the first batch sets both."""
         if phi.numel() == 0:
             return
-        phi = phi.float()
-        batch_mean = phi.mean(0)
-        batch_var = phi.var(0, unbiased=False)
+        batch_mean, batch_var = phi.float().mean(0), phi.float().var(0, unbiased=False)
         if self.count == 0:
             self.mean, self.var = batch_mean, batch_var
         else:
@@ -248,9 +237,7 @@ def weighted_huber(pred: torch.Tensor, target: torch.Tensor, weights: torch.Tens
     return (weights * per_item).sum() / weights.sum().clamp(min=torch.finfo(weights.dtype).tiny)
 
 
-def pairwise_rank_loss(
-    pred: torch.Tensor, target: torch.Tensor, weights: torch.Tensor, min_gap: float = 1e-6
-) -> torch.Tensor:
+def pairwise_rank_loss(pred: torch.Tensor, target: torch.Tensor, weights: torch.Tensor, min_gap: float = 1e-6):
     """L_rank of Eq. 10 (App. A.3): w_i w_j-weighted mean of softplus(-sgn(u_i - u_j) (u^_i - u^_j)) over unordered
     pairs i < j with |u_i - u_j| > min_gap; 0 when no pair qualifies."""
     du = target.unsqueeze(1) - target.unsqueeze(0)  # (B, B) u_i - u_j
@@ -264,13 +251,8 @@ def pairwise_rank_loss(
     return (ww * terms)[pairs].sum() / ww[pairs].sum()
 
 
-def selector_loss(
-    pred: torch.Tensor,
-    target: torch.Tensor,
-    weights: torch.Tensor,
-    rank_weight: float = 0.2,
-    min_gap: float = 1e-6,
-) -> torch.Tensor:
+def selector_loss(pred: torch.Tensor, target: torch.Tensor, weights: torch.Tensor, rank_weight: float = 0.2,
+                  min_gap: float = 1e-6) -> torch.Tensor:  # fmt: skip
     """Eq. 10 of the paper: L_sel = L_reg + lambda_rank L_rank (L_reg is Eq. 12)."""
     loss = weighted_huber(pred, target, weights)
     if rank_weight:
@@ -282,9 +264,7 @@ class ReplayBuffer:
     """Replay R (line 14; App. A.3, Table 5): bounded FIFO of detached (raw phi_i, label u_i, collection step s_i)."""
 
     def __init__(self, capacity: int = 512, dim: int = 6):
-        self.capacity = capacity
-        self.phi = torch.zeros(0, dim)
-        self.u = torch.zeros(0)
+        self.capacity, self.phi, self.u = capacity, torch.zeros(0, dim), torch.zeros(0)
         self.step = torch.zeros(0, dtype=torch.long)
 
     def __len__(self) -> int:
