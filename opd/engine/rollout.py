@@ -1,6 +1,6 @@
 """On-policy rollouts with plain Hugging Face `generate` (Algorithm 1, line 3): y_i ~ p_theta(. | x_i, q_i).
 
-n rollouts per prompt, left padding, masked after EOS; `RolloutStats` records Eq. 5's log p_old(y_{i,t} | ...) and
+n rollouts per prompt, left padding, masked after EOS; `RolloutStats` keeps Eq. 5's log p_old(y_{i,t} | ...) and
 H_{i,t} while sampling; all detached; `mix_seed`: the seeds of a step's draws. vLLM's: `opd.engine.vllm_sampler`.
 Details: docs/MODULES.md#opdenginerollout."""
 
@@ -30,7 +30,7 @@ def seeded_generator(*keys: int) -> torch.Generator:
 
 
 class RolloutStats:
-    """generate()'s logits processor: applies the run's warpers, records log p(y_t) and H_t of the distribution."""
+    """generate()'s logits processor: applies the run's warpers, keeps log p(y_t) and H_t of the distribution."""
 
     def __init__(self, temperature: float = 1.0, top_k: int = 0, top_p: float = 1.0):
         self.logp, self.entropy = [], []  # per generated position: (N,) each

@@ -28,7 +28,7 @@ from opd.methods.objective import begin, plan_micro_batches
 from opd.methods.policy_gradient import position_weights
 from opd.methods.specs import DAPD_SPEC, DAPDConfig
 from opd.models.hidden import completion_inputs, lm_head_weight, response_hidden
-from opd.models.ema_teacher import Stopwatch, TeacherSet, record_forward, update_due
+from opd.models.ema_teacher import Stopwatch, TeacherSet, book_forward, update_due
 
 
 @dataclass(frozen=True)
@@ -208,7 +208,7 @@ class DAPD(Objective):
                 with mb.teacher(anchor):
                     anchor_h[p.name] = anchor.hidden(inputs, width)[mask]  # (P, H)
                 if mb.real:
-                    record_forward(res.teachers[f"{p.anchor}:{p.name}"], inputs, mask, prompt_tokens, forward.seconds())
+                    book_forward(res.teachers[f"{p.anchor}:{p.name}"], inputs, mask, prompt_tokens, forward.seconds())
         groups = list(student_groups().items())
         for g, ((completion, context), pairs) in enumerate(groups):  # the student: one forward and backward per context
             inputs, mask, width, _ = inputs_of(completion, context)

@@ -19,7 +19,7 @@ from opd.maths.family import AGGREGATION_WEIGHTS, DENOMINATORS, SUPPORTS, bias_c
 from opd.methods.interface import Objective, ObjectiveContext, ObjectiveResult, TeacherCost
 from opd.methods.specs import DISTILL_SPEC
 from opd.models.chat import micro_batch_inputs, response_logits
-from opd.models.ema_teacher import Stopwatch, record_forward, update_due
+from opd.models.ema_teacher import Stopwatch, book_forward, update_due
 
 
 def plan_micro_batches(lengths: torch.Tensor, max_rows: int, max_tokens: int = 0) -> list[torch.Tensor]:
@@ -87,7 +87,7 @@ def teacher_inputs(ctx: ObjectiveContext, batch: StepBatch, mb: Slot, view: str,
     inputs, mask, width = micro_batch_inputs(prompts, ro, mb.rows, ctx.ids["pad"], ctx.accelerator.device)
     cost = res.teachers[ctx.teachers.label(mb.group, view)] if mb.real else None
     if cost is not None:
-        record_forward(cost, inputs, mask, sum(len(p) for p in prompts))
+        book_forward(cost, inputs, mask, sum(len(p) for p in prompts))
     return inputs, mask, width, cost
 
 

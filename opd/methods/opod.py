@@ -32,7 +32,7 @@ from opd.methods.interface import Objective, ObjectiveContext, ObjectiveResult
 from opd.methods.objective import distill, distill_labels
 from opd.methods.policy_gradient import PolicyGradient, row_advantages
 from opd.methods.specs import OPOD_SPEC, OPODConfig
-from opd.models.ema_teacher import Stopwatch, record_forward
+from opd.models.ema_teacher import Stopwatch, book_forward
 from opd.models.hidden import completion_inputs, lm_head_weight
 
 
@@ -237,7 +237,7 @@ class OPOD(Objective):
         seconds = watch.seconds()
         if not mb.real:  # a sharded rank's lockstep forward: nothing counted
             return []
-        record_forward(res.teachers[ctx.teachers.label(mb.group, view)], inputs, mask, sum(len(p) for p in prompts), seconds)
+        book_forward(res.teachers[ctx.teachers.label(mb.group, view)], inputs, mask, sum(len(p) for p in prompts), seconds)
         return sums.cpu().tolist()
 
     def after_update(self, step: int) -> None:

@@ -42,12 +42,12 @@ class AdapterTeacher(Teacher):
             self.model.train(was_training)
 
     def logits(self, inputs: dict[str, torch.Tensor], n_response: int) -> torch.Tensor:
-        self._record(inputs)
+        self._count(inputs)
         with self._active():  # no gradient inside
             return response_logits(self.model, inputs, n_response).detach()
 
     def hidden(self, inputs: dict[str, torch.Tensor], n_response: int) -> torch.Tensor:
-        self._record(inputs)
+        self._count(inputs)
         with self._active():
             return response_hidden(self.model, inputs, n_response).detach()
 

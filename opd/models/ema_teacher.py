@@ -3,7 +3,7 @@
 `EMATeacher`: a gradient-free copy of the policy, moved only by line 13 after a valid update; it scores the student's
 own response tokens after its privileged prompt, for selected rows only, and counts every row it is asked about
 (`rows_scored`: the budget audit). `Teacher`: a fixed one; `TeacherSet`: the run's teachers in a fixed order;
-`record_forward`: a forward's cost (the ledger). LoRA's: `opd.models.adapter_teacher`.
+`book_forward`: a forward's cost (the ledger). LoRA's: `opd.models.adapter_teacher`.
 Details: docs/MODULES.md#opdmodelsema_teacher."""
 
 from __future__ import annotations
@@ -32,7 +32,7 @@ class Teacher:
 
     trainable = False  # whether `update` changes the weights (then a checkpoint holds them)
 
-    def _record(self, inputs: dict[str, torch.Tensor]) -> None:
+    def _count(self, inputs: dict[str, torch.Tensor]) -> None:
         if not self.counting:
             return
         n = inputs["input_ids"].shape[0]
@@ -44,13 +44,13 @@ class Teacher:
 
     def logits(self, inputs: dict[str, torch.Tensor], n_response: int) -> torch.Tensor:
         """Eq. 2 of the paper: p^T_{i,t} = p_theta-bar(. | x~_i, q_i, y_{i,<t}) as detached logits (n, T, V)."""
-        self._record(inputs)
+        self._count(inputs)
         with torch.no_grad():
             return response_logits(self.model, inputs, n_response).detach()
 
     def hidden(self, inputs: dict[str, torch.Tensor], n_response: int) -> torch.Tensor:
         """Eq. 2 as final hidden states (n, T, H): logits = hidden @ lm_head_weight(model)^T."""
-        self._record(inputs)
+        self._count(inputs)
         with torch.no_grad():
             return response_hidden(self.model, inputs, n_response).detach()
 
@@ -73,7 +73,7 @@ class Stopwatch:
         return time.perf_counter() - self.t0
 
 
-def record_forward(cost, inputs: dict, mask: torch.Tensor, prompt_tokens: int, seconds: float = 0.0) -> None:
+def book_forward(cost, inputs: dict, mask: torch.Tensor, prompt_tokens: int, seconds: float = 0.0) -> None:
     """Books one teacher forward in `cost` (`opd.methods.interface.TeacherCost`): rows, real tokens (prompts + valid
     completion tokens), padded tokens, seconds."""
     cost.rows += int(inputs["input_ids"].shape[0])
