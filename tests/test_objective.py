@@ -1,5 +1,6 @@
-"""The objective seam (opd/methods/objective.py): an objective runs with an ObjectiveContext alone, built here by hand from a
-model, a teacher and an encoder, with no opd.run.Run; its result is Eq. 11 written out on full logits."""
+"""The objective seam (opd/methods/interface.py; the default pass: opd/methods/objective.py): an objective runs with
+an ObjectiveContext alone, built here by hand from a model, a teacher and an encoder, with no opd.run.Run; its result
+is Eq. 11 written out on full logits."""
 
 from contextlib import nullcontext
 
@@ -20,6 +21,7 @@ from opd.maths.loss import LossConfig
 from opd.methods.table import METHODS
 from opd.models.loading import load_model, load_processor, special_ids
 from opd.methods.interface import Objective, ObjectiveContext
+from opd.methods.lockstep import lockstep
 from opd.methods.objectives import objective_class
 from opd.methods.specs import DAPDConfig
 from opd.engine.rollout import Rollouts, response_mask
@@ -109,6 +111,22 @@ def test_distillation_runs_with_the_context_alone_and_is_eq_11(tiny):
     after = list(ctx.teachers.teachers["teacher"].model.parameters())
     for b, a, s in zip(before, after, ctx.student.parameters()):
         torch.testing.assert_close(a, 0.5 * b + 0.5 * s.detach(), rtol=1e-12, atol=1e-15)
+
+
+def test_one_process_micro_batches_give_the_lockstep_pass_exactly(tiny):
+    """The default pass's one-process schedule (`one_process`) and the ranks' lockstep (`opd.methods.lockstep`, which
+    the run takes with several processes or shards) run the same micro-batches on one process: the same loss, labels,
+    teacher rows and gradients, to the bit (float64)."""
+    results = []
+    for schedule in (None, lockstep):
+        ctx = context(tiny, perturbed_ema, schedule=schedule)
+        res = Distillation(ctx)(batch_of(ctx, tiny, [0, 3, 4, 6, 7]))
+        grads = [p.grad.clone() for p in ctx.student.parameters() if p.grad is not None]
+        results.append((res, grads))
+    (a, ga), (b, gb) = results
+    assert a.loss_share == b.loss_share and a.teachers["crop"].rows == b.teachers["crop"].rows == 5
+    assert torch.equal(a.utility.nan_to_num(-1.0), b.utility.nan_to_num(-1.0)) and len(ga) == len(gb) > 0
+    assert all(torch.equal(x, y) for x, y in zip(ga, gb))
 
 
 def test_dapd_builds_its_teachers_and_runs_with_the_context_alone(tiny):
