@@ -54,7 +54,7 @@ class DesignSelector(Selector):
     def full_query_tokens(self, lengths: torch.Tensor, eligible: torch.Tensor) -> float | None:
         return self.design.full_query_tokens(lengths, eligible)
 
-    def choose(self, phi, candidates, budget, has_entropy, generator, step, prompt_of):
+    def choose(self, phi, candidates, budget, step, has_entropy, prompt_of, generator):
         return self.design(self, phi, candidates, budget, step, has_entropy, prompt_of, generator)
 
 

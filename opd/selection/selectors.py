@@ -80,14 +80,14 @@ class Selector:
         generator = seeded_generator(self.cfg.seed, step)
         if self.policy == "learned":
             self.model.normalizer.update(phi[candidates])  # Algorithm 1, line 4: update on C
-        chosen, pi = self.choose(phi, candidates, budget, has_entropy, generator, step, prompt_of)
+        chosen, pi = self.choose(phi, candidates, budget, step, has_entropy, prompt_of, generator)
         chosen, order = chosen.sort()
         pi = pi[order] if pi is not None else None
         if chosen.numel() > budget:  # Eq. 4's budget is never exceeded (an explicit check: not gone under -O)
             raise RuntimeError(f"the query budget was exceeded: |S| = {chosen.numel()} > K = {budget}")
         return chosen, pi
 
-    def choose(self, phi, candidates: torch.Tensor, budget: int, has_entropy: bool, generator, step: int, prompt_of):
+    def choose(self, phi, candidates: torch.Tensor, budget: int, step: int, has_entropy: bool, prompt_of, generator):
         """Lines 5-9 by the paper's policy: (S unsorted, None); a design chooses in its place (`designs`)."""
         if self.policy == "full":
             return candidates, None
